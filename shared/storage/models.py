@@ -1,0 +1,163 @@
+"""SQLModel tables shared by the cloud tier and the console. Rows are "records"; money is Decimal.
+
+Timestamps are UTC and timezone-aware. Secrets (API keys, device tokens, passwords) are stored only as
+hashes. Alembic migrations in ``shared/migrations`` create exactly this schema (a test checks for drift).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from decimal import Decimal
+from typing import Any
+
+from sqlalchemy import JSON, Column, DateTime, Index, Numeric, UniqueConstraint
+from sqlmodel import Field, SQLModel
+
+MONEY = Numeric(18, 6)
+
+# Named constraints, so migrations can alter them on PostgreSQL and in SQLite batch mode alike.
+SQLModel.metadata.naming_convention = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def _ts(nullable: bool = False, index: bool = False) -> Any:
+    return Field(
+        default_factory=utcnow if not nullable else None,
+        sa_type=DateTime(timezone=True),
+        nullable=nullable,
+        index=index,
+    )
+
+
+class Tenant(SQLModel, table=True):
+    __tablename__ = "tenant"
+
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(max_length=64, unique=True, index=True)
+    display_name: str = Field(default="", max_length=200)
+    is_active: bool = True
+    monthly_budget: Decimal | None = Field(default=None, sa_type=MONEY)
+    currency: str = Field(default="USD", max_length=3)
+    created_at: datetime = _ts()
+
+
+class ApiKey(SQLModel, table=True):
+    __tablename__ = "api_key"
+
+    id: int | None = Field(default=None, primary_key=True)
+    tenant_id: int = Field(foreign_key="tenant.id", index=True)
+    name: str = Field(default="", max_length=200)
+    prefix: str = Field(max_length=16, description="first characters of the key, shown to identify it")
+    key_hash: str = Field(max_length=128, unique=True, description="sha256 of the full key")
+    allowed_models: list[str] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
+    created_at: datetime = _ts()
+    expires_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    revoked_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    last_used_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+
+
+class ConsoleUser(SQLModel, table=True):
+    __tablename__ = "console_user"
+
+    id: int | None = Field(default=None, primary_key=True)
+    username: str = Field(max_length=64, unique=True, index=True)
+    password_hash: str = Field(max_length=255, description="argon2id")
+    role: str = Field(default="viewer", max_length=16)
+    created_at: datetime = _ts()
+    last_login_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+
+
+class Model(SQLModel, table=True):
+    """A machine-learning model as the registry knows it (versions hold the artifacts)."""
+
+    __tablename__ = "model"
+
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(max_length=128, unique=True, index=True)
+    kind: str = Field(max_length=16, description="causal-lm | tensor")
+    description: str = Field(default="", max_length=2000)
+    created_at: datetime = _ts()
+
+
+class ModelVersion(SQLModel, table=True):
+    __tablename__ = "model_version"
+    __table_args__ = (UniqueConstraint("model_id", "number"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    model_id: int = Field(foreign_key="model.id", index=True)
+    number: int
+    label: str | None = Field(default=None, max_length=64)
+    source: str = Field(default="", max_length=500)
+    status: str = Field(default="registered", max_length=16, description="registered|validated|active|retired")
+    derived_from_id: int | None = Field(default=None, foreign_key="model_version.id")
+    created_at: datetime = _ts()
+
+
+class ModelArtifact(SQLModel, table=True):
+    __tablename__ = "model_artifact"
+
+    id: int | None = Field(default=None, primary_key=True)
+    version_id: int = Field(foreign_key="model_version.id", index=True)
+    target: str = Field(max_length=8, description="cloud | edge")
+    format: str = Field(max_length=32)
+    sha256: str = Field(max_length=64, index=True)
+    size: int
+    uri: str = Field(max_length=1000)
+    manifest: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    status: str = Field(default="ready", max_length=16)
+    created_at: datetime = _ts()
+
+
+class UsageRecord(SQLModel, table=True):
+    """One request's token usage. Immutable; keyed by request id so ingestion is idempotent."""
+
+    __tablename__ = "usage_record"
+    __table_args__ = (Index("ix_usage_record_tenant_time", "tenant_id", "occurred_at"),)
+
+    id: str = Field(primary_key=True, max_length=64, description="request id")
+    tenant_id: int = Field(foreign_key="tenant.id")
+    api_key_id: int | None = Field(default=None, foreign_key="api_key.id")
+    device_id: str | None = Field(default=None, max_length=64)
+    model: str = Field(max_length=128)
+    model_version: int | None = None
+    tier: str = Field(max_length=8, description="edge | cloud")
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    occurred_at: datetime = _ts()
+    ingested_at: datetime = _ts()
+
+
+class Device(SQLModel, table=True):
+    __tablename__ = "device"
+
+    id: str = Field(primary_key=True, max_length=64)
+    tenant_id: int = Field(foreign_key="tenant.id", index=True)
+    labels: dict[str, str] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    token_hash: str = Field(max_length=128, unique=True)
+    agent_version: str = Field(default="", max_length=32)
+    enrolled_at: datetime = _ts()
+    last_seen_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+
+
+class AuditLog(SQLModel, table=True):
+    """Who changed what, with the before and after."""
+
+    __tablename__ = "audit_log"
+
+    id: int | None = Field(default=None, primary_key=True)
+    at: datetime = _ts(index=True)
+    actor: str = Field(max_length=128)
+    action: str = Field(max_length=64)
+    target: str = Field(max_length=256)
+    before: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
+    after: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))

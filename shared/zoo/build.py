@@ -1,0 +1,181 @@
+"""``tierline zoo build``: train or take the LMs, derive the edge artifacts, sign every manifest, verify.
+
+Layout of ``<zoo_dir>/<preset>/``::
+
+    zoo.json                     what was built, with the measured numbers
+    artifacts/<name>/...         one directory per artifact
+    manifests/<name>.json        its signed manifest
+    data/digits-held-out.npz     the fixed held-out split of the digits data (also an artifact)
+
+A build is cached: when ``zoo.json`` exists with the same fingerprint the call returns at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from shared.artifacts import build_manifest, write_signed_manifest
+from shared.zoo.presets import Preset
+from shared.zoo.registry import (
+    ARTIFACTS_DIR,
+    MANIFESTS_DIR,
+    ZOO_REPORT,
+    ZooLayout,
+)
+
+logger = logging.getLogger(__name__)
+
+StepFn = Callable[[str], None]
+BUILD_FORMAT = 1
+COMMITTED_WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
+PINNED_HASHES = "SHA256SUMS"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def fingerprint(preset: Preset) -> str:
+    data = json.dumps({"preset": asdict(preset), "format": BUILD_FORMAT}, sort_keys=True, default=str)
+    return hashlib.sha256(data.encode()).hexdigest()[:16]
+
+
+def is_built(layout: ZooLayout, preset: Preset) -> bool:
+    try:
+        report = json.loads(layout.report_path.read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(report.get("fingerprint") == fingerprint(preset))
+
+
+def committed_weights(preset: Preset) -> Path:
+    return COMMITTED_WEIGHTS_DIR / preset.name
+
+
+def check_pinned_hashes(weights_dir: Path) -> None:
+    """The committed weights must hash to what the repository pins (``SHA256SUMS``)."""
+    from shared.artifacts import sha256_file
+    from shared.errors import ArtifactVerificationError
+
+    sums = weights_dir / PINNED_HASHES
+    if not sums.is_file():
+        raise ArtifactVerificationError(f"{sums}: missing; run `tierline zoo train --preset demo` to create it")
+    for line in sums.read_text().splitlines():
+        digest, _, rel = line.partition("  ")
+        path = weights_dir / rel
+        if not path.is_file() or sha256_file(path) != digest:
+            raise ArtifactVerificationError(f"{path}: does not match the sha256 pinned in {sums}")
+
+
+def write_pinned_hashes(weights_dir: Path) -> None:
+    from shared.artifacts import sha256_file
+
+    files = sorted(p for p in weights_dir.rglob("*") if p.is_file() and p.name != PINNED_HASHES)
+    lines = [f"{sha256_file(p)}  {p.relative_to(weights_dir).as_posix()}" for p in files]
+    (weights_dir / PINNED_HASHES).write_text("\n".join(lines) + "\n")
+
+
+def build_zoo(
+    preset: Preset,
+    zoo_dir: Path,
+    signing_key: Ed25519PrivateKey,
+    *,
+    retrain: bool = False,
+    force: bool = False,
+    step: StepFn | None = None,
+) -> dict[str, Any]:
+    """Build (or return the cached) zoo of ``preset`` under ``zoo_dir/<preset>``; return its report."""
+    layout = ZooLayout(zoo_dir / preset.name)
+    if is_built(layout, preset) and not (force or retrain):
+        return dict(json.loads(layout.report_path.read_text()))
+    say = step or (lambda msg: logger.info("%s", msg))
+    started = time.monotonic()
+    work = layout.root.with_name(layout.root.name + ".building")
+    shutil.rmtree(work, ignore_errors=True)
+    (work / ARTIFACTS_DIR).mkdir(parents=True)
+    arts = work / ARTIFACTS_DIR
+    report: dict[str, Any] = {"preset": preset.name, "fingerprint": fingerprint(preset)}
+
+    from shared.zoo.derive import derive_edge_lm_artifacts, derive_digits_artifacts
+
+    if preset.is_committed and not retrain:
+        say(f"taking the committed {preset.name} weights (pinned sha256)")
+        src = committed_weights(preset)
+        check_pinned_hashes(src)
+        for role in ("edge", "cloud"):
+            shutil.copytree(src / f"lm-{role}", arts / f"lm-{role}")
+        training = json.loads((src / "training.json").read_text())
+    else:
+        from shared.zoo.train import train_preset
+
+        say(f"training the {preset.name} tokenizer and LMs")
+        train_dir = work / "train"
+        training = train_preset(preset, train_dir)
+        for role in ("edge", "cloud"):
+            shutil.move(str(train_dir / f"lm-{role}"), arts / f"lm-{role}")
+        shutil.rmtree(train_dir)
+    report["training"] = training
+
+    say("deriving edge LM artifacts: ONNX fp32 with KV cache, ONNX INT8, TFLite")
+    report["edge_lm"] = derive_edge_lm_artifacts(arts / "lm-edge", arts, say)
+    say("training and exporting the digits classifiers")
+    report["digits"] = derive_digits_artifacts(preset, arts, work / "data")
+
+    say("signing manifests")
+    manifests = work / MANIFESTS_DIR
+    artifact_meta = _artifact_metadata(report)
+    digests: dict[str, str] = {}
+    for name in sorted(artifact_meta, key=lambda n: (artifact_meta[n].get("derived_from") is not None, n)):
+        meta = dict(artifact_meta[name])
+        parent = meta.pop("derived_from", None)
+        derived = {"name": parent, "sha256": digests[parent]} if parent else None
+        manifest = build_manifest(
+            arts / name if name != "digits-held-out" else work / "data",
+            name=name,
+            version=f"{preset.name}-1",
+            kind=meta.pop("kind"),
+            format=meta.pop("format"),
+            derived_from=derived,
+            metadata=meta,
+        )
+        write_signed_manifest(manifest, signing_key, manifests / f"{name}.json")
+        digests[name] = manifest.sha256
+    report["artifacts"] = {n: {"sha256": d, **artifact_meta[n]} for n, d in sorted(digests.items())}
+    report["seconds"] = round(time.monotonic() - started, 1)
+    (work / ZOO_REPORT).write_text(json.dumps(report, indent=2) + "\n")
+
+    shutil.rmtree(layout.root, ignore_errors=True)
+    work.rename(layout.root)
+    say(f"zoo {preset.name} ready at {layout.root} in {report['seconds']}s")
+    return report
+
+
+def _artifact_metadata(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """name -> manifest fields (kind, format, derived_from, and metadata)."""
+    training = report["training"]
+    meta: dict[str, dict[str, Any]] = {
+        "lm-edge": {"kind": "causal-lm", "format": "hf-safetensors", "role": "edge",
+                    "held_out_loss": training["edge"]["held_out_loss"]},
+        "lm-cloud": {"kind": "causal-lm", "format": "hf-safetensors", "role": "cloud",
+                     "held_out_loss": training["cloud"]["held_out_loss"]},
+        "lm-edge-onnx": {"kind": "causal-lm", "format": "onnx", "role": "edge", "derived_from": "lm-edge"},
+        "lm-edge-onnx-int8": {"kind": "causal-lm", "format": "onnx-int8", "role": "edge",
+                              "derived_from": "lm-edge-onnx",
+                              "agreement_with_fp32": report["edge_lm"]["int8_top1_agreement"]},
+        "digits-small": {"kind": "tensor", "format": "onnx", "role": "edge",
+                         "held_out_accuracy": report["digits"]["small_accuracy"]},
+        "digits-large": {"kind": "tensor", "format": "onnx", "role": "cloud",
+                         "held_out_accuracy": report["digits"]["large_accuracy"]},
+        "digits-held-out": {"kind": "dataset", "format": "npz"},
+    }
+    if report["edge_lm"].get("tflite"):
+        meta["lm-edge-tflite"] = {"kind": "causal-lm", "format": "tflite", "role": "edge", "derived_from": "lm-edge",
+                                  **report["edge_lm"]["tflite"]}
+    return meta

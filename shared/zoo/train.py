@@ -1,0 +1,99 @@
+"""``tierline zoo train``: tokenizer and both LMs of a preset, from the standard-library corpus."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer
+
+from shared.zoo.corpus import SourceFile, iter_stdlib_files, split_corpus
+from shared.zoo.presets import Preset
+from shared.zoo.tokenizer import save_tokenizer, train_tokenizer
+from shared.zoo.train_lm import ProgressFn, encode_documents, save_lm, train_lm
+
+logger = logging.getLogger(__name__)
+
+TRAINING_REPORT = "training.json"
+ROLES = ("edge", "cloud")
+
+
+def _corpus(preset: Preset) -> tuple[list[SourceFile], list[SourceFile]]:
+    return split_corpus(iter_stdlib_files(), preset.max_train_files)
+
+
+def train_tokenizer_for(preset: Preset, out_dir: Path) -> Path:
+    """Train the preset's tokenizer once; both LMs share it (speculative decoding needs one vocabulary)."""
+    train_files, _ = _corpus(preset)
+    tok_dir = out_dir / "tokenizer"
+    save_tokenizer(train_tokenizer((f.text for f in train_files), preset.vocab_size), tok_dir,
+                   preset.max_position_embeddings)
+    return tok_dir
+
+
+def train_role(
+    preset: Preset, role: str, out_dir: Path, dtype: torch.dtype = torch.float32, progress: ProgressFn | None = None
+) -> dict[str, Any]:
+    """Train the ``edge`` or ``cloud`` LM with the tokenizer in ``out_dir/tokenizer``; save ``out_dir/lm-<role>``."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}")
+    shape, cfg, seed_offset = (
+        (preset.edge, preset.edge_training, 1) if role == "edge" else (preset.cloud, preset.cloud_training, 2)
+    )
+    tok_dir = out_dir / "tokenizer"
+    tokenizer = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    train_files, held_out = _corpus(preset)
+    train_stream = encode_documents(tokenizer, [f.text for f in train_files])
+    held_out_stream = encode_documents(tokenizer, [f.text for f in held_out])
+    model, result = train_lm(
+        preset, shape, cfg, tokenizer, train_stream, held_out_stream, preset.seed + seed_offset, progress=progress
+    )
+    save_lm(model, tok_dir, out_dir / f"lm-{role}", dtype)
+    report = {
+        "held_out_loss": round(result.held_out_loss, 4),
+        "final_train_loss_ema": round(result.train_loss, 4),
+        "num_params": result.num_params,
+        "flops_per_token": shape.flops_per_token(preset.vocab_size),
+        "num_tokens_seen": result.num_tokens_seen,
+        "train_seconds": round(result.seconds, 1),
+        "torch_threads": torch.get_num_threads(),
+        "num_train_files": len(train_files),
+        "num_held_out_files": len(held_out),
+        "num_train_tokens": len(train_stream),
+        "num_held_out_tokens": len(held_out_stream),
+        "bytes_per_token": round(sum(len(f.text.encode()) for f in train_files) / max(1, len(train_stream)), 3),
+    }
+    (out_dir / f"training-{role}.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def write_training_report(preset: Preset, out_dir: Path) -> dict[str, Any]:
+    """Merge the per-role reports into ``training.json``."""
+    report: dict[str, Any] = {"preset": preset.name, "seed": preset.seed}
+    for role in ROLES:
+        report[role] = json.loads((out_dir / f"training-{role}.json").read_text())
+    report["cloud_to_edge_compute_ratio"] = round(
+        preset.cloud.flops_per_token(preset.vocab_size) / preset.edge.flops_per_token(preset.vocab_size), 2
+    )
+    (out_dir / TRAINING_REPORT).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def train_preset(
+    preset: Preset,
+    out_dir: Path,
+    dtype: torch.dtype = torch.float32,
+    progress: dict[str, ProgressFn] | None = None,
+) -> dict[str, Any]:
+    """Tokenizer, edge LM and cloud LM in one go; deterministic for a given preset and thread count."""
+    started = time.monotonic()
+    train_tokenizer_for(preset, out_dir)
+    for role in ROLES:
+        train_role(preset, role, out_dir, dtype, (progress or {}).get(role))
+    report = write_training_report(preset, out_dir)
+    report["seconds"] = round(time.monotonic() - started, 1)
+    return report
