@@ -71,15 +71,7 @@ def accuracy(model: nn.Module, x: np.ndarray, y: np.ndarray) -> float:
 
 def export_classifier(model: nn.Module, out_path: Path) -> None:
     """ONNX with input ``pixels`` float32 [N, 64] (values in [0, 1]) and output ``logits`` [N, 10]."""
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    with torch.no_grad():
-        torch.onnx.export(
-            model,
-            (torch.zeros(2, NUM_FEATURES),),
-            str(out_path),
-            input_names=["pixels"],
-            output_names=["logits"],
-            dynamic_axes={"pixels": {0: "batch"}, "logits": {0: "batch"}},
-            opset_version=17,
-            dynamo=False,
-        )
+    from shared.zoo.export_lm import legacy_onnx_export
+
+    legacy_onnx_export(model, (torch.zeros(2, NUM_FEATURES),), out_path, ["pixels"], ["logits"],
+                       {"pixels": {0: "batch"}, "logits": {0: "batch"}})

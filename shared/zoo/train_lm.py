@@ -144,7 +144,6 @@ def save_lm(model: LlamaForCausalLM, tokenizer_dir: Path, out_dir: Path, dtype: 
     """Save in the Hugging Face layout, tokenizer files and generation config included."""
     out_dir.mkdir(parents=True, exist_ok=True)
     model = model.to(dtype)
-    model.config.torch_dtype = dtype
     model.save_pretrained(out_dir, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (out_dir / name).write_bytes((tokenizer_dir / name).read_bytes())

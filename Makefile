@@ -1,0 +1,43 @@
+# tierline: the two commands are `make demo` and `make test`; each installs what it needs first.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.install-stamp
+PYTEST_ARGS ?=
+
+.PHONY: install demo test lint bench zoo clean help
+
+help:
+	@echo "make demo    run the platform on localhost (cloud API, console, edge agent)"
+	@echo "make test    run the test suite"
+	@echo "make lint    ruff + mypy"
+	@echo "make bench   benchmarks (JSON)"
+	@echo "make install create .venv and install tierline[dev]"
+
+# Re-installs only when the project's dependency files change.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/tierline up
+
+test: install
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy shared cloud edge_agent console bench
+
+bench: install
+	$(BIN)/tierline zoo build --preset demo
+	$(BIN)/tierline bench zoo --preset demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,39 @@
+"""Edge agent settings: env prefix ``TIERLINE_EDGE_``, optionally a TOML file (``--config edge.toml``)."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.errors import ConfigurationError
+
+
+class EdgeSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TIERLINE_EDGE_", extra="forbid")
+
+    host: str = Field("127.0.0.1", description="local API bind address; keep it on loopback unless api_key is set")
+    port: int = Field(8402, ge=0, le=65535)
+    zoo_dir: Path | None = Field(None, description="built zoo preset to serve (default $TIERLINE_DATA_DIR/zoo/demo)")
+    trusted_keys: list[Path] = Field(default_factory=list,
+                                     description="Ed25519 public keys whose signatures the agent accepts")
+    num_threads: int = Field(1, ge=1, le=64, description="runtime threads per model")
+    api_key: SecretStr | None = Field(None, description="optional bearer key for the local API")
+    cloud_url: str | None = Field(None, description="the cloud tier's base URL")
+
+
+def load_edge_settings(config_file: Path | None) -> EdgeSettings:
+    """Environment first, then the TOML file's keys (the file wins, so a device's config is explicit)."""
+    values: dict[str, object] = {}
+    if config_file is not None:
+        try:
+            values = tomllib.loads(config_file.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigurationError(f"cannot read edge config {config_file}: {exc}") from exc
+    try:
+        return EdgeSettings(**values)  # type: ignore[arg-type]
+    except ValueError as exc:
+        first = str(exc).splitlines()
+        raise ConfigurationError(f"invalid edge config: {' '.join(first[:3])}") from exc

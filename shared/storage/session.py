@@ -1,0 +1,44 @@
+"""The process-wide engine and short-lived sessions, built from ``DatabaseSettings``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+
+from sqlalchemy.engine import Engine, make_url
+from sqlmodel import Session
+
+from shared.settings import DatabaseSettings
+from shared.storage.engine import make_engine
+
+
+def database_url() -> str:
+    return DatabaseSettings().url
+
+
+@lru_cache(maxsize=4)
+def _engine_for(url: str, echo: bool, pool_size: int) -> Engine:
+    return make_engine(url, echo=echo, pool_size=pool_size)
+
+
+def get_engine() -> Engine:
+    settings = DatabaseSettings()
+    return _engine_for(settings.url, settings.database_echo, settings.database_pool_size)
+
+
+@contextmanager
+def session_scope(engine: Engine | None = None) -> Iterator[Session]:
+    """A session that commits on success and rolls back on error."""
+    with Session(engine or get_engine(), expire_on_commit=False) as session:
+        try:
+            yield session
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise
+
+
+def describe(url: str) -> str:
+    """The URL with any password hidden, for logs and messages."""
+    return make_url(url).render_as_string(hide_password=True)

@@ -1,0 +1,79 @@
+"""``tierline tenants`` and ``tierline keys``."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.group()
+def tenants() -> None:
+    """Create and list tenants."""
+
+
+@tenants.command("create")
+@click.argument("name")
+@click.option("--budget", default=None, help="monthly budget in the tenant's currency, e.g. 100.00")
+def tenants_create(name: str, budget: str | None) -> None:
+    """Create tenant NAME."""
+    from shared.storage.session import session_scope
+    from shared.tenancy import create_tenant, parse_budget
+
+    with session_scope() as session:
+        tenant = create_tenant(session, name, budget=parse_budget(budget))
+        click.echo(f"created tenant {tenant.name} (id {tenant.id})")
+
+
+@tenants.command("list")
+def tenants_list() -> None:
+    """List tenants."""
+    from shared.storage.session import session_scope
+    from shared.tenancy import list_tenants
+
+    with session_scope() as session:
+        for t in list_tenants(session):
+            budget = "-" if t.monthly_budget is None else f"{t.monthly_budget:.2f} {t.currency}"
+            click.echo(f"{t.id}\t{t.name}\t{'active' if t.is_active else 'disabled'}\tbudget {budget}")
+
+
+@click.group()
+def keys() -> None:
+    """Create, list and revoke API keys."""
+
+
+@keys.command("create")
+@click.option("--tenant", "tenant_name", required=True, help="tenant name")
+@click.option("--name", default="", help="a label for the key")
+def keys_create(tenant_name: str, name: str) -> None:
+    """Create a key for a tenant and print it once (only its hash is stored)."""
+    from shared.storage.session import session_scope
+    from shared.tenancy import create_api_key, get_tenant
+
+    with session_scope() as session:
+        issued = create_api_key(session, get_tenant(session, tenant_name), name=name)
+        click.echo(f"key id {issued.record.id} for tenant {tenant_name} (shown once):", err=True)
+        click.echo(issued.secret)
+
+
+@keys.command("list")
+@click.option("--tenant", "tenant_name", required=True, help="tenant name")
+def keys_list(tenant_name: str) -> None:
+    """List a tenant's keys (prefixes only)."""
+    from shared.storage.session import session_scope
+    from shared.tenancy import get_tenant, list_api_keys
+
+    with session_scope() as session:
+        for k in list_api_keys(session, get_tenant(session, tenant_name)):
+            state = "revoked" if k.revoked_at else "active"
+            click.echo(f"{k.id}\t{k.prefix}…\t{state}\t{k.name}")
+
+
+@keys.command("revoke")
+@click.argument("key_id", type=int)
+def keys_revoke(key_id: int) -> None:
+    """Revoke key KEY_ID."""
+    from shared.storage.session import session_scope
+    from shared.tenancy import revoke_api_key
+
+    with session_scope() as session:
+        revoke_api_key(session, key_id)
+        click.echo(f"revoked key {key_id}")

@@ -1,0 +1,141 @@
+"""Shared fixtures: a tiny zoo built once per session, databases (SQLite, and PostgreSQL when configured),
+and real servers started as subprocesses on free ports."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from shared.artifacts import load_or_create_signing_key
+
+REPO = Path(__file__).resolve().parent.parent
+PG_URL = os.environ.get("TIERLINE_TEST_DATABASE_URL")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def session_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tierline-data")
+
+
+@pytest.fixture(scope="session")
+def tiny_zoo(session_data_dir: Path) -> Path:
+    """The tiny preset, built once per test session with the session's signing key."""
+    from shared.zoo.build import build_zoo
+    from shared.zoo.presets import TINY
+
+    key = load_or_create_signing_key(session_data_dir / "keys" / "artifact-signing.ed25519")
+    build_zoo(TINY, session_data_dir / "zoo", key)
+    return session_data_dir / "zoo" / "tiny"
+
+
+@pytest.fixture(scope="session")
+def tiny_zoo_public_key(tiny_zoo: Path, session_data_dir: Path) -> Path:
+    return session_data_dir / "keys" / "artifact-signing.ed25519.pub"
+
+
+def _pg_schema_url(base: str, schema: str) -> str:
+    sep = "&" if "?" in base else "?"
+    return f"{base}{sep}options=-csearch_path%3D{schema}"
+
+
+@contextmanager
+def _postgres_schema() -> Iterator[str]:
+    """A fresh schema per test, dropped afterwards, so tests never see each other's rows."""
+    from sqlalchemy import text
+
+    from shared.storage.engine import make_engine
+
+    assert PG_URL
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    admin = make_engine(PG_URL)
+    with admin.begin() as conn:
+        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    try:
+        yield _pg_schema_url(PG_URL, schema)
+    finally:
+        with admin.begin() as conn:
+            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+
+
+DB_BACKENDS = ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
+
+
+@pytest.fixture(params=DB_BACKENDS)
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """An empty database: a SQLite file, and PostgreSQL when TIERLINE_TEST_DATABASE_URL is set."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'test.db'}"
+        return
+    if not PG_URL:
+        pytest.skip("PostgreSQL not configured: set TIERLINE_TEST_DATABASE_URL (CI sets it when 127.0.0.1:5432 answers)")
+    with _postgres_schema() as url:
+        yield url
+
+
+@pytest.fixture
+def migrated_db(db_url: str) -> str:
+    from shared.storage.migrate import upgrade
+
+    upgrade(db_url)
+    return db_url
+
+
+def tierline_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "shared.cli", *args]
+
+
+def base_env(data_dir: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERLINE_")}
+    env.update({"TIERLINE_DATA_DIR": str(data_dir), "TIERLINE_LOG_LEVEL": "WARNING", **extra})
+    return env
+
+
+@contextmanager
+def run_server(args: list[str], env: dict[str, str], port: int, timeout: float = 60.0) -> Iterator[str]:
+    """Start ``tierline <args>`` on ``port``, wait for /healthz, yield the base URL, then SIGTERM it."""
+    proc = subprocess.Popen(tierline_cmd(*args, "--host", "127.0.0.1", "--port", str(port)), env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                out = proc.stdout.read().decode() if proc.stdout else ""
+                raise AssertionError(f"server exited with {proc.returncode}:\n{out}")
+            try:
+                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"server on {url} did not become healthy")
+            time.sleep(0.1)
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if proc.stdout:
+            proc.stdout.close()

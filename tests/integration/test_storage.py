@@ -1,0 +1,107 @@
+"""Migrations and the tenancy records, on SQLite and (when configured) PostgreSQL."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import inspect, text
+from sqlmodel import Session, SQLModel
+
+from shared.errors import AuthenticationError, ConflictError, NotFoundError, ValidationError
+from shared.storage.engine import make_engine
+from shared.storage.migrate import current_revision, downgrade, head_revision, upgrade
+from shared.storage.models import UsageRecord
+from shared.tenancy import authenticate, create_api_key, create_tenant, revoke_api_key
+
+pytestmark = pytest.mark.integration
+
+EXPECTED_TABLES = {"tenant", "api_key", "console_user", "model", "model_version", "model_artifact",
+                   "usage_record", "device", "audit_log"}
+
+
+def test_migrations_apply_from_empty_and_match_the_models(db_url: str) -> None:
+    upgrade(db_url)
+    engine = make_engine(db_url)
+    assert current_revision(engine) == head_revision()
+    assert EXPECTED_TABLES <= set(inspect(engine).get_table_names())
+    with engine.connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), SQLModel.metadata)
+    assert diff == [], f"models and migrations drifted: {diff}"
+    engine.dispose()
+
+
+def test_downgrade_to_base_and_up_again(db_url: str) -> None:
+    upgrade(db_url)
+    downgrade(db_url, "base")
+    engine = make_engine(db_url)
+    assert not EXPECTED_TABLES & set(inspect(engine).get_table_names())
+    upgrade(db_url)
+    assert EXPECTED_TABLES <= set(inspect(engine).get_table_names())
+    engine.dispose()
+
+
+def test_sqlite_runs_in_wal_mode_with_foreign_keys(tmp_path: Path) -> None:
+    engine = make_engine(f"sqlite:///{tmp_path / 'wal.db'}")
+    with engine.connect() as conn:
+        assert conn.execute(text("PRAGMA journal_mode")).scalar() == "wal"
+        assert conn.execute(text("PRAGMA foreign_keys")).scalar() == 1
+    engine.dispose()
+
+
+def test_keys_authenticate_revoke_and_expire(migrated_db: str) -> None:
+    engine = make_engine(migrated_db)
+    with Session(engine) as s:
+        acme = create_tenant(s, "acme", budget=Decimal("12.50"))
+        other = create_tenant(s, "other")
+        issued = create_api_key(s, acme, name="ci")
+        expired = create_api_key(s, acme, expires_at=datetime.now(UTC) - timedelta(seconds=1))
+        other_key = create_api_key(s, other)
+        s.commit()
+        assert issued.secret.startswith("tl-") and len(issued.secret) >= 3 + 43
+        assert issued.secret not in issued.record.key_hash
+        tenant, key = authenticate(s, issued.secret)
+        assert (tenant.name, key.id) == ("acme", issued.record.id)
+        assert tenant.monthly_budget == Decimal("12.500000")
+        with pytest.raises(AuthenticationError, match="expired"):
+            authenticate(s, expired.secret)
+        with pytest.raises(AuthenticationError, match="invalid"):
+            authenticate(s, issued.secret + "x")
+        # A tenant cannot revoke another tenant's key, even knowing its id.
+        with pytest.raises(NotFoundError):
+            revoke_api_key(s, other_key.record.id or 0, tenant=acme)
+        revoke_api_key(s, issued.record.id or 0, tenant=acme)
+        s.commit()
+        with pytest.raises(AuthenticationError, match="revoked"):
+            authenticate(s, issued.secret)
+        assert authenticate(s, other_key.secret)[0].name == "other"
+    engine.dispose()
+
+
+def test_tenant_names_are_validated_and_unique(migrated_db: str) -> None:
+    engine = make_engine(migrated_db)
+    with Session(engine) as s:
+        create_tenant(s, "acme")
+        with pytest.raises(ConflictError):
+            create_tenant(s, "acme")
+        with pytest.raises(ValidationError, match="lowercase"):
+            create_tenant(s, "Not OK")
+    engine.dispose()
+
+
+def test_usage_record_id_is_unique(migrated_db: str) -> None:
+    from sqlalchemy.exc import IntegrityError
+
+    engine = make_engine(migrated_db)
+    with Session(engine) as s:
+        tenant = create_tenant(s, "acme")
+        s.add(UsageRecord(id="req-1", tenant_id=tenant.id or 0, model="m", tier="edge", prompt_tokens=3))
+        s.commit()
+        s.add(UsageRecord(id="req-1", tenant_id=tenant.id or 0, model="m", tier="edge", prompt_tokens=3))
+        with pytest.raises(IntegrityError):
+            s.commit()
+    engine.dispose()
