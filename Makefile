@@ -33,7 +33,7 @@ test: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy shared cloud edge_agent console bench
+	$(BIN)/mypy shared cloud edge_agent console bench tests
 
 bench: install
 	$(BIN)/tierline zoo build --preset demo

@@ -44,9 +44,14 @@ def _transformers_greedy(model_dir: Path, ids: list[int], num_tokens: int) -> tu
 
     def run() -> list[int]:
         with torch.no_grad():
-            out = model.generate(inputs, max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False,
-                                 pad_token_id=model.config.pad_token_id)
-        return [int(t) for t in out[0, len(ids):]]
+            out = model.generate(
+                inputs,
+                max_new_tokens=num_tokens,
+                min_new_tokens=num_tokens,
+                do_sample=False,
+                pad_token_id=model.config.pad_token_id,
+            )
+        return [int(t) for t in out[0, len(ids) :]]
 
     tokens = run()
     return tokens, _time(run, 1), len(tokens)
@@ -75,8 +80,9 @@ def run_zoo_bench(root: Path, num_tokens: int = 64, repeats: int = 3) -> dict[st
     results["transformers-fp32"] = {
         "tokens_per_s": round(n / hf_seconds, 1),
         "ms_per_token": round(1000 * hf_seconds / n, 3),
-        "greedy_agreement_with_onnx_fp32": round(float(np.mean(np.array(hf_tokens[:num_tokens]) == np.array(reference)))
-                                                 if reference else 0.0, 3),
+        "greedy_agreement_with_onnx_fp32": round(
+            float(np.mean(np.array(hf_tokens[:num_tokens]) == np.array(reference))) if reference else 0.0, 3
+        ),
     }
     return {
         "bench": "zoo-edge-lm-decode",

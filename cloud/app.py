@@ -53,8 +53,11 @@ def list_models(state: State, tenant: Tenant) -> dict[str, Any]:
     return {"object": "list", "data": [_model_json(m) for m in state.catalog]}
 
 
-@get("/v1/models/{model_id:path}", dependencies={"tenant": Provide(require_tenant, sync_to_thread=True)},
-     sync_to_thread=False)
+@get(
+    "/v1/models/{model_id:path}",
+    dependencies={"tenant": Provide(require_tenant, sync_to_thread=True)},
+    sync_to_thread=False,
+)
 def get_model(state: State, tenant: Tenant, model_id: str) -> dict[str, Any]:
     return _model_json(find(state.catalog, model_id.lstrip("/")))
 

@@ -20,5 +20,9 @@ def serve(host: str | None, port: int | None) -> None:
     from shared.settings import CoreSettings, ServiceSettings
 
     svc = ServiceSettings()
-    run(create_app(), host or svc.cloud_host, port if port is not None else svc.cloud_port,
-        log_level=CoreSettings().log_level)
+    run(
+        create_app(),
+        host or svc.cloud_host,
+        port if port is not None else svc.cloud_port,
+        log_level=CoreSettings().log_level,
+    )

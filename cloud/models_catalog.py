@@ -28,8 +28,9 @@ def load_catalog(zoo_root: Path) -> list[ServedModel]:
     for name in CLOUD_ARTIFACTS:
         if layout.manifest_path(name).is_file():
             manifest = layout.manifest(name)
-            served.append(ServedModel(id=f"tierline/{name}", kind=manifest.kind, sha256=manifest.sha256,
-                                      created=created))
+            served.append(
+                ServedModel(id=f"tierline/{name}", kind=manifest.kind, sha256=manifest.sha256, created=created)
+            )
     return served
 
 

@@ -22,8 +22,12 @@ def serve(host: str | None, port: int | None) -> None:
     from shared.settings import CoreSettings, ServiceSettings
 
     svc = ServiceSettings()
-    run(create_app(), host or svc.console_host, port if port is not None else svc.console_port,
-        log_level=CoreSettings().log_level)
+    run(
+        create_app(),
+        host or svc.console_host,
+        port if port is not None else svc.console_port,
+        log_level=CoreSettings().log_level,
+    )
 
 
 @console.command("create-admin")

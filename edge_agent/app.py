@@ -71,8 +71,14 @@ def list_models(state: State, _auth: None) -> dict[str, Any]:
     return {
         "object": "list",
         "data": [
-            {"id": m.id, "object": "model", "created": 0, "owned_by": "tierline-edge", "format": m.format,
-             "sha256": m.sha256}
+            {
+                "id": m.id,
+                "object": "model",
+                "created": 0,
+                "owned_by": "tierline-edge",
+                "format": m.format,
+                "sha256": m.sha256,
+            }
             for m in state.models
         ],
     }

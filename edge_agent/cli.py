@@ -15,8 +15,13 @@ def edge() -> None:
 
 
 @edge.command()
-@click.option("--config", "config_file", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
-              help="TOML file with agent settings (keys as in TIERLINE_EDGE_*, lower case)")
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    default=None,
+    help="TOML file with agent settings (keys as in TIERLINE_EDGE_*, lower case)",
+)
 @click.option("--host", default=None, help="override the bind address")
 @click.option("--port", type=int, default=None, help="override the port")
 def run(config_file: Path | None, host: str | None, port: int | None) -> None:
@@ -27,8 +32,12 @@ def run(config_file: Path | None, host: str | None, port: int | None) -> None:
     from shared.settings import CoreSettings
 
     settings = load_edge_settings(config_file)
-    serve(create_app(settings), host or settings.host, port if port is not None else settings.port,
-          log_level=CoreSettings().log_level)
+    serve(
+        create_app(settings),
+        host or settings.host,
+        port if port is not None else settings.port,
+        log_level=CoreSettings().log_level,
+    )
 
 
 edge.add_command(planned("enroll", "Enroll this device with the cloud using an enrollment token.", issue=5))

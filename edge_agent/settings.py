@@ -17,8 +17,9 @@ class EdgeSettings(BaseSettings):
     host: str = Field("127.0.0.1", description="local API bind address; keep it on loopback unless api_key is set")
     port: int = Field(8402, ge=0, le=65535)
     zoo_dir: Path | None = Field(None, description="built zoo preset to serve (default $TIERLINE_DATA_DIR/zoo/demo)")
-    trusted_keys: list[Path] = Field(default_factory=list,
-                                     description="Ed25519 public keys whose signatures the agent accepts")
+    trusted_keys: list[Path] = Field(
+        default_factory=list, description="Ed25519 public keys whose signatures the agent accepts"
+    )
     num_threads: int = Field(1, ge=1, le=64, description="runtime threads per model")
     api_key: SecretStr | None = Field(None, description="optional bearer key for the local API")
     cloud_url: str | None = Field(None, description="the cloud tier's base URL")

@@ -8,14 +8,23 @@ from typing import Any
 from litestar import Request, Response, get
 from litestar.exceptions import HTTPException
 from litestar.status_codes import HTTP_500_INTERNAL_SERVER_ERROR
+from litestar.types import ExceptionHandlersMap
 
 from shared.errors import ApplicationError, RateLimitError
 
 logger = logging.getLogger(__name__)
 
-_HTTP_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
-               415: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error"}
+_HTTP_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
 
 
 def application_error_handler(_: Request[Any, Any, Any], exc: ApplicationError) -> Response[dict[str, Any]]:
@@ -29,18 +38,24 @@ def http_error_handler(_: Request[Any, Any, Any], exc: HTTPException) -> Respons
     extra = getattr(exc, "extra", None)
     if extra:
         message = f"{message}: {extra}"
-    body = {"error": {"message": message, "type": _HTTP_TYPES.get(exc.status_code, "server_error"),
-                      "param": None, "code": None}}
+    body = {
+        "error": {
+            "message": message,
+            "type": _HTTP_TYPES.get(exc.status_code, "server_error"),
+            "param": None,
+            "code": None,
+        }
+    }
     return Response(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
 
 def unexpected_error_handler(request: Request[Any, Any, Any], exc: Exception) -> Response[dict[str, Any]]:
-    logger.exception("unhandled error on %s %s", request.method, request.url.path)
+    logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     body = {"error": {"message": "internal error", "type": "server_error", "param": None, "code": None}}
     return Response(body, status_code=HTTP_500_INTERNAL_SERVER_ERROR)
 
 
-EXCEPTION_HANDLERS: dict[type[Exception], Any] = {
+EXCEPTION_HANDLERS: ExceptionHandlersMap = {
     ApplicationError: application_error_handler,
     HTTPException: http_error_handler,
     Exception: unexpected_error_handler,
@@ -57,6 +72,13 @@ def serve(app: Any, host: str, port: int, *, log_level: str = "info") -> None:
     """Run ``app`` with uvicorn; SIGTERM drains in-flight requests, a second signal forces exit."""
     import uvicorn
 
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
-                            timeout_graceful_shutdown=30, lifespan="on")
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level.lower(),
+        access_log=False,
+        timeout_graceful_shutdown=30,
+        lifespan="on",
+    )
     uvicorn.Server(config).run()

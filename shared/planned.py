@@ -6,8 +6,11 @@ import click
 
 
 def planned(name: str, help_text: str, *, issue: int) -> click.Command:
-    @click.command(name=name, help=f"{help_text} [not available yet: planned in issue #{issue}]",
-                   context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+    @click.command(
+        name=name,
+        help=f"{help_text} [not available yet: planned in issue #{issue}]",
+        context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    )
     def command() -> None:
         raise click.UsageError(f"'{name}' is not available in this version yet (planned in issue #{issue})")
 

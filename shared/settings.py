@@ -52,7 +52,9 @@ class DatabaseSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TIERLINE_", extra="ignore")
 
     data_dir: Path = Path("./var")
-    database_url: str | None = Field(None, description="SQLAlchemy URL; default sqlite:///$TIERLINE_DATA_DIR/tierline.db")
+    database_url: str | None = Field(
+        None, description="SQLAlchemy URL; default sqlite:///$TIERLINE_DATA_DIR/tierline.db"
+    )
     database_echo: bool = False
     database_pool_size: int = Field(10, ge=1, le=200)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
 
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from shared.errors import AuthenticationError, ConflictError, NotFoundError, ValidationError
 from shared.storage.models import ApiKey, Tenant
@@ -72,15 +72,23 @@ class IssuedKey:
 
 
 def create_api_key(
-    session: Session, tenant: Tenant, *, name: str = "", expires_at: datetime | None = None,
+    session: Session,
+    tenant: Tenant,
+    *,
+    name: str = "",
+    expires_at: datetime | None = None,
     allowed_models: list[str] | None = None,
 ) -> IssuedKey:
     if tenant.id is None:
         raise ValueError("tenant must be saved before it gets keys")
     secret = KEY_PREFIX + secrets.token_urlsafe(KEY_BYTES)
     record = ApiKey(
-        tenant_id=tenant.id, name=name, prefix=secret[:10], key_hash=hash_api_key(secret),
-        expires_at=expires_at, allowed_models=allowed_models,
+        tenant_id=tenant.id,
+        name=name,
+        prefix=secret[:10],
+        key_hash=hash_api_key(secret),
+        expires_at=expires_at,
+        allowed_models=allowed_models,
     )
     session.add(record)
     session.flush()
@@ -88,7 +96,7 @@ def create_api_key(
 
 
 def list_api_keys(session: Session, tenant: Tenant) -> list[ApiKey]:
-    return list(session.exec(select(ApiKey).where(ApiKey.tenant_id == tenant.id).order_by(ApiKey.id)))
+    return list(session.exec(select(ApiKey).where(ApiKey.tenant_id == tenant.id).order_by(col(ApiKey.id))))
 
 
 def revoke_api_key(session: Session, key_id: int, tenant: Tenant | None = None) -> ApiKey:
@@ -109,9 +117,7 @@ def authenticate(session: Session, secret: str) -> tuple[Tenant, ApiKey]:
     """The tenant and key for a bearer secret; AuthenticationError for unknown, revoked or expired keys."""
     if not secret.startswith(KEY_PREFIX):
         raise AuthenticationError("invalid API key")
-    row = session.exec(
-        select(ApiKey, Tenant).join(Tenant).where(ApiKey.key_hash == hash_api_key(secret))
-    ).first()
+    row = session.exec(select(ApiKey, Tenant).join(Tenant).where(ApiKey.key_hash == hash_api_key(secret))).first()
     if row is None:
         raise AuthenticationError("invalid API key")
     key, tenant = row

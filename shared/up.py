@@ -36,7 +36,7 @@ def _write_private(path: Path, text: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(text)
-    os.chmod(path, 0o600)
+    path.chmod(0o600)
 
 
 def _read_previous(path: Path) -> dict[str, Any]:
@@ -76,7 +76,11 @@ def _seed_admin(previous: dict[str, Any], env: dict[str, str]) -> str | None:
     new_password = secrets.token_urlsafe(18)
     proc = subprocess.run(
         _tierline("console", "create-admin", "--username", ADMIN_USER, "--if-missing", "--password-stdin"),
-        input=new_password + "\n", text=True, capture_output=True, env=env, check=False,
+        input=new_password + "\n",
+        text=True,
+        capture_output=True,
+        env=env,
+        check=False,
     )
     if proc.returncode != 0:
         raise ConfigurationError(f"could not create the console admin: {proc.stderr.strip().splitlines()[-1:]}")
@@ -116,8 +120,14 @@ def _raise_interrupt(_signum: int, _frame: object) -> None:
 
 
 @click.command()
-@click.option("--zoo", "zoo_preset", type=click.Choice(["tiny", "demo"]), default="demo", show_default=True,
-              help="which zoo preset to serve (built on first run)")
+@click.option(
+    "--zoo",
+    "zoo_preset",
+    type=click.Choice(["tiny", "demo"]),
+    default="demo",
+    show_default=True,
+    help="which zoo preset to serve (built on first run)",
+)
 def up(zoo_preset: str) -> None:
     """Run the whole platform on localhost: cloud API, console and one edge agent (Ctrl-C stops all)."""
     from shared.artifacts import load_or_create_signing_key, public_path
@@ -135,10 +145,14 @@ def up(zoo_preset: str) -> None:
 
     up_path = data_dir / "up.json"
     previous = _read_previous(up_path)
-    env = {**os.environ, "TIERLINE_DATA_DIR": str(data_dir), "TIERLINE_CLOUD_ZOO_PRESET": zoo_preset,
-           "TIERLINE_EDGE_ZOO_DIR": str(core.zoo_dir.resolve() / zoo_preset),
-           "TIERLINE_EDGE_TRUSTED_KEYS": json.dumps([str(public_path(core.signing_key_path).resolve())]),
-           "TIERLINE_EDGE_CLOUD_URL": svc.resolved_cloud_url}
+    env = {
+        **os.environ,
+        "TIERLINE_DATA_DIR": str(data_dir),
+        "TIERLINE_CLOUD_ZOO_PRESET": zoo_preset,
+        "TIERLINE_EDGE_ZOO_DIR": str(core.zoo_dir.resolve() / zoo_preset),
+        "TIERLINE_EDGE_TRUSTED_KEYS": json.dumps([str(public_path(core.signing_key_path).resolve())]),
+        "TIERLINE_EDGE_CLOUD_URL": svc.resolved_cloud_url,
+    }
     api_key = _seed_tenant_key(previous)
     admin_password = _seed_admin(previous, env)
 
@@ -147,8 +161,10 @@ def up(zoo_preset: str) -> None:
     edge_url = f"http://{svc.edge_host}:{svc.edge_port}"
     commands = {
         "cloud": (_tierline("cloud", "serve", "--host", svc.cloud_host, "--port", str(svc.cloud_port)), cloud_url),
-        "console": (_tierline("console", "serve", "--host", svc.console_host, "--port", str(svc.console_port)),
-                    console_url),
+        "console": (
+            _tierline("console", "serve", "--host", svc.console_host, "--port", str(svc.console_port)),
+            console_url,
+        ),
         "edge": (_tierline("edge", "run", "--host", svc.edge_host, "--port", str(svc.edge_port)), edge_url),
     }
     procs: dict[str, subprocess.Popen[bytes]] = {}

@@ -30,8 +30,9 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def session_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("tierline-data")
+def session_data_dir(request: pytest.FixtureRequest) -> Path:
+    """Kept in pytest's cache dir: the zoo build is fingerprinted by preset and code, so reuse is safe."""
+    return Path(request.config.cache.mkdir("tierline-data"))
 
 
 @pytest.fixture(scope="session")
@@ -85,7 +86,7 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         yield f"sqlite:///{tmp_path / 'test.db'}"
         return
     if not PG_URL:
-        pytest.skip("PostgreSQL not configured: set TIERLINE_TEST_DATABASE_URL (CI sets it when 127.0.0.1:5432 answers)")
+        pytest.skip("PostgreSQL not configured: set TIERLINE_TEST_DATABASE_URL (CI sets it when :5432 answers)")
     with _postgres_schema() as url:
         yield url
 
@@ -111,8 +112,13 @@ def base_env(data_dir: Path, **extra: str) -> dict[str, str]:
 @contextmanager
 def run_server(args: list[str], env: dict[str, str], port: int, timeout: float = 60.0) -> Iterator[str]:
     """Start ``tierline <args>`` on ``port``, wait for /healthz, yield the base URL, then SIGTERM it."""
-    proc = subprocess.Popen(tierline_cmd(*args, "--host", "127.0.0.1", "--port", str(port)), env=env, cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        tierline_cmd(*args, "--host", "127.0.0.1", "--port", str(port)),
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout

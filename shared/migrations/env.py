@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from alembic import context
+from sqlalchemy.engine import Connection
 from sqlmodel import SQLModel
 
 import shared.storage.models  # noqa: F401  (registers the tables on SQLModel.metadata)
@@ -34,7 +35,7 @@ def run_migrations_online() -> None:
     engine.dispose()
 
 
-def _run(connection: object) -> None:
+def _run(connection: Connection) -> None:
     context.configure(
         connection=connection,
         target_metadata=target_metadata,

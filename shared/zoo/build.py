@@ -43,7 +43,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def fingerprint(preset: Preset) -> str:
-    data = json.dumps({"preset": asdict(preset), "format": BUILD_FORMAT}, sort_keys=True, default=str)
+    """Changes when the preset or the zoo's code changes, so a cached build is never stale."""
+    code = hashlib.sha256()
+    for src in sorted(Path(__file__).resolve().parent.glob("*.py")):
+        code.update(src.read_bytes())
+    data = json.dumps(
+        {"preset": asdict(preset), "format": BUILD_FORMAT, "code": code.hexdigest()}, sort_keys=True, default=str
+    )
     return hashlib.sha256(data.encode()).hexdigest()[:16]
 
 
@@ -103,7 +109,7 @@ def build_zoo(
     arts = work / ARTIFACTS_DIR
     report: dict[str, Any] = {"preset": preset.name, "fingerprint": fingerprint(preset)}
 
-    from shared.zoo.derive import derive_edge_lm_artifacts, derive_digits_artifacts
+    from shared.zoo.derive import derive_digits_artifacts, derive_edge_lm_artifacts
 
     if preset.is_committed and not retrain:
         say(f"taking the committed {preset.name} weights (pinned sha256)")
@@ -161,21 +167,46 @@ def _artifact_metadata(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """name -> manifest fields (kind, format, derived_from, and metadata)."""
     training = report["training"]
     meta: dict[str, dict[str, Any]] = {
-        "lm-edge": {"kind": "causal-lm", "format": "hf-safetensors", "role": "edge",
-                    "held_out_loss": training["edge"]["held_out_loss"]},
-        "lm-cloud": {"kind": "causal-lm", "format": "hf-safetensors", "role": "cloud",
-                     "held_out_loss": training["cloud"]["held_out_loss"]},
+        "lm-edge": {
+            "kind": "causal-lm",
+            "format": "hf-safetensors",
+            "role": "edge",
+            "held_out_loss": training["edge"]["held_out_loss"],
+        },
+        "lm-cloud": {
+            "kind": "causal-lm",
+            "format": "hf-safetensors",
+            "role": "cloud",
+            "held_out_loss": training["cloud"]["held_out_loss"],
+        },
         "lm-edge-onnx": {"kind": "causal-lm", "format": "onnx", "role": "edge", "derived_from": "lm-edge"},
-        "lm-edge-onnx-int8": {"kind": "causal-lm", "format": "onnx-int8", "role": "edge",
-                              "derived_from": "lm-edge-onnx",
-                              "agreement_with_fp32": report["edge_lm"]["int8_top1_agreement"]},
-        "digits-small": {"kind": "tensor", "format": "onnx", "role": "edge",
-                         "held_out_accuracy": report["digits"]["small_accuracy"]},
-        "digits-large": {"kind": "tensor", "format": "onnx", "role": "cloud",
-                         "held_out_accuracy": report["digits"]["large_accuracy"]},
+        "lm-edge-onnx-int8": {
+            "kind": "causal-lm",
+            "format": "onnx-int8",
+            "role": "edge",
+            "derived_from": "lm-edge-onnx",
+            "agreement_with_fp32": report["edge_lm"]["int8_top1_agreement"],
+        },
+        "digits-small": {
+            "kind": "tensor",
+            "format": "onnx",
+            "role": "edge",
+            "held_out_accuracy": report["digits"]["small_accuracy"],
+        },
+        "digits-large": {
+            "kind": "tensor",
+            "format": "onnx",
+            "role": "cloud",
+            "held_out_accuracy": report["digits"]["large_accuracy"],
+        },
         "digits-held-out": {"kind": "dataset", "format": "npz"},
     }
     if report["edge_lm"].get("tflite"):
-        meta["lm-edge-tflite"] = {"kind": "causal-lm", "format": "tflite", "role": "edge", "derived_from": "lm-edge",
-                                  **report["edge_lm"]["tflite"]}
+        meta["lm-edge-tflite"] = {
+            "kind": "causal-lm",
+            "format": "tflite",
+            "role": "edge",
+            "derived_from": "lm-edge",
+            **report["edge_lm"]["tflite"],
+        }
     return meta

@@ -22,8 +22,13 @@ def _step(msg: str) -> None:
 
 @zoo.command()
 @click.option("--preset", type=click.Choice(PRESET_NAMES), default="demo", show_default=True)
-@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None,
-              help="zoo directory (default $TIERLINE_DATA_DIR/zoo); the preset goes in OUT/<preset>")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="zoo directory (default $TIERLINE_DATA_DIR/zoo); the preset goes in OUT/<preset>",
+)
 @click.option("--retrain", is_flag=True, help="train the LMs instead of taking committed weights")
 @click.option("--force", is_flag=True, help="rebuild even when a build with the same fingerprint exists")
 @click.option("--json", "as_json", is_flag=True, help="print the build report as JSON")
@@ -48,8 +53,13 @@ def build(preset: str, out_dir: Path | None, retrain: bool, force: bool, as_json
 
 @zoo.command()
 @click.argument("directory", type=click.Path(path_type=Path, exists=True, file_okay=False))
-@click.option("--key", "key_files", multiple=True, type=click.Path(path_type=Path, exists=True, dir_okay=False),
-              help="trusted Ed25519 public key (PEM); default: this data dir's signing key")
+@click.option(
+    "--key",
+    "key_files",
+    multiple=True,
+    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    help="trusted Ed25519 public key (PEM); default: this data dir's signing key",
+)
 def verify(directory: Path, key_files: tuple[Path, ...]) -> None:
     """Check every artifact's sha256 and signature under DIRECTORY; exit 1 naming each file that fails."""
     from shared.artifacts import load_public_key, public_path
@@ -72,10 +82,20 @@ def verify(directory: Path, key_files: tuple[Path, ...]) -> None:
 
 @zoo.command()
 @click.option("--preset", type=click.Choice(PRESET_NAMES), default="demo", show_default=True)
-@click.option("--role", type=click.Choice(["all", "tokenizer", "edge", "cloud"]), default="all", show_default=True,
-              help="train one part (edge and cloud may run as two processes after the tokenizer)")
-@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None,
-              help="where to write (default: the committed weights directory for demo, ./var/train otherwise)")
+@click.option(
+    "--role",
+    type=click.Choice(["all", "tokenizer", "edge", "cloud"]),
+    default="all",
+    show_default=True,
+    help="train one part (edge and cloud may run as two processes after the tokenizer)",
+)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="where to write (default: the committed weights directory for demo, ./var/train otherwise)",
+)
 @click.option("--threads", type=int, default=None, help="torch threads (results are reproducible per thread count)")
 def train(preset: str, role: str, out_dir: Path | None, threads: int | None) -> None:
     """Train the tokenizer and LMs of a preset from the standard library (seeded; long for demo)."""
@@ -98,6 +118,7 @@ def train(preset: str, role: str, out_dir: Path | None, threads: int | None) -> 
         def show(step: int, total: int, loss: float) -> None:
             if step % 50 == 0 or step == total:
                 _step(f"{role_name} {step}/{total} loss {loss:.3f} at {time.strftime('%X')}")
+
         return show
 
     if role in ("all", "tokenizer"):

@@ -53,7 +53,9 @@ def iter_stdlib_files(root: Path | None = None) -> list[SourceFile]:
     return files
 
 
-def split_corpus(files: list[SourceFile], max_train_files: int | None = None) -> tuple[list[SourceFile], list[SourceFile]]:
+def split_corpus(
+    files: list[SourceFile], max_train_files: int | None = None
+) -> tuple[list[SourceFile], list[SourceFile]]:
     """(train, held_out). ``max_train_files`` keeps an evenly spaced subset of the train files."""
     train = [f for f in files if not is_held_out(f.relpath)]
     held_out = [f for f in files if is_held_out(f.relpath)]

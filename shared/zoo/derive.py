@@ -134,8 +134,16 @@ def derive_digits_artifacts(preset: Preset, arts: Path, data_dir: Path) -> dict[
         out = arts / f"digits-{role}"
         export_classifier(model, out / "model.onnx")
         (out / "classifier.json").write_text(
-            json.dumps({"input": "pixels", "output": "logits", "num_features": 64, "labels": list(range(10)),
-                        "hidden": list(hidden)}, indent=2)
+            json.dumps(
+                {
+                    "input": "pixels",
+                    "output": "logits",
+                    "num_features": 64,
+                    "labels": list(range(10)),
+                    "hidden": list(hidden),
+                },
+                indent=2,
+            )
         )
         result[f"{role}_accuracy"] = round(accuracy(model, split.x_held_out, split.y_held_out), 4)
         result[f"{role}_num_params"] = sum(p.numel() for p in model.parameters())

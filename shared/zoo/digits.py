@@ -30,9 +30,7 @@ def load_split() -> DigitsSplit:
     data = load_digits()
     x = (data.data / 16.0).astype(np.float32)
     y = data.target.astype(np.int64)
-    x_tr, x_ho, y_tr, y_ho = train_test_split(
-        x, y, test_size=HELD_OUT_FRACTION, random_state=SPLIT_SEED, stratify=y
-    )
+    x_tr, x_ho, y_tr, y_ho = train_test_split(x, y, test_size=HELD_OUT_FRACTION, random_state=SPLIT_SEED, stratify=y)
     return DigitsSplit(x_tr, y_tr, x_ho, y_ho)
 
 
@@ -73,5 +71,11 @@ def export_classifier(model: nn.Module, out_path: Path) -> None:
     """ONNX with input ``pixels`` float32 [N, 64] (values in [0, 1]) and output ``logits`` [N, 10]."""
     from shared.zoo.export_lm import legacy_onnx_export
 
-    legacy_onnx_export(model, (torch.zeros(2, NUM_FEATURES),), out_path, ["pixels"], ["logits"],
-                       {"pixels": {0: "batch"}, "logits": {0: "batch"}})
+    legacy_onnx_export(
+        model,
+        (torch.zeros(2, NUM_FEATURES),),
+        out_path,
+        ["pixels"],
+        ["logits"],
+        {"pixels": {0: "batch"}, "logits": {0: "batch"}},
+    )

@@ -52,6 +52,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class ExportLlama(nn.Module):
     """Llama weights (fp32) and the forward pass, with the KV cache handled by a callback."""
 
+    params: nn.ParameterDict
+    inv_freq: torch.Tensor
+
     def __init__(self, config: dict[str, Any], state: dict[str, torch.Tensor]) -> None:
         super().__init__()
         self.num_layers = int(config["num_hidden_layers"])
@@ -61,7 +64,8 @@ class ExportLlama(nn.Module):
         self.head_dim = int(config.get("head_dim") or self.hidden_size // self.num_heads)
         self.max_position_embeddings = int(config.get("max_position_embeddings", 2048))
         self.eps = float(config.get("rms_norm_eps", 1e-6))
-        theta = float(config.get("rope_theta", 10000.0))
+        # transformers 5 writes rope_parameters; older checkpoints have a top-level rope_theta.
+        theta = float(config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
         inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.params = nn.ParameterDict(
@@ -73,7 +77,9 @@ class ExportLlama(nn.Module):
     def _p(self, name: str) -> torch.Tensor:
         return self.params[name.replace(".", "__")]
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor, kv: KVFn) -> torch.Tensor:
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor, kv: KVFn
+    ) -> torch.Tensor:
         """Logits for ``input_ids`` at ``positions`` attending to keys at ``key_positions``."""
         bsz, seq = input_ids.shape
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-BOS_EOS_TOKEN = "<|endoftext|>"
-PAD_TOKEN = "<|pad|>"
+BOS_EOS_TOKEN = "<|endoftext|>"  # noqa: S105 (a vocabulary token, not a secret)
+PAD_TOKEN = "<|pad|>"  # noqa: S105
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [BOS_EOS_TOKEN, PAD_TOKEN, IM_START, IM_END]
@@ -35,14 +35,6 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     return tokenizer
-
-
-def special_token_ids(tokenizer: Tokenizer) -> dict[str, int]:
-    ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
-    missing = [tok for tok, i in ids.items() if i is None]
-    if missing:
-        raise ValueError(f"tokenizer lacks special tokens {missing}")
-    return {tok: int(i) for tok, i in ids.items()}
 
 
 def save_tokenizer(tokenizer: Tokenizer, out_dir: Path, model_max_length: int) -> None:

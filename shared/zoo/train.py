@@ -30,8 +30,9 @@ def train_tokenizer_for(preset: Preset, out_dir: Path) -> Path:
     """Train the preset's tokenizer once; both LMs share it (speculative decoding needs one vocabulary)."""
     train_files, _ = _corpus(preset)
     tok_dir = out_dir / "tokenizer"
-    save_tokenizer(train_tokenizer((f.text for f in train_files), preset.vocab_size), tok_dir,
-                   preset.max_position_embeddings)
+    save_tokenizer(
+        train_tokenizer((f.text for f in train_files), preset.vocab_size), tok_dir, preset.max_position_embeddings
+    )
     return tok_dir
 
 

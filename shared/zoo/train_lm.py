@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -35,6 +36,8 @@ class TrainResult:
 def encode_documents(tokenizer: Tokenizer, texts: list[str]) -> np.ndarray:
     """One token stream: each document is preceded by <|endoftext|>."""
     eot = tokenizer.token_to_id(BOS_EOS_TOKEN)
+    if eot is None:
+        raise ValueError(f"tokenizer has no {BOS_EOS_TOKEN} token")
     ids: list[int] = []
     for enc in tokenizer.encode_batch(texts):
         ids.append(eot)
@@ -43,7 +46,9 @@ def encode_documents(tokenizer: Tokenizer, texts: list[str]) -> np.ndarray:
 
 
 def llama_config(preset: Preset, shape: LMShape, tokenizer: Tokenizer) -> LlamaConfig:
+    rope: dict[str, Any] = {"rope_theta": 10000.0}
     return LlamaConfig(
+        **rope,
         vocab_size=preset.vocab_size,
         hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size,
@@ -52,7 +57,6 @@ def llama_config(preset: Preset, shape: LMShape, tokenizer: Tokenizer) -> LlamaC
         num_key_value_heads=shape.num_kv_heads,
         max_position_embeddings=preset.max_position_embeddings,
         rms_norm_eps=1e-5,
-        rope_theta=10000.0,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.token_to_id(BOS_EOS_TOKEN),
         eos_token_id=tokenizer.token_to_id(BOS_EOS_TOKEN),
@@ -143,7 +147,7 @@ def train_lm(
 def save_lm(model: LlamaForCausalLM, tokenizer_dir: Path, out_dir: Path, dtype: torch.dtype) -> None:
     """Save in the Hugging Face layout, tokenizer files and generation config included."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    model = model.to(dtype)
+    model = cast(LlamaForCausalLM, torch.nn.Module.to(model, dtype))
     model.save_pretrained(out_dir, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (out_dir / name).write_bytes((tokenizer_dir / name).read_bytes())

@@ -21,8 +21,16 @@ from tests.conftest import REPO, base_env, tierline_cmd
 
 pytestmark = pytest.mark.integration
 
-EXPECTED_ARTIFACTS = {"lm-edge", "lm-cloud", "lm-edge-onnx", "lm-edge-onnx-int8", "lm-edge-tflite",
-                      "digits-small", "digits-large", "digits-held-out"}
+EXPECTED_ARTIFACTS = {
+    "lm-edge",
+    "lm-cloud",
+    "lm-edge-onnx",
+    "lm-edge-onnx-int8",
+    "lm-edge-tflite",
+    "digits-small",
+    "digits-large",
+    "digits-held-out",
+}
 
 
 def test_build_writes_every_artifact_with_a_signed_manifest(tiny_zoo: Path) -> None:
@@ -65,9 +73,10 @@ def test_transformers_loads_both_lms(tiny_zoo: Path) -> None:
         ids = tok("def main():\n    return", return_tensors="pt").input_ids
         out = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id)
         assert out.shape[1] == ids.shape[1] + 5
-        prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                         add_generation_prompt=True)
-        assert prompt.endswith("<|im_start|>assistant\n")
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+        )
+        assert isinstance(prompt, str) and prompt.endswith("<|im_start|>assistant\n")
 
 
 def _hf_logits(model_dir: Path, ids: list[int]) -> np.ndarray:
@@ -85,14 +94,16 @@ def test_onnx_export_matches_transformers_through_the_kv_cache(tiny_zoo: Path) -
     ids = [5, 17, 300, 42, 7, 99, 512, 3, 64]
     reference = _hf_logits(lm_dir, ids)
     llama = load_export_llama(lm_dir)
-    sess = ort.InferenceSession(str(tiny_zoo / "artifacts" / "lm-edge-onnx" / "model.onnx"),
-                                providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(
+        str(tiny_zoo / "artifacts" / "lm-edge-onnx" / "model.onnx"), providers=["CPUExecutionProvider"]
+    )
     keys = values = np.zeros(cache_shape(llama, 0), np.float32)
     got = []
     # Prefill five tokens, then decode the rest one at a time through the returned cache.
-    for chunk in ([ids[:5]] + [[t] for t in ids[5:]]):
-        logits, keys, values = sess.run(None, {"input_ids": np.array([chunk], np.int64),
-                                              "past_keys": keys, "past_values": values})
+    for chunk in [ids[:5]] + [[t] for t in ids[5:]]:
+        logits, keys, values = sess.run(
+            None, {"input_ids": np.array([chunk], np.int64), "past_keys": keys, "past_values": values}
+        )
         got.append(logits[0])
     np.testing.assert_allclose(np.concatenate(got), reference, atol=1e-4, rtol=0)
     assert keys.shape[3] == len(ids)
@@ -104,8 +115,9 @@ def test_edge_runtimes_decode_like_transformers(tiny_zoo: Path, artifact: str) -
 
     ids = list(range(10, 50))  # longer than the TFLite prefill chunk, so chunking is exercised
     model = AutoModelForCausalLM.from_pretrained(tiny_zoo / "artifacts" / "lm-edge", dtype=torch.float32)
-    expected = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
-                              pad_token_id=model.config.pad_token_id)[0, len(ids):].tolist()
+    expected = model.generate(
+        torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=model.config.pad_token_id
+    )[0, len(ids) :].tolist()
     got = load_causal_lm(tiny_zoo / "artifacts" / artifact).greedy(ids, 12)
     agreement = np.mean(np.array(got) == np.array(expected))
     # fp32 exports must agree exactly; INT8 only approximately (its agreement is reported by the build).
@@ -119,8 +131,9 @@ def test_digits_classifiers_score_as_reported(tiny_zoo: Path) -> None:
     data = np.load(layout.artifact_dir("digits-held-out") / "digits-held-out.npz")
     report = layout.report()["digits"]
     for role in ("small", "large"):
-        sess = ort.InferenceSession(str(layout.artifact_dir(f"digits-{role}") / "model.onnx"),
-                                    providers=["CPUExecutionProvider"])
+        sess = ort.InferenceSession(
+            str(layout.artifact_dir(f"digits-{role}") / "model.onnx"), providers=["CPUExecutionProvider"]
+        )
         pred = sess.run(["logits"], {"pixels": data["x"]})[0].argmax(-1)
         accuracy = float((pred == data["y"]).mean())
         assert accuracy == pytest.approx(report[f"{role}_accuracy"], abs=1e-4)
@@ -128,8 +141,7 @@ def test_digits_classifiers_score_as_reported(tiny_zoo: Path) -> None:
     assert report["large_accuracy"] >= report["small_accuracy"]
 
 
-def test_verify_cli_passes_then_names_a_tampered_file(tiny_zoo: Path, session_data_dir: Path,
-                                                      tmp_path: Path) -> None:
+def test_verify_cli_passes_then_names_a_tampered_file(tiny_zoo: Path, session_data_dir: Path, tmp_path: Path) -> None:
     copy = tmp_path / "tiny"
     shutil.copytree(tiny_zoo, copy)
     env = base_env(session_data_dir)
@@ -150,8 +162,9 @@ def test_verify_refuses_a_zoo_signed_by_another_key(tiny_zoo: Path, tmp_path: Pa
     from shared.artifacts import load_or_create_signing_key
 
     load_or_create_signing_key(tmp_path / "keys" / "artifact-signing.ed25519")
-    proc = subprocess.run(tierline_cmd("zoo", "verify", str(tiny_zoo)), env=env, cwd=REPO, capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        tierline_cmd("zoo", "verify", str(tiny_zoo)), env=env, cwd=REPO, capture_output=True, text=True
+    )
     assert proc.returncode == 1
     assert "untrusted key" in proc.stderr
 

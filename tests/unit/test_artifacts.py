@@ -35,8 +35,14 @@ def key_path(tmp_path: Path) -> Path:
 
 def _signed(artifact: Path, key_path: Path) -> tuple[Manifest, Path]:
     key = load_or_create_signing_key(key_path)
-    manifest = build_manifest(artifact, name="m", version="1", kind="tensor", format="onnx",
-                              derived_from={"name": "parent", "sha256": "ab" * 32})
+    manifest = build_manifest(
+        artifact,
+        name="m",
+        version="1",
+        kind="tensor",
+        format="onnx",
+        derived_from={"name": "parent", "sha256": "ab" * 32},
+    )
     path = artifact.parent / "m.json"
     write_signed_manifest(manifest, key, path)
     return manifest, path
@@ -73,11 +79,11 @@ def test_changed_byte_names_the_file(artifact: Path, key_path: Path) -> None:
 def test_extra_and_missing_files_fail(artifact: Path, key_path: Path) -> None:
     _, path = _signed(artifact, key_path)
     (artifact / "evil.so").write_bytes(b"x")
-    with pytest.raises(ArtifactVerificationError, match="evil.so: file not listed"):
+    with pytest.raises(ArtifactVerificationError, match=r"evil\.so: file not listed"):
         verify_files(read_manifest(path), artifact)
     (artifact / "evil.so").unlink()
     (artifact / "sub" / "config.json").unlink()
-    with pytest.raises(ArtifactVerificationError, match="config.json: missing"):
+    with pytest.raises(ArtifactVerificationError, match=r"config\.json: missing"):
         verify_files(read_manifest(path), artifact)
 
 

@@ -33,7 +33,7 @@ def imported_top_levels(path: Path) -> set[str]:
 
 
 def violations(package: str) -> list[str]:
-    found = []
+    found: list[str] = []
     for path in sorted((REPO / package).rglob("*.py")):
         bad = imported_top_levels(path) & FORBIDDEN[package]
         found.extend(f"{path.relative_to(REPO)} imports {name}" for name in sorted(bad))

@@ -1,0 +1,92 @@
+"""`tierline up`: three processes, seeded tenant and admin, up.json for scripts, clean Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import REPO, base_env, free_port, tierline_cmd
+
+pytestmark = pytest.mark.e2e
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_up_serves_everything_and_stops_cleanly(tmp_path: Path, tiny_zoo: Path, session_data_dir: Path) -> None:
+    data = tmp_path / "data"
+    shutil.copytree(session_data_dir / "keys", data / "keys")
+    shutil.copytree(tiny_zoo, data / "zoo" / "tiny")
+    ports = {name: str(free_port()) for name in ("CLOUD", "CONSOLE", "EDGE")}
+    env = base_env(data, **{f"TIERLINE_{n}_PORT": p for n, p in ports.items()})
+    proc = subprocess.Popen(
+        tierline_cmd("up", "--zoo", "tiny"),
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    up_json = data / "up.json"
+    try:
+        deadline = time.monotonic() + 120
+        while not up_json.exists():
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert time.monotonic() < deadline, "up.json never appeared"
+            time.sleep(0.2)
+        assert stat.S_IMODE(up_json.stat().st_mode) == 0o600
+        info = json.loads(up_json.read_text())
+        assert info["cloud_url"].endswith(ports["CLOUD"])
+        models = httpx.get(
+            f"{info['cloud_url']}/v1/models", headers={"Authorization": f"Bearer {info['api_key']}"}
+        ).json()
+        assert "tierline/lm-cloud" in {m["id"] for m in models["data"]}
+        edge = httpx.get(f"{info['edge_url']}/v1/models").json()
+        assert "tierline/lm-edge-onnx-int8" in {m["id"] for m in edge["data"]}
+        assert httpx.get(info["console_url"] + "/").status_code == 200
+        assert info["console_admin"] == "admin" and len(info["console_admin_password"]) >= 16
+        assert info["api_key"] in info["curl_cloud"]
+        children = list(info["pids"].values())
+        assert all(_pid_alive(pid) for pid in children)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "tierline is up" in out and info["api_key"] in out
+    assert not any(_pid_alive(pid) for pid in children)
+
+    # A second run reuses the key and the admin (nothing new to print but the same key).
+    proc = subprocess.Popen(
+        tierline_cmd("up", "--zoo", "tiny"),
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while json.loads(up_json.read_text())["pids"] == info["pids"]:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        again = json.loads(up_json.read_text())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    assert again["api_key"] == info["api_key"]
+    assert again["console_admin_password"] == info["console_admin_password"]

@@ -1,0 +1,174 @@
+"""The cloud API, console and edge agent as real processes on real sockets, with real clients."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from shared.storage.migrate import upgrade
+from shared.storage.session import session_scope
+from tests.conftest import REPO, base_env, free_port, run_server, tierline_cmd
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path, tiny_zoo: Path, session_data_dir: Path) -> Path:
+    """A data dir holding the session's tiny zoo and the key that signed it."""
+    d = tmp_path / "data"
+    shutil.copytree(session_data_dir / "keys", d / "keys")
+    shutil.copytree(tiny_zoo, d / "zoo" / "tiny")
+    return d
+
+
+@pytest.fixture
+def cloud_env(data_dir: Path, db_url: str) -> dict[str, str]:
+    upgrade(db_url)
+    return base_env(data_dir, TIERLINE_DATABASE_URL=db_url, TIERLINE_CLOUD_ZOO_PRESET="tiny")
+
+
+def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(tierline_cmd(*args), env=env, cwd=REPO, capture_output=True, text=True, check=False)
+
+
+@pytest.fixture
+def cloud(cloud_env: dict[str, str]) -> Iterator[str]:
+    with run_server(["cloud", "serve"], cloud_env, free_port()) as url:
+        yield url
+
+
+def test_cloud_requires_a_key_and_answers_in_the_openai_shape(cloud: str, cloud_env: dict[str, str]) -> None:
+    r = httpx.get(f"{cloud}/v1/models")
+    assert r.status_code == 401
+    err = r.json()["error"]
+    assert err["type"] == "authentication_error" and "bearer" in err["message"].lower()
+    r = httpx.get(f"{cloud}/v1/models", headers={"Authorization": "Bearer tl-not-a-real-key"})
+    assert r.status_code == 401
+    assert httpx.get(f"{cloud}/readyz").json() == {"status": "ready"}
+
+
+def test_cli_key_works_with_the_openai_sdk_until_revoked(cloud: str, cloud_env: dict[str, str]) -> None:
+    assert _cli(cloud_env, "tenants", "create", "acme", "--budget", "25").returncode == 0
+    created = _cli(cloud_env, "keys", "create", "--tenant", "acme")
+    assert created.returncode == 0, created.stderr
+    key = created.stdout.strip()
+    assert key.startswith("tl-")
+    client = openai.OpenAI(base_url=f"{cloud}/v1", api_key=key)
+    ids = {m.id for m in client.models.list()}
+    assert {"tierline/lm-cloud", "tierline/digits-large"} <= ids
+    assert client.models.retrieve("tierline/lm-cloud").owned_by == "tierline"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("tierline/no-such-model")
+    key_id = created.stderr.split("key id ")[1].split()[0]
+    assert _cli(cloud_env, "keys", "revoke", key_id).returncode == 0
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+
+
+def test_cli_bad_input_is_one_line_not_a_traceback(cloud_env: dict[str, str]) -> None:
+    for args in (
+        ("tenants", "create", "Bad Name"),
+        ("tenants", "create", "x", "--budget", "lots"),
+        ("keys", "create", "--tenant", "nobody"),
+        ("keys", "revoke", "999"),
+    ):
+        proc = _cli(cloud_env, *args)
+        assert proc.returncode == 1, args
+        assert proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_console_overview_renders(data_dir: Path, db_url: str) -> None:
+    upgrade(db_url)
+    env = base_env(data_dir, TIERLINE_DATABASE_URL=db_url)
+    with run_server(["console", "serve"], env, free_port()) as url:
+        r = httpx.get(url + "/")
+        assert r.status_code == 200
+        assert "tierline console" in r.text and "tenants" in r.text
+
+
+def test_console_create_admin_stores_an_argon2id_hash(data_dir: Path, db_url: str) -> None:
+    from sqlmodel import select
+
+    from shared.storage.engine import make_engine
+    from shared.storage.models import ConsoleUser
+
+    upgrade(db_url)
+    env = base_env(data_dir, TIERLINE_DATABASE_URL=db_url)
+    proc = subprocess.run(
+        tierline_cmd("console", "create-admin", "--username", "ops", "--password-stdin"),
+        env=env,
+        cwd=REPO,
+        input="correct horse battery\n",
+        text=True,
+        capture_output=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    short = subprocess.run(
+        tierline_cmd("console", "create-admin", "--username", "x", "--password-stdin"),
+        env=env,
+        cwd=REPO,
+        input="short\n",
+        text=True,
+        capture_output=True,
+    )
+    assert short.returncode == 1 and "at least 12 characters" in short.stderr
+    engine = make_engine(db_url)
+    with session_scope(engine) as s:
+        user = s.exec(select(ConsoleUser).where(ConsoleUser.username == "ops")).one()
+        assert user.password_hash.startswith("$argon2id$")
+        assert "correct horse" not in user.password_hash
+    engine.dispose()
+
+
+def _edge_env(data_dir: Path) -> dict[str, str]:
+    return base_env(
+        data_dir,
+        TIERLINE_EDGE_ZOO_DIR=str(data_dir / "zoo" / "tiny"),
+        TIERLINE_EDGE_TRUSTED_KEYS=f'["{data_dir / "keys" / "artifact-signing.ed25519.pub"}"]',
+    )
+
+
+def test_edge_agent_serves_only_verified_models(data_dir: Path) -> None:
+    with run_server(["edge", "run"], _edge_env(data_dir), free_port()) as url:
+        models = {m["id"]: m for m in httpx.get(f"{url}/v1/models").json()["data"]}
+    assert {
+        "tierline/lm-edge-onnx",
+        "tierline/lm-edge-onnx-int8",
+        "tierline/lm-edge-tflite",
+        "tierline/digits-small",
+    } == set(models)
+    # Tamper with one artifact: the agent refuses it and serves the rest.
+    target = data_dir / "zoo" / "tiny" / "artifacts" / "lm-edge-onnx-int8" / "model.onnx"
+    target.write_bytes(target.read_bytes() + b"\x00")
+    with run_server(["edge", "run"], _edge_env(data_dir), free_port()) as url:
+        ids = {m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]}
+    assert "tierline/lm-edge-onnx-int8" not in ids and "tierline/lm-edge-onnx" in ids
+
+
+def test_edge_local_api_key(data_dir: Path) -> None:
+    env = {**_edge_env(data_dir), "TIERLINE_EDGE_API_KEY": "local-secret-123"}
+    with run_server(["edge", "run"], env, free_port()) as url:
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        ok = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer local-secret-123"})
+        assert ok.status_code == 200
+
+
+def test_edge_config_file_errors_are_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "edge.toml"
+    bad.write_text("port = 'not a port'\n")
+    proc = subprocess.run(
+        tierline_cmd("edge", "run", "--config", str(bad)),
+        env=base_env(tmp_path),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("error: invalid edge config") and "Traceback" not in proc.stderr
