@@ -1,0 +1,35 @@
+"""The deploy files name only settings that exist, and the agent's example config loads."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+from cloud.settings import CloudSettings
+from edge_agent.settings import EdgeSettings
+from shared.settings import CoreSettings, DatabaseSettings, SecretSettings, ServiceSettings
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+def _known_env_names() -> set[str]:
+    names = set()
+    for cls in (CoreSettings, DatabaseSettings, SecretSettings, ServiceSettings, CloudSettings, EdgeSettings):
+        prefix = cls.model_config.get("env_prefix", "")
+        names.update(f"{prefix}{field}".upper() for field in cls.model_fields)
+    return names
+
+
+def test_deploy_files_use_real_settings() -> None:
+    known = _known_env_names()
+    for path in DEPLOY.rglob("*"):
+        if path.is_file():
+            used = set(re.findall(r"\bTIERLINE_[A-Z_]+\b", path.read_text()))
+            assert used <= known, f"{path.name} uses unknown settings {sorted(used - known)}"
+
+
+def test_example_edge_config_is_valid() -> None:
+    values = tomllib.loads((DEPLOY / "systemd" / "edge.toml").read_text())
+    settings = EdgeSettings(**values)
+    assert settings.port == 8402 and settings.trusted_keys
