@@ -57,6 +57,43 @@ def _transformers_greedy(model_dir: Path, ids: list[int], num_tokens: int) -> tu
     return tokens, _time(run, 1), len(tokens)
 
 
+SAMPLE_PROMPTS = (
+    "import os\n\n\ndef read_config(path):\n",
+    "class Stack:\n    def __init__(self):\n",
+    "    for i, line in enumerate(lines):\n        if ",
+)
+
+
+def _samples(layout: ZooLayout, num_tokens: int = 40) -> dict[str, Any]:
+    """Greedy completions from both LMs (transformers), their agreement and how repetitive they are.
+
+    Agreement of greedy tokens is a rough upper bound on speculative acceptance; distinct-2 near 0 means a loop.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out: dict[str, Any] = {}
+    tokens: dict[str, list[list[int]]] = {}
+    for role in ("edge", "cloud"):
+        path = layout.artifact_dir(f"lm-{role}")
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        texts, ids_list = [], []
+        for prompt in SAMPLE_PROMPTS:
+            ids = tok(prompt, return_tensors="pt").input_ids
+            with torch.no_grad():
+                gen = model.generate(ids, max_new_tokens=num_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+            new = gen[0, ids.shape[1] :].tolist()
+            ids_list.append(new)
+            texts.append(prompt + tok.decode(new))
+        tokens[role] = ids_list
+        bigrams = [tuple(t[i : i + 2]) for t in ids_list for i in range(len(t) - 1)]
+        out[role] = {"completions": texts, "distinct_2": round(len(set(bigrams)) / max(1, len(bigrams)), 3)}
+    pairs = [(a, b) for e, c in zip(tokens["edge"], tokens["cloud"], strict=True) for a, b in zip(e, c, strict=False)]
+    out["greedy_token_agreement_edge_vs_cloud"] = round(float(np.mean([a == b for a, b in pairs])), 3)
+    return out
+
+
 def run_zoo_bench(root: Path, num_tokens: int = 64, repeats: int = 3) -> dict[str, Any]:
     layout = ZooLayout(root)
     report = layout.report()
@@ -91,6 +128,7 @@ def run_zoo_bench(root: Path, num_tokens: int = 64, repeats: int = 3) -> dict[st
         "prompt_tokens": len(ids),
         "new_tokens": num_tokens,
         "results": results,
+        "samples": _samples(layout),
         "zoo": {k: report[k] for k in ("training", "edge_lm", "digits") if k in report},
     }
 
