@@ -27,12 +27,10 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def test_up_serves_everything_and_stops_cleanly(tmp_path: Path, tiny_zoo: Path, session_data_dir: Path) -> None:
-    data = tmp_path / "data"
-    shutil.copytree(session_data_dir / "keys", data / "keys")
-    shutil.copytree(tiny_zoo, data / "zoo" / "tiny")
-    ports = {name: str(free_port()) for name in ("CLOUD", "CONSOLE", "EDGE")}
-    env = base_env(data, **{f"TIERLINE_{n}_PORT": p for n, p in ports.items()})
+def _start_up(
+    env: dict[str, str], up_json: Path, previous_pids: dict[str, int] | None
+) -> tuple[subprocess.Popen[str], dict]:
+    """Start `tierline up` and wait until it writes an up.json with new pids."""
     proc = subprocess.Popen(
         tierline_cmd("up", "--zoo", "tiny"),
         env=env,
@@ -41,15 +39,28 @@ def test_up_serves_everything_and_stops_cleanly(tmp_path: Path, tiny_zoo: Path, 
         stderr=subprocess.STDOUT,
         text=True,
     )
+    deadline = time.monotonic() + 120
+    while True:
+        if up_json.exists():
+            info = json.loads(up_json.read_text())
+            if info["pids"] != previous_pids:
+                return proc, info
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"tierline up did not come up:\n{proc.communicate()[0]}")
+        time.sleep(0.2)
+
+
+def test_up_serves_everything_and_stops_cleanly(tmp_path: Path, tiny_zoo: Path, session_data_dir: Path) -> None:
+    data = tmp_path / "data"
+    shutil.copytree(session_data_dir / "keys", data / "keys")
+    shutil.copytree(tiny_zoo, data / "zoo" / "tiny")
+    ports = {name: str(free_port()) for name in ("CLOUD", "CONSOLE", "EDGE")}
+    env = base_env(data, **{f"TIERLINE_{n}_PORT": p for n, p in ports.items()})
     up_json = data / "up.json"
+    proc, info = _start_up(env, up_json, None)
     try:
-        deadline = time.monotonic() + 120
-        while not up_json.exists():
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            assert time.monotonic() < deadline, "up.json never appeared"
-            time.sleep(0.2)
         assert stat.S_IMODE(up_json.stat().st_mode) == 0o600
-        info = json.loads(up_json.read_text())
         assert info["cloud_url"].endswith(ports["CLOUD"])
         models = httpx.get(
             f"{info['cloud_url']}/v1/models", headers={"Authorization": f"Bearer {info['api_key']}"}
@@ -69,24 +80,11 @@ def test_up_serves_everything_and_stops_cleanly(tmp_path: Path, tiny_zoo: Path, 
     assert "tierline is up" in out and info["api_key"] in out
     assert not any(_pid_alive(pid) for pid in children)
 
-    # A second run reuses the key and the admin (nothing new to print but the same key).
-    proc = subprocess.Popen(
-        tierline_cmd("up", "--zoo", "tiny"),
-        env=env,
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while json.loads(up_json.read_text())["pids"] == info["pids"]:
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.2)
-        again = json.loads(up_json.read_text())
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=60)
+    # A second run reuses the key and the admin; SIGTERM (a service manager's stop) is as clean as Ctrl-C.
+    proc, again = _start_up(env, up_json, info["pids"])
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
     assert proc.returncode == 0
     assert again["api_key"] == info["api_key"]
     assert again["console_admin_password"] == info["console_admin_password"]
+    assert not any(_pid_alive(pid) for pid in again["pids"].values())

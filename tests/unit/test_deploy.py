@@ -14,7 +14,7 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 
 def _known_env_names() -> set[str]:
-    names = set()
+    names: set[str] = set()
     for cls in (CoreSettings, DatabaseSettings, SecretSettings, ServiceSettings, CloudSettings, EdgeSettings):
         prefix = cls.model_config.get("env_prefix", "")
         names.update(f"{prefix}{field}".upper() for field in cls.model_fields)
