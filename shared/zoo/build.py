@@ -36,6 +36,9 @@ from shared.zoo.registry import (
 logger = logging.getLogger(__name__)
 
 StepFn = Callable[[str], None]
+# Messages a full build sends to ``step`` (weights, edge export, INT8 check, TFLite check, digits, signing,
+# done), so a caller can draw a progress bar.
+NUM_BUILD_STEPS = 7
 BUILD_FORMAT = 1
 COMMITTED_WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 PINNED_HASHES = "SHA256SUMS"

@@ -37,14 +37,24 @@ def build(preset: str, out_dir: Path | None, retrain: bool, force: bool, as_json
 
     Cached: a second call with the same preset returns at once.
     """
+    from tqdm import tqdm
+
     from shared.artifacts import load_or_create_signing_key
     from shared.settings import CoreSettings
-    from shared.zoo.build import build_zoo
+    from shared.zoo.build import NUM_BUILD_STEPS, build_zoo
     from shared.zoo.presets import get_preset
 
     core = CoreSettings()
     key = load_or_create_signing_key(core.signing_key_path)
-    report = build_zoo(get_preset(preset), out_dir or core.zoo_dir, key, retrain=retrain, force=force, step=_step)
+    with tqdm(total=NUM_BUILD_STEPS, unit="step", desc=f"zoo {preset}", file=sys.stderr, leave=True) as bar:
+
+        def step(msg: str) -> None:
+            bar.write(f"[zoo] {msg}", file=sys.stderr)
+            bar.update(1)
+
+        report = build_zoo(get_preset(preset), out_dir or core.zoo_dir, key, retrain=retrain, force=force, step=step)
+        bar.n = bar.total
+        bar.refresh()
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:

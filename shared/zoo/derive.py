@@ -55,7 +55,7 @@ def derive_edge_lm_artifacts(lm_dir: Path, arts: Path, say: Callable[[str], None
     """Write ``lm-edge-onnx``, ``lm-edge-onnx-int8`` and (when litert-torch is installed) ``lm-edge-tflite``."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    from shared.zoo.export_lm import export_onnx, export_tflite
+    from shared.zoo.export_lm import export_onnx, export_tflite, quiet_root_logger
 
     config = json.loads((lm_dir / "config.json").read_text())
     meta = {
@@ -69,7 +69,8 @@ def derive_edge_lm_artifacts(lm_dir: Path, arts: Path, say: Callable[[str], None
     fp32_dir.mkdir()
     int8_dir.mkdir()
     export_onnx(lm_dir, fp32_dir / "model.onnx")
-    quantize_dynamic(fp32_dir / "model.onnx", int8_dir / "model.onnx", weight_type=QuantType.QInt8)
+    with quiet_root_logger():
+        quantize_dynamic(fp32_dir / "model.onnx", int8_dir / "model.onnx", weight_type=QuantType.QInt8)
     for d, fmt in ((fp32_dir, "onnx"), (int8_dir, "onnx-int8")):
         _copy_side_files(lm_dir, d)
         (d / EDGE_MODEL_FILE).write_text(json.dumps({"format": fmt, "io": "growing-kv-cache/v1", **meta}, indent=2))

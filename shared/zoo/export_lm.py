@@ -22,7 +22,9 @@ real query can see it. The Llama forward is written with plain tensor ops so exp
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -221,22 +223,27 @@ def legacy_onnx_export(
 
 def export_tflite(model_dir: Path, out_path: Path, cache_len: int | None = None) -> dict[str, Any]:
     """Export ``prefill`` and ``decode`` signatures to ``out_path`` with litert-torch; return the I/O facts."""
-    import logging
     import os
     import warnings
 
     os.environ.setdefault("LITERT_TORCH_SHOW_PROGRESS", "0")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+    with warnings.catch_warnings(), quiet_root_logger():
+        warnings.simplefilter("ignore")
+        return _convert_tflite(model_dir, out_path, cache_len)
+
+
+@contextmanager
+def quiet_root_logger() -> Iterator[None]:
+    """litert-torch and ONNX Runtime's quantizer log every step at INFO on the root logger."""
     root = logging.getLogger()
     level = root.level
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        root.setLevel(logging.WARNING)  # litert-torch logs every lowering at INFO on the root logger
-        try:
-            return _convert_tflite(model_dir, out_path, cache_len)
-        finally:
-            root.setLevel(level)
+    root.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        root.setLevel(level)
 
 
 def _convert_tflite(model_dir: Path, out_path: Path, cache_len: int | None) -> dict[str, Any]:
