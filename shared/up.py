@@ -191,7 +191,7 @@ def up(zoo_preset: str) -> None:
         click.echo(
             "\ntierline is up\n"
             f"  cloud API  {cloud_url}\n  console    {console_url}  (user {ADMIN_USER}, password "
-            f"{admin_password or 'unchanged since the first run: see up.json'})\n  edge agent {edge_url}\n"
+            f"{admin_password or 'set on an earlier run'})\n  edge agent {edge_url}\n"
             f"  tenant {DEMO_TENANT}, API key {api_key}\n\n"
             f"  {info['curl_cloud']}\n  {info['curl_edge']}\n\n"
             f"  (also in {up_path}, mode 0600)  Ctrl-C stops everything.\n"

@@ -25,13 +25,9 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shared.artifacts import build_manifest, write_signed_manifest
+from shared.errors import ArtifactVerificationError
 from shared.zoo.presets import Preset
-from shared.zoo.registry import (
-    ARTIFACTS_DIR,
-    MANIFESTS_DIR,
-    ZOO_REPORT,
-    ZooLayout,
-)
+from shared.zoo.registry import ARTIFACTS_DIR, MANIFESTS_DIR, ZOO_REPORT, ZooLayout, verify_zoo
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +67,6 @@ def committed_weights(preset: Preset) -> Path:
 def check_pinned_hashes(weights_dir: Path) -> None:
     """The committed weights must hash to what the repository pins (``SHA256SUMS``)."""
     from shared.artifacts import sha256_file
-    from shared.errors import ArtifactVerificationError
 
     sums = weights_dir / PINNED_HASHES
     if not sums.is_file():
@@ -137,16 +132,16 @@ def build_zoo(
     say("training and exporting the digits classifiers")
     report["digits"] = derive_digits_artifacts(preset, arts, work / "data")
 
-    say("signing manifests")
+    say("signing and verifying manifests")
     manifests = work / MANIFESTS_DIR
     artifact_meta = _artifact_metadata(report)
     digests: dict[str, str] = {}
-    for name in sorted(artifact_meta, key=lambda n: (artifact_meta[n].get("derived_from") is not None, n)):
+    for name in _parents_first(artifact_meta):
         meta = dict(artifact_meta[name])
         parent = meta.pop("derived_from", None)
         derived = {"name": parent, "sha256": digests[parent]} if parent else None
         manifest = build_manifest(
-            arts / name if name != "digits-held-out" else work / "data",
+            ZooLayout(work).artifact_dir(name),
             name=name,
             version=f"{preset.name}-1",
             kind=meta.pop("kind"),
@@ -157,6 +152,9 @@ def build_zoo(
         write_signed_manifest(manifest, signing_key, manifests / f"{name}.json")
         digests[name] = manifest.sha256
     report["artifacts"] = {n: {"sha256": d, **artifact_meta[n]} for n, d in sorted(digests.items())}
+    failures = [f"{path}: {err}" for path, err in verify_zoo(work, [signing_key.public_key()]) if err]
+    if failures:
+        raise ArtifactVerificationError(f"freshly built zoo does not verify: {failures[0]}")
     report["seconds"] = round(time.monotonic() - started, 1)
     (work / ZOO_REPORT).write_text(json.dumps(report, indent=2) + "\n")
 
@@ -164,6 +162,19 @@ def build_zoo(
     work.rename(layout.root)
     say(f"zoo {preset.name} ready at {layout.root} in {report['seconds']}s")
     return report
+
+
+def _parents_first(meta: dict[str, dict[str, Any]]) -> list[str]:
+    """Artifact names ordered so each comes after the one it is derived from (its manifest names its hash)."""
+    order: list[str] = []
+    pending = sorted(meta)
+    while pending:
+        ready = [n for n in pending if meta[n].get("derived_from") in (None, *order)]
+        if not ready:
+            raise ValueError(f"artifacts derive from each other in a cycle or from unknown ones: {pending}")
+        order.extend(ready)
+        pending = [n for n in pending if n not in ready]
+    return order
 
 
 def _artifact_metadata(report: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -97,7 +97,7 @@ DEMO = Preset(
     edge=LMShape(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384),
     cloud=LMShape(hidden_size=256, num_layers=9, num_heads=4, num_kv_heads=2, intermediate_size=768),
     edge_training=LMTraining(num_steps=2000, batch_size=16, seq_len=256, learning_rate=3e-3, warmup_steps=100),
-    cloud_training=LMTraining(num_steps=1600, batch_size=16, seq_len=256, learning_rate=1.5e-3, warmup_steps=100),
+    cloud_training=LMTraining(num_steps=1800, batch_size=16, seq_len=256, learning_rate=2.5e-3, warmup_steps=100),
     max_train_files=None,
     num_eval_windows=128,
     digits_small_hidden=(32,),
