@@ -72,6 +72,9 @@ def cli(log_level: str | None) -> None:
 
     level = (log_level or CoreSettings().log_level).upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if level != "DEBUG":
+        for chatty in ("httpx", "alembic.runtime.plugins"):
+            logging.getLogger(chatty).setLevel(logging.WARNING)
 
 
 def main() -> None:

@@ -168,7 +168,9 @@ def up(zoo_preset: str) -> None:
         "edge": (_tierline("edge", "run", "--host", svc.edge_host, "--port", str(svc.edge_port)), edge_url),
     }
     procs: dict[str, subprocess.Popen[bytes]] = {}
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # a service manager's stop means the same as Ctrl-C
+    # Ctrl-C and a service manager's stop mean the same; set SIGINT too, as a shell may start us with it ignored.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGINT, _raise_interrupt)
     try:
         for name, (cmd, _url) in commands.items():
             procs[name] = subprocess.Popen(cmd, env=env)
