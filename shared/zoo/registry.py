@@ -56,13 +56,12 @@ def verify_zoo(root: Path, trusted_keys: list[Ed25519PublicKey]) -> list[tuple[s
 
     Returns ``(artifact path, error or None)`` per artifact, so a caller can name each failure.
     """
-    layouts = (
-        [ZooLayout(root)]
-        if (root / MANIFESTS_DIR).is_dir()
-        else [ZooLayout(p) for p in sorted(root.iterdir()) if (p / MANIFESTS_DIR).is_dir()]
-        if root.is_dir()
-        else []
-    )
+    if (root / MANIFESTS_DIR).is_dir():
+        layouts = [ZooLayout(root)]
+    elif root.is_dir():
+        layouts = [ZooLayout(p) for p in sorted(root.iterdir()) if (p / MANIFESTS_DIR).is_dir()]
+    else:
+        layouts = []
     if not layouts:
         raise NotFoundError(f"no zoo manifests under {root}")
     results: list[tuple[str, str | None]] = []
