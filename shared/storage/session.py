@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 
-from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from shared.settings import DatabaseSettings
@@ -37,8 +37,3 @@ def session_scope(engine: Engine | None = None) -> Iterator[Session]:
         except BaseException:
             session.rollback()
             raise
-
-
-def describe(url: str) -> str:
-    """The URL with any password hidden, for logs and messages."""
-    return make_url(url).render_as_string(hide_password=True)
