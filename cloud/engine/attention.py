@@ -1,0 +1,115 @@
+"""Paged attention in plain torch: K/V written to cache slots, read back through block tables.
+
+Tokens of one step are laid out flat ([T, ...]) and split into groups. A group is either several
+sequences feeding the same small number of tokens each (decodes, Q = 1; speculative verification,
+Q = k + 1), computed as one batched attention over their gathered blocks, or one sequence's prefill
+chunk. A chunk whose whole context is new needs no gather and runs as plain causal attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F  # noqa: N812 (the torch convention)
+
+
+@dataclass(slots=True)
+class AttentionGroup:
+    start: int
+    num_seqs: int
+    q_len: int
+    block_tables: torch.Tensor | None  # [B, max_blocks] (None when is_fresh)
+    mask: torch.Tensor | None  # [B, 1, Q, L] bool: True = attend
+    is_fresh: bool
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_seqs * self.q_len
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
+    groups: list[AttentionGroup]
+
+
+def build_group(
+    start: int,
+    q_len: int,
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+) -> AttentionGroup:
+    """A group of sequences each feeding ``q_len`` tokens that end their contexts of ``context_lens``."""
+    if len(context_lens) == 1 and context_lens[0] == q_len:
+        return AttentionGroup(start, 1, q_len, None, None, True)
+    max_blocks = max(-(-c // block_size) for c in context_lens)
+    tables = torch.zeros((len(block_tables), max_blocks), dtype=torch.long)
+    for i, table in enumerate(block_tables):
+        n = min(len(table), max_blocks)
+        tables[i, :n] = torch.tensor(table[:n], dtype=torch.long)
+    ctx = torch.tensor(context_lens, dtype=torch.long)
+    key_pos = torch.arange(max_blocks * block_size)  # [L]
+    query_pos = ctx[:, None] - q_len + torch.arange(q_len)[None, :]  # [B, Q]
+    mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, Q, L]
+    return AttentionGroup(start, len(context_lens), q_len, tables.to(device), mask[:, None].to(device), False)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D]. Returns [T, H, D]."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    flat_k = k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    flat_v = v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    flat_k.index_copy_(0, meta.slot_mapping, k)
+    flat_v.index_copy_(0, meta.slot_mapping, v)
+    num_heads = q.shape[1]
+    if len(meta.groups) == 1 and meta.groups[0].end == q.shape[0]:
+        return _group_attention(q, k, v, k_cache, v_cache, meta.groups[0], scale, num_heads)
+    out = torch.empty_like(q)
+    for g in meta.groups:
+        out[g.start : g.end] = _group_attention(
+            q[g.start : g.end], k[g.start : g.end], v[g.start : g.end], k_cache, v_cache, g, scale, num_heads
+        )
+    return out
+
+
+def _group_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    g: AttentionGroup,
+    scale: float,
+    num_heads: int,
+) -> torch.Tensor:
+    head_dim = q.shape[-1]
+    if g.is_fresh:
+        # One sequence, whole context new: [1, H, Q, D] against its own K/V.
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            is_causal=True,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return o[0].transpose(0, 1)
+    assert g.block_tables is not None
+    b, nb = g.block_tables.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    keys = k_cache[g.block_tables].view(b, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)  # [B, KVH, L, D]
+    values = v_cache[g.block_tables].view(b, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    queries = q.view(b, g.q_len, num_heads, head_dim).transpose(1, 2)  # [B, H, Q, D]
+    o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask, scale=scale, enable_gqa=True)
+    return o.transpose(1, 2).reshape(b * g.q_len, num_heads, head_dim)

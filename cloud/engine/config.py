@@ -1,0 +1,57 @@
+"""Engine configuration: a small validated dataclass (components copy only the fields they need)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+SPECULATION_METHODS = ("off", "draft", "ngram")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """How one model is served.
+
+    The KV budget is ``kv_cache_bytes`` when given, else ``kv_cache_fraction`` of free device memory (CUDA)
+    or of available RAM (CPU). ``speculation`` is the model's default mode (``draft`` needs
+    ``draft_model_dir``); ``num_speculative_tokens`` is the largest k the adaptive controller may pick.
+    """
+
+    model_dir: Path
+    draft_model_dir: Path | None = None
+    device: str = "cpu"
+    dtype: str = "auto"
+    block_size: int = 16
+    kv_cache_bytes: int | None = None
+    kv_cache_fraction: float = 0.25
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_num_queued_requests: int = 1024
+    max_num_queued_tokens: int = 1_048_576
+    enable_prefix_caching: bool = True
+    speculation: str | None = None
+    num_speculative_tokens: int = 4
+    adaptive_speculation: bool = True
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        self.model_dir = Path(self.model_dir)
+        if self.draft_model_dir is not None:
+            self.draft_model_dir = Path(self.draft_model_dir)
+        if self.speculation is None:
+            self.speculation = "draft" if self.draft_model_dir is not None else "off"
+        if self.speculation not in SPECULATION_METHODS:
+            raise ValueError(f"speculation must be one of {SPECULATION_METHODS}, got {self.speculation!r}")
+        if self.speculation == "draft" and self.draft_model_dir is None:
+            raise ValueError("speculation='draft' needs draft_model_dir")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ValueError("kv_cache_bytes must be positive")
+        if not 0.0 < self.kv_cache_fraction <= 0.95:
+            raise ValueError("kv_cache_fraction must be in (0, 0.95]")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("num_speculative_tokens must be in [1, 16]")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every running sequence decodes)")

@@ -1,0 +1,118 @@
+"""Runs the model for one step: lays the step's tokens out flat, builds paged-attention metadata, and
+returns the logits of the positions that need them."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cloud.engine.attention import AttentionGroup, AttentionMetadata, build_group
+from cloud.engine.loader import load_model
+from cloud.engine.model_config import ModelConfig
+
+# Sequences feeding at most this many tokens in a step are batched together by token count.
+MAX_BATCHED_Q_LEN = 16
+
+
+@dataclass(slots=True)
+class Feed:
+    """Tokens one sequence feeds in a step: ``token_ids`` at positions ``start ..``; logits for the last
+    ``num_logits`` of them."""
+
+    block_table: list[int]
+    token_ids: list[int]
+    start: int
+    num_logits: int
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        block_size: int,
+        num_blocks: int,
+        max_model_len: int,
+    ) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.model = load_model(model_dir, device, dtype, max_model_len)
+        self.config: ModelConfig = self.model.config
+        cfg = self.config
+        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
+        self.forward_seconds = 0.0
+        self.num_forwards = 0
+
+    @staticmethod
+    def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        return config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size()) * block_size
+
+    def _slots(self, feed: Feed) -> list[int]:
+        bs, table = self.block_size, feed.block_table
+        return [table[p // bs] * bs + p % bs for p in range(feed.start, feed.start + len(feed.token_ids))]
+
+    @torch.inference_mode()
+    def execute(self, feeds: list[Feed]) -> torch.Tensor:
+        """Run one forward over all feeds; returns logits [sum(num_logits), V] in feed order."""
+        started = time.perf_counter()
+        # Group small feeds by length so each group is one batched attention; large ones (prefill) go alone.
+        by_len: dict[int, list[int]] = {}
+        singles: list[int] = []
+        for i, f in enumerate(feeds):
+            n = len(f.token_ids)
+            if n <= MAX_BATCHED_Q_LEN:
+                by_len.setdefault(n, []).append(i)
+            else:
+                singles.append(i)
+        order = [idxs for _, idxs in sorted(by_len.items())] + [[i] for i in singles]
+        ids: list[int] = []
+        positions: list[int] = []
+        seq_lens: list[int] = []
+        slots: list[int] = []
+        groups: list[AttentionGroup] = []
+        flat_start: dict[int, int] = {}
+        for idxs in order:
+            q_len = len(feeds[idxs[0]].token_ids)
+            groups.append(
+                build_group(
+                    len(ids),
+                    q_len,
+                    [feeds[i].start + q_len for i in idxs],
+                    [feeds[i].block_table for i in idxs],
+                    self.block_size,
+                    self.device,
+                )
+            )
+            for i in idxs:
+                f = feeds[i]
+                flat_start[i] = len(ids)
+                ids.extend(f.token_ids)
+                positions.extend(range(f.start, f.start + q_len))
+                seq_lens.extend([f.start + q_len] * q_len)
+                slots.extend(self._slots(f))
+        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=self.device), groups)
+        hidden = self.model(
+            torch.tensor(ids, dtype=torch.long, device=self.device),
+            torch.tensor(positions, dtype=torch.long, device=self.device),
+            self.kv_caches,
+            meta,
+            torch.tensor(seq_lens, dtype=torch.long, device=self.device)
+            if self.config.rope_type == "dynamic"
+            else None,
+        )
+        rows: list[int] = []
+        for i, f in enumerate(feeds):
+            end = flat_start[i] + len(f.token_ids)
+            rows.extend(range(end - f.num_logits, end))
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])
+        self.forward_seconds += time.perf_counter() - started
+        self.num_forwards += 1
+        return logits

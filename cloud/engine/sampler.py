@@ -1,0 +1,153 @@
+"""Token selection: penalties, temperature, top-k / top-p / min-p, seeded sampling, logprobs, and the
+speculative-decoding acceptance rules."""
+
+from __future__ import annotations
+
+import torch
+
+from cloud.engine.sampling_params import SamplingParams
+from cloud.engine.sequence import Logprob, Sequence
+
+
+class Sampler:
+    """Holds one ``torch.Generator`` per seeded sequence so a seeded request is reproducible."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._generators: dict[int, torch.Generator] = {}
+
+    def generator(self, seq: Sequence) -> torch.Generator | None:
+        if seq.params.seed is None:
+            return None
+        g = self._generators.get(seq.seq_id)
+        if g is None:
+            g = torch.Generator(device=self.device)
+            # Siblings of an n > 1 request draw different streams from the same seed.
+            g.manual_seed(seq.params.seed * 1_000_003 + seq.sibling_index)
+            self._generators[seq.seq_id] = g
+        return g
+
+    def release(self, seq: Sequence) -> None:
+        self._generators.pop(seq.seq_id, None)
+
+    # -- distributions ------------------------------------------------------------------------------------------
+    def apply_penalties(self, logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+        """logits: [V] for one position; OpenAI presence/frequency over the output, HF repetition over all."""
+        p = seq.params
+        if not p.has_penalties:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[-1]
+        if p.presence_penalty or p.frequency_penalty:
+            out = seq.output_token_ids
+            if out:
+                counts = torch.bincount(torch.tensor(out, device=logits.device), minlength=vocab)[:vocab].float()
+                logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(seq.token_ids)), device=logits.device, dtype=torch.long)
+            vals = logits[seen]
+            logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        return logits
+
+    @staticmethod
+    def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """logits: [..., V] (penalties applied) → the distribution sampling draws from, [..., V]."""
+        logits = logits / max(params.temperature, 1e-5)
+        if params.top_k > 0 and params.top_k < logits.shape[-1]:
+            kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if params.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+            # Keep the smallest prefix whose mass reaches top_p (the top token is always kept).
+            drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= params.top_p
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        if params.min_p > 0.0:
+            cutoff = params.min_p * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < cutoff, 0.0)
+        return probs / probs.sum(dim=-1, keepdim=True)
+
+    def draw(self, probs: torch.Tensor, generator: torch.Generator | None) -> int:
+        """One token from probs [V] (exponential race: argmax p / E, E ~ Exp(1))."""
+        noise = torch.empty_like(probs).exponential_(generator=generator)
+        return int(torch.argmax(probs / noise))
+
+    def uniform(self, generator: torch.Generator | None) -> float:
+        return float(torch.rand((), generator=generator, device=self.device))
+
+    # -- plain sampling -----------------------------------------------------------------------------------------
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """logits: [N, V], one row per sequence → one token per sequence."""
+        if all(s.params.is_greedy and not s.params.has_penalties for s in seqs):
+            return torch.argmax(logits, dim=-1).tolist()
+        tokens: list[int] = []
+        for row, seq in zip(logits, seqs, strict=True):
+            row = self.apply_penalties(row, seq)
+            if seq.params.is_greedy:
+                tokens.append(int(torch.argmax(row)))
+            else:
+                tokens.append(self.draw(self.probs(row, seq.params), self.generator(seq)))
+        return tokens
+
+    @staticmethod
+    def logprobs(logits: torch.Tensor, tokens: list[int], num_top: int) -> list[Logprob]:
+        """Raw model log-probabilities of ``tokens`` (one per row of logits [N, V]) and the top ``num_top``."""
+        lp = torch.log_softmax(logits, dim=-1)
+        chosen = lp.gather(-1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+        if num_top > 0:
+            top_v, top_i = torch.topk(lp, num_top, dim=-1)
+            tops = [list(zip(i, v, strict=True)) for i, v in zip(top_i.tolist(), top_v.tolist(), strict=True)]
+        else:
+            tops = [[] for _ in tokens]
+        return [Logprob(t, c, top) for t, c, top in zip(tokens, chosen, tops, strict=True)]
+
+    # -- speculative verification -------------------------------------------------------------------------------
+    def verify(
+        self,
+        target_logits: torch.Tensor,
+        seq: Sequence,
+        draft_tokens: list[int],
+        draft_probs: torch.Tensor | None,
+    ) -> list[int]:
+        """Tokens to append after verifying ``draft_tokens`` (k of them); always 1 to k + 1 tokens.
+
+        target_logits: [k+1, V], the target's logits after the last accepted token and after each draft.
+        draft_probs: [k, V], the draft's sampling distribution per proposal (None for n-gram proposals,
+        which are point masses).
+
+        Greedy: accept drafts while they equal the target's argmax, then append the target's argmax —
+        the output is exactly what plain greedy decoding produces.
+        Sampled (Leviathan et al., 2023): accept draft x_i with probability min(1, p_i(x_i) / q_i(x_i));
+        at the first rejection sample from norm(max(0, p_i - q_i)) and stop; if all k are accepted,
+        sample a bonus token from p_{k+1}. The result is distributed exactly as sampling from p.
+        """
+        k = len(draft_tokens)
+        if seq.params.is_greedy:
+            best = torch.argmax(target_logits, dim=-1).tolist()  # [k+1]
+            out = []
+            for i in range(k):
+                if draft_tokens[i] != best[i]:
+                    break
+                out.append(draft_tokens[i])
+            out.append(best[len(out)])
+            return out
+        p = self.probs(target_logits, seq.params)  # [k+1, V]
+        g = self.generator(seq)
+        out = []
+        for i, x in enumerate(draft_tokens):
+            q_x = float(draft_probs[i, x]) if draft_probs is not None else 1.0
+            p_x = float(p[i, x])
+            if q_x > 0 and self.uniform(g) < min(1.0, p_x / q_x):
+                out.append(x)
+                continue
+            if draft_probs is not None:
+                residual = (p[i] - draft_probs[i]).clamp(min=0.0)
+            else:
+                residual = p[i].clone()
+                residual[x] = 0.0
+            total = float(residual.sum())
+            out.append(self.draw(residual / total, g) if total > 0 else self.draw(p[i], g))
+            return out
+        out.append(self.draw(p[k], g))
+        return out

@@ -1,0 +1,84 @@
+"""Per-request sampling settings (the vLLM shape), validated when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.errors import ValidationError
+
+MAX_LOGPROBS = 20
+
+
+def _fail(param: str, message: str) -> None:
+    raise ValidationError(f"{param}: {message}", param=param)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens for one request.
+
+    ``temperature == 0`` is greedy. ``seed`` makes a sampled request reproducible. ``stop`` strings are
+    cut from the returned text; ``stop_token_ids`` end generation too (the model's EOS ids always do unless
+    ``ignore_eos``). ``logprobs`` returns the chosen token's log-probability at every step plus that many
+    top alternatives (0 = chosen token only, None = off); values are the model's raw distribution, before
+    temperature and penalties. ``speculation`` overrides the model's speculative mode for this request
+    (``"off"``, ``"draft"`` or ``"ngram"``).
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    speculation: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.n, int) or self.n < 1:
+            _fail("n", f"must be an integer >= 1, got {self.n!r}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            _fail("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 100.0:
+            _fail("temperature", f"must be in [0, 100], got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            _fail("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            _fail("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            _fail("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                _fail(name, f"must be in [-2, 2], got {getattr(self, name)!r}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            _fail("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            _fail("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            _fail("stop", "stop sequences must be non-empty strings")
+        if len(self.stop) > 4:
+            _fail("stop", f"at most 4 stop sequences, got {len(self.stop)}")
+        if self.speculation not in (None, "off", "draft", "ngram"):
+            _fail("speculation", f"must be one of off, draft, ngram; got {self.speculation!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def needs_processing(self) -> bool:
+        """Anything beyond greedy argmax or plain temperature sampling."""
+        return self.has_penalties or self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
