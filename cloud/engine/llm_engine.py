@@ -314,6 +314,7 @@ class LLMEngine:
                 self.stats.num_prompt_tokens_computed += min(base, max(0, seq.num_prompt_tokens - start))
             if not feed.num_logits:
                 seq.num_computed_tokens = start + base
+                self.block_manager.register_full_blocks(seq)
                 continue
             first_row = spec_rows.get(seq.seq_id, -1)
             if spec:
@@ -328,6 +329,7 @@ class LLMEngine:
                 new = sampled[seq.seq_id]
                 seq.num_computed_tokens = start + base
                 first_row = plain_row_of[seq.seq_id]
+            self.block_manager.register_full_blocks(seq)
             if seq.params.logprobs is not None:
                 seq.logprobs.extend(
                     Sampler.logprobs(logits[first_row : first_row + len(new)], new, seq.params.logprobs)
@@ -339,7 +341,6 @@ class LLMEngine:
             if req.first_token_time is None:
                 req.first_token_time = now
             self._append(req, seq, new)
-        self.scheduler.update_after_step(out)
         for req in list(touched.values()):
             self._fork_siblings(req)
 

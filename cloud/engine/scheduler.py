@@ -189,9 +189,3 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return out
-
-    def update_after_step(self, out: SchedulerOutput) -> None:
-        """Publish the blocks that became full in this step to the prefix cache."""
-        for item in out.scheduled:
-            if not item.seq.is_finished:
-                self.block_manager.register_full_blocks(item.seq)

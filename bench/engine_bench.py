@@ -1,0 +1,289 @@
+"""LLM engine benchmarks on the demo zoo (CPU, one process, same weights for every contender).
+
+- ``engine``: many requests with mixed prompt/output lengths arriving at once; this engine beside
+  transformers ``generate`` one request at a time and in padded static batches, plus this engine's bare
+  batched forward as the ceiling.
+- ``spec``: batch-1 greedy with and without speculation (draft model, n-gram) beside transformers assisted
+  generation with the same draft; and speculation on vs off at 16 concurrent requests.
+- ``prefix``: time to first token for requests sharing a long system prompt, with and without prefix caching.
+"""
+
+from __future__ import annotations
+
+import random
+import resource
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from cloud.engine.config import EngineConfig
+from cloud.engine.llm_engine import LLMEngine
+from cloud.engine.model_runner import Feed
+from cloud.engine.sampling_params import SamplingParams
+from shared.zoo.corpus import held_out_files
+
+KV_BYTES = 256 << 20
+
+
+def _corpus_ids(engine: LLMEngine) -> list[int]:
+    ids: list[int] = []
+    for f in held_out_files():
+        ids.extend(engine.tokenizer.encode(f.text))
+    return ids
+
+
+def _workload(
+    corpus: list[int], num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int], seed: int
+) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    work = []
+    for _ in range(num_requests):
+        plen = rng.randint(*prompt_range)
+        start = rng.randrange(0, len(corpus) - plen)
+        work.append((corpus[start : start + plen], rng.randint(*output_range)))
+    return work
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) * 1000 if values else 0.0
+
+
+def run_engine_workload(
+    engine: LLMEngine, work: list[tuple[list[int], int]], params: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """All requests arrive at once; returns throughput, TTFT and inter-token latency."""
+    started = time.monotonic()
+    for i, (prompt, max_tokens) in enumerate(work):
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **(params or {}))
+        engine.add_request(f"r{i}", prompt, sp, arrival_time=started)
+    last_seen: dict[str, tuple[float, int]] = {}
+    ttft: list[float] = []
+    itl: list[float] = []
+    outputs: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            now = time.monotonic()
+            n = len(out.token_ids)
+            prev = last_seen.get(out.request_id)
+            if prev is None and n:
+                ttft.append(now - started)
+            elif prev is not None and n > prev[1]:
+                itl.extend([(now - prev[0]) / (n - prev[1])] * (n - prev[1]))
+            if n:
+                last_seen[out.request_id] = (now, n)
+            if out.finished:
+                outputs[out.request_id] = out.token_ids
+    seconds = time.monotonic() - started
+    num_tokens = sum(len(t) for t in outputs.values())
+    return {
+        "seconds": seconds,
+        "tokens": num_tokens,
+        "tokens_per_s": num_tokens / seconds,
+        "ttft_p50_ms": _pct(ttft, 50),
+        "ttft_p99_ms": _pct(ttft, 99),
+        "itl_p50_ms": _pct(itl, 50),
+        "itl_p99_ms": _pct(itl, 99),
+        "outputs": [outputs[f"r{i}"] for i in range(len(work))],
+    }
+
+
+def raw_forward_tokens_per_s(engine: LLMEngine, batch: int, context: int, steps: int = 20) -> float:
+    """The bare model runner decoding ``batch`` sequences at ``context`` tokens: the ceiling for the engine."""
+    runner = engine.runner
+    bs = engine.config.block_size
+    per_seq = -(-(context + steps) // bs)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+    if batch * per_seq > runner.num_blocks:
+        raise ValueError("KV budget too small for the raw-forward measurement")
+    runner.execute([Feed(t, [1] * context, 0, 1) for t in tables])
+    started = time.perf_counter()
+    for s in range(steps):
+        runner.execute([Feed(t, [1], context + s, 1) for t in tables])
+    return batch * steps / (time.perf_counter() - started)
+
+
+def _hf_model(model_dir: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def hf_sequential(model: Any, work: list[tuple[list[int], int]]) -> dict[str, Any]:
+    started = time.perf_counter()
+    outputs = []
+    for prompt, max_tokens in work:
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+        outputs.append(out[0, len(prompt) :].tolist())
+    seconds = time.perf_counter() - started
+    tokens = sum(len(o) for o in outputs)
+    return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "outputs": outputs}
+
+
+@torch.inference_mode()
+def hf_static_batches(model: Any, work: list[tuple[list[int], int]], batch_size: int, pad_id: int) -> dict[str, Any]:
+    """Left-padded batches in arrival order; each batch runs to its longest request (useful tokens counted)."""
+    started = time.perf_counter()
+    useful = 0
+    for i in range(0, len(work), batch_size):
+        chunk = work[i : i + batch_size]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for row, (prompt, _) in enumerate(chunk):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        longest = max(n for _, n in chunk)
+        model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=longest,
+            min_new_tokens=longest,
+            do_sample=False,
+            pad_token_id=pad_id,
+        )
+        useful += sum(n for _, n in chunk)
+    seconds = time.perf_counter() - started
+    return {"seconds": seconds, "tokens": useful, "tokens_per_s": useful / seconds, "batch_size": batch_size}
+
+
+def bench_engine(
+    zoo_root: Path, num_requests: int = 64, max_num_seqs: int = 64, skip_hf: bool = False, seed: int = 0
+) -> dict[str, Any]:
+    model_dir = zoo_root / "lm-cloud"
+    engine = LLMEngine(
+        EngineConfig(model_dir, kv_cache_bytes=KV_BYTES, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
+    )
+    work = _workload(_corpus_ids(engine), num_requests, (16, 256), (16, 128), seed)
+    run_engine_workload(engine, work[:4])  # warm-up
+    ours = run_engine_workload(engine, work)
+    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    mean_ctx = int(statistics.mean(len(p) + n / 2 for p, n in work))
+    raw = raw_forward_tokens_per_s(engine, min(max_num_seqs, num_requests), mean_ctx)
+    result: dict[str, Any] = {
+        "model": str(model_dir),
+        "num_requests": num_requests,
+        "max_num_seqs": max_num_seqs,
+        "torch_threads": torch.get_num_threads(),
+        "engine_tokens_per_s": round(ours["tokens_per_s"], 1),
+        "engine_seconds": round(ours["seconds"], 2),
+        "raw_forward_tokens_per_s": round(raw, 1),
+        "efficiency_vs_raw_forward": round(ours["tokens_per_s"] / raw, 3),
+        "ttft_p50_ms": round(ours["ttft_p50_ms"], 1),
+        "ttft_p99_ms": round(ours["ttft_p99_ms"], 1),
+        "itl_p50_ms": round(ours["itl_p50_ms"], 1),
+        "itl_p99_ms": round(ours["itl_p99_ms"], 1),
+        "peak_rss_mb": round(peak_rss_mb, 1),
+        "num_preemptions": engine.stats.num_preemptions,
+    }
+    if skip_hf:
+        return result
+    model = _hf_model(model_dir)
+    seq = hf_sequential(model, work)
+    static = hf_static_batches(model, work, max_num_seqs, engine.model_config.eos_token_ids[0])
+    same = sum(a == b for a, b in zip(ours["outputs"], seq["outputs"], strict=True))
+    result.update(
+        {
+            "hf_sequential_tokens_per_s": round(seq["tokens_per_s"], 1),
+            "hf_static_batch_tokens_per_s": round(static["tokens_per_s"], 1),
+            "hf_static_batch_size": max_num_seqs,
+            "speedup_vs_hf_sequential": round(ours["tokens_per_s"] / seq["tokens_per_s"], 2),
+            "speedup_vs_hf_static_batch": round(ours["tokens_per_s"] / static["tokens_per_s"], 2),
+            "outputs_identical_to_hf": f"{same}/{len(work)}",
+        }
+    )
+    return result
+
+
+def _greedy_batch1(engine: LLMEngine, prompts: list[list[int]], num_tokens: int) -> tuple[list[list[int]], float]:
+    outputs = []
+    started = time.perf_counter()
+    for prompt in prompts:
+        outputs.append(run_engine_workload(engine, [(prompt, num_tokens)])["outputs"][0])
+    return outputs, time.perf_counter() - started
+
+
+def bench_spec(zoo_root: Path, num_prompts: int = 8, num_tokens: int = 96, seed: int = 1) -> dict[str, Any]:
+    target, draft = zoo_root / "lm-cloud", zoo_root / "lm-edge"
+    plain = LLMEngine(EngineConfig(target, kv_cache_bytes=KV_BYTES))
+    prompts = [p for p, _ in _workload(_corpus_ids(plain), num_prompts, (64, 192), (1, 1), seed)]
+    total = num_prompts * num_tokens
+    _greedy_batch1(plain, prompts[:1], 8)
+    base, t_plain = _greedy_batch1(plain, prompts, num_tokens)
+    spec_engine = LLMEngine(EngineConfig(target, draft_model_dir=draft, kv_cache_bytes=KV_BYTES))
+    _greedy_batch1(spec_engine, prompts[:1], 8)
+    spec_out, t_spec = _greedy_batch1(spec_engine, prompts, num_tokens)
+    accepted = spec_engine.stats.spec_accepted.get("draft", 0)
+    proposed = spec_engine.stats.spec_proposed.get("draft", 0)
+    ngram_engine = LLMEngine(EngineConfig(target, speculation="ngram", kv_cache_bytes=KV_BYTES))
+    ngram_out, t_ngram = _greedy_batch1(ngram_engine, prompts, num_tokens)
+    # 16 concurrent requests: speculation on vs off on the same engine.
+    work16 = [(p, num_tokens) for p in (prompts * 2)[:16]]
+    on16 = run_engine_workload(spec_engine, work16)
+    off16 = run_engine_workload(spec_engine, work16, {"speculation": "off"})
+    hf_t = _hf_assisted(target, draft, prompts, num_tokens)
+    return {
+        "num_prompts": num_prompts,
+        "tokens_per_prompt": num_tokens,
+        "plain_tokens_per_s": round(total / t_plain, 1),
+        "spec_tokens_per_s": round(total / t_spec, 1),
+        "ngram_tokens_per_s": round(total / t_ngram, 1),
+        "hf_assisted_tokens_per_s": round(total / hf_t, 1),
+        "acceptance_rate": round(accepted / proposed, 3) if proposed else 0.0,
+        "ngram_acceptance_rate": round(
+            ngram_engine.stats.spec_accepted.get("ngram", 0) / max(1, ngram_engine.stats.spec_proposed.get("ngram", 0)),
+            3,
+        ),
+        "speedup": round(t_plain / t_spec, 2),
+        "ngram_speedup": round(t_plain / t_ngram, 2),
+        "outputs_identical": spec_out == base and ngram_out == base,
+        "spec_speedup_at_16": round(on16["tokens_per_s"] / off16["tokens_per_s"], 2),
+        "spec_tokens_per_s_at_16": round(on16["tokens_per_s"], 1),
+        "plain_tokens_per_s_at_16": round(off16["tokens_per_s"], 1),
+    }
+
+
+@torch.inference_mode()
+def _hf_assisted(target: Path, draft: Path, prompts: list[list[int]], num_tokens: int) -> float:
+    model, assistant = _hf_model(target), _hf_model(draft)
+    started = time.perf_counter()
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        model.generate(
+            ids,
+            assistant_model=assistant,
+            max_new_tokens=num_tokens,
+            min_new_tokens=num_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return time.perf_counter() - started
+
+
+def bench_prefix(zoo_root: Path, num_requests: int = 16, system_tokens: int = 448, seed: int = 2) -> dict[str, Any]:
+    """Requests arrive one after another, each a shared system prompt plus its own short question."""
+    model_dir = zoo_root / "lm-cloud"
+    results: dict[str, Any] = {}
+    for caching in (False, True):
+        engine = LLMEngine(EngineConfig(model_dir, kv_cache_bytes=KV_BYTES, enable_prefix_caching=caching))
+        corpus = _corpus_ids(engine)
+        system_prompt = corpus[:system_tokens]
+        suffixes = [p for p, _ in _workload(corpus, num_requests + 1, (8, 24), (1, 1), seed)]
+        run_engine_workload(engine, [(system_prompt + suffixes[-1], 1)])  # warm-up (and, with caching, fill)
+        ttfts = [run_engine_workload(engine, [(system_prompt + s, 1)])["ttft_p50_ms"] for s in suffixes[:-1]]
+        results["with_cache" if caching else "without_cache"] = statistics.median(ttfts)
+        if caching:
+            results["prefix_cache_hit_rate"] = round(engine.block_manager.prefix_cache_hit_rate(), 3)
+    return {
+        "system_prompt_tokens": system_tokens,
+        "num_requests": num_requests,
+        "ttft_ms_without_prefix_cache": round(results["without_cache"], 2),
+        "ttft_ms_with_prefix_cache": round(results["with_cache"], 2),
+        "ttft_speedup": round(results["without_cache"] / results["with_cache"], 2),
+        "prefix_cache_hit_rate": results["prefix_cache_hit_rate"],
+    }

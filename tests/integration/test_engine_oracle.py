@@ -1,0 +1,130 @@
+"""The engine's model against transformers on randomly initialised checkpoints (fp32, atol 1e-4)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from cloud.engine.loader import load_model
+from cloud.engine.model_runner import Feed, ModelRunner
+from shared.errors import ConfigurationError
+
+ATOL = 1e-4
+BLOCK = 8
+PROMPT_LENGTHS = (1, 7, 8, 23, 40)
+SMALL = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2}
+
+CASES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
+    "llama-gqa": (LlamaForCausalLM, LlamaConfig, {"num_attention_heads": 4, "num_key_value_heads": 2}),
+    "llama-mha-untied": (LlamaForCausalLM, LlamaConfig, {"num_attention_heads": 4, "tie_word_embeddings": False}),
+    "qwen2-tied-bias": (
+        Qwen2ForCausalLM,
+        Qwen2Config,
+        {"num_attention_heads": 4, "num_key_value_heads": 1, "tie_word_embeddings": True, "rope_theta": 1e6},
+    ),
+    "mistral": (MistralForCausalLM, MistralConfig, {"num_attention_heads": 4, "num_key_value_heads": 2}),
+    "llama-rope-linear": (
+        LlamaForCausalLM,
+        LlamaConfig,
+        {"num_attention_heads": 4, "num_key_value_heads": 2, "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+    ),
+    "llama-rope-dynamic": (
+        LlamaForCausalLM,
+        LlamaConfig,
+        {
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 16,
+            "rope_scaling": {"rope_type": "dynamic", "factor": 2.0},
+        },
+    ),
+}
+
+
+def _save(tmp_path: Path, case: str, max_shard_size: str | None = None) -> tuple[Any, Path]:
+    model_cls, config_cls, extra = CASES[case]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**SMALL, **extra)).eval()
+    out = tmp_path / case
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, **kwargs)
+    return model, out
+
+
+def _runner(path: Path) -> ModelRunner:
+    return ModelRunner(path, torch.device("cpu"), torch.float32, BLOCK, num_blocks=64, max_model_len=128)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_prefill_logits_match_transformers(tmp_path: Path, case: str) -> None:
+    hf, path = _save(tmp_path, case)
+    runner = _runner(path)
+    gen = torch.Generator().manual_seed(1)
+    for n in PROMPT_LENGTHS:
+        ids = torch.randint(0, SMALL["vocab_size"], (1, n), generator=gen)
+        with torch.no_grad():
+            expected = hf(ids).logits[0]
+        got = runner.execute([Feed(list(range(8)), ids[0].tolist(), 0, n)])
+        torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_step_by_step_decode_through_paged_cache_matches_transformers(tmp_path: Path, case: str) -> None:
+    """A chunked prefill then one token at a time, through scattered (non-contiguous) blocks, against
+    transformers' own incremental decoding with its KV cache."""
+    hf, path = _save(tmp_path, case)
+    runner = _runner(path)
+    ids = torch.randint(0, SMALL["vocab_size"], (1, 30), generator=torch.Generator().manual_seed(2))
+    table = [13, 2, 40, 7, 21]  # deliberately out of order
+    with torch.no_grad():
+        out = hf(ids[:, :11], use_cache=True)
+        cache, expected = out.cache, [out.logits[0, -1]]
+        for p in range(11, 30):
+            out = hf(ids[:, p : p + 1], cache=cache, use_cache=True)
+            cache = out.cache
+            expected.append(out.logits[0, -1])
+    got = [runner.execute([Feed(table, ids[0, :11].tolist(), 0, 1)])[0]]
+    for p in range(11, 30):
+        got.append(runner.execute([Feed(table, [int(ids[0, p])], p, 1)])[0])
+    torch.testing.assert_close(torch.stack(got), torch.stack(expected), atol=ATOL, rtol=0)
+
+
+def test_batched_decode_of_different_lengths_matches_single_sequences(tmp_path: Path) -> None:
+    """Sequences of different context lengths decoded in one batch give the logits each gets alone."""
+    hf, path = _save(tmp_path, "llama-gqa")
+    runner = _runner(path)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 17, 33)]
+    tables = [[0, 1, 2, 3, 4], [10, 11, 12, 13, 14], [20, 21, 22, 23, 24, 25]]
+    runner.execute([Feed(t, p[:-1], 0, 0) for t, p in zip(tables, prompts, strict=True)] or [])
+    batched = runner.execute([Feed(t, p[-1:], len(p) - 1, 1) for t, p in zip(tables, prompts, strict=True)])
+    with torch.no_grad():
+        for row, p in zip(batched, prompts, strict=True):
+            torch.testing.assert_close(row, hf(torch.tensor([p])).logits[0, -1], atol=ATOL, rtol=0)
+
+
+def test_sharded_checkpoint_loads_like_a_single_file(tmp_path: Path) -> None:
+    hf, path = _save(tmp_path, "llama-gqa", max_shard_size="100KB")
+    assert (path / "model.safetensors.index.json").is_file()
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(4))
+    got = _runner(path).execute([Feed(list(range(4)), ids[0].tolist(), 0, 12)])
+    with torch.no_grad():
+        torch.testing.assert_close(got, hf(ids).logits[0], atol=ATOL, rtol=0)
+
+
+def test_unsupported_or_broken_checkpoints_are_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError, match=r"no config\.json"):
+        load_model(tmp_path, torch.device("cpu"), torch.float32, 16)
+    _, path = _save(tmp_path, "llama-gqa")
+    config = (path / "config.json").read_text()
+    (path / "config.json").write_text(config.replace('"model_type": "llama"', '"model_type": "gpt2"'))
+    with pytest.raises(ConfigurationError, match="model_type 'gpt2' is not supported"):
+        load_model(path, torch.device("cpu"), torch.float32, 16)
+    (path / "config.json").write_text(config)
+    (path / "model.safetensors").unlink()
+    with pytest.raises(ConfigurationError, match=r"no \*\.safetensors"):
+        load_model(path, torch.device("cpu"), torch.float32, 16)
