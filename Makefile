@@ -38,6 +38,10 @@ lint: install
 bench: install
 	$(BIN)/tierline zoo build --preset demo
 	$(BIN)/tierline bench zoo --preset demo
+	$(BIN)/tierline bench engine --json
+	$(BIN)/tierline bench spec --json
+	$(BIN)/tierline bench prefix --json
+	$(BIN)/tierline bench tensor --json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

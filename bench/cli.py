@@ -4,10 +4,46 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import click
 
 from shared.planned import planned
+
+PRESETS = ["tiny", "demo"]
+
+
+def _emit(result: dict[str, Any], as_json: bool) -> None:
+    """One JSON object with --json; a readable two-column table otherwise."""
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    width = max((len(k) for k in result), default=0)
+    for key, value in result.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}={v}" for k, v in value.items())
+        click.echo(f"{key:<{width}}  {value}")
+
+
+def _zoo_root(preset: str, zoo_dir: Path | None) -> Path:
+    """The built zoo preset (building it first when missing: the benchmarks need its artifacts)."""
+    from shared.artifacts import load_or_create_signing_key
+    from shared.settings import CoreSettings
+    from shared.zoo.build import build_zoo
+    from shared.zoo.presets import get_preset
+
+    core = CoreSettings()
+    base = zoo_dir or core.zoo_dir
+    build_zoo(get_preset(preset), base, load_or_create_signing_key(core.signing_key_path))
+    return base / preset
+
+
+def _zoo_options(fn: Any) -> Any:
+    fn = click.option("--json", "as_json", is_flag=True, help="print one JSON object")(fn)
+    fn = click.option(
+        "--zoo-dir", type=click.Path(path_type=Path), default=None, help="default $TIERLINE_DATA_DIR/zoo"
+    )(fn)
+    return click.option("--preset", type=click.Choice(PRESETS), default="demo", show_default=True)(fn)
 
 
 @click.group()
@@ -29,6 +65,52 @@ def bench_zoo(preset: str, zoo_dir: Path | None, tokens: int, repeats: int) -> N
     click.echo(json.dumps(run_zoo_bench(root, num_tokens=tokens, repeats=repeats), indent=2))
 
 
-bench.add_command(planned("engine", "LLM engine throughput beside transformers.", issue=3))
+@bench.command("engine")
+@_zoo_options
+@click.option("--requests", "num_requests", type=int, default=64, show_default=True)
+@click.option("--max-num-seqs", type=int, default=64, show_default=True)
+@click.option("--skip-hf", is_flag=True, help="only this engine (no transformers baselines)")
+def bench_engine(
+    preset: str, zoo_dir: Path | None, as_json: bool, num_requests: int, max_num_seqs: int, skip_hf: bool
+) -> None:
+    """Continuous batching on mixed requests beside transformers (sequential and static batches)."""
+    from bench.engine_bench import bench_engine as run
+
+    _emit(run(_zoo_root(preset, zoo_dir), num_requests, max_num_seqs, skip_hf), as_json)
+
+
+@bench.command("spec")
+@_zoo_options
+@click.option("--prompts", "num_prompts", type=int, default=8, show_default=True)
+@click.option("--tokens", "num_tokens", type=int, default=96, show_default=True)
+def bench_spec(preset: str, zoo_dir: Path | None, as_json: bool, num_prompts: int, num_tokens: int) -> None:
+    """Speculative decoding (draft model, n-gram) beside plain decoding and transformers assisted generation."""
+    from bench.engine_bench import bench_spec as run
+
+    _emit(run(_zoo_root(preset, zoo_dir), num_prompts, num_tokens), as_json)
+
+
+@bench.command("prefix")
+@_zoo_options
+@click.option("--requests", "num_requests", type=int, default=16, show_default=True)
+@click.option("--system-tokens", type=int, default=448, show_default=True, help="shared prefix length (< context)")
+def bench_prefix(preset: str, zoo_dir: Path | None, as_json: bool, num_requests: int, system_tokens: int) -> None:
+    """Time to first token with and without prefix caching for requests sharing a system prompt."""
+    from bench.engine_bench import bench_prefix as run
+
+    _emit(run(_zoo_root(preset, zoo_dir), num_requests, system_tokens), as_json)
+
+
+@bench.command("tensor")
+@_zoo_options
+@click.option("--requests", "num_requests", type=int, default=2000, show_default=True)
+@click.option("--concurrency", type=int, default=64, show_default=True)
+def bench_tensor(preset: str, zoo_dir: Path | None, as_json: bool, num_requests: int, concurrency: int) -> None:
+    """The digits classifier through ONNX Runtime: dynamic batching vs one request at a time."""
+    from bench.tensor_bench import run_tensor_bench
+
+    _emit(run_tensor_bench(_zoo_root(preset, zoo_dir), num_requests, concurrency), as_json)
+
+
 bench.add_command(planned("cascade", "Edge/cloud cascade quality vs edge share.", issue=6))
 bench.add_command(planned("billing", "Usage ingestion and rating throughput.", issue=8))

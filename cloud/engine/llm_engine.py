@@ -401,8 +401,8 @@ class LLMEngine:
                 self.scheduler.finish(seq, FinishReason.STOP)
                 self.sampler.release(seq)
             finished = finished and seq.is_finished
-            emitted = getattr(detok, "num_emitted_tokens", 0)
-            detok.num_emitted_tokens = len(out_ids)  # type: ignore[attr-defined]
+            emitted = detok.num_emitted_tokens
+            detok.num_emitted_tokens = len(out_ids)
             outputs.append(
                 CompletionOutput(
                     index=i,

@@ -39,8 +39,12 @@ class StepCost:
         self.seconds = seconds
 
     @classmethod
-    def measure(cls, runner: ModelRunner, max_tokens: int, repeats: int = 3) -> StepCost:
-        """Time decode-shaped batches (one token per sequence, short contexts) on the empty cache."""
+    def measure(cls, runner: ModelRunner, max_tokens: int, repeats: int = 5) -> StepCost:
+        """Time decode-shaped batches (one token per sequence, short contexts) on the empty cache.
+
+        The best of several runs, made non-decreasing in the number of tokens, so that a noisy neighbour
+        during start-up does not make small steps look dearer than large ones.
+        """
         sizes = [s for s in CALIBRATION_SIZES if s <= max_tokens] or [1]
         blocks = list(range(min(runner.num_blocks, 4)))
         seconds = []
@@ -53,6 +57,8 @@ class StepCost:
                 runner.execute(feeds)
                 best = min(best, time.perf_counter() - t0)
             seconds.append(best)
+        for i in range(len(seconds) - 2, -1, -1):
+            seconds[i] = min(seconds[i], seconds[i + 1])
         return cls(sizes, seconds)
 
     def __call__(self, num_tokens: int) -> float:

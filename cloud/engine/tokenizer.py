@@ -93,8 +93,11 @@ def _raise_template_error(message: str) -> None:
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into UTF-8-safe text deltas, and finds stop strings.
 
-    Text is decoded from the output ids; a trailing U+FFFD means a multi-byte character is split across
-    tokens, so it is held back until the next token completes it.
+    Only a short window is decoded per update (vLLM's prefix/read offsets): the text of
+    ``ids[prefix:read]`` is compared with that of ``ids[prefix:]`` so tokenizers that treat the first token
+    of a decode specially still produce the right delta. A trailing U+FFFD means a multi-byte character is
+    split across tokens; it is held back until the next token completes it. With stop strings, the last
+    ``len(stop) - 1`` characters are held back so a stop string is never partly emitted.
     """
 
     def __init__(self, tokenizer: ChatTokenizer, stop: list[str]) -> None:
@@ -102,26 +105,43 @@ class IncrementalDetokenizer:
         self.stop = stop
         self.text = ""
         self.num_emitted_chars = 0
+        self.num_emitted_tokens = 0
+        self._prefix_offset = 0
+        self._read_offset = 0
         self._hold = max((len(s) for s in stop), default=1) - 1
+        self._stopped = False
+
+    def _advance(self, ids: list[int]) -> None:
+        while self._read_offset < len(ids):
+            prefix = self.tokenizer.decode(ids[self._prefix_offset : self._read_offset])
+            end = self._read_offset + 1
+            # Extend the window until the new tokens form whole characters (or the ids run out).
+            while True:
+                full = self.tokenizer.decode(ids[self._prefix_offset : end])
+                if not full.endswith("\ufffd") or end >= len(ids):
+                    break
+                end += 1
+            if full.endswith("\ufffd"):
+                return  # an incomplete character at the very end: wait for the next token
+            self.text += full[len(prefix) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = end
 
     def update(self, output_ids: list[int], is_final: bool) -> tuple[str, bool]:
         """Returns (new text to emit, stopped by a stop string). Text after a stop string is never emitted."""
-        text = self.tokenizer.decode(output_ids)
+        if self._stopped:
+            return "", True
+        searched_from = max(0, self.num_emitted_chars - self._hold)
+        self._advance(output_ids)
         stopped = False
         for s in self.stop:
-            pos = text.find(s, max(0, self.num_emitted_chars - len(s) + 1))
+            pos = self.text.find(s, searched_from)
             if pos != -1:
-                text = text[:pos]
-                stopped = True
-        self.text = text
-        if stopped or is_final:
-            safe_end = len(text)
-        else:
-            safe_end = len(text) - self._hold
-            while safe_end > 0 and text[safe_end - 1] == "\ufffd":
-                safe_end -= 1
+                self.text = self.text[:pos]
+                stopped = self._stopped = True
+        safe_end = len(self.text) if (stopped or is_final) else len(self.text) - self._hold
         if safe_end <= self.num_emitted_chars:
             return "", stopped
-        delta = text[self.num_emitted_chars : safe_end]
+        delta = self.text[self.num_emitted_chars : safe_end]
         self.num_emitted_chars = safe_end
         return delta, stopped

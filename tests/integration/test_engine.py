@@ -15,6 +15,7 @@ from cloud.engine.llm_engine import LLMEngine
 from cloud.engine.model_config import ModelConfig
 from cloud.engine.model_runner import ModelRunner
 from cloud.engine.scheduler import QueueFull
+from cloud.engine.tokenizer import ChatTokenizer, IncrementalDetokenizer
 from shared.errors import ValidationError
 from shared.zoo.registry import ZooLayout
 
@@ -194,3 +195,23 @@ def test_async_engine_streams_deltas_and_cancellation_frees_blocks(lm_dirs: tupl
             edge.shutdown()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("stop", [[], ["wörld"], ["日本"], ["never-there"]])
+def test_incremental_detokenizer_emits_whole_characters_and_never_part_of_a_stop_string(
+    lm_dirs: tuple[Path, Path], stop: list[str]
+) -> None:
+    tokenizer = ChatTokenizer(lm_dirs[0])
+    text = "héllo wörld — ünïcode ✓ 日本語 done\n    x = 1"
+    ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer(tokenizer, stop)
+    emitted, stopped = [], False
+    for i in range(1, len(ids) + 1):
+        delta, stopped = detok.update(ids[:i], is_final=i == len(ids))
+        assert "\ufffd" not in delta
+        emitted.append(delta)
+        if stopped:
+            break
+    expected = text[: text.index(stop[0])] if stop and stop[0] in text else text
+    assert "".join(emitted) == expected == detok.text
+    assert stopped == bool(stop and stop[0] in text)

@@ -30,6 +30,10 @@ SURFACE = [
     ["models", "list"],
     ["rollouts", "create"],
     ["bench", "zoo"],
+    ["bench", "engine"],
+    ["bench", "spec"],
+    ["bench", "prefix"],
+    ["bench", "tensor"],
 ]
 
 
