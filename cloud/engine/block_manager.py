@@ -75,31 +75,44 @@ class BlockManager:
             hashes.append(parent)
         return hashes
 
-    def allocate_cached_prefix(self, seq: Sequence) -> int:
-        """Give a sequence without blocks the cached blocks of its longest cached prefix; returns tokens covered.
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Blocks holding the longest cached prefix of a sequence without blocks (no side effects).
 
         At least one token is always left to compute, since its logits are needed to sample. A sequence
         preempted earlier finds its own output blocks again if they were not evicted meanwhile.
         """
         assert not seq.block_table, "sequence already has blocks"
         if not self.enable_prefix_caching:
-            return 0
-        hashes = self._full_block_hashes(seq)
-        seq.block_hashes = hashes
+            return []
         hits: list[int] = []
-        for h in hashes:
+        for h in self._full_block_hashes(seq):
             block_id = self._cached.get(h)
             if block_id is None:
                 break
             hits.append(block_id)
         if hits and len(hits) * self.block_size >= seq.num_tokens:
             hits.pop()
+        return hits
+
+    def num_free_among(self, block_ids: list[int]) -> int:
+        """How many of these (cached) blocks sit in the free queue, i.e. taking them uses up free blocks."""
+        return sum(1 for b in block_ids if self.blocks[b].ref_count == 0)
+
+    def allocate_cached_prefix(self, seq: Sequence, hits: list[int] | None = None) -> int:
+        """Give a sequence without blocks its cached prefix blocks (``hits`` from ``find_cached_prefix``);
+        returns the tokens they cover. Hit-rate counters count each request's prompt once, at first admission.
+        """
+        if hits is None:
+            hits = self.find_cached_prefix(seq)
         for block_id in hits:
             self._take(block_id)
         seq.block_table.extend(hits)
+        if self.enable_prefix_caching:
+            seq.block_hashes = self._full_block_hashes(seq)[: len(hits)]
         num = len(hits) * self.block_size
-        self.num_queried_tokens += seq.num_prompt_tokens
-        self.num_hit_tokens += num
+        if self.enable_prefix_caching and seq.num_preemptions == 0:
+            self.num_queried_tokens += seq.num_prompt_tokens
+            self.num_hit_tokens += min(num, seq.num_prompt_tokens)
         return num
 
     def register_full_blocks(self, seq: Sequence) -> None:

@@ -254,10 +254,6 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self.stats.num_preemptions = self.scheduler.num_preemptions
         touched: dict[str, _Request] = {}
-        for seq in out.aborted:
-            req = self._requests.get(seq.request_id)
-            if req is not None:
-                touched[req.request_id] = req
         if out.scheduled:
             self._run(out, touched)
         self.stats.num_steps += 1
@@ -425,7 +421,6 @@ class LLMEngine:
         )
         if finished:
             del self._requests[req.request_id]
-        aborted = any(s.finish_reason is FinishReason.ABORT for s in req.seqs)
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=first.prompt_token_ids,
@@ -433,7 +428,6 @@ class LLMEngine:
             finished=finished,
             usage=usage,
             ttft_s=(req.first_token_time - req.arrival_time) if req.first_token_time else None,
-            error="the request does not fit in the KV cache" if aborted and finished else None,
         )
 
     def get_request(self, request_id: str) -> _Request:

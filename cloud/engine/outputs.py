@@ -42,7 +42,6 @@ class RequestOutput:
     finished: bool
     usage: Usage
     ttft_s: float | None = None
-    error: str | None = None
 
     @property
     def text(self) -> str:

@@ -23,7 +23,7 @@ class Sampler:
         if g is None:
             g = torch.Generator(device=self.device)
             # Siblings of an n > 1 request draw different streams from the same seed.
-            g.manual_seed(seq.params.seed * 1_000_003 + seq.sibling_index)
+            g.manual_seed((seq.params.seed * 1_000_003 + seq.sibling_index) % (1 << 63))
             self._generators[seq.seq_id] = g
         return g
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from cloud.engine.block_manager import BlockManager
 from cloud.engine.sequence import FinishReason, Sequence, SequenceStatus
-from shared.errors import RateLimitError
+from shared.errors import RateLimitError, ValidationError
 
 
 class QueueFull(RateLimitError):  # noqa: N818 (the name the API layer and docs use)
@@ -53,7 +53,6 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    aborted: list[Sequence] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -75,11 +74,29 @@ class Scheduler:
 
     # -- queue --------------------------------------------------------------------------------------------------
     @property
+    def num_queued_tokens(self) -> int:
+        """Tokens still to compute for the waiting sequences (what ``max_num_queued_tokens`` bounds)."""
+        return self._num_queued_tokens
+
+    @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
     def add(self, seqs: list[Sequence]) -> None:
-        """Queue the sequences of one request, all or none; raises QueueFull at the bound."""
+        """Queue the sequences of one request, all or none.
+
+        Raises ValidationError when one sequence at its longest could never fit the whole cache, and QueueFull
+        at the queue bound.
+        """
+        bm = self.block_manager
+        for seq in seqs:
+            need = bm.blocks_needed(seq.num_prompt_tokens + seq.max_tokens)
+            if need > bm.num_blocks:
+                raise ValidationError(
+                    f"the request needs up to {need} KV blocks ({seq.num_prompt_tokens} prompt + {seq.max_tokens} "
+                    f"completion tokens) but the cache holds {bm.num_blocks}; reduce the prompt or max_tokens",
+                    param="max_tokens",
+                )
         tokens = sum(s.num_uncomputed_tokens for s in seqs)
         if len(self.waiting) + len(seqs) > self.config.max_num_queued_requests:
             raise QueueFull(f"the engine queue is full ({len(self.waiting)} waiting); retry later", retry_after=1.0)
@@ -134,7 +151,6 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager
-        scheduled_ids: set[int] = set()
         self.running.sort(key=Sequence.sort_key)
         i = 0
         while i < len(self.running) and budget > 0:
@@ -155,7 +171,6 @@ class Scheduler:
             else:
                 bm.allocate(seq, num_new)
                 out.scheduled.append(ScheduledSeq(seq, num_new))
-                scheduled_ids.add(seq.seq_id)
                 budget -= num_new
                 i += 1
                 continue
@@ -164,25 +179,25 @@ class Scheduler:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not seq.block_table:
-                cached = bm.allocate_cached_prefix(seq)
-                seq.num_computed_tokens = cached
-                seq.num_cached_tokens = max(seq.num_cached_tokens, min(cached, seq.num_prompt_tokens))
-                self._num_queued_tokens -= cached
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            if not bm.can_allocate(seq, num_new, reserve=self.config.watermark_blocks):
-                if not self.running and not out.scheduled:
-                    # Nothing else holds blocks: the request can never fit in this cache.
-                    if not bm.can_allocate(seq, num_new):
-                        self._dequeue(seq)
-                        bm.free(seq)
-                        seq.status = SequenceStatus.FINISHED
-                        seq.finish_reason = FinishReason.ABORT
-                        out.aborted.append(seq)
-                        continue
-                else:
+            # Keep a few blocks for the running sequences to grow into; with none running, use them all.
+            reserve = self.config.watermark_blocks if self.running else 0
+            hits: list[int] = []
+            if seq.block_table:  # a forked sibling already shares its parent's prompt blocks
+                num_new = min(seq.num_uncomputed_tokens, budget)
+                if not bm.can_allocate(seq, num_new, reserve=reserve):
+                    break
+            else:
+                hits = bm.find_cached_prefix(seq)
+                computed = len(hits) * bm.block_size
+                num_new = min(seq.num_tokens - computed, budget)
+                need = bm.blocks_needed(computed + num_new) - len(hits) + bm.num_free_among(hits)
+                if need > bm.num_free_blocks - reserve:
                     break
             self._dequeue(seq)
+            if not seq.block_table:
+                seq.num_computed_tokens = bm.allocate_cached_prefix(seq, hits)
+                if seq.num_preemptions == 0:
+                    seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
             bm.allocate(seq, num_new)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
