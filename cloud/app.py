@@ -1,72 +1,139 @@
-"""The cloud inference API (Litestar). Routes grow with issue 4; auth and errors are final here."""
+"""The cloud inference API (Litestar): OpenAI-compatible routes in front of the LLM engines.
+
+Controllers stay thin: they parse and validate the body, resolve the caller, and hand over to
+``CompletionService``. Errors use the OpenAI shape (``shared.http``).
+"""
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from litestar import Litestar, Request, get
+from litestar import Litestar, Request, Response, get, post
 from litestar.datastructures import State
 from litestar.di import Provide
+from litestar.exceptions import SerializationException
+from litestar.response import Stream
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
+from cloud.completions import Caller, CompletionService
+from cloud.engines import EnginePool
+from cloud.metering import UsageWriter
 from cloud.models_catalog import ServedModel, find, load_catalog
 from cloud.settings import CloudSettings
-from shared.errors import AuthenticationError, ServiceUnavailableError
+from shared.errors import AuthenticationError, ServiceUnavailableError, ValidationError
 from shared.http import EXCEPTION_HANDLERS, healthz
+from shared.openai_schema import ChatCompletionRequest, CompletionRequest, parse_request
 from shared.settings import CoreSettings
 from shared.storage.migrate import is_up_to_date
-from shared.storage.models import Tenant
 from shared.storage.session import get_engine
 from shared.tenancy import authenticate
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def _model_json(m: ServedModel) -> dict[str, Any]:
     return {"id": m.id, "object": "model", "created": m.created, "owned_by": "tierline"}
 
 
-def require_tenant(request: Request[Any, Any, Any], state: State) -> Tenant:
+def require_caller(request: Request[Any, Any, Any], state: State) -> Caller:
     header = request.headers.get("authorization", "")
     scheme, _, secret = header.partition(" ")
     if scheme.lower() != "bearer" or not secret.strip():
         raise AuthenticationError("missing bearer API key (Authorization: Bearer tl-...)")
     with Session(state.engine) as session:
-        tenant, _key = authenticate(session, secret.strip())
-    return tenant
+        tenant, key = authenticate(session, secret.strip())
+        session.expunge_all()
+    request_id = request.headers.get("x-request-id", "")
+    if not (0 < len(request_id) <= 64 and request_id.replace("-", "").isalnum()):
+        request_id = uuid.uuid4().hex
+    return Caller(tenant=tenant, key=key, request_id=request_id)
+
+
+CALLER = {"caller": Provide(require_caller, sync_to_thread=True)}
 
 
 @get("/readyz", sync_to_thread=True, include_in_schema=False)
-def readyz(state: State) -> dict[str, str]:
-    """Readiness: the database answers and is migrated to this code's schema."""
+def readyz(state: State) -> dict[str, Any]:
+    """Readiness: the database answers and is migrated, and the engines are loaded."""
     try:
         ok = is_up_to_date(state.engine)
     except Exception as exc:
-        raise ServiceUnavailableError(f"database unavailable: {type(exc).__name__}") from exc
+        raise ServiceUnavailableError(f"database unavailable: {type(exc).__name__}") from None
     if not ok:
         raise ServiceUnavailableError("database schema is behind; run `tierline db upgrade`")
-    return {"status": "ready"}
+    pool: EnginePool | None = state.get("pool")
+    if pool is None:
+        raise ServiceUnavailableError("models are still loading")
+    return {"status": "ready", "models": sorted(pool.engines)}
 
 
-@get("/v1/models", dependencies={"tenant": Provide(require_tenant, sync_to_thread=True)}, sync_to_thread=False)
-def list_models(state: State, tenant: Tenant) -> dict[str, Any]:
+@get("/v1/models", dependencies=CALLER, sync_to_thread=False)
+def list_models(state: State, caller: Caller) -> dict[str, Any]:
     return {"object": "list", "data": [_model_json(m) for m in state.catalog]}
 
 
-@get(
-    "/v1/models/{model_id:path}",
-    dependencies={"tenant": Provide(require_tenant, sync_to_thread=True)},
-    sync_to_thread=False,
-)
-def get_model(state: State, tenant: Tenant, model_id: str) -> dict[str, Any]:
+@get("/v1/models/{model_id:path}", dependencies=CALLER, sync_to_thread=False)
+def get_model(state: State, caller: Caller, model_id: str) -> dict[str, Any]:
     return _model_json(find(state.catalog, model_id.lstrip("/")))
+
+
+async def _body(request: Request[Any, Any, Any]) -> Any:
+    try:
+        return await request.json()
+    except SerializationException:
+        raise ValidationError("the request body is not valid JSON") from None
+
+
+def _respond(caller: Caller, result: dict[str, Any] | AsyncIterator[bytes]) -> Response[Any]:
+    headers = {"x-request-id": caller.request_id, "x-tierline-tier": "cloud"}
+    if isinstance(result, dict):
+        return Response(result, headers=headers)
+    return Stream(result, media_type="text/event-stream", headers={**headers, **SSE_HEADERS})
+
+
+@post("/v1/chat/completions", dependencies=CALLER, status_code=200)
+async def chat_completions(request: Request[Any, Any, Any], state: State, caller: Caller) -> Response[Any]:
+    """OpenAI chat completions, with ``stream: true`` as server-sent events."""
+    req = parse_request(ChatCompletionRequest, await _body(request))
+    return _respond(caller, await state.service.chat(caller, req))
+
+
+@post("/v1/completions", dependencies=CALLER, status_code=200)
+async def completions(request: Request[Any, Any, Any], state: State, caller: Caller) -> Response[Any]:
+    """OpenAI (legacy) completions, with ``stream: true`` as server-sent events."""
+    req = parse_request(CompletionRequest, await _body(request))
+    return _respond(caller, await state.service.completions(caller, req))
 
 
 def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Litestar:
     core = CoreSettings()
-    root = zoo_root or core.zoo_dir / CloudSettings().zoo_preset
+    settings = CloudSettings()
+    root = zoo_root or core.zoo_dir / settings.zoo_preset
+    db = engine or get_engine()
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        usage = UsageWriter(db, settings.usage_flush_ms / 1000)
+        await usage.start()
+        pool = EnginePool.from_zoo(root, settings)
+        app.state.pool = pool
+        app.state.usage = usage
+        app.state.service = CompletionService(pool, usage, settings.request_timeout_s)
+        try:
+            yield
+        finally:
+            pool.shutdown()
+            await usage.close()
+
     return Litestar(
-        route_handlers=[healthz, readyz, list_models, get_model],
+        route_handlers=[healthz, readyz, list_models, get_model, chat_completions, completions],
         exception_handlers=EXCEPTION_HANDLERS,
-        state=State({"engine": engine or get_engine(), "catalog": load_catalog(root)}),
+        state=State({"engine": db, "catalog": load_catalog(root)}),
+        lifespan=[lifespan],
+        request_max_body_size=settings.max_body_bytes,
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -10,3 +12,13 @@ class CloudSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TIERLINE_CLOUD_", extra="ignore")
 
     zoo_preset: str = Field("demo", description="which built zoo preset the cloud serves")
+    device: str = Field("cpu", description="torch device for the LLM engines: cpu or cuda")
+    kv_cache_mb: int = Field(256, ge=1, description="KV-cache budget per engine, MiB")
+    max_num_seqs: int = Field(64, ge=1, description="sequences decoded together per engine step")
+    max_num_batched_tokens: int = Field(1024, ge=1, description="token budget per engine step")
+    max_num_queued_requests: int = Field(1024, ge=1, description="waiting requests before 429 overloaded")
+    speculation: Literal["draft", "ngram", "off"] = Field("draft", description="speculative decoding of lm-cloud")
+    num_threads: int | None = Field(None, ge=1, description="torch threads (default: all cores)")
+    request_timeout_s: float = Field(300.0, gt=0, description="server-side deadline per request")
+    max_body_bytes: int = Field(4 << 20, ge=1024, description="largest accepted request body")
+    usage_flush_ms: int = Field(200, ge=10, description="how often usage records are written, in batches")

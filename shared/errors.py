@@ -76,3 +76,11 @@ class ArtifactVerificationError(ApplicationError):
     status_code = 422
     error_type = "invalid_request_error"
     code = "artifact_verification_failed"
+
+
+class DeadlineExceededError(ApplicationError):
+    """The request ran past the server-side deadline; generation was stopped."""
+
+    status_code = 504
+    error_type = "timeout"
+    code = "deadline_exceeded"

@@ -20,7 +20,7 @@ from shared.errors import RateLimitError, ValidationError
 class QueueFull(RateLimitError):  # noqa: N818 (the name the API layer and docs use)
     """The waiting queue is at its bound; the API answers 429 with Retry-After."""
 
-    code = "queue_full"
+    code = "overloaded"
 
 
 @dataclass(slots=True)

@@ -133,6 +133,10 @@ class UsageRecord(SQLModel, table=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
+    status: str = Field(default="ok", max_length=16, description="ok | abandoned | error")
+    latency_ms: float | None = None
+    ttft_ms: float | None = None
+    rollout_arm: str | None = Field(default=None, max_length=16)
     occurred_at: datetime = _ts()
     ingested_at: datetime = _ts()
 

@@ -50,7 +50,8 @@ def test_cloud_requires_a_key_and_answers_in_the_openai_shape(cloud: str, cloud_
     assert err["type"] == "authentication_error" and "bearer" in err["message"].lower()
     r = httpx.get(f"{cloud}/v1/models", headers={"Authorization": "Bearer tl-not-a-real-key"})
     assert r.status_code == 401
-    assert httpx.get(f"{cloud}/readyz").json() == {"status": "ready"}
+    ready = httpx.get(f"{cloud}/readyz").json()
+    assert ready["status"] == "ready" and "tierline/lm-cloud" in ready["models"]
 
 
 def test_cli_key_works_with_the_openai_sdk_until_revoked(cloud: str, cloud_env: dict[str, str]) -> None:

@@ -1,0 +1,396 @@
+"""Chat completions and completions on the LLM engines: OpenAI response and stream shapes, usage metering.
+
+Every request that produced tokens writes exactly one usage record — including a stream the client
+abandoned (billed for what was generated; generation stops at once) and a request cut by the deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from cloud.engine.outputs import RequestOutput
+from cloud.engine.sampling_params import SamplingParams
+from cloud.engine.sequence import Logprob
+from cloud.engines import EnginePool, ServedLM
+from cloud.metering import UsageWriter
+from shared.errors import DeadlineExceededError, PermissionDeniedError, ValidationError
+from shared.openai_schema import ChatCompletionRequest, CompletionRequest
+from shared.storage.models import ApiKey, Tenant, UsageRecord
+
+
+@dataclass(slots=True)
+class Caller:
+    tenant: Tenant
+    key: ApiKey | None
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True)
+class _Meter:
+    """Token counts seen so far for one API request (several engine requests when n or prompts > 1)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    first_token_at: float | None = None
+    by_request: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+
+    def update(self, out: RequestOutput) -> None:
+        u = out.usage
+        self.by_request[out.request_id] = (u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+        self.prompt_tokens = sum(v[0] for v in self.by_request.values())
+        self.completion_tokens = sum(v[1] for v in self.by_request.values())
+        self.cached_tokens = sum(v[2] for v in self.by_request.values())
+        if self.first_token_at is None and u.completion_tokens:
+            self.first_token_at = time.monotonic()
+
+    def usage(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+class CompletionService:
+    def __init__(self, pool: EnginePool, usage: UsageWriter, request_timeout_s: float) -> None:
+        self.pool = pool
+        self.usage = usage
+        self.request_timeout_s = request_timeout_s
+
+    # -- shared -------------------------------------------------------------------------------------------------
+    def _resolve(self, caller: Caller, model: str) -> ServedLM:
+        allowed = caller.key.allowed_models if caller.key is not None else None
+        if allowed and model not in allowed:
+            raise PermissionDeniedError(f"this API key may not use model '{model}'", param="model")
+        return self.pool.get(model)
+
+    @staticmethod
+    def _params(
+        req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None, logprobs: int | None
+    ) -> SamplingParams:
+        return SamplingParams(
+            n=req.n,
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            seed=req.seed,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            stop=req.stop_list,
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            speculation=req.speculation,
+        )
+
+    def _record(self, caller: Caller, served: ServedLM, meter: _Meter, status: str) -> None:
+        if meter.prompt_tokens == 0 and meter.completion_tokens == 0:
+            return
+        now = time.monotonic()
+        self.usage.submit(
+            UsageRecord(
+                id=caller.request_id,
+                tenant_id=caller.tenant.id or 0,
+                api_key_id=caller.key.id if caller.key is not None else None,
+                model=served.model_id,
+                model_version=served.version,
+                tier="cloud",
+                prompt_tokens=meter.prompt_tokens,
+                completion_tokens=meter.completion_tokens,
+                cached_prompt_tokens=meter.cached_tokens,
+                status=status,
+                latency_ms=round((now - caller.started) * 1000, 2),
+                ttft_ms=round((meter.first_token_at - caller.started) * 1000, 2) if meter.first_token_at else None,
+            )
+        )
+
+    async def _merged(
+        self, served: ServedLM, caller: Caller, prompts: list[str | list[int]], params: SamplingParams
+    ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+        """Updates of several engine requests (one per prompt), interleaved as they come."""
+        queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+        salt = f"tenant:{caller.tenant.id}"
+
+        async def pump(i: int, prompt: str | list[int]) -> None:
+            try:
+                async for out in served.engine.generate(
+                    prompt, params, request_id=f"{caller.request_id}-{i}", cache_salt=salt
+                ):
+                    await queue.put((i, out))
+            except BaseException as exc:  # forwarded to the consumer, which re-raises it
+                await queue.put(exc)
+                return
+            await queue.put(None)
+
+        tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _collect(
+        self, served: ServedLM, caller: Caller, prompts: list[str | list[int]], params: SamplingParams, meter: _Meter
+    ) -> dict[int, RequestOutput]:
+        final: dict[int, RequestOutput] = {}
+        status = "error"
+        try:
+            async with asyncio.timeout(self.request_timeout_s):
+                async for i, out in self._merged(served, caller, prompts, params):
+                    meter.update(out)
+                    if out.finished:
+                        final[i] = out
+            status = "ok"
+        except TimeoutError:
+            status = "deadline"
+            raise DeadlineExceededError(f"the request ran past the {self.request_timeout_s:.0f}s deadline") from None
+        except asyncio.CancelledError:
+            status = "abandoned"
+            raise
+        finally:
+            self._record(caller, served, meter, status)
+        return final
+
+    # -- chat ---------------------------------------------------------------------------------------------------
+    def _chat_prompt(self, served: ServedLM, req: ChatCompletionRequest) -> str:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        return served.engine.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    async def chat(self, caller: Caller, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[bytes]:
+        served = self._resolve(caller, req.model)
+        prompt = self._chat_prompt(served, req)
+        params = self._params(req, req.max_new_tokens, req.num_logprobs)
+        if req.stream:
+            return await self._chat_stream(served, caller, prompt, params, req)
+        meter = _Meter()
+        final = (await self._collect(served, caller, [prompt], params, meter))[0]
+        tok = served.engine.engine.tokenizer
+        choices = []
+        for c in final.outputs:
+            choice: dict[str, Any] = {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "finish_reason": c.finish_reason,
+                "logprobs": {"content": [_chat_logprob(tok, lp) for lp in c.logprobs]}
+                if c.logprobs is not None
+                else None,
+            }
+            choices.append(choice)
+        return {
+            "id": f"chatcmpl-{caller.request_id}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": served.model_id,
+            "choices": choices,
+            "usage": meter.usage(),
+        }
+
+    async def _chat_stream(
+        self, served: ServedLM, caller: Caller, prompt: str, params: SamplingParams, req: ChatCompletionRequest
+    ) -> AsyncIterator[bytes]:
+        # Admission (validation, queue bound) happens before the 200 goes out: start the request now.
+        meter = _Meter()
+        updates = self._merged(served, caller, [prompt], params)
+        first = await _first(updates)
+        tok = served.engine.engine.tokenizer
+        base = {"id": f"chatcmpl-{caller.request_id}", "object": "chat.completion.chunk", "created": int(time.time())}
+        base["model"] = served.model_id
+
+        async def body() -> AsyncIterator[bytes]:
+            status = "abandoned"
+            try:
+                async with asyncio.timeout(self.request_timeout_s):
+                    for i in range(params.n):
+                        yield _sse(
+                            {
+                                **base,
+                                "choices": [
+                                    {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                                ],
+                            }
+                        )
+                    async for _, out in _chain(first, updates):
+                        meter.update(out)
+                        for c in out.outputs:
+                            if not (c.delta_text or c.finish_reason or c.delta_logprobs):
+                                continue
+                            chunk: dict[str, Any] = {"index": c.index, "delta": {}, "finish_reason": None}
+                            if c.delta_text:
+                                chunk["delta"]["content"] = c.delta_text
+                            if params.logprobs is not None:
+                                chunk["logprobs"] = {"content": [_chat_logprob(tok, lp) for lp in c.delta_logprobs]}
+                            if c.finish_reason and out.finished:
+                                chunk["finish_reason"] = c.finish_reason
+                            yield _sse({**base, "choices": [chunk]})
+                    if req.include_usage:
+                        yield _sse({**base, "choices": [], "usage": meter.usage()})
+                    yield b"data: [DONE]\n\n"
+                    status = "ok"
+            except TimeoutError:
+                status = "deadline"
+                err = DeadlineExceededError(f"the request ran past the {self.request_timeout_s:.0f}s deadline")
+                yield _sse(err.to_openai())
+            finally:
+                await updates.aclose()
+                self._record(caller, served, meter, status)
+
+        return body()
+
+    # -- completions --------------------------------------------------------------------------------------------
+    async def completions(self, caller: Caller, req: CompletionRequest) -> dict[str, Any] | AsyncIterator[bytes]:
+        served = self._resolve(caller, req.model)
+        prompts = req.prompts()
+        params = self._params(req, req.max_tokens, req.logprobs)
+        if req.stream:
+            return await self._completion_stream(served, caller, prompts, params, req)
+        meter = _Meter()
+        final = await self._collect(served, caller, prompts, params, meter)
+        tok = served.engine.engine.tokenizer
+        choices = []
+        for i in range(len(prompts)):
+            out = final[i]
+            for c in out.outputs:
+                text = c.text
+                if req.echo:
+                    text = tok.decode(out.prompt_token_ids) + text
+                choices.append(
+                    {
+                        "index": i * params.n + c.index,
+                        "text": text,
+                        "finish_reason": c.finish_reason,
+                        "logprobs": _completion_logprobs(tok, c.logprobs) if c.logprobs is not None else None,
+                    }
+                )
+        return {
+            "id": f"cmpl-{caller.request_id}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": served.model_id,
+            "choices": choices,
+            "usage": meter.usage(),
+        }
+
+    async def _completion_stream(
+        self,
+        served: ServedLM,
+        caller: Caller,
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+        req: CompletionRequest,
+    ) -> AsyncIterator[bytes]:
+        meter = _Meter()
+        updates = self._merged(served, caller, prompts, params)
+        first = await _first(updates)
+        tok = served.engine.engine.tokenizer
+        base = {"id": f"cmpl-{caller.request_id}", "object": "text_completion", "created": int(time.time())}
+        base["model"] = served.model_id
+
+        async def body() -> AsyncIterator[bytes]:
+            status = "abandoned"
+            try:
+                async with asyncio.timeout(self.request_timeout_s):
+                    async for i, out in _chain(first, updates):
+                        meter.update(out)
+                        for c in out.outputs:
+                            if not (c.delta_text or c.finish_reason):
+                                continue
+                            choice = {
+                                "index": i * params.n + c.index,
+                                "text": c.delta_text,
+                                "finish_reason": c.finish_reason if out.finished else None,
+                                "logprobs": _completion_logprobs(tok, c.delta_logprobs)
+                                if params.logprobs is not None
+                                else None,
+                            }
+                            yield _sse({**base, "choices": [choice]})
+                    if req.include_usage:
+                        yield _sse({**base, "choices": [], "usage": meter.usage()})
+                    yield b"data: [DONE]\n\n"
+                    status = "ok"
+            except TimeoutError:
+                status = "deadline"
+                err = DeadlineExceededError(f"the request ran past the {self.request_timeout_s:.0f}s deadline")
+                yield _sse(err.to_openai())
+            finally:
+                await updates.aclose()
+                self._record(caller, served, meter, status)
+
+        return body()
+
+
+async def _first(updates: AsyncGenerator[tuple[int, RequestOutput], None]) -> tuple[int, RequestOutput] | None:
+    """The first update: raises admission errors (validation, QueueFull) before any byte is streamed."""
+    try:
+        return await updates.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _chain(
+    first: tuple[int, RequestOutput] | None, rest: AsyncIterator[tuple[int, RequestOutput]]
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    if first is not None:
+        yield first
+    async for item in rest:
+        yield item
+
+
+def _token_text(tokenizer: Any, token_id: int) -> str:
+    text: str = tokenizer.decode([token_id], skip_special_tokens=False)
+    return text
+
+
+def _chat_logprob(tokenizer: Any, lp: Logprob) -> dict[str, Any]:
+    token = _token_text(tokenizer, lp.token_id)
+    return {
+        "token": token,
+        "logprob": lp.logprob,
+        "bytes": list(token.encode()),
+        "top_logprobs": [
+            {"token": (t := _token_text(tokenizer, tid)), "logprob": v, "bytes": list(t.encode())} for tid, v in lp.top
+        ],
+    }
+
+
+def _completion_logprobs(tokenizer: Any, lps: list[Logprob]) -> dict[str, Any]:
+    tokens = [_token_text(tokenizer, lp.token_id) for lp in lps]
+    offsets, pos = [], 0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{_token_text(tokenizer, tid): v for tid, v in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+def require_json_object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise ValidationError("the request body must be a JSON object")
+    return body

@@ -1,0 +1,185 @@
+"""The cloud inference API over a real socket with the official openai SDK and httpx: chat and completions,
+streaming with usage, OpenAI-shaped errors, and one usage record per request."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+from sqlalchemy import create_engine
+from sqlmodel import Session, select
+
+from shared.storage.migrate import upgrade
+from shared.storage.models import UsageRecord
+from tests.conftest import REPO, base_env, free_port, run_server, tierline_cmd
+
+pytestmark = pytest.mark.integration
+MODEL = "tierline/lm-cloud"
+
+
+@pytest.fixture(scope="module")
+def cloud_api(
+    tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_data_dir: Path
+) -> Iterator[dict[str, str]]:
+    data = tmp_path_factory.mktemp("cloud-api")
+    shutil.copytree(session_data_dir / "keys", data / "keys")
+    shutil.copytree(tiny_zoo, data / "zoo" / "tiny")
+    db_url = f"sqlite:///{data / 'tierline.db'}"
+    upgrade(db_url)
+    env = base_env(
+        data,
+        TIERLINE_DATABASE_URL=db_url,
+        TIERLINE_CLOUD_ZOO_PRESET="tiny",
+        TIERLINE_CLOUD_KV_CACHE_MB="16",
+        TIERLINE_CLOUD_USAGE_FLUSH_MS="50",
+    )
+
+    def cli(*args: str) -> str:
+        proc = subprocess.run(tierline_cmd(*args), env=env, cwd=REPO, capture_output=True, text=True, check=True)
+        return proc.stdout.strip()
+
+    cli("tenants", "create", "acme")
+    cli("tenants", "create", "globex")
+    key = cli("keys", "create", "--tenant", "acme")
+    other = cli("keys", "create", "--tenant", "globex")
+    with run_server(["cloud", "serve"], env, free_port(), timeout=120) as url:
+        yield {"url": url, "key": key, "other_key": other, "db": db_url}
+
+
+@pytest.fixture
+def client(cloud_api: dict[str, str]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{cloud_api['url']}/v1", api_key=cloud_api["key"], max_retries=0)
+
+
+def usage_rows(db_url: str, request_id: str, timeout: float = 5.0) -> list[UsageRecord]:
+    engine = create_engine(db_url)
+    deadline = time.monotonic() + timeout
+    while True:
+        with Session(engine) as s:
+            rows = list(s.exec(select(UsageRecord).where(UsageRecord.id == request_id)))
+        if rows or time.monotonic() > deadline:
+            engine.dispose()
+            return rows
+        time.sleep(0.05)
+
+
+def test_chat_completion_with_the_openai_sdk_is_metered_once(client: openai.OpenAI, cloud_api: dict[str, str]) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}],
+        max_tokens=12,
+        temperature=0,
+        extra_headers={"x-request-id": "test-chat-1"},
+    )
+    assert raw.headers["x-request-id"] == "test-chat-1" and raw.headers["x-tierline-tier"] == "cloud"
+    resp = raw.parse()
+    assert resp.object == "chat.completion" and resp.model == MODEL
+    choice = resp.choices[0]
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length")
+    assert resp.usage is not None and resp.usage.completion_tokens <= 12 and resp.usage.prompt_tokens > 5
+    rows = usage_rows(cloud_api["db"], "test-chat-1")
+    assert len(rows) == 1
+    row = rows[0]
+    assert (row.prompt_tokens, row.completion_tokens) == (resp.usage.prompt_tokens, resp.usage.completion_tokens)
+    assert row.model == MODEL and row.tier == "cloud" and row.status == "ok" and row.latency_ms and row.latency_ms > 0
+
+
+def test_streamed_chat_equals_the_unstreamed_answer_and_reports_usage(client: openai.OpenAI) -> None:
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "import os\n"}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, finish, usage = "", None, None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert text == full.choices[0].message.content
+    assert finish == full.choices[0].finish_reason
+    assert usage is not None and full.usage is not None
+    assert usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_completions_with_several_prompts_n_and_logprobs(client: openai.OpenAI) -> None:
+    resp = client.completions.create(
+        model=MODEL, prompt=["def f(x):\n", "class A:\n"], max_tokens=8, n=2, temperature=0.8, seed=3, logprobs=2
+    )
+    assert sorted(c.index for c in resp.choices) == [0, 1, 2, 3]
+    for c in resp.choices:
+        assert c.logprobs is not None and c.logprobs.token_logprobs is not None
+        assert len(c.logprobs.token_logprobs) == len(c.logprobs.tokens or [])
+        assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
+    assert resp.usage is not None and resp.usage.completion_tokens == sum(
+        len(c.logprobs.tokens or []) for c in resp.choices if c.logprobs
+    )
+    streamed = "".join(
+        (chunk.choices[0].text if chunk.choices else "")
+        for chunk in client.completions.create(
+            model=MODEL, prompt="for i in", max_tokens=10, temperature=0, stream=True
+        )
+    )
+    again = client.completions.create(model=MODEL, prompt="for i in", max_tokens=10, temperature=0)
+    assert streamed == again.choices[0].text
+
+
+def test_errors_surface_as_the_sdks_exception_types(client: openai.OpenAI, cloud_api: dict[str, str]) -> None:
+    with pytest.raises(openai.NotFoundError) as nf:
+        client.chat.completions.create(model="no/such-model", messages=[{"role": "user", "content": "hi"}])
+    assert nf.value.body["code"] == "model_not_found"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=3)
+    assert bad.value.body["param"] == "temperature"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as empty:
+        client.chat.completions.create(model=MODEL, messages=[])
+    assert empty.value.body["param"] == "messages"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as long:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=100_000)
+    assert long.value.body["code"] == "context_length_exceeded"  # type: ignore[index]
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{cloud_api['url']}/v1", api_key="tl-wrong", max_retries=0).models.list()
+    r = httpx.post(
+        f"{cloud_api['url']}/v1/chat/completions",
+        content=b"{not json",
+        headers={"Authorization": f"Bearer {cloud_api['key']}", "Content-Type": "application/json"},
+    )
+    assert r.status_code == 400 and "error" in r.json()
+    big = httpx.post(
+        f"{cloud_api['url']}/v1/completions",
+        content=json.dumps({"model": MODEL, "prompt": "x" * (5 << 20)}),
+        headers={"Authorization": f"Bearer {cloud_api['key']}", "Content-Type": "application/json"},
+    )
+    assert big.status_code == 413
+
+
+def test_an_abandoned_stream_stops_generating_and_is_billed_for_what_was_generated(
+    cloud_api: dict[str, str],
+) -> None:
+    body = {"model": MODEL, "prompt": "import sys\n", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    headers = {"Authorization": f"Bearer {cloud_api['key']}", "x-request-id": "abandoned-1"}
+    with httpx.stream("POST", f"{cloud_api['url']}/v1/completions", json=body, headers=headers) as r:
+        assert r.status_code == 200
+        lines = 0
+        for line in r.iter_lines():
+            lines += line.startswith("data: ")
+            if lines >= 3:
+                break
+    rows = usage_rows(cloud_api["db"], "abandoned-1")
+    assert len(rows) == 1
+    assert rows[0].status == "abandoned" and 0 < rows[0].completion_tokens < 200
