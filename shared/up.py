@@ -185,7 +185,11 @@ def up(zoo_preset: str) -> None:
             "console_admin": ADMIN_USER,
             "console_admin_password": admin_password,
             "zoo": str(core.zoo_dir.resolve() / zoo_preset),
-            "curl_cloud": f"curl -s {cloud_url}/v1/models -H 'Authorization: Bearer {api_key}'",
+            "curl_cloud": (
+                f"curl -s {cloud_url}/v1/chat/completions -H 'Authorization: Bearer {api_key}' "
+                '-H \'Content-Type: application/json\' -d \'{"model": "tierline/lm-cloud", "max_tokens": 48, '
+                '"messages": [{"role": "user", "content": "def fibonacci(n):"}]}\''
+            ),
             "curl_edge": f"curl -s {edge_url}/v1/models",
             "pids": {name: p.pid for name, p in procs.items()},
         }

@@ -71,6 +71,9 @@ def test_up_serves_everything_and_stops_cleanly(tmp_path: Path, tiny_zoo: Path, 
         assert httpx.get(info["console_url"] + "/").status_code == 200
         assert info["console_admin"] == "admin" and len(info["console_admin_password"]) >= 16
         assert info["api_key"] in info["curl_cloud"]
+        chat = subprocess.run(info["curl_cloud"], shell=True, capture_output=True, text=True, timeout=120, check=True)
+        answer = json.loads(chat.stdout)
+        assert answer["object"] == "chat.completion" and answer["choices"][0]["message"]["content"]
         children = list(info["pids"].values())
         assert all(_pid_alive(pid) for pid in children)
     finally:
