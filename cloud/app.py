@@ -24,6 +24,7 @@ from cloud.completions import Caller, CompletionService
 from cloud.engines import EnginePool
 from cloud.metering import UsageWriter
 from cloud.models_catalog import ServedModel, find, load_catalog
+from cloud.observability import Metrics
 from cloud.settings import CloudSettings
 from shared.errors import AuthenticationError, ServiceUnavailableError, ValidationError
 from shared.http import EXCEPTION_HANDLERS, healthz
@@ -72,6 +73,12 @@ def readyz(state: State) -> dict[str, Any]:
     return {"status": "ready", "models": sorted(pool.engines)}
 
 
+@get("/metrics", sync_to_thread=False, include_in_schema=False)
+def metrics(state: State) -> Response[bytes]:
+    """Prometheus exposition."""
+    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
 @get("/v1/models", dependencies=CALLER, sync_to_thread=False)
 def list_models(state: State, caller: Caller) -> dict[str, Any]:
     return {"object": "list", "data": [_model_json(m) for m in state.catalog]}
@@ -115,15 +122,17 @@ def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Li
     settings = CloudSettings()
     root = zoo_root or core.zoo_dir / settings.zoo_preset
     db = engine or get_engine()
+    observed = Metrics()
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         usage = UsageWriter(db, settings.usage_flush_ms / 1000)
         await usage.start()
         pool = EnginePool.from_zoo(root, settings)
+        observed.watch(pool)
         app.state.pool = pool
         app.state.usage = usage
-        app.state.service = CompletionService(pool, usage, settings.request_timeout_s)
+        app.state.service = CompletionService(pool, usage, settings.request_timeout_s, observed)
         try:
             yield
         finally:
@@ -131,9 +140,10 @@ def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Li
             await usage.close()
 
     return Litestar(
-        route_handlers=[healthz, readyz, list_models, get_model, chat_completions, completions],
+        route_handlers=[healthz, readyz, metrics, list_models, get_model, chat_completions, completions],
         exception_handlers=EXCEPTION_HANDLERS,
-        state=State({"engine": db, "catalog": load_catalog(root)}),
+        state=State({"engine": db, "catalog": load_catalog(root), "metrics": observed}),
+        middleware=[observed.middleware],
         lifespan=[lifespan],
         request_max_body_size=settings.max_body_bytes,
     )

@@ -19,6 +19,7 @@ from cloud.engine.sampling_params import SamplingParams
 from cloud.engine.sequence import Logprob
 from cloud.engines import EnginePool, ServedLM
 from cloud.metering import UsageWriter
+from cloud.observability import Metrics
 from shared.errors import DeadlineExceededError, PermissionDeniedError, ValidationError
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest
 from shared.storage.models import ApiKey, Tenant, UsageRecord
@@ -65,10 +66,11 @@ def _sse(payload: dict[str, Any]) -> bytes:
 
 
 class CompletionService:
-    def __init__(self, pool: EnginePool, usage: UsageWriter, request_timeout_s: float) -> None:
+    def __init__(self, pool: EnginePool, usage: UsageWriter, request_timeout_s: float, metrics: Metrics) -> None:
         self.pool = pool
         self.usage = usage
         self.request_timeout_s = request_timeout_s
+        self.metrics = metrics
 
     # -- shared -------------------------------------------------------------------------------------------------
     def _resolve(self, caller: Caller, model: str) -> ServedLM:
@@ -102,6 +104,10 @@ class CompletionService:
         if meter.prompt_tokens == 0 and meter.completion_tokens == 0:
             return
         now = time.monotonic()
+        ttft_s = (meter.first_token_at - caller.started) if meter.first_token_at else None
+        self.metrics.observe_request(
+            served.model_id, served.version, meter.prompt_tokens, meter.completion_tokens, now - caller.started, ttft_s
+        )
         self.usage.submit(
             UsageRecord(
                 id=caller.request_id,

@@ -183,3 +183,15 @@ def test_an_abandoned_stream_stops_generating_and_is_billed_for_what_was_generat
     rows = usage_rows(cloud_api["db"], "abandoned-1")
     assert len(rows) == 1
     assert rows[0].status == "abandoned" and 0 < rows[0].completion_tokens < 200
+
+
+def test_metrics_expose_requests_tokens_and_engine_state_without_secrets(
+    client: openai.OpenAI, cloud_api: dict[str, str]
+) -> None:
+    client.completions.create(model=MODEL, prompt="x = 1\n", max_tokens=4, temperature=0)
+    text = httpx.get(f"{cloud_api['url']}/metrics").text
+    assert 'tierline_requests_total{route="/v1/completions",status="200"}' in text
+    assert 'tierline_tokens_total{direction="out",model="tierline/lm-cloud",tier="cloud",version=""}' in text
+    assert "tierline_time_to_first_token_seconds_bucket" in text
+    assert 'tierline_engine_kv_cache_usage_ratio{model="tierline/lm-cloud"' in text
+    assert cloud_api["key"] not in text and "acme" not in text

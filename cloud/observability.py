@@ -1,0 +1,139 @@
+"""Prometheus metrics of the cloud API and its engines.
+
+Labels are the route, status, model, version and tier — never a tenant key or any secret. Engine gauges
+(running/waiting sequences, KV-cache use, prefix-cache hit rate, speculative acceptance) are read from the
+engines at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from cloud.engines import EnginePool
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+KNOWN_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/healthz", "/readyz", "/metrics")
+
+
+def route_label(path: str) -> str:
+    """A bounded label: known routes as themselves, model lookups collapsed, anything else ``other``."""
+    if path in KNOWN_ROUTES:
+        return path
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{model_id}"
+    return "other"
+
+
+class _EngineCollector(Collector):
+    def __init__(self, pool: EnginePool) -> None:
+        self.pool = pool
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["model", "version", "tier"]
+        families = {
+            "running": GaugeMetricFamily("tierline_engine_running_sequences", "Sequences being decoded", labels=labels),
+            "waiting": GaugeMetricFamily("tierline_engine_waiting_sequences", "Sequences queued", labels=labels),
+            "kv": GaugeMetricFamily("tierline_engine_kv_cache_usage_ratio", "Share of KV blocks in use", labels=labels),
+            "prefix": GaugeMetricFamily(
+                "tierline_engine_prefix_cache_hit_ratio", "Prompt tokens served from the prefix cache", labels=labels
+            ),
+            "spec": GaugeMetricFamily(
+                "tierline_engine_spec_acceptance_ratio",
+                "Accepted share of speculative tokens",
+                labels=[*labels, "method"],
+            ),
+        }
+        for served in self.pool.engines.values():
+            engine = served.engine.engine
+            values = [served.model_id, str(served.version or ""), "cloud"]
+            scheduler, bm = engine.scheduler, engine.block_manager
+            families["running"].add_metric(values, len(scheduler.running))
+            families["waiting"].add_metric(values, len(scheduler.waiting))
+            families["kv"].add_metric(values, bm.usage())
+            families["prefix"].add_metric(values, bm.prefix_cache_hit_rate())
+            for method, proposed in dict(engine.stats.spec_proposed).items():
+                if proposed:
+                    accepted = engine.stats.spec_accepted.get(method, 0)
+                    families["spec"].add_metric([*values, method], accepted / proposed)
+        yield from families.values()
+
+
+class Metrics:
+    """One registry per app, so several apps in one process never collide."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        model_labels = ["model", "version", "tier"]
+        self.requests = Counter(
+            "tierline_requests", "HTTP requests by route and status", ["route", "status"], registry=self.registry
+        )
+        self.latency = Histogram(
+            "tierline_request_latency_seconds",
+            "End-to-end latency of inference requests",
+            model_labels,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "tierline_time_to_first_token_seconds",
+            "Time to first token",
+            model_labels,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "tierline_inter_token_latency_seconds",
+            "Mean time between output tokens, per request",
+            model_labels,
+            buckets=TOKEN_BUCKETS,
+            registry=self.registry,
+        )
+        self.tokens = Counter(
+            "tierline_tokens", "Tokens in and out", [*model_labels, "direction"], registry=self.registry
+        )
+
+    def watch(self, pool: EnginePool) -> None:
+        self.registry.register(_EngineCollector(pool))
+
+    def observe_request(
+        self, model: str, version: int | None, prompt: int, completion: int, latency_s: float, ttft_s: float | None
+    ) -> None:
+        labels = (model, str(version or ""), "cloud")
+        self.latency.labels(*labels).observe(latency_s)
+        if ttft_s is not None:
+            self.ttft.labels(*labels).observe(ttft_s)
+            if completion > 1:
+                self.itl.labels(*labels).observe(max(0.0, latency_s - ttft_s) / (completion - 1))
+        self.tokens.labels(*labels, "in").inc(prompt)
+        self.tokens.labels(*labels, "out").inc(completion)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def middleware(self, app: ASGIApp) -> ASGIApp:
+        """Counts every HTTP response by route and status."""
+
+        async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] != "http":
+                await app(scope, receive, send)
+                return
+            status: dict[str, Any] = {"code": 500}
+
+            async def capture(message: Message) -> None:
+                if message["type"] == "http.response.start":
+                    status["code"] = message["status"]
+                await send(message)
+
+            try:
+                await app(scope, receive, capture)
+            finally:
+                self.requests.labels(route_label(scope["path"]), str(status["code"])).inc()
+
+        return wrapped
