@@ -22,6 +22,7 @@ from sqlmodel import Session
 
 from cloud.completions import Caller, CompletionService
 from cloud.engines import EnginePool
+from cloud.limits import RateLimiter
 from cloud.metering import UsageWriter
 from cloud.models_catalog import ServedModel, find, load_catalog
 from cloud.observability import Metrics
@@ -132,12 +133,14 @@ def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Li
         observed.watch(pool)
         app.state.pool = pool
         app.state.usage = usage
-        app.state.service = CompletionService(pool, usage, settings.request_timeout_s, observed)
+        limiter = RateLimiter(settings, core.redis_url)
+        app.state.service = CompletionService(pool, usage, limiter, settings.request_timeout_s, observed)
         try:
             yield
         finally:
             pool.shutdown()
             await usage.close()
+            await limiter.close()
 
     return Litestar(
         route_handlers=[healthz, readyz, metrics, list_models, get_model, chat_completions, completions],

@@ -18,6 +18,7 @@ from cloud.engine.outputs import RequestOutput
 from cloud.engine.sampling_params import SamplingParams
 from cloud.engine.sequence import Logprob
 from cloud.engines import EnginePool, ServedLM
+from cloud.limits import RateLimiter, Reservation
 from cloud.metering import UsageWriter
 from cloud.observability import Metrics
 from shared.errors import DeadlineExceededError, PermissionDeniedError, ValidationError
@@ -42,6 +43,7 @@ class _Meter:
     cached_tokens: int = 0
     first_token_at: float | None = None
     by_request: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    reservation: Reservation | None = None
 
     def update(self, out: RequestOutput) -> None:
         u = out.usage
@@ -66,11 +68,28 @@ def _sse(payload: dict[str, Any]) -> bytes:
 
 
 class CompletionService:
-    def __init__(self, pool: EnginePool, usage: UsageWriter, request_timeout_s: float, metrics: Metrics) -> None:
+    def __init__(
+        self, pool: EnginePool, usage: UsageWriter, limiter: RateLimiter, request_timeout_s: float, metrics: Metrics
+    ) -> None:
         self.pool = pool
         self.usage = usage
+        self.limiter = limiter
         self.request_timeout_s = request_timeout_s
         self.metrics = metrics
+
+    async def _admit(
+        self, caller: Caller, served: ServedLM, prompts: list[str | list[int]], params: SamplingParams
+    ) -> tuple[list[str | list[int]], _Meter]:
+        """Tokenize, reserve prompt + max_tokens against the rate limits, and start the meter."""
+        tok = served.engine.engine.tokenizer
+        ids: list[str | list[int]] = [tok.encode(p) if isinstance(p, str) else p for p in prompts]
+        reserved = 0
+        for p in ids:
+            max_new = params.max_tokens or max(1, served.max_model_len - len(p))
+            reserved += len(p) + max_new * params.n
+        meter = _Meter()
+        meter.reservation = await self.limiter.acquire(caller.tenant, caller.key, reserved)
+        return ids, meter
 
     # -- shared -------------------------------------------------------------------------------------------------
     def _resolve(self, caller: Caller, model: str) -> ServedLM:
@@ -100,7 +119,11 @@ class CompletionService:
             speculation=req.speculation,
         )
 
-    def _record(self, caller: Caller, served: ServedLM, meter: _Meter, status: str) -> None:
+    async def _settle(self, caller: Caller, served: ServedLM, meter: _Meter, status: str) -> None:
+        """Give back unused reservations, then meter the request (once, whatever its outcome)."""
+        if meter.reservation is not None:
+            await self.limiter.release(meter.reservation, meter.prompt_tokens + meter.completion_tokens)
+            meter.reservation = None
         if meter.prompt_tokens == 0 and meter.completion_tokens == 0:
             return
         now = time.monotonic()
@@ -178,8 +201,24 @@ class CompletionService:
             status = "abandoned"
             raise
         finally:
-            self._record(caller, served, meter, status)
+            await self._settle(caller, served, meter, status)
         return final
+
+    async def _first(
+        self,
+        updates: AsyncGenerator[tuple[int, RequestOutput], None],
+        caller: Caller,
+        served: ServedLM,
+        meter: _Meter,
+    ) -> tuple[int, RequestOutput] | None:
+        """The first update: admission errors (validation, QueueFull) are raised before any byte is streamed."""
+        try:
+            return await updates.__anext__()
+        except StopAsyncIteration:
+            return None
+        except BaseException:
+            await self._settle(caller, served, meter, "error")
+            raise
 
     # -- chat ---------------------------------------------------------------------------------------------------
     def _chat_prompt(self, served: ServedLM, req: ChatCompletionRequest) -> str:
@@ -188,11 +227,10 @@ class CompletionService:
 
     async def chat(self, caller: Caller, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[bytes]:
         served = self._resolve(caller, req.model)
-        prompt = self._chat_prompt(served, req)
         params = self._params(req, req.max_new_tokens, req.num_logprobs)
+        (prompt,), meter = await self._admit(caller, served, [self._chat_prompt(served, req)], params)
         if req.stream:
-            return await self._chat_stream(served, caller, prompt, params, req)
-        meter = _Meter()
+            return await self._chat_stream(served, caller, prompt, params, req, meter)
         final = (await self._collect(served, caller, [prompt], params, meter))[0]
         tok = served.engine.engine.tokenizer
         choices = []
@@ -216,12 +254,17 @@ class CompletionService:
         }
 
     async def _chat_stream(
-        self, served: ServedLM, caller: Caller, prompt: str, params: SamplingParams, req: ChatCompletionRequest
+        self,
+        served: ServedLM,
+        caller: Caller,
+        prompt: str | list[int],
+        params: SamplingParams,
+        req: ChatCompletionRequest,
+        meter: _Meter,
     ) -> AsyncIterator[bytes]:
         # Admission (validation, queue bound) happens before the 200 goes out: start the request now.
-        meter = _Meter()
         updates = self._merged(served, caller, [prompt], params)
-        first = await _first(updates)
+        first = await self._first(updates, caller, served, meter)
         tok = served.engine.engine.tokenizer
         base = {"id": f"chatcmpl-{caller.request_id}", "object": "chat.completion.chunk", "created": int(time.time())}
         base["model"] = served.model_id
@@ -262,18 +305,17 @@ class CompletionService:
                 yield _sse(err.to_openai())
             finally:
                 await updates.aclose()
-                self._record(caller, served, meter, status)
+                await self._settle(caller, served, meter, status)
 
         return body()
 
     # -- completions --------------------------------------------------------------------------------------------
     async def completions(self, caller: Caller, req: CompletionRequest) -> dict[str, Any] | AsyncIterator[bytes]:
         served = self._resolve(caller, req.model)
-        prompts = req.prompts()
         params = self._params(req, req.max_tokens, req.logprobs)
+        prompts, meter = await self._admit(caller, served, req.prompts(), params)
         if req.stream:
-            return await self._completion_stream(served, caller, prompts, params, req)
-        meter = _Meter()
+            return await self._completion_stream(served, caller, prompts, params, req, meter)
         final = await self._collect(served, caller, prompts, params, meter)
         tok = served.engine.engine.tokenizer
         choices = []
@@ -307,10 +349,10 @@ class CompletionService:
         prompts: list[str | list[int]],
         params: SamplingParams,
         req: CompletionRequest,
+        meter: _Meter,
     ) -> AsyncIterator[bytes]:
-        meter = _Meter()
         updates = self._merged(served, caller, prompts, params)
-        first = await _first(updates)
+        first = await self._first(updates, caller, served, meter)
         tok = served.engine.engine.tokenizer
         base = {"id": f"cmpl-{caller.request_id}", "object": "text_completion", "created": int(time.time())}
         base["model"] = served.model_id
@@ -343,17 +385,9 @@ class CompletionService:
                 yield _sse(err.to_openai())
             finally:
                 await updates.aclose()
-                self._record(caller, served, meter, status)
+                await self._settle(caller, served, meter, status)
 
         return body()
-
-
-async def _first(updates: AsyncGenerator[tuple[int, RequestOutput], None]) -> tuple[int, RequestOutput] | None:
-    """The first update: raises admission errors (validation, QueueFull) before any byte is streamed."""
-    try:
-        return await updates.__anext__()
-    except StopAsyncIteration:
-        return None
 
 
 async def _chain(

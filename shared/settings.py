@@ -28,6 +28,9 @@ class CoreSettings(BaseSettings):
     env: Environment = Field("dev", description="'dev' allows placeholder secrets and verbose errors")
     data_dir: Path = Field(Path("./var"), description="state: SQLite file, zoo, keys, artifacts, outbox")
     log_level: str = Field("INFO", description="logging level name")
+    redis_url: str | None = Field(
+        None, description="redis://host:port/db shares rate-limit counters across replicas; in memory when unset"
+    )
 
     @property
     def is_dev(self) -> bool:

@@ -47,6 +47,9 @@ class Tenant(SQLModel, table=True):
     is_active: bool = True
     monthly_budget: Decimal | None = Field(default=None, sa_type=MONEY)
     currency: str = Field(default="USD", max_length=3)
+    requests_per_minute: int | None = Field(default=None, description="None: the cloud's default")
+    tokens_per_minute: int | None = None
+    max_concurrent: int | None = None
     created_at: datetime = _ts()
 
 
@@ -59,6 +62,9 @@ class ApiKey(SQLModel, table=True):
     prefix: str = Field(max_length=16, description="first characters of the key, shown to identify it")
     key_hash: str = Field(max_length=128, unique=True, description="sha256 of the full key")
     allowed_models: list[str] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
+    requests_per_minute: int | None = Field(default=None, description="None: the cloud's default")
+    tokens_per_minute: int | None = None
+    max_concurrent: int | None = None
     created_at: datetime = _ts()
     expires_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
     revoked_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))

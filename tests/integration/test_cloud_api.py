@@ -18,7 +18,7 @@ from sqlalchemy import create_engine
 from sqlmodel import Session, select
 
 from shared.storage.migrate import upgrade
-from shared.storage.models import UsageRecord
+from shared.storage.models import Tenant, UsageRecord
 from tests.conftest import REPO, base_env, free_port, run_server, tierline_cmd
 
 pytestmark = pytest.mark.integration
@@ -195,3 +195,22 @@ def test_metrics_expose_requests_tokens_and_engine_state_without_secrets(
     assert "tierline_time_to_first_token_seconds_bucket" in text
     assert 'tierline_engine_kv_cache_usage_ratio{model="tierline/lm-cloud"' in text
     assert cloud_api["key"] not in text and "acme" not in text
+
+
+def test_rate_limited_tenant_gets_429_with_retry_after(client: openai.OpenAI, cloud_api: dict[str, str]) -> None:
+    engine = create_engine(cloud_api["db"])
+    with Session(engine) as s:
+        globex = s.exec(select(Tenant).where(Tenant.name == "globex")).one()
+        globex.requests_per_minute = 2
+        s.add(globex)
+        s.commit()
+    engine.dispose()
+    headers = {"Authorization": f"Bearer {cloud_api['other_key']}"}
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    codes = [httpx.post(f"{cloud_api['url']}/v1/completions", json=body, headers=headers) for _ in range(3)]
+    assert [r.status_code for r in codes] == [200, 200, 429]
+    limited = codes[-1]
+    assert int(limited.headers["Retry-After"]) >= 1
+    assert limited.json()["error"]["type"] == "rate_limit_error"
+    # acme (another tenant) is unaffected
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=1).choices

@@ -1,0 +1,93 @@
+"""Rate limits (requests/min, tokens/min, in-flight) in memory and on a real Redis shared by two limiters."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import uuid
+
+import pytest
+
+from cloud.limits import RateLimiter
+from cloud.settings import CloudSettings
+from shared.errors import RateLimitError
+from shared.storage.models import ApiKey, Tenant
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def _redis_up() -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", 6379)) == 0
+
+
+BACKENDS = [
+    pytest.param(None, id="memory"),
+    pytest.param(
+        REDIS_URL,
+        id="redis",
+        marks=pytest.mark.skipif(not _redis_up(), reason="Redis not reachable on 127.0.0.1:6379"),
+    ),
+]
+
+
+def tenant(max_concurrent: int | None = None) -> Tenant:
+    # A fresh id per test keeps Redis counters of earlier runs out of the way.
+    return Tenant(id=uuid.uuid4().int % 10**9, name="t", max_concurrent=max_concurrent)
+
+
+@pytest.mark.parametrize("redis_url", BACKENDS)
+def test_requests_per_minute_are_shared_by_replicas(redis_url: str | None) -> None:
+    async def main() -> None:
+        settings = CloudSettings(tenant_requests_per_minute=3)
+        a = RateLimiter(settings, redis_url)
+        b = RateLimiter(settings, redis_url) if redis_url else a  # two replicas on one Redis
+        t = tenant()
+        await a.acquire(t, None, 1)
+        await b.acquire(t, None, 1)
+        await a.acquire(t, None, 1)
+        with pytest.raises(RateLimitError, match="request rate limit of 3/min") as exc:
+            await b.acquire(t, None, 1)
+        assert exc.value.status_code == 429 and 1 <= exc.value.retry_after <= 60
+        other = tenant()
+        await a.acquire(other, None, 1)  # another tenant is not affected
+        await a.close()
+        await b.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("redis_url", BACKENDS)
+def test_tokens_are_reserved_up_front_and_the_unused_part_given_back(redis_url: str | None) -> None:
+    async def main() -> None:
+        limiter = RateLimiter(CloudSettings(tenant_tokens_per_minute=1000), redis_url)
+        t = tenant()
+        first = await limiter.acquire(t, None, 600)
+        with pytest.raises(RateLimitError, match="token rate limit"):
+            await limiter.acquire(t, None, 600)
+        await limiter.release(first, used_tokens=100)  # 500 of the 600 come back
+        await limiter.acquire(t, None, 800)
+        with pytest.raises(RateLimitError, match="lower max_tokens"):
+            await limiter.acquire(t, None, 1001)  # could never fit the limit
+        await limiter.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("redis_url", BACKENDS)
+def test_concurrency_cap_and_per_key_overrides(redis_url: str | None) -> None:
+    async def main() -> None:
+        limiter = RateLimiter(CloudSettings(key_max_concurrent=5), redis_url)
+        t = tenant(max_concurrent=10)
+        key = ApiKey(id=uuid.uuid4().int % 10**9, tenant_id=t.id or 0, prefix="tl-x", key_hash="h", max_concurrent=2)
+        held = [await limiter.acquire(t, key, 1), await limiter.acquire(t, key, 1)]
+        with pytest.raises(RateLimitError, match="key limit of 2 concurrent"):
+            await limiter.acquire(t, key, 1)
+        await limiter.release(held.pop(), used_tokens=1)
+        held.append(await limiter.acquire(t, key, 1))
+        for r in held:
+            await limiter.release(r, used_tokens=1)
+        await limiter.close()
+
+    asyncio.run(main())
