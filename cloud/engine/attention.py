@@ -108,8 +108,12 @@ def _group_attention(
     assert g.block_tables is not None
     b, nb = g.block_tables.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    keys = k_cache[g.block_tables].view(b, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)  # [B, KVH, L, D]
-    values = v_cache[g.block_tables].view(b, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    # index_select on the flat table is ~2x faster on CPU than advanced indexing with the 2-D table.
+    flat = g.block_tables.view(-1)
+    keys = (
+        k_cache.index_select(0, flat).view(b, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    )  # [B, KVH, L, D]
+    values = v_cache.index_select(0, flat).view(b, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
     queries = q.view(b, g.q_len, num_heads, head_dim).transpose(1, 2)  # [B, H, Q, D]
     o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask, scale=scale, enable_gqa=True)
     return o.transpose(1, 2).reshape(b * g.q_len, num_heads, head_dim)
