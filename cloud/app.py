@@ -6,8 +6,9 @@ Controllers stay thin: they parse and validate the body, resolve the caller, and
 
 from __future__ import annotations
 
+import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from sqlmodel import Session
 
 from cloud.completions import Caller, CompletionService
 from cloud.engines import EnginePool
+from cloud.idempotency import IdempotencyStore, request_hash, usage_id
 from cloud.limits import RateLimiter
 from cloud.metering import UsageWriter
 from cloud.models_catalog import ServedModel, find, load_catalog
@@ -104,18 +106,48 @@ def _respond(caller: Caller, result: dict[str, Any] | AsyncIterator[bytes]) -> R
     return Stream(result, media_type="text/event-stream", headers={**headers, **SSE_HEADERS})
 
 
+async def _idempotent(
+    request: Request[Any, Any, Any],
+    state: State,
+    caller: Caller,
+    body: Any,
+    is_stream: bool,
+    call: Callable[[], Awaitable[dict[str, Any] | AsyncIterator[bytes]]],
+) -> Response[Any]:
+    """Run ``call``; with an ``Idempotency-Key`` header, a retry gets the stored response, unbilled."""
+    key = request.headers.get("idempotency-key")
+    if key is None:
+        return _respond(caller, await call())
+    store: IdempotencyStore = state.idempotency
+    tenant_id = caller.tenant.id or 0
+    stored = await asyncio.to_thread(store.claim, tenant_id, key, request_hash(body), is_stream)
+    caller.request_id = usage_id(tenant_id, key)
+    if stored is not None:
+        return Response(stored, headers={"x-request-id": caller.request_id, "x-tierline-idempotent-replay": "true"})
+    try:
+        result = await call()
+    except BaseException:
+        await asyncio.to_thread(store.release, tenant_id, key)
+        raise
+    assert isinstance(result, dict)  # streams are refused by claim()
+    await asyncio.to_thread(store.complete, tenant_id, key, result)
+    return _respond(caller, result)
+
+
 @post("/v1/chat/completions", dependencies=CALLER, status_code=200)
 async def chat_completions(request: Request[Any, Any, Any], state: State, caller: Caller) -> Response[Any]:
     """OpenAI chat completions, with ``stream: true`` as server-sent events."""
-    req = parse_request(ChatCompletionRequest, await _body(request))
-    return _respond(caller, await state.service.chat(caller, req))
+    body = await _body(request)
+    req = parse_request(ChatCompletionRequest, body)
+    return await _idempotent(request, state, caller, body, req.stream, lambda: state.service.chat(caller, req))
 
 
 @post("/v1/completions", dependencies=CALLER, status_code=200)
 async def completions(request: Request[Any, Any, Any], state: State, caller: Caller) -> Response[Any]:
     """OpenAI (legacy) completions, with ``stream: true`` as server-sent events."""
-    req = parse_request(CompletionRequest, await _body(request))
-    return _respond(caller, await state.service.completions(caller, req))
+    body = await _body(request)
+    req = parse_request(CompletionRequest, body)
+    return await _idempotent(request, state, caller, body, req.stream, lambda: state.service.completions(caller, req))
 
 
 def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Litestar:
@@ -145,7 +177,9 @@ def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Li
     return Litestar(
         route_handlers=[healthz, readyz, metrics, list_models, get_model, chat_completions, completions],
         exception_handlers=EXCEPTION_HANDLERS,
-        state=State({"engine": db, "catalog": load_catalog(root), "metrics": observed}),
+        state=State(
+            {"engine": db, "catalog": load_catalog(root), "metrics": observed, "idempotency": IdempotencyStore(db)}
+        ),
         middleware=[observed.middleware],
         lifespan=[lifespan],
         request_max_body_size=settings.max_body_bytes,

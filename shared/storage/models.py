@@ -171,3 +171,16 @@ class AuditLog(SQLModel, table=True):
     target: str = Field(max_length=256)
     before: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
     after: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
+
+
+class IdempotentResponse(SQLModel, table=True):
+    """The stored answer to a request sent with an ``Idempotency-Key``; a retry gets it back, unbilled."""
+
+    __tablename__ = "idempotent_response"
+
+    tenant_id: int = Field(foreign_key="tenant.id", primary_key=True)
+    key: str = Field(primary_key=True, max_length=255)
+    request_hash: str = Field(max_length=64, description="sha256 of the request body")
+    status: str = Field(default="in_progress", max_length=16, description="in_progress | done")
+    response: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
+    created_at: datetime = _ts()

@@ -214,3 +214,22 @@ def test_rate_limited_tenant_gets_429_with_retry_after(client: openai.OpenAI, cl
     assert limited.json()["error"]["type"] == "rate_limit_error"
     # acme (another tenant) is unaffected
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=1).choices
+
+
+def test_idempotency_key_replays_the_response_and_bills_once(cloud_api: dict[str, str]) -> None:
+    url = f"{cloud_api['url']}/v1/completions"
+    headers = {"Authorization": f"Bearer {cloud_api['key']}", "Idempotency-Key": "retry-me-1"}
+    body = {"model": MODEL, "prompt": "def g():\n", "max_tokens": 8, "temperature": 1.0}
+    first = httpx.post(url, json=body, headers=headers)
+    again = httpx.post(url, json=body, headers=headers)
+    assert first.status_code == again.status_code == 200
+    assert again.json() == first.json() and again.headers["x-tierline-idempotent-replay"] == "true"
+    rows = usage_rows(cloud_api["db"], first.headers["x-request-id"])
+    assert len(rows) == 1 and rows[0].completion_tokens == first.json()["usage"]["completion_tokens"]
+    changed = httpx.post(url, json={**body, "max_tokens": 9}, headers=headers)
+    assert changed.status_code == 422 and changed.json()["error"]["code"] == "idempotency_key_reused"
+    streamed = httpx.post(url, json={**body, "stream": True}, headers={**headers, "Idempotency-Key": "s-1"})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "stream"
+    # The key is the tenant's own: another tenant using the same key gets its own fresh answer.
+    other = httpx.post(url, json=body, headers={**headers, "Authorization": f"Bearer {cloud_api['other_key']}"})
+    assert other.status_code in (200, 429) and "x-tierline-idempotent-replay" not in other.headers
