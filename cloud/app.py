@@ -19,11 +19,12 @@ from litestar.di import Provide
 from litestar.exceptions import SerializationException
 from litestar.response import Stream
 from sqlalchemy.engine import Engine
-from sqlmodel import Session
+from sqlmodel import Session, select
 
 from cloud.completions import Caller, CompletionService
 from cloud.engines import EnginePool
 from cloud.idempotency import IdempotencyStore, request_hash, usage_id
+from cloud.jwt_auth import JwtVerifier, looks_like_jwt
 from cloud.limits import RateLimiter
 from cloud.metering import UsageWriter
 from cloud.models_catalog import ServedModel, find, load_catalog
@@ -34,6 +35,7 @@ from shared.http import EXCEPTION_HANDLERS, healthz
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, parse_request
 from shared.settings import CoreSettings
 from shared.storage.migrate import is_up_to_date
+from shared.storage.models import Tenant
 from shared.storage.session import get_engine
 from shared.tenancy import authenticate
 
@@ -49,8 +51,17 @@ def require_caller(request: Request[Any, Any, Any], state: State) -> Caller:
     scheme, _, secret = header.partition(" ")
     if scheme.lower() != "bearer" or not secret.strip():
         raise AuthenticationError("missing bearer API key (Authorization: Bearer tl-...)")
+    secret = secret.strip()
+    verifier: JwtVerifier | None = state.get("jwt")
     with Session(state.engine) as session:
-        tenant, key = authenticate(session, secret.strip())
+        if verifier is not None and looks_like_jwt(secret):
+            name = verifier.tenant_name(secret)
+            tenant = session.exec(select(Tenant).where(Tenant.name == name)).first()
+            if tenant is None or not tenant.is_active:
+                raise AuthenticationError(f"bearer token names an unknown or disabled tenant '{name}'")
+            key = None
+        else:
+            tenant, key = authenticate(session, secret)
         session.expunge_all()
     request_id = request.headers.get("x-request-id", "")
     if not (0 < len(request_id) <= 64 and request_id.replace("-", "").isalnum()):
@@ -156,6 +167,17 @@ def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Li
     root = zoo_root or core.zoo_dir / settings.zoo_preset
     db = engine or get_engine()
     observed = Metrics()
+    verifier = (
+        JwtVerifier.from_files(
+            settings.jwt_issuer,
+            settings.jwt_tenant_claim,
+            settings.jwt_audience,
+            settings.jwt_public_key_file,
+            settings.jwt_jwks_file,
+        )
+        if settings.jwt_issuer
+        else None
+    )
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -178,7 +200,13 @@ def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Li
         route_handlers=[healthz, readyz, metrics, list_models, get_model, chat_completions, completions],
         exception_handlers=EXCEPTION_HANDLERS,
         state=State(
-            {"engine": db, "catalog": load_catalog(root), "metrics": observed, "idempotency": IdempotencyStore(db)}
+            {
+                "engine": db,
+                "catalog": load_catalog(root),
+                "metrics": observed,
+                "idempotency": IdempotencyStore(db),
+                "jwt": verifier,
+            }
         ),
         middleware=[observed.middleware],
         lifespan=[lifespan],

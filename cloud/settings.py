@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
@@ -27,4 +28,9 @@ class CloudSettings(BaseSettings):
     key_requests_per_minute: int = Field(0, ge=0, description="default per-key request rate; 0 = unlimited")
     key_tokens_per_minute: int = Field(0, ge=0, description="default per-key token rate; 0 = unlimited")
     key_max_concurrent: int = Field(0, ge=0, description="default per-key in-flight requests; 0 = unlimited")
+    jwt_issuer: str | None = Field(None, description="accept JWT bearer tokens from this issuer (iss)")
+    jwt_public_key_file: Path | None = Field(None, description="the issuer's public key (PEM)")
+    jwt_jwks_file: Path | None = Field(None, description="the issuer's JWKS (JSON file)")
+    jwt_audience: str | None = Field(None, description="required aud claim, when set")
+    jwt_tenant_claim: str = Field("tenant", description="claim naming the tenant")
     usage_flush_ms: int = Field(200, ge=10, description="how often usage records are written, in batches")

@@ -1,0 +1,89 @@
+"""JWT bearer tokens (RS256 from a PEM key, EdDSA from a JWKS file) accepted by the cloud API."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jwt
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519, rsa
+
+from cloud.jwt_auth import JwtVerifier
+from shared.errors import AuthenticationError
+from shared.storage.migrate import upgrade
+from tests.conftest import REPO, base_env, free_port, run_server, tierline_cmd
+
+ISSUER = "https://login.example.test/"
+
+
+def _pem(key: Any) -> bytes:
+    return key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def _claims(**extra: Any) -> dict[str, Any]:
+    return {"iss": ISSUER, "exp": int(time.time()) + 300, "tenant": "acme", **extra}
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    d = tmp_path_factory.mktemp("jwt")
+    rsa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    ed_key = ed25519.Ed25519PrivateKey.generate()
+    (d / "issuer.pem").write_bytes(_pem(rsa_key))
+    jwk = json.loads(jwt.algorithms.OKPAlgorithm.to_jwk(ed_key.public_key()))
+    (d / "jwks.json").write_text(json.dumps({"keys": [{**jwk, "kid": "ed-1", "use": "sig", "alg": "EdDSA"}]}))
+    return {"rsa": rsa_key, "ed": ed_key, "pem": d / "issuer.pem", "jwks": d / "jwks.json"}
+
+
+def test_verifier_accepts_good_tokens_and_names_what_is_wrong(keys: dict[str, Any]) -> None:
+    v = JwtVerifier.from_files(ISSUER, "tenant", None, keys["pem"], keys["jwks"])
+    assert v.tenant_name(jwt.encode(_claims(), keys["rsa"], algorithm="RS256")) == "acme"
+    assert v.tenant_name(jwt.encode(_claims(), keys["ed"], algorithm="EdDSA", headers={"kid": "ed-1"})) == "acme"
+    bad = {
+        "expired": jwt.encode(_claims(exp=int(time.time()) - 10), keys["rsa"], algorithm="RS256"),
+        "wrong issuer": jwt.encode(_claims(iss="https://evil.test/"), keys["rsa"], algorithm="RS256"),
+        "no tenant": jwt.encode({"iss": ISSUER, "exp": int(time.time()) + 60}, keys["rsa"], algorithm="RS256"),
+        "unknown kid": jwt.encode(_claims(), keys["ed"], algorithm="EdDSA", headers={"kid": "other"}),
+        "other signer": jwt.encode(_claims(), rsa.generate_private_key(65537, 2048), algorithm="RS256"),
+        "hmac with the public key": jwt.encode(
+            _claims(), "a-shared-secret-of-sufficient-length-32b", algorithm="HS256"
+        ),
+        "unsigned": jwt.encode(_claims(), "", algorithm="none"),
+    }
+    for name, token in bad.items():
+        with pytest.raises(AuthenticationError):
+            v.tenant_name(token)
+        assert name
+
+
+def test_cloud_api_serves_a_tenant_named_by_a_jwt(
+    keys: dict[str, Any], tmp_path: Path, tiny_zoo: Path, session_data_dir: Path
+) -> None:
+    shutil.copytree(session_data_dir / "keys", tmp_path / "keys")
+    shutil.copytree(tiny_zoo, tmp_path / "zoo" / "tiny")
+    db_url = f"sqlite:///{tmp_path / 'tierline.db'}"
+    upgrade(db_url)
+    env = base_env(
+        tmp_path,
+        TIERLINE_DATABASE_URL=db_url,
+        TIERLINE_CLOUD_ZOO_PRESET="tiny",
+        TIERLINE_CLOUD_KV_CACHE_MB="16",
+        TIERLINE_CLOUD_JWT_ISSUER=ISSUER,
+        TIERLINE_CLOUD_JWT_JWKS_FILE=str(keys["jwks"]),
+    )
+    subprocess.run(tierline_cmd("tenants", "create", "acme"), env=env, cwd=REPO, check=True, capture_output=True)
+    with run_server(["cloud", "serve"], env, free_port(), timeout=120) as url:
+        token = jwt.encode(_claims(), keys["ed"], algorithm="EdDSA", headers={"kid": "ed-1"})
+        body = {"model": "tierline/lm-cloud", "prompt": "x", "max_tokens": 2}
+        ok = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {token}"})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+        stranger = jwt.encode(_claims(tenant="initech"), keys["ed"], algorithm="EdDSA", headers={"kid": "ed-1"})
+        denied = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {stranger}"})
+        assert denied.status_code == 401 and "initech" in denied.json()["error"]["message"]
