@@ -101,6 +101,22 @@ def bench_prefix(preset: str, zoo_dir: Path | None, as_json: bool, num_requests:
     _emit(run(_zoo_root(preset, zoo_dir), num_requests, system_tokens), as_json)
 
 
+@bench.command("api")
+@_zoo_options
+@click.option("--duration", type=float, default=30.0, show_default=True, help="seconds of load")
+@click.option("--concurrency", type=int, default=64, show_default=True, help="streaming clients")
+@click.option("--max-tokens", type=int, default=16, show_default=True)
+def bench_api(
+    preset: str, zoo_dir: Path | None, as_json: bool, duration: float, concurrency: int, max_tokens: int
+) -> None:
+    """Concurrent streaming clients against a real cloud server: throughput, errors, TTFT, API overhead."""
+    from bench.api_bench import run_api_bench
+    from shared.settings import CoreSettings
+
+    root = _zoo_root(preset, zoo_dir)
+    _emit(run_api_bench(root, CoreSettings().data_dir, duration, concurrency, max_tokens), as_json)
+
+
 @bench.command("tensor")
 @_zoo_options
 @click.option("--requests", "num_requests", type=int, default=2000, show_default=True)

@@ -34,6 +34,7 @@ SURFACE = [
     ["bench", "spec"],
     ["bench", "prefix"],
     ["bench", "tensor"],
+    ["bench", "api"],
 ]
 
 
