@@ -10,7 +10,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -253,49 +253,37 @@ class CompletionService:
             "usage": meter.usage(),
         }
 
-    async def _chat_stream(
+    async def _stream(
         self,
         served: ServedLM,
         caller: Caller,
-        prompt: str | list[int],
+        prompts: list[str | list[int]],
         params: SamplingParams,
-        req: ChatCompletionRequest,
         meter: _Meter,
+        base: dict[str, Any],
+        prologue: list[dict[str, Any]],
+        render: Callable[[int, RequestOutput], list[dict[str, Any]]],
+        include_usage: bool,
     ) -> AsyncIterator[bytes]:
-        # Admission (validation, queue bound) happens before the 200 goes out: start the request now.
-        updates = self._merged(served, caller, [prompt], params)
+        """Server-sent events: ``prologue`` choices, then ``render``'s choices per update, usage, ``[DONE]``.
+
+        Admission (validation, queue bound) happens here, before the 200 goes out. Leaving early (client gone)
+        or the deadline stops generation; the request is metered for what it generated either way.
+        """
+        updates = self._merged(served, caller, prompts, params)
         first = await self._first(updates, caller, served, meter)
-        tok = served.engine.engine.tokenizer
-        base = {"id": f"chatcmpl-{caller.request_id}", "object": "chat.completion.chunk", "created": int(time.time())}
-        base["model"] = served.model_id
 
         async def body() -> AsyncIterator[bytes]:
             status = "abandoned"
             try:
                 async with asyncio.timeout(self.request_timeout_s):
-                    for i in range(params.n):
-                        yield _sse(
-                            {
-                                **base,
-                                "choices": [
-                                    {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                                ],
-                            }
-                        )
-                    async for _, out in _chain(first, updates):
+                    for choice in prologue:
+                        yield _sse({**base, "choices": [choice]})
+                    async for i, out in _chain(first, updates):
                         meter.update(out)
-                        for c in out.outputs:
-                            if not (c.delta_text or c.finish_reason or c.delta_logprobs):
-                                continue
-                            chunk: dict[str, Any] = {"index": c.index, "delta": {}, "finish_reason": None}
-                            if c.delta_text:
-                                chunk["delta"]["content"] = c.delta_text
-                            if params.logprobs is not None:
-                                chunk["logprobs"] = {"content": [_chat_logprob(tok, lp) for lp in c.delta_logprobs]}
-                            if c.finish_reason and out.finished:
-                                chunk["finish_reason"] = c.finish_reason
-                            yield _sse({**base, "choices": [chunk]})
-                    if req.include_usage:
+                        for choice in render(i, out):
+                            yield _sse({**base, "choices": [choice]})
+                    if include_usage:
                         yield _sse({**base, "choices": [], "usage": meter.usage()})
                     yield b"data: [DONE]\n\n"
                     status = "ok"
@@ -308,6 +296,39 @@ class CompletionService:
                 await self._settle(caller, served, meter, status)
 
         return body()
+
+    async def _chat_stream(
+        self,
+        served: ServedLM,
+        caller: Caller,
+        prompt: str | list[int],
+        params: SamplingParams,
+        req: ChatCompletionRequest,
+        meter: _Meter,
+    ) -> AsyncIterator[bytes]:
+        tok = served.engine.engine.tokenizer
+        base = {"id": f"chatcmpl-{caller.request_id}", "object": "chat.completion.chunk", "created": int(time.time())}
+        base["model"] = served.model_id
+        prologue = [
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None} for i in range(params.n)
+        ]
+
+        def render(_: int, out: RequestOutput) -> list[dict[str, Any]]:
+            chunks = []
+            for c in out.outputs:
+                if not (c.delta_text or c.finish_reason or c.delta_logprobs):
+                    continue
+                chunk: dict[str, Any] = {"index": c.index, "delta": {}, "finish_reason": None}
+                if c.delta_text:
+                    chunk["delta"]["content"] = c.delta_text
+                if params.logprobs is not None:
+                    chunk["logprobs"] = {"content": [_chat_logprob(tok, lp) for lp in c.delta_logprobs]}
+                if c.finish_reason and out.finished:
+                    chunk["finish_reason"] = c.finish_reason
+                chunks.append(chunk)
+            return chunks
+
+        return await self._stream(served, caller, [prompt], params, meter, base, prologue, render, req.include_usage)
 
     # -- completions --------------------------------------------------------------------------------------------
     async def completions(self, caller: Caller, req: CompletionRequest) -> dict[str, Any] | AsyncIterator[bytes]:
@@ -351,43 +372,23 @@ class CompletionService:
         req: CompletionRequest,
         meter: _Meter,
     ) -> AsyncIterator[bytes]:
-        updates = self._merged(served, caller, prompts, params)
-        first = await self._first(updates, caller, served, meter)
         tok = served.engine.engine.tokenizer
         base = {"id": f"cmpl-{caller.request_id}", "object": "text_completion", "created": int(time.time())}
         base["model"] = served.model_id
 
-        async def body() -> AsyncIterator[bytes]:
-            status = "abandoned"
-            try:
-                async with asyncio.timeout(self.request_timeout_s):
-                    async for i, out in _chain(first, updates):
-                        meter.update(out)
-                        for c in out.outputs:
-                            if not (c.delta_text or c.finish_reason):
-                                continue
-                            choice = {
-                                "index": i * params.n + c.index,
-                                "text": c.delta_text,
-                                "finish_reason": c.finish_reason if out.finished else None,
-                                "logprobs": _completion_logprobs(tok, c.delta_logprobs)
-                                if params.logprobs is not None
-                                else None,
-                            }
-                            yield _sse({**base, "choices": [choice]})
-                    if req.include_usage:
-                        yield _sse({**base, "choices": [], "usage": meter.usage()})
-                    yield b"data: [DONE]\n\n"
-                    status = "ok"
-            except TimeoutError:
-                status = "deadline"
-                err = DeadlineExceededError(f"the request ran past the {self.request_timeout_s:.0f}s deadline")
-                yield _sse(err.to_openai())
-            finally:
-                await updates.aclose()
-                await self._settle(caller, served, meter, status)
+        def render(i: int, out: RequestOutput) -> list[dict[str, Any]]:
+            return [
+                {
+                    "index": i * params.n + c.index,
+                    "text": c.delta_text,
+                    "finish_reason": c.finish_reason if out.finished else None,
+                    "logprobs": _completion_logprobs(tok, c.delta_logprobs) if params.logprobs is not None else None,
+                }
+                for c in out.outputs
+                if c.delta_text or c.finish_reason
+            ]
 
-        return body()
+        return await self._stream(served, caller, prompts, params, meter, base, [], render, req.include_usage)
 
 
 async def _chain(

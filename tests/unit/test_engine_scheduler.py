@@ -249,7 +249,7 @@ def test_queue_full_when_too_many_requests_wait() -> None:
     assert isinstance(err, RateLimitError)
     assert err.status_code == 429
     assert err.retry_after > 0
-    assert err.to_openai()["error"]["code"] == "queue_full"
+    assert err.to_openai()["error"]["code"] == "overloaded"
     assert len(h.sched.waiting) == 2
 
     h.step()  # both admitted: the queue has room again
