@@ -21,7 +21,7 @@ from cloud.engines import EnginePool, ServedLM
 from cloud.limits import RateLimiter, Reservation
 from cloud.metering import UsageWriter
 from cloud.observability import Metrics
-from shared.errors import DeadlineExceededError, PermissionDeniedError, ValidationError
+from shared.errors import DeadlineExceededError, PermissionDeniedError
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest
 from shared.storage.models import ApiKey, Tenant, UsageRecord
 
@@ -429,9 +429,3 @@ def _completion_logprobs(tokenizer: Any, lps: list[Logprob]) -> dict[str, Any]:
         "top_logprobs": [{_token_text(tokenizer, tid): v for tid, v in lp.top} for lp in lps],
         "text_offset": offsets,
     }
-
-
-def require_json_object(body: Any) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise ValidationError("the request body must be a JSON object")
-    return body

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,10 +20,10 @@ from cloud.engine.outputs import CompletionOutput, RequestOutput, Usage
 from cloud.engine.sampler import Sampler
 from cloud.engine.sampling_params import SamplingParams
 from cloud.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from cloud.engine.sequence import FinishReason, Sequence, SequenceStatus
+from cloud.engine.sequence import FinishReason, Sequence
 from cloud.engine.speculator import DraftProposer, SpecController, StepCost, ngram_proposal
 from cloud.engine.tokenizer import ChatTokenizer, IncrementalDetokenizer
-from shared.errors import ConfigurationError, NotFoundError, ValidationError
+from shared.errors import ConfigurationError, ValidationError
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +230,15 @@ class LLMEngine:
             if seq.num_uncomputed_tokens != 1:
                 other_tokens += seq.num_uncomputed_tokens
                 continue
-            if method == "off" or seq.params.has_penalties or (method == "draft" and self.drafter is None):
+            # Penalties depend on every accepted token, and a seeded sampled request must draw the same random
+            # numbers whatever the load (speculation would consume them differently): both decode plainly.
+            seeded_sampling = seq.params.seed is not None and not seq.params.is_greedy
+            if (
+                method == "off"
+                or seq.params.has_penalties
+                or seeded_sampling
+                or (method == "draft" and self.drafter is None)
+            ):
                 other_tokens += 1
                 continue
             seq.spec_method = method
@@ -430,12 +437,6 @@ class LLMEngine:
             ttft_s=(req.first_token_time - req.arrival_time) if req.first_token_time else None,
         )
 
-    def get_request(self, request_id: str) -> _Request:
-        try:
-            return self._requests[request_id]
-        except KeyError:
-            raise NotFoundError(f"no request {request_id!r} in flight") from None
-
     def metrics(self) -> dict[str, Any]:
         s = self.stats
         return {
@@ -448,11 +449,3 @@ class LLMEngine:
             "prefix_cache_hit_rate": round(self.block_manager.prefix_cache_hit_rate(), 4),
             "spec_acceptance": {m: round(s.spec_accepted.get(m, 0) / p, 4) for m, p in s.spec_proposed.items() if p},
         }
-
-
-def is_running(seq: Sequence) -> bool:
-    return seq.status is SequenceStatus.RUNNING
-
-
-def default_threads() -> int:
-    return max(1, len(os.sched_getaffinity(0)))

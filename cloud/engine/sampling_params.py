@@ -22,7 +22,8 @@ class SamplingParams:
     ``ignore_eos``). ``logprobs`` returns the chosen token's log-probability at every step plus that many
     top alternatives (0 = chosen token only, None = off); values are the model's raw distribution, before
     temperature and penalties. ``speculation`` overrides the model's speculative mode for this request
-    (``"off"``, ``"draft"`` or ``"ngram"``).
+    (``"off"``, ``"draft"`` or ``"ngram"``); requests with penalties, and seeded sampled requests (so they stay
+    reproducible whatever the load), always decode without speculation.
     """
 
     n: int = 1
