@@ -7,7 +7,6 @@ abandoned (billed for what was generated; generation stops at once) and a reques
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -16,12 +15,12 @@ from typing import Any
 
 from cloud.engine.outputs import RequestOutput
 from cloud.engine.sampling_params import SamplingParams
-from cloud.engine.sequence import Logprob
 from cloud.engines import EnginePool, ServedLM
 from cloud.limits import RateLimiter, Reservation
 from cloud.metering import UsageWriter
 from cloud.observability import Metrics
 from shared.errors import DeadlineExceededError, PermissionDeniedError
+from shared.openai_responses import SSE_DONE, chat_logprob, completion_logprobs, sse
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest
 from shared.storage.models import ApiKey, Tenant, UsageRecord
 
@@ -61,10 +60,6 @@ class _Meter:
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
-
-
-def _sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
 class CompletionService:
@@ -239,7 +234,7 @@ class CompletionService:
                 "index": c.index,
                 "message": {"role": "assistant", "content": c.text},
                 "finish_reason": c.finish_reason,
-                "logprobs": {"content": [_chat_logprob(tok, lp) for lp in c.logprobs]}
+                "logprobs": {"content": [chat_logprob(tok, lp) for lp in c.logprobs]}
                 if c.logprobs is not None
                 else None,
             }
@@ -278,19 +273,19 @@ class CompletionService:
             try:
                 async with asyncio.timeout(self.request_timeout_s):
                     for choice in prologue:
-                        yield _sse({**base, "choices": [choice]})
+                        yield sse({**base, "choices": [choice]})
                     async for i, out in _chain(first, updates):
                         meter.update(out)
                         for choice in render(i, out):
-                            yield _sse({**base, "choices": [choice]})
+                            yield sse({**base, "choices": [choice]})
                     if include_usage:
-                        yield _sse({**base, "choices": [], "usage": meter.usage()})
-                    yield b"data: [DONE]\n\n"
+                        yield sse({**base, "choices": [], "usage": meter.usage()})
+                    yield SSE_DONE
                     status = "ok"
             except TimeoutError:
                 status = "deadline"
                 err = DeadlineExceededError(f"the request ran past the {self.request_timeout_s:.0f}s deadline")
-                yield _sse(err.to_openai())
+                yield sse(err.to_openai())
             finally:
                 await updates.aclose()
                 await self._settle(caller, served, meter, status)
@@ -322,7 +317,7 @@ class CompletionService:
                 if c.delta_text:
                     chunk["delta"]["content"] = c.delta_text
                 if params.logprobs is not None:
-                    chunk["logprobs"] = {"content": [_chat_logprob(tok, lp) for lp in c.delta_logprobs]}
+                    chunk["logprobs"] = {"content": [chat_logprob(tok, lp) for lp in c.delta_logprobs]}
                 if c.finish_reason and out.finished:
                     chunk["finish_reason"] = c.finish_reason
                 chunks.append(chunk)
@@ -351,7 +346,7 @@ class CompletionService:
                         "index": i * params.n + c.index,
                         "text": text,
                         "finish_reason": c.finish_reason,
-                        "logprobs": _completion_logprobs(tok, c.logprobs) if c.logprobs is not None else None,
+                        "logprobs": completion_logprobs(tok, c.logprobs) if c.logprobs is not None else None,
                     }
                 )
         return {
@@ -382,7 +377,7 @@ class CompletionService:
                     "index": i * params.n + c.index,
                     "text": c.delta_text,
                     "finish_reason": c.finish_reason if out.finished else None,
-                    "logprobs": _completion_logprobs(tok, c.delta_logprobs) if params.logprobs is not None else None,
+                    "logprobs": completion_logprobs(tok, c.delta_logprobs) if params.logprobs is not None else None,
                 }
                 for c in out.outputs
                 if c.delta_text or c.finish_reason
@@ -398,34 +393,3 @@ async def _chain(
         yield first
     async for item in rest:
         yield item
-
-
-def _token_text(tokenizer: Any, token_id: int) -> str:
-    text: str = tokenizer.decode([token_id], skip_special_tokens=False)
-    return text
-
-
-def _chat_logprob(tokenizer: Any, lp: Logprob) -> dict[str, Any]:
-    token = _token_text(tokenizer, lp.token_id)
-    return {
-        "token": token,
-        "logprob": lp.logprob,
-        "bytes": list(token.encode()),
-        "top_logprobs": [
-            {"token": (t := _token_text(tokenizer, tid)), "logprob": v, "bytes": list(t.encode())} for tid, v in lp.top
-        ],
-    }
-
-
-def _completion_logprobs(tokenizer: Any, lps: list[Logprob]) -> dict[str, Any]:
-    tokens = [_token_text(tokenizer, lp.token_id) for lp in lps]
-    offsets, pos = [], 0
-    for t in tokens:
-        offsets.append(pos)
-        pos += len(t)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{_token_text(tokenizer, tid): v for tid, v in lp.top} for lp in lps],
-        "text_offset": offsets,
-    }

@@ -1,20 +1,25 @@
-"""The agent's local HTTP API. Inference routes arrive with issue 5; models are verified before they load."""
+"""The agent's local HTTP API: OpenAI-compatible routes on verified local models (each verified before it loads)."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from litestar import Litestar, Request, get
+from litestar import Litestar, Request, Response, get, post
 from litestar.datastructures import State
 from litestar.di import Provide
+from litestar.exceptions import SerializationException
+from litestar.response import Stream
 
+from edge_agent import serving
 from edge_agent.settings import EdgeSettings
 from shared.artifacts import load_public_key, public_path, verify_files, verify_signature
-from shared.errors import ArtifactVerificationError, AuthenticationError, ConfigurationError
+from shared.errors import ArtifactVerificationError, AuthenticationError, ConfigurationError, ValidationError
 from shared.http import EXCEPTION_HANDLERS, healthz
+from shared.openai_schema import ChatCompletionRequest, CompletionRequest, parse_request
 from shared.settings import CoreSettings
 from shared.zoo.registry import ZooLayout
 
@@ -84,6 +89,35 @@ def list_models(state: State, _auth: None) -> dict[str, Any]:
     }
 
 
+LOCAL_AUTH = {"_auth": Provide(_local_key_guard, sync_to_thread=False)}
+EDGE_HEADERS = {"x-tierline-tier": "edge"}
+
+
+async def _body(request: Request[Any, Any, Any]) -> Any:
+    try:
+        return await request.json()
+    except SerializationException:
+        raise ValidationError("the request body is not valid JSON") from None
+
+
+def _respond(result: dict[str, Any] | AsyncIterator[bytes]) -> Response[Any]:
+    if isinstance(result, dict):
+        return Response(result, headers=EDGE_HEADERS)
+    return Stream(result, media_type="text/event-stream", headers={**EDGE_HEADERS, "Cache-Control": "no-cache"})
+
+
+@post("/v1/chat/completions", dependencies=LOCAL_AUTH, status_code=200)
+async def chat_completions(request: Request[Any, Any, Any], state: State, _auth: None) -> Response[Any]:
+    """OpenAI chat completions on a local model."""
+    return _respond(await serving.chat(state.local, parse_request(ChatCompletionRequest, await _body(request))))
+
+
+@post("/v1/completions", dependencies=LOCAL_AUTH, status_code=200)
+async def completions(request: Request[Any, Any, Any], state: State, _auth: None) -> Response[Any]:
+    """OpenAI completions on a local model."""
+    return _respond(await serving.complete(state.local, parse_request(CompletionRequest, await _body(request))))
+
+
 def create_app(settings: EdgeSettings) -> Litestar:
     core = CoreSettings()
     zoo_root = settings.zoo_dir or core.zoo_dir / "demo"
@@ -91,8 +125,9 @@ def create_app(settings: EdgeSettings) -> Litestar:
     models = verified_local_models(zoo_root, key_files)
     logger.info("edge agent serving %d verified model(s) from %s", len(models), zoo_root)
     api_key = settings.api_key.get_secret_value() if settings.api_key else None
+    local = serving.LocalModels({m.id: m.path for m in models if m.format in serving.LM_FORMATS}, settings.num_threads)
     return Litestar(
-        route_handlers=[healthz, readyz, list_models],
+        route_handlers=[healthz, readyz, list_models, chat_completions, completions],
         exception_handlers=EXCEPTION_HANDLERS,
-        state=State({"models": models, "api_key": api_key}),
+        state=State({"models": models, "api_key": api_key, "local": local}),
     )

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from cloud.engine.sampling_params import SamplingParams
+from shared.openai_responses import Logprob
 
 
 class SequenceStatus(enum.Enum):
@@ -18,15 +19,6 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
-
-
-@dataclass(slots=True)
-class Logprob:
-    """The chosen token's log-probability and the top alternatives at one step."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass(eq=False, slots=True)

@@ -7,8 +7,10 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-# Skipped: the regression-test tree (huge, full of deliberately broken files) and vendored third-party code.
-_EXCLUDED_PARTS = frozenset({"test", "tests", "site-packages", "dist-packages", "idle_test", "__pycache__"})
+# Skipped: vendored third-party code. The regression-test trees are optional extra training text: they are
+# never held out, so the held-out set (what benchmarks score) is the same whether or not they are used.
+_EXCLUDED_PARTS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+_TEST_PARTS = frozenset({"test", "tests", "idle_test"})
 _MAX_FILE_BYTES = 400_000
 HELD_OUT_MODULUS = 10
 
@@ -19,6 +21,10 @@ class SourceFile:
 
     relpath: str
     text: str
+
+    @property
+    def is_test(self) -> bool:
+        return bool(_TEST_PARTS.intersection(self.relpath.split("/")[:-1]))
 
 
 def stdlib_root() -> Path:
@@ -31,13 +37,14 @@ def is_held_out(relpath: str) -> bool:
     return int.from_bytes(digest[:4], "big") % HELD_OUT_MODULUS == 0
 
 
-def iter_stdlib_files(root: Path | None = None) -> list[SourceFile]:
-    """All readable ``.py`` files of the standard library, sorted by path."""
+def iter_stdlib_files(root: Path | None = None, include_tests: bool = False) -> list[SourceFile]:
+    """All readable ``.py`` files of the standard library, sorted by path; test trees only when asked."""
     root = root or stdlib_root()
     files = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
-        if _EXCLUDED_PARTS.intersection(rel.parts[:-1]):
+        dirs = rel.parts[:-1]
+        if _EXCLUDED_PARTS.intersection(dirs) or (not include_tests and _TEST_PARTS.intersection(dirs)):
             continue
         try:
             raw = path.read_bytes()
@@ -56,9 +63,9 @@ def iter_stdlib_files(root: Path | None = None) -> list[SourceFile]:
 def split_corpus(
     files: list[SourceFile], max_train_files: int | None = None
 ) -> tuple[list[SourceFile], list[SourceFile]]:
-    """(train, held_out). ``max_train_files`` keeps an evenly spaced subset of the train files."""
-    train = [f for f in files if not is_held_out(f.relpath)]
-    held_out = [f for f in files if is_held_out(f.relpath)]
+    """(train, held_out). Test-tree files always train. ``max_train_files`` keeps an evenly spaced subset."""
+    held_out = [f for f in files if is_held_out(f.relpath) and not f.is_test]
+    train = [f for f in files if f.is_test or not is_held_out(f.relpath)]
     if max_train_files is not None and len(train) > max_train_files:
         stride = len(train) / max_train_files
         train = [train[int(i * stride)] for i in range(max_train_files)]
@@ -68,4 +75,4 @@ def split_corpus(
 
 def held_out_files() -> list[SourceFile]:
     """The held-out files used by benchmarks (never seen in training, for any preset)."""
-    return [f for f in iter_stdlib_files() if is_held_out(f.relpath)]
+    return split_corpus(iter_stdlib_files())[1]

@@ -65,6 +65,7 @@ class Preset:
     edge_training: LMTraining
     cloud_training: LMTraining
     max_train_files: int | None
+    include_test_tree: bool
     num_eval_windows: int
     digits_small_hidden: tuple[int, ...]
     digits_large_hidden: tuple[int, ...]
@@ -83,6 +84,7 @@ TINY = Preset(
     edge_training=LMTraining(num_steps=60, batch_size=8, seq_len=128, learning_rate=3e-3, warmup_steps=10),
     cloud_training=LMTraining(num_steps=60, batch_size=8, seq_len=128, learning_rate=2e-3, warmup_steps=10),
     max_train_files=120,
+    include_test_tree=False,
     num_eval_windows=16,
     digits_small_hidden=(32,),
     digits_large_hidden=(256, 128),
@@ -97,8 +99,9 @@ DEMO = Preset(
     edge=LMShape(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384),
     cloud=LMShape(hidden_size=256, num_layers=9, num_heads=4, num_kv_heads=2, intermediate_size=768),
     edge_training=LMTraining(num_steps=2000, batch_size=16, seq_len=256, learning_rate=3e-3, warmup_steps=100),
-    cloud_training=LMTraining(num_steps=1800, batch_size=16, seq_len=256, learning_rate=2.5e-3, warmup_steps=100),
+    cloud_training=LMTraining(num_steps=2200, batch_size=16, seq_len=256, learning_rate=2.5e-3, warmup_steps=100),
     max_train_files=None,
+    include_test_tree=True,
     num_eval_windows=128,
     digits_small_hidden=(32,),
     digits_large_hidden=(256, 128),

@@ -23,7 +23,7 @@ ROLES = ("edge", "cloud")
 
 
 def _corpus(preset: Preset) -> tuple[list[SourceFile], list[SourceFile]]:
-    return split_corpus(iter_stdlib_files(), preset.max_train_files)
+    return split_corpus(iter_stdlib_files(include_tests=preset.include_test_tree), preset.max_train_files)
 
 
 def train_tokenizer_for(preset: Preset, out_dir: Path) -> Path:

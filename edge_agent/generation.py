@@ -1,0 +1,102 @@
+"""Local generation on a device runtime (ONNX Runtime or LiteRT): the cloud engine's sampling semantics in
+numpy, one sequence at a time per model (the runtime holds one KV cache; a lock serialises requests)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from edge_agent.runtime.lm import CausalLMRuntime, load_causal_lm
+from shared.chat_tokenizer import ChatTokenizer, IncrementalDetokenizer
+from shared.errors import ValidationError
+from shared.openai_responses import Logprob
+from shared.sampling import choose, logprob_of
+
+
+@dataclass(slots=True)
+class LocalRequest:
+    prompt_ids: list[int]
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+
+@dataclass(slots=True)
+class LocalStep:
+    """One generated token: the text it completes (UTF-8 safe, never part of a stop string) and why it ended."""
+
+    token_id: int
+    delta_text: str
+    logprob: Logprob | None
+    finish_reason: str | None
+
+
+class LocalLM:
+    def __init__(self, model_dir: Path, num_threads: int = 1) -> None:
+        self.runtime: CausalLMRuntime = load_causal_lm(model_dir, num_threads)
+        self.tokenizer = ChatTokenizer(model_dir)
+        gen_path = model_dir / "generation_config.json"
+        generation = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        eos = generation.get("eos_token_id", [])
+        self.eos_token_ids = set(eos if isinstance(eos, list) else [eos])
+        self.max_context = self.runtime.max_context
+        self._lock = threading.Lock()
+
+    def check(self, req: LocalRequest) -> int:
+        """Validate lengths up front (OpenAI semantics); returns the effective max_tokens."""
+        n = len(req.prompt_ids)
+        if n == 0:
+            raise ValidationError("prompt: must not be empty", param="prompt")
+        if n >= self.max_context:
+            raise ValidationError(
+                f"This model's maximum context length is {self.max_context} tokens. However, your prompt is "
+                f"{n} tokens, leaving no room for a completion.",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        max_tokens = req.max_tokens if req.max_tokens is not None else self.max_context - n
+        if n + max_tokens > self.max_context:
+            raise ValidationError(
+                f"This model's maximum context length is {self.max_context} tokens. However, you requested "
+                f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion).",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return max_tokens
+
+    def generate(self, req: LocalRequest) -> Iterator[LocalStep]:
+        """Blocking: run it in a worker thread. Holds the model until the iterator is exhausted or closed."""
+        max_tokens = self.check(req)
+        rng = np.random.default_rng(req.seed)
+        detok = IncrementalDetokenizer(self.tokenizer, req.stop)
+        out: list[int] = []
+        with self._lock:
+            self.runtime.reset()
+            logits = self.runtime.prefill(req.prompt_ids)
+            while True:
+                token = choose(logits, rng, req.temperature, req.top_p, req.top_k, req.min_p)
+                lp = logprob_of(logits, token, req.logprobs) if req.logprobs is not None else None
+                out.append(token)
+                reason = None
+                if not req.ignore_eos and token in self.eos_token_ids:
+                    reason = "stop"
+                elif len(out) >= max_tokens:
+                    reason = "length"
+                delta, stopped = detok.update(out, is_final=reason is not None)
+                if stopped:
+                    reason = "stop"
+                yield LocalStep(token, delta, lp, reason)
+                if reason is not None:
+                    return
+                logits = self.runtime.decode(token)

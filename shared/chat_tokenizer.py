@@ -1,0 +1,147 @@
+"""Tokenizer, chat template and incremental detokenizer of a checkpoint (``tokenizer.json`` + config)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from shared.errors import ConfigurationError, ValidationError
+
+# ChatML: what most small open models use when a checkpoint carries no template.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class ChatTokenizer:
+    """Encode/decode with the ``tokenizers`` library; render chats with the checkpoint's Jinja template
+    in a sandbox (templates come with model files and are not trusted)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise ConfigurationError(f"{model_dir}: no tokenizer.json")
+        self.tokenizer = Tokenizer.from_file(str(path))
+        cfg_path = model_dir / "tokenizer_config.json"
+        cfg: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.bos_token = _token_text(cfg.get("bos_token"))
+        self.eos_token = _token_text(cfg.get("eos_token"))
+        self.add_bos = bool(cfg.get("add_bos_token", False))
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default") or next(iter(named.values()), None)
+        self.chat_template: str = template or DEFAULT_CHAT_TEMPLATE
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_template_error
+        try:
+            self._template = env.from_string(self.chat_template)
+        except TemplateError as exc:
+            raise ConfigurationError(f"{cfg_path}: chat_template does not parse: {exc}") from None
+        self.vocab_size = self.tokenizer.get_vocab_size()
+
+    def token_id(self, text: str | None) -> int | None:
+        return self.tokenizer.token_to_id(text) if text else None
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False).ids
+        bos = self.token_id(self.bos_token)
+        if self.add_bos and bos is not None and (not ids or ids[0] != bos):
+            ids.insert(0, bos)
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        text: str = self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return text
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render messages (``role`` + ``content``) to the prompt text."""
+        for i, m in enumerate(messages):
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValidationError(f"messages[{i}] needs a string 'role' and 'content'", param=f"messages.{i}")
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except TemplateError as exc:
+            raise ValidationError(
+                f"messages: the model's chat template rejected them: {exc}", param="messages"
+            ) from None
+
+
+def _raise_template_error(message: str) -> None:
+    raise TemplateError(message)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into UTF-8-safe text deltas, and finds stop strings.
+
+    Only a short window is decoded per update (vLLM's prefix/read offsets): the text of
+    ``ids[prefix:read]`` is compared with that of ``ids[prefix:]`` so tokenizers that treat the first token
+    of a decode specially still produce the right delta. A trailing U+FFFD means a multi-byte character is
+    split across tokens; it is held back until the next token completes it. With stop strings, the last
+    ``len(stop) - 1`` characters are held back so a stop string is never partly emitted.
+    """
+
+    def __init__(self, tokenizer: ChatTokenizer, stop: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.text = ""
+        self.num_emitted_chars = 0
+        self.num_emitted_tokens = 0
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._hold = max((len(s) for s in stop), default=1) - 1
+        self._stopped = False
+
+    def _advance(self, ids: list[int]) -> None:
+        while self._read_offset < len(ids):
+            prefix = self.tokenizer.decode(ids[self._prefix_offset : self._read_offset])
+            end = self._read_offset + 1
+            # Extend the window until the new tokens form whole characters (or the ids run out).
+            while True:
+                full = self.tokenizer.decode(ids[self._prefix_offset : end])
+                if not full.endswith("\ufffd") or end >= len(ids):
+                    break
+                end += 1
+            if full.endswith("\ufffd"):
+                return  # an incomplete character at the very end: wait for the next token
+            self.text += full[len(prefix) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = end
+
+    def update(self, output_ids: list[int], is_final: bool) -> tuple[str, bool]:
+        """Returns (new text to emit, stopped by a stop string). Text after a stop string is never emitted."""
+        if self._stopped:
+            return "", True
+        searched_from = max(0, self.num_emitted_chars - self._hold)
+        self._advance(output_ids)
+        stopped = False
+        for s in self.stop:
+            pos = self.text.find(s, searched_from)
+            if pos != -1:
+                self.text = self.text[:pos]
+                stopped = self._stopped = True
+        safe_end = len(self.text) if (stopped or is_final) else len(self.text) - self._hold
+        if safe_end <= self.num_emitted_chars:
+            return "", stopped
+        delta = self.text[self.num_emitted_chars : safe_end]
+        self.num_emitted_chars = safe_end
+        return delta, stopped

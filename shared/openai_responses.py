@@ -1,0 +1,59 @@
+"""OpenAI response pieces shared by the cloud API and the edge agent: SSE framing and logprob shapes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(slots=True)
+class Logprob:
+    """The chosen token's log-probability and the top alternatives at one step."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+class Decoder(Protocol):
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    """One server-sent event in the OpenAI framing."""
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def token_text(tokenizer: Decoder, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def chat_logprob(tokenizer: Decoder, lp: Logprob) -> dict[str, Any]:
+    """One entry of ``choices[].logprobs.content`` (chat completions)."""
+    token = token_text(tokenizer, lp.token_id)
+    return {
+        "token": token,
+        "logprob": lp.logprob,
+        "bytes": list(token.encode()),
+        "top_logprobs": [
+            {"token": (t := token_text(tokenizer, tid)), "logprob": v, "bytes": list(t.encode())} for tid, v in lp.top
+        ],
+    }
+
+
+def completion_logprobs(tokenizer: Decoder, lps: list[Logprob]) -> dict[str, Any]:
+    """``choices[].logprobs`` of (legacy) completions."""
+    tokens = [token_text(tokenizer, lp.token_id) for lp in lps]
+    offsets, pos = [], 0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{token_text(tokenizer, tid): v for tid, v in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }

@@ -1,0 +1,93 @@
+"""The edge agent's local OpenAI-compatible inference, over a real socket with the openai SDK, on the test
+zoo's INT8 ONNX and TFLite exports (no torch in the agent)."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import base_env, free_port, run_server
+
+pytestmark = pytest.mark.integration
+INT8 = "tierline/lm-edge-onnx-int8"
+TFLITE = "tierline/lm-edge-tflite"
+
+
+@pytest.fixture(scope="module")
+def edge(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_data_dir: Path) -> Iterator[str]:
+    d = tmp_path_factory.mktemp("edge")
+    shutil.copytree(session_data_dir / "keys", d / "keys")
+    shutil.copytree(tiny_zoo, d / "zoo" / "tiny")
+    env = base_env(d, TIERLINE_EDGE_ZOO_DIR=str(d / "zoo" / "tiny"))
+    with run_server(["edge", "run"], env, free_port()) as url:
+        yield url
+
+
+@pytest.fixture
+def client(edge: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{edge}/v1", api_key="unused-locally", max_retries=0)
+
+
+def test_local_completion_streams_the_same_text_and_says_it_was_answered_on_the_edge(
+    client: openai.OpenAI,
+) -> None:
+    raw = client.completions.with_raw_response.create(model=INT8, prompt="def main():\n", max_tokens=12, temperature=0)
+    assert raw.headers["x-tierline-tier"] == "edge"
+    full = raw.parse()
+    assert full.usage is not None and 1 <= full.usage.completion_tokens <= 12
+    streamed = "".join(
+        c.choices[0].text if c.choices else ""
+        for c in client.completions.create(
+            model=INT8, prompt="def main():\n", max_tokens=12, temperature=0, stream=True
+        )
+    )
+    assert streamed == full.choices[0].text
+    assert full.choices[0].finish_reason in ("stop", "length")
+
+
+def test_local_chat_with_seed_logprobs_and_usage(client: openai.OpenAI) -> None:
+    def ask() -> openai.types.chat.ChatCompletion:
+        return client.chat.completions.create(
+            model=TFLITE,
+            messages=[{"role": "user", "content": "import os"}],
+            max_tokens=10,
+            temperature=0.9,
+            seed=11,
+            logprobs=True,
+            top_logprobs=2,
+        )
+
+    a, b = ask(), ask()
+    assert a.choices[0].message.content == b.choices[0].message.content  # seeded: reproducible
+    lps = a.choices[0].logprobs
+    assert lps is not None and lps.content is not None and a.usage is not None
+    assert len(lps.content) == a.usage.completion_tokens
+    assert all(e.logprob <= 0 and len(e.top_logprobs) == 2 for e in lps.content)
+    stream = client.chat.completions.create(
+        model=INT8,
+        messages=[{"role": "user", "content": "x = "}],
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    usage = [c.usage for c in stream if c.usage is not None]
+    assert len(usage) == 1 and usage[0].completion_tokens <= 6
+
+
+def test_local_bad_input_gets_a_clear_4xx(client: openai.OpenAI, edge: str) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="tierline/lm-cloud", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as n:
+        client.completions.create(model=INT8, prompt="x", max_tokens=2, n=2)
+    assert n.value.body["param"] == "n"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as long:
+        client.completions.create(model=INT8, prompt="x", max_tokens=100_000)
+    assert long.value.body["code"] == "context_length_exceeded"  # type: ignore[index]
+    r = httpx.post(f"{edge}/v1/chat/completions", content=b"[1,", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
