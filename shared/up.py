@@ -190,7 +190,10 @@ def up(zoo_preset: str) -> None:
                 '-H \'Content-Type: application/json\' -d \'{"model": "tierline/lm-cloud", "max_tokens": 48, '
                 '"messages": [{"role": "user", "content": "def fibonacci(n):"}]}\''
             ),
-            "curl_edge": f"curl -s {edge_url}/v1/models",
+            "curl_edge": (
+                f"curl -s {edge_url}/v1/completions -H 'Content-Type: application/json' "
+                "-d '{\"model\": \"tierline/lm-edge-onnx-int8\", \"prompt\": \"import os\\n\", \"max_tokens\": 32}'"
+            ),
             "pids": {name: p.pid for name, p in procs.items()},
         }
         _write_private(up_path, json.dumps(info, indent=2) + "\n")

@@ -74,6 +74,8 @@ def test_up_serves_everything_and_stops_cleanly(tmp_path: Path, tiny_zoo: Path, 
         chat = subprocess.run(info["curl_cloud"], shell=True, capture_output=True, text=True, timeout=120, check=True)
         answer = json.loads(chat.stdout)
         assert answer["object"] == "chat.completion" and answer["choices"][0]["message"]["content"]
+        local = subprocess.run(info["curl_edge"], shell=True, capture_output=True, text=True, timeout=120, check=True)
+        assert json.loads(local.stdout)["choices"][0]["text"]
         children = list(info["pids"].values())
         assert all(_pid_alive(pid) for pid in children)
     finally:
