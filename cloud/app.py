@@ -10,13 +10,15 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from litestar import Litestar, Request, Response, get, post
 from litestar.datastructures import State
 from litestar.di import Provide
-from litestar.exceptions import SerializationException
+from litestar.openapi import OpenAPIConfig
+from litestar.openapi.spec import Components, SecurityScheme
 from litestar.response import Stream
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
@@ -30,9 +32,9 @@ from cloud.metering import UsageWriter
 from cloud.models_catalog import ServedModel, find, load_catalog
 from cloud.observability import Metrics
 from cloud.settings import CloudSettings
-from shared.errors import AuthenticationError, ServiceUnavailableError, ValidationError
+from shared.errors import AuthenticationError, ServiceUnavailableError
 from shared.http import EXCEPTION_HANDLERS, healthz
-from shared.openai_schema import ChatCompletionRequest, CompletionRequest, parse_request
+from shared.openai_schema import ChatCompletionRequest, CompletionRequest
 from shared.settings import CoreSettings
 from shared.storage.migrate import is_up_to_date
 from shared.storage.models import Tenant
@@ -70,6 +72,7 @@ def require_caller(request: Request[Any, Any, Any], state: State) -> Caller:
 
 
 CALLER = {"caller": Provide(require_caller, sync_to_thread=True)}
+BEARER: list[dict[str, list[str]]] = [{"BearerAuth": []}]
 
 
 @get("/readyz", sync_to_thread=True, include_in_schema=False)
@@ -93,21 +96,14 @@ def metrics(state: State) -> Response[bytes]:
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-@get("/v1/models", dependencies=CALLER, sync_to_thread=False)
+@get("/v1/models", dependencies=CALLER, sync_to_thread=False, security=BEARER)
 def list_models(state: State, caller: Caller) -> dict[str, Any]:
     return {"object": "list", "data": [_model_json(m) for m in state.catalog]}
 
 
-@get("/v1/models/{model_id:path}", dependencies=CALLER, sync_to_thread=False)
+@get("/v1/models/{model_id:path}", dependencies=CALLER, sync_to_thread=False, security=BEARER)
 def get_model(state: State, caller: Caller, model_id: str) -> dict[str, Any]:
     return _model_json(find(state.catalog, model_id.lstrip("/")))
-
-
-async def _body(request: Request[Any, Any, Any]) -> Any:
-    try:
-        return await request.json()
-    except SerializationException:
-        raise ValidationError("the request body is not valid JSON") from None
 
 
 def _respond(caller: Caller, result: dict[str, Any] | AsyncIterator[bytes]) -> Response[Any]:
@@ -145,20 +141,23 @@ async def _idempotent(
     return _respond(caller, result)
 
 
-@post("/v1/chat/completions", dependencies=CALLER, status_code=200)
-async def chat_completions(request: Request[Any, Any, Any], state: State, caller: Caller) -> Response[Any]:
+@post("/v1/chat/completions", dependencies=CALLER, status_code=200, security=BEARER)
+async def chat_completions(
+    request: Request[Any, Any, Any], state: State, caller: Caller, data: ChatCompletionRequest
+) -> Response[Any]:
     """OpenAI chat completions, with ``stream: true`` as server-sent events."""
-    body = await _body(request)
-    req = parse_request(ChatCompletionRequest, body)
-    return await _idempotent(request, state, caller, body, req.stream, lambda: state.service.chat(caller, req))
+    body = data.model_dump(mode="json", exclude_unset=True)
+    return await _idempotent(request, state, caller, body, data.stream, partial(state.service.chat, caller, data))
 
 
-@post("/v1/completions", dependencies=CALLER, status_code=200)
-async def completions(request: Request[Any, Any, Any], state: State, caller: Caller) -> Response[Any]:
+@post("/v1/completions", dependencies=CALLER, status_code=200, security=BEARER)
+async def completions(
+    request: Request[Any, Any, Any], state: State, caller: Caller, data: CompletionRequest
+) -> Response[Any]:
     """OpenAI (legacy) completions, with ``stream: true`` as server-sent events."""
-    body = await _body(request)
-    req = parse_request(CompletionRequest, body)
-    return await _idempotent(request, state, caller, body, req.stream, lambda: state.service.completions(caller, req))
+    body = data.model_dump(mode="json", exclude_unset=True)
+    call = partial(state.service.completions, caller, data)
+    return await _idempotent(request, state, caller, body, data.stream, call)
 
 
 def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Litestar:
@@ -211,4 +210,13 @@ def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Li
         middleware=[observed.middleware],
         lifespan=[lifespan],
         request_max_body_size=settings.max_body_bytes,
+        openapi_config=OpenAPIConfig(
+            title="tierline cloud API",
+            version="1",
+            components=Components(
+                security_schemes={
+                    "BearerAuth": SecurityScheme(type="http", scheme="bearer", description="tl- API key or JWT")
+                }
+            ),
+        ),
     )

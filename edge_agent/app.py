@@ -11,15 +11,14 @@ from typing import Any
 from litestar import Litestar, Request, Response, get, post
 from litestar.datastructures import State
 from litestar.di import Provide
-from litestar.exceptions import SerializationException
 from litestar.response import Stream
 
 from edge_agent import serving
 from edge_agent.settings import EdgeSettings
 from shared.artifacts import load_public_key, public_path, verify_files, verify_signature
-from shared.errors import ArtifactVerificationError, AuthenticationError, ConfigurationError, ValidationError
+from shared.errors import ArtifactVerificationError, AuthenticationError, ConfigurationError
 from shared.http import EXCEPTION_HANDLERS, healthz
-from shared.openai_schema import ChatCompletionRequest, CompletionRequest, parse_request
+from shared.openai_schema import ChatCompletionRequest, CompletionRequest
 from shared.settings import CoreSettings
 from shared.zoo.registry import ZooLayout
 
@@ -93,13 +92,6 @@ LOCAL_AUTH = {"_auth": Provide(_local_key_guard, sync_to_thread=False)}
 EDGE_HEADERS = {"x-tierline-tier": "edge"}
 
 
-async def _body(request: Request[Any, Any, Any]) -> Any:
-    try:
-        return await request.json()
-    except SerializationException:
-        raise ValidationError("the request body is not valid JSON") from None
-
-
 def _respond(result: dict[str, Any] | AsyncIterator[bytes]) -> Response[Any]:
     if isinstance(result, dict):
         return Response(result, headers=EDGE_HEADERS)
@@ -107,15 +99,15 @@ def _respond(result: dict[str, Any] | AsyncIterator[bytes]) -> Response[Any]:
 
 
 @post("/v1/chat/completions", dependencies=LOCAL_AUTH, status_code=200)
-async def chat_completions(request: Request[Any, Any, Any], state: State, _auth: None) -> Response[Any]:
+async def chat_completions(state: State, _auth: None, data: ChatCompletionRequest) -> Response[Any]:
     """OpenAI chat completions on a local model."""
-    return _respond(await serving.chat(state.local, parse_request(ChatCompletionRequest, await _body(request))))
+    return _respond(await serving.chat(state.local, data))
 
 
 @post("/v1/completions", dependencies=LOCAL_AUTH, status_code=200)
-async def completions(request: Request[Any, Any, Any], state: State, _auth: None) -> Response[Any]:
+async def completions(state: State, _auth: None, data: CompletionRequest) -> Response[Any]:
     """OpenAI completions on a local model."""
-    return _respond(await serving.complete(state.local, parse_request(CompletionRequest, await _body(request))))
+    return _respond(await serving.complete(state.local, data))
 
 
 def create_app(settings: EdgeSettings) -> Litestar:

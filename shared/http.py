@@ -33,16 +33,24 @@ def application_error_handler(_: Request[Any, Any, Any], exc: ApplicationError) 
 
 
 def http_error_handler(_: Request[Any, Any, Any], exc: HTTPException) -> Response[dict[str, Any]]:
-    """Litestar's own 4xx (bad JSON, validation, unknown route) in the OpenAI error shape."""
-    message = exc.detail
+    """Litestar's own 4xx (bad JSON, body validation, unknown route) in the OpenAI error shape.
+
+    A body that fails validation names its first bad field: ``param`` is the field's path and the message
+    starts with it.
+    """
+    message, param = exc.detail, None
     extra = getattr(exc, "extra", None)
-    if extra:
+    if isinstance(extra, list) and extra and isinstance(extra[0], dict) and "message" in extra[0]:
+        param = extra[0].get("key") or None
+        reason = str(extra[0]["message"]).removeprefix("Value error, ")
+        message = f"{param}: {reason}" if param else reason
+    elif extra:
         message = f"{message}: {extra}"
     body = {
         "error": {
             "message": message,
             "type": _HTTP_TYPES.get(exc.status_code, "server_error"),
-            "param": None,
+            "param": param,
             "code": None,
         }
     }

@@ -1,15 +1,14 @@
 """OpenAI-compatible request schemas shared by the cloud API and the edge agent's local API.
 
-Unknown fields are ignored (clients send fields newer than this server); known ones are validated strictly
-and a failure names the field (``param``), in the OpenAI error shape.
+Unknown fields are ignored (clients send fields newer than this server); known ones are validated strictly,
+and ``shared.http`` turns a failure into the OpenAI error shape naming the field (``param``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from pydantic import ValidationError as PydanticValidationError
 
 from shared.errors import ValidationError
 
@@ -139,21 +138,3 @@ class CompletionRequest(_Sampling):
         if p and isinstance(p[0], int):
             return [p]
         return list(p)  # type: ignore[arg-type]
-
-
-RequestT = TypeVar("RequestT", bound=BaseModel)
-
-
-def parse_request(model: type[RequestT], body: Any) -> RequestT:
-    """Validate a JSON body; the first problem becomes a ValidationError naming its field."""
-    if not isinstance(body, dict):
-        raise ValidationError("the request body must be a JSON object")
-    try:
-        return model.model_validate(body)
-    except PydanticValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(p) for p in err.get("loc", ()) if not str(p).startswith("function-after"))
-        msg = err.get("msg", "invalid value").removeprefix("Value error, ")
-        if err.get("type") == "missing":
-            raise ValidationError(f"{loc}: required field is missing", param=loc or None) from None
-        raise ValidationError(f"{loc}: {msg}" if loc else msg, param=loc or None) from None

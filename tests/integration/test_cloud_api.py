@@ -233,3 +233,14 @@ def test_idempotency_key_replays_the_response_and_bills_once(cloud_api: dict[str
     # The key is the tenant's own: another tenant using the same key gets its own fresh answer.
     other = httpx.post(url, json=body, headers={**headers, "Authorization": f"Bearer {cloud_api['other_key']}"})
     assert other.status_code in (200, 429) and "x-tierline-idempotent-replay" not in other.headers
+
+
+def test_openapi_schema_describes_the_inference_routes(cloud_api: dict[str, str]) -> None:
+    schema = httpx.get(f"{cloud_api['url']}/schema/openapi.json").json()
+    chat = schema["paths"]["/v1/chat/completions"]["post"]
+    body_ref = chat["requestBody"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
+    props = schema["components"]["schemas"][body_ref]["properties"]
+    assert {"model", "messages", "temperature", "stream", "max_tokens"} <= set(props)
+    assert chat["security"] == [{"BearerAuth": []}]
+    assert schema["components"]["securitySchemes"]["BearerAuth"]["scheme"] == "bearer"
+    assert "requestBody" in schema["paths"]["/v1/completions"]["post"]
