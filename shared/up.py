@@ -192,7 +192,7 @@ def up(zoo_preset: str) -> None:
             ),
             "curl_edge": (
                 f"curl -s {edge_url}/v1/completions -H 'Content-Type: application/json' "
-                "-d '{\"model\": \"tierline/lm-edge-onnx-int8\", \"prompt\": \"import os\\n\", \"max_tokens\": 32}'"
+                '-d \'{"model": "tierline/lm-edge-onnx-int8", "prompt": "import os\\n", "max_tokens": 32}\''
             ),
             "pids": {name: p.pid for name, p in procs.items()},
         }
