@@ -25,8 +25,15 @@ from cloud.engine.llm_engine import LLMEngine
 from cloud.engine.model_runner import Feed
 from cloud.engine.sampling_params import SamplingParams
 from shared.zoo.corpus import held_out_files
+from shared.zoo.registry import ZooLayout
 
 KV_BYTES = 256 << 20
+
+
+def _lm(zoo_root: Path, name: str) -> Path:
+    """An LM of a built zoo, or a directory of checkpoints (such as the committed weights)."""
+    built = ZooLayout(zoo_root).artifact_dir(name)
+    return built if built.is_dir() else zoo_root / name
 
 
 def _corpus_ids(engine: LLMEngine) -> list[int]:
@@ -55,7 +62,10 @@ def _pct(values: list[float], q: float) -> float:
 def run_engine_workload(
     engine: LLMEngine, work: list[tuple[list[int], int]], params: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """All requests arrive at once; returns throughput, TTFT and inter-token latency."""
+    """All requests arrive at once; returns throughput, TTFT, inter-token latency, and how much of the wall
+    time the model forward took (the rest is scheduling, sampling and detokenization)."""
+    forward_before = engine.runner.forward_seconds
+    steps_before = engine.stats.num_steps
     started = time.monotonic()
     for i, (prompt, max_tokens) in enumerate(work):
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **(params or {}))
@@ -81,6 +91,8 @@ def run_engine_workload(
     num_tokens = sum(len(t) for t in outputs.values())
     return {
         "seconds": seconds,
+        "forward_share": (engine.runner.forward_seconds - forward_before) / seconds,
+        "num_steps": engine.stats.num_steps - steps_before,
         "tokens": num_tokens,
         "tokens_per_s": num_tokens / seconds,
         "ttft_p50_ms": _pct(ttft, 50),
@@ -155,7 +167,7 @@ def hf_static_batches(model: Any, work: list[tuple[list[int], int]], batch_size:
 def bench_engine(
     zoo_root: Path, num_requests: int = 64, max_num_seqs: int = 64, skip_hf: bool = False, seed: int = 0
 ) -> dict[str, Any]:
-    model_dir = zoo_root / "lm-cloud"
+    model_dir = _lm(zoo_root, "lm-cloud")
     engine = LLMEngine(
         EngineConfig(model_dir, kv_cache_bytes=KV_BYTES, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
     )
@@ -174,6 +186,9 @@ def bench_engine(
         "engine_seconds": round(ours["seconds"], 2),
         "raw_forward_tokens_per_s": round(raw, 1),
         "efficiency_vs_raw_forward": round(ours["tokens_per_s"] / raw, 3),
+        "engine_forward_share": round(ours["forward_share"], 3),
+        "engine_steps": ours["num_steps"],
+        "mean_decode_batch": round(ours["tokens"] / ours["num_steps"], 1),
         "ttft_p50_ms": round(ours["ttft_p50_ms"], 1),
         "ttft_p99_ms": round(ours["ttft_p99_ms"], 1),
         "itl_p50_ms": round(ours["itl_p50_ms"], 1),
@@ -209,7 +224,7 @@ def _greedy_batch1(engine: LLMEngine, prompts: list[list[int]], num_tokens: int)
 
 
 def bench_spec(zoo_root: Path, num_prompts: int = 8, num_tokens: int = 96, seed: int = 1) -> dict[str, Any]:
-    target, draft = zoo_root / "lm-cloud", zoo_root / "lm-edge"
+    target, draft = _lm(zoo_root, "lm-cloud"), _lm(zoo_root, "lm-edge")
     plain = LLMEngine(EngineConfig(target, kv_cache_bytes=KV_BYTES))
     prompts = [p for p, _ in _workload(_corpus_ids(plain), num_prompts, (64, 192), (1, 1), seed)]
     total = num_prompts * num_tokens
@@ -267,7 +282,7 @@ def _hf_assisted(target: Path, draft: Path, prompts: list[list[int]], num_tokens
 
 def bench_prefix(zoo_root: Path, num_requests: int = 16, system_tokens: int = 448, seed: int = 2) -> dict[str, Any]:
     """Requests arrive one after another, each a shared system prompt plus its own short question."""
-    model_dir = zoo_root / "lm-cloud"
+    model_dir = _lm(zoo_root, "lm-cloud")
     results: dict[str, Any] = {}
     for caching in (False, True):
         engine = LLMEngine(EngineConfig(model_dir, kv_cache_bytes=KV_BYTES, enable_prefix_caching=caching))

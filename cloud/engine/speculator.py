@@ -80,7 +80,16 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 class SpecController:
-    """Chooses k per step: argmax over k of expected tokens per second, k = 0 meaning no speculation."""
+    """Chooses k per step: argmax over k of expected tokens per second, k = 0 meaning no speculation.
+
+    The per-token acceptance alpha is estimated from verification rounds: each accepted proposal is a success
+    and each round that stopped at a rejection is one failure (later proposals of that round were never
+    tested), with exponential forgetting. While speculation is off, one step in ``PROBE_EVERY`` still
+    proposes a single token so the estimate can recover when the text becomes predictable again.
+    """
+
+    PROBE_EVERY = 16
+    DECAY = 0.98
 
     def __init__(
         self,
@@ -93,22 +102,25 @@ class SpecController:
         self.target_cost = target_cost
         self.draft_cost = draft_cost
         self.adaptive = adaptive
-        self.acceptance = {"draft": 0.7, "ngram": 0.5}
-        self.num_proposed = {"draft": 0, "ngram": 0}
-        self.num_accepted = {"draft": 0, "ngram": 0}
+        # Decayed (successes, trials), starting from a weak prior.
+        self._evidence = {"draft": [3.5, 5.0], "ngram": [2.5, 5.0]}
+        self._num_off = {"draft": 0, "ngram": 0}
+
+    def acceptance(self, method: str) -> float:
+        successes, trials = self._evidence[method]
+        return successes / trials
 
     def record(self, method: str, proposed: int, accepted: int) -> None:
         if proposed <= 0:
             return
-        self.num_proposed[method] += proposed
-        self.num_accepted[method] += accepted
-        rate = accepted / proposed
-        self.acceptance[method] = 0.9 * self.acceptance[method] + 0.1 * rate
+        ev = self._evidence[method]
+        ev[0] = self.DECAY * ev[0] + accepted
+        ev[1] = self.DECAY * ev[1] + accepted + (1 if accepted < proposed else 0)
 
     def choose_k(self, method: str, num_seqs: int, num_other_tokens: int) -> int:
         if not self.adaptive:
             return self.max_k
-        alpha = min(self.acceptance[method], 0.99)
+        alpha = min(self.acceptance(method), 0.99)
         base = num_seqs / self.target_cost(num_other_tokens + num_seqs)
         best_k, best = 0, base
         for k in range(1, self.max_k + 1):
@@ -118,6 +130,10 @@ class SpecController:
             rate = num_seqs * expected_tokens(alpha, k) / seconds
             if rate > best * 1.02:
                 best_k, best = k, rate
+        if best_k == 0:
+            self._num_off[method] += 1
+            if self._num_off[method] % self.PROBE_EVERY == 0:
+                return 1
         return best_k
 
 
