@@ -147,8 +147,16 @@ class CompletionService:
         self, served: ServedLM, caller: Caller, prompts: list[str | list[int]], params: SamplingParams
     ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """Updates of several engine requests (one per prompt), interleaved as they come."""
-        queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
         salt = f"tenant:{caller.tenant.id}"
+        if len(prompts) == 1:  # the common case: no task or queue hop between the engine and the response
+            stream = served.engine.generate(prompts[0], params, request_id=f"{caller.request_id}-0", cache_salt=salt)
+            try:
+                async for out in stream:
+                    yield 0, out
+            finally:
+                await stream.aclose()
+            return
+        queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
 
         async def pump(i: int, prompt: str | list[int]) -> None:
             try:
