@@ -100,18 +100,12 @@ class CompletionService:
         return SamplingParams(
             n=req.n,
             max_tokens=max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            min_p=req.min_p,
-            seed=req.seed,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty,
-            stop=req.stop_list,
-            ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             speculation=req.speculation,
+            **req.token_choice(),
         )
 
     async def _settle(self, caller: Caller, served: ServedLM, meter: _Meter, status: str) -> None:

@@ -50,18 +50,16 @@ def _request(
 ) -> LocalRequest:
     if req.n != 1:
         raise ValidationError("n: the edge agent generates one choice per request", param="n")
-    local = LocalRequest(
-        prompt_ids=prompt_ids,
-        max_tokens=max_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
-        min_p=req.min_p,
-        seed=req.seed,
-        stop=req.stop_list,
-        ignore_eos=req.ignore_eos,
-        logprobs=logprobs,
-    )
+    if req.has_penalties:
+        raise ValidationError(
+            "presence_penalty, frequency_penalty and repetition_penalty are served by the cloud tier only",
+            param="presence_penalty"
+            if req.presence_penalty
+            else "frequency_penalty"
+            if req.frequency_penalty
+            else "repetition_penalty",
+        )
+    local = LocalRequest(prompt_ids=prompt_ids, max_tokens=max_tokens, logprobs=logprobs, **req.token_choice())
     lm.check(local)
     return local
 

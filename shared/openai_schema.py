@@ -82,6 +82,22 @@ class _Sampling(_Request):
     def stop_list(self) -> list[str]:
         return list(self.stop or [])
 
+    def token_choice(self) -> dict[str, Any]:
+        """The fields both tiers' samplers take as they are: temperature, top-p/k, min-p, seed, stop, ignore_eos."""
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "seed": self.seed,
+            "stop": self.stop_list,
+            "ignore_eos": self.ignore_eos,
+        }
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)

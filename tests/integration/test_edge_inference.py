@@ -86,6 +86,9 @@ def test_local_bad_input_gets_a_clear_4xx(client: openai.OpenAI, edge: str) -> N
     with pytest.raises(openai.BadRequestError) as n:
         client.completions.create(model=INT8, prompt="x", max_tokens=2, n=2)
     assert n.value.body["param"] == "n"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as penalty:
+        client.completions.create(model=INT8, prompt="x", max_tokens=2, frequency_penalty=0.5)
+    assert penalty.value.body["param"] == "frequency_penalty"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as long:
         client.completions.create(model=INT8, prompt="x", max_tokens=100_000)
     assert long.value.body["code"] == "context_length_exceeded"  # type: ignore[index]
