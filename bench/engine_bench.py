@@ -44,14 +44,27 @@ def _corpus_ids(engine: LLMEngine) -> list[int]:
 
 
 def _workload(
-    corpus: list[int], num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int], seed: int
+    corpus: list[int],
+    num_requests: int,
+    prompt_range: tuple[int, int],
+    output_range: tuple[int, int],
+    seed: int,
+    max_len: int | None = None,
 ) -> list[tuple[list[int], int]]:
+    """Prompts cut from held-out text and output lengths, drawn uniformly; a model with a context shorter than
+    the ranges (``max_len``) gets prompts of at most half of it and outputs that fit."""
     rng = random.Random(seed)
+    lo, hi = prompt_range
+    if max_len is not None:
+        hi = max(lo, min(hi, max_len // 2))
     work = []
     for _ in range(num_requests):
-        plen = rng.randint(*prompt_range)
+        plen = rng.randint(lo, hi)
         start = rng.randrange(0, len(corpus) - plen)
-        work.append((corpus[start : start + plen], rng.randint(*output_range)))
+        n = rng.randint(*output_range)
+        if max_len is not None:
+            n = max(1, min(n, max_len - plen))
+        work.append((corpus[start : start + plen], n))
     return work
 
 
@@ -171,7 +184,7 @@ def bench_engine(
     engine = LLMEngine(
         EngineConfig(model_dir, kv_cache_bytes=KV_BYTES, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
     )
-    work = _workload(_corpus_ids(engine), num_requests, (16, 256), (16, 128), seed)
+    work = _workload(_corpus_ids(engine), num_requests, (16, 256), (16, 128), seed, engine.max_model_len)
     run_engine_workload(engine, work[:4])  # warm-up
     ours = run_engine_workload(engine, work)
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -226,7 +239,7 @@ def _greedy_batch1(engine: LLMEngine, prompts: list[list[int]], num_tokens: int)
 def bench_spec(zoo_root: Path, num_prompts: int = 8, num_tokens: int = 96, seed: int = 1) -> dict[str, Any]:
     target, draft = _lm(zoo_root, "lm-cloud"), _lm(zoo_root, "lm-edge")
     plain = LLMEngine(EngineConfig(target, kv_cache_bytes=KV_BYTES))
-    prompts = [p for p, _ in _workload(_corpus_ids(plain), num_prompts, (64, 192), (1, 1), seed)]
+    prompts = [p for p, _ in _workload(_corpus_ids(plain), num_prompts, (64, 192), (1, 1), seed, plain.max_model_len)]
     total = num_prompts * num_tokens
     _greedy_batch1(plain, prompts[:1], 8)
     base, t_plain = _greedy_batch1(plain, prompts, num_tokens)

@@ -1,0 +1,45 @@
+"""The benchmarks run end to end on the test zoo and report the keys the issues ask for (no speed asserted:
+speed is what the benchmarks measure, on the demo zoo)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.engine_bench import bench_engine, bench_prefix, bench_spec
+from bench.tensor_bench import run_tensor_bench
+
+
+def test_engine_bench_reports_throughput_latency_and_baselines(tiny_zoo: Path) -> None:
+    r = bench_engine(tiny_zoo, num_requests=6, max_num_seqs=4)
+    for key in (
+        "engine_tokens_per_s",
+        "hf_sequential_tokens_per_s",
+        "hf_static_batch_tokens_per_s",
+        "speedup_vs_hf_sequential",
+        "speedup_vs_hf_static_batch",
+        "efficiency_vs_raw_forward",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "itl_p50_ms",
+        "itl_p99_ms",
+        "peak_rss_mb",
+    ):
+        assert r[key] > 0, key
+    assert r["outputs_identical_to_hf"] == "6/6"
+    assert 0 < r["engine_forward_share"] <= 1
+
+
+def test_spec_and_prefix_benches_report_their_keys(tiny_zoo: Path) -> None:
+    spec = bench_spec(tiny_zoo, num_prompts=2, num_tokens=12)
+    assert spec["outputs_identical"] is True
+    for key in ("plain_tokens_per_s", "spec_tokens_per_s", "ngram_tokens_per_s", "hf_assisted_tokens_per_s"):
+        assert spec[key] > 0, key
+    assert 0 <= spec["acceptance_rate"] <= 1 and spec["spec_speedup_at_16"] > 0
+    prefix = bench_prefix(tiny_zoo, num_requests=2, system_tokens=64)
+    assert prefix["prefix_cache_hit_rate"] > 0.5 and prefix["ttft_speedup"] > 0
+
+
+def test_tensor_bench_batches_and_agrees_with_unbatched(tiny_zoo: Path) -> None:
+    r = run_tensor_bench(tiny_zoo, num_requests=200, concurrency=16)
+    assert r["max_abs_diff_batched_vs_unbatched"] == 0.0
+    assert r["mean_batch_size"] > 1 and r["batched_requests_per_s"] > 0
