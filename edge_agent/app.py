@@ -13,7 +13,7 @@ from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.response import Stream
 
-from edge_agent import serving
+from edge_agent import int8_guard, serving
 from edge_agent.settings import EdgeSettings
 from shared.artifacts import load_public_key, public_path, verify_files, verify_signature
 from shared.errors import ArtifactVerificationError, AuthenticationError, ConfigurationError
@@ -25,6 +25,7 @@ from shared.zoo.registry import ZooLayout
 logger = logging.getLogger(__name__)
 
 EDGE_ARTIFACTS = ("lm-edge-onnx-int8", "lm-edge-onnx", "lm-edge-tflite", "digits-small")
+EDGE_LM, EDGE_LM_INT8, EDGE_LM_FP32 = "tierline/lm-edge", "tierline/lm-edge-onnx-int8", "tierline/lm-edge-onnx"
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +85,17 @@ def list_models(state: State, _auth: None) -> dict[str, Any]:
                 "sha256": m.sha256,
             }
             for m in state.models
+        ]
+        + [
+            {
+                "id": alias,
+                "object": "model",
+                "created": 0,
+                "owned_by": "tierline-edge",
+                "format": choice.chosen,
+                "int8_guard": choice.as_json(),
+            }
+            for alias, choice in state.guards.items()
         ],
     }
 
@@ -117,9 +129,23 @@ def create_app(settings: EdgeSettings) -> Litestar:
     models = verified_local_models(zoo_root, key_files)
     logger.info("edge agent serving %d verified model(s) from %s", len(models), zoo_root)
     api_key = settings.api_key.get_secret_value() if settings.api_key else None
-    local = serving.LocalModels({m.id: m.path for m in models if m.format in serving.LM_FORMATS}, settings.num_threads)
+    paths = {m.id: m.path for m in models if m.format in serving.LM_FORMATS}
+    guards: dict[str, int8_guard.Int8Choice] = {}
+    int8, fp32 = paths.get(EDGE_LM_INT8), paths.get(EDGE_LM_FP32)
+    if int8 is not None and fp32 is not None:
+        choice = int8_guard.choose(int8, fp32, settings.num_threads)
+        guards[EDGE_LM] = choice
+        paths[EDGE_LM] = int8 if choice.chosen == "onnx-int8" else fp32
+        logger.info(
+            "INT8 guard: serving %s as %s (%.3f ms/token INT8, %.3f fp32)",
+            EDGE_LM,
+            choice.chosen,
+            choice.int8_ms_per_token,
+            choice.fp32_ms_per_token,
+        )
+    local = serving.LocalModels(paths, settings.num_threads)
     return Litestar(
         route_handlers=[healthz, readyz, list_models, chat_completions, completions],
         exception_handlers=EXCEPTION_HANDLERS,
-        state=State({"models": models, "api_key": api_key, "local": local}),
+        state=State({"models": models, "api_key": api_key, "local": local, "guards": guards}),
     )

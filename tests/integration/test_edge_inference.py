@@ -94,3 +94,15 @@ def test_local_bad_input_gets_a_clear_4xx(client: openai.OpenAI, edge: str) -> N
     assert long.value.body["code"] == "context_length_exceeded"  # type: ignore[index]
     r = httpx.post(f"{edge}/v1/chat/completions", content=b"[1,", headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_int8_guard_serves_the_faster_export_under_the_plain_name(client: openai.OpenAI, edge: str) -> None:
+    models = {m["id"]: m for m in httpx.get(f"{edge}/v1/models").json()["data"]}
+    guard = models["tierline/lm-edge"]["int8_guard"]
+    assert guard["int8_ms_per_token"] > 0 and guard["fp32_ms_per_token"] > 0
+    faster = "onnx-int8" if guard["int8_ms_per_token"] < guard["fp32_ms_per_token"] else "onnx"
+    assert guard["chosen"] == faster == models["tierline/lm-edge"]["format"]
+    chosen_id = INT8 if faster == "onnx-int8" else "tierline/lm-edge-onnx"
+    via_alias = client.completions.create(model="tierline/lm-edge", prompt="def f(", max_tokens=8, temperature=0)
+    direct = client.completions.create(model=chosen_id, prompt="def f(", max_tokens=8, temperature=0)
+    assert via_alias.choices[0].text == direct.choices[0].text

@@ -140,6 +140,7 @@ def test_edge_agent_serves_only_verified_models(data_dir: Path) -> None:
     with run_server(["edge", "run"], _edge_env(data_dir), free_port()) as url:
         models = {m["id"]: m for m in httpx.get(f"{url}/v1/models").json()["data"]}
     assert {
+        "tierline/lm-edge",  # the INT8 guard's pick of the two ONNX exports
         "tierline/lm-edge-onnx",
         "tierline/lm-edge-onnx-int8",
         "tierline/lm-edge-tflite",
