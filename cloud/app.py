@@ -32,9 +32,10 @@ from cloud.metering import UsageWriter
 from cloud.models_catalog import ServedModel, find, load_catalog
 from cloud.observability import Metrics
 from cloud.settings import CloudSettings
+from cloud.tensor_models import TensorPool, unknown_model
 from shared.errors import AuthenticationError, ServiceUnavailableError
 from shared.http import EXCEPTION_HANDLERS, healthz
-from shared.openai_schema import ChatCompletionRequest, CompletionRequest
+from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
 from shared.settings import CoreSettings
 from shared.storage.migrate import is_up_to_date
 from shared.storage.models import Tenant
@@ -160,6 +161,18 @@ async def completions(
     return await _idempotent(request, state, caller, body, data.stream, call)
 
 
+@post("/v1/inference", dependencies=CALLER, status_code=200, security=BEARER)
+async def inference(state: State, caller: Caller, data: InferenceRequest) -> Response[Any]:
+    """Generic inference: prompts for an LLM, rows of numbers for a tensor model (concurrent calls batch)."""
+    tensor = state.tensors.get(data.model_id)
+    if tensor is not None:
+        result = {"model_id": data.model_id, **(await state.tensors.infer(tensor, data.inputs))}
+        return Response(result, headers={"x-request-id": caller.request_id, "x-tierline-tier": "cloud"})
+    if data.model_id not in state.pool.engines:
+        raise unknown_model(data.model_id)
+    return _respond(caller, await state.service.inference(caller, data))
+
+
 def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Litestar:
     core = CoreSettings()
     settings = CloudSettings()
@@ -183,6 +196,9 @@ def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Li
         usage = UsageWriter(db, settings.usage_flush_ms / 1000)
         await usage.start()
         pool = EnginePool.from_zoo(root, settings)
+        tensors = TensorPool.from_zoo(root, settings.num_threads)
+        await tensors.start()
+        app.state.tensors = tensors
         observed.watch(pool)
         app.state.pool = pool
         app.state.usage = usage
@@ -191,12 +207,13 @@ def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Li
         try:
             yield
         finally:
+            await tensors.close()
             pool.shutdown()
             await usage.close()
             await limiter.close()
 
     return Litestar(
-        route_handlers=[healthz, readyz, metrics, list_models, get_model, chat_completions, completions],
+        route_handlers=[healthz, readyz, metrics, list_models, get_model, chat_completions, completions, inference],
         exception_handlers=EXCEPTION_HANDLERS,
         state=State(
             {

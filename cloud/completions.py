@@ -19,9 +19,9 @@ from cloud.engines import EnginePool, ServedLM
 from cloud.limits import RateLimiter, Reservation
 from cloud.metering import UsageWriter
 from cloud.observability import Metrics
-from shared.errors import DeadlineExceededError, PermissionDeniedError
+from shared.errors import DeadlineExceededError, PermissionDeniedError, ValidationError
 from shared.openai_responses import SSE_DONE, chat_logprob, completion_logprobs, sse
-from shared.openai_schema import ChatCompletionRequest, CompletionRequest
+from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
 from shared.storage.models import ApiKey, Tenant, UsageRecord
 
 
@@ -326,6 +326,34 @@ class CompletionService:
             return chunks
 
         return await self._stream(served, caller, [prompt], params, meter, base, prologue, render, req.include_usage)
+
+    # -- generic inference ---------------------------------------------------------------------------------------
+    async def inference(self, caller: Caller, req: InferenceRequest) -> dict[str, Any]:
+        """``/v1/inference`` on an LLM: ``inputs`` are prompts, ``parameters`` are SamplingParams fields."""
+        served = self._resolve(caller, req.model_id)
+        allowed = set(SamplingParams.__dataclass_fields__) - {"n", "speculation"}
+        unknown = sorted(set(req.parameters) - allowed)
+        if unknown:
+            raise ValidationError(
+                f"parameters: unknown field '{unknown[0]}' (allowed: {', '.join(sorted(allowed))})",
+                param=f"parameters.{unknown[0]}",
+            )
+        if not all(isinstance(p, str) or (isinstance(p, list) and p) for p in req.inputs):
+            raise ValidationError("inputs: each input must be a prompt string or a list of token ids", param="inputs")
+        try:
+            params = SamplingParams(**req.parameters)
+        except TypeError as exc:
+            raise ValidationError(f"parameters: {exc}", param="parameters") from None
+        prompts, meter = await self._admit(caller, served, list(req.inputs), params)
+        final = await self._collect(served, caller, prompts, params, meter)
+        return {
+            "model_id": served.model_id,
+            "outputs": [
+                {"text": final[i].text, "token_ids": final[i].token_ids, "finish_reason": final[i].finish_reason}
+                for i in range(len(prompts))
+            ],
+            "usage": meter.usage(),
+        }
 
     # -- completions --------------------------------------------------------------------------------------------
     async def completions(self, caller: Caller, req: CompletionRequest) -> dict[str, Any] | AsyncIterator[bytes]:

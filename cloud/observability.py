@@ -19,7 +19,15 @@ from cloud.engines import EnginePool
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
-KNOWN_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/healthz", "/readyz", "/metrics")
+KNOWN_ROUTES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/inference",
+    "/v1/models",
+    "/healthz",
+    "/readyz",
+    "/metrics",
+)
 
 
 def route_label(path: str) -> str:

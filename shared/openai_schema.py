@@ -154,3 +154,11 @@ class CompletionRequest(_Sampling):
         if p and isinstance(p[0], int):
             return [p]
         return list(p)  # type: ignore[arg-type]
+
+
+class InferenceRequest(_Request):
+    """``POST /v1/inference``: prompts for an LLM, or rows of numbers for a tensor model."""
+
+    model_id: str = Field(min_length=1, max_length=256)
+    inputs: list[Any] = Field(min_length=1, max_length=4096)
+    parameters: dict[str, Any] = Field(default_factory=dict)

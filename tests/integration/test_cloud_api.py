@@ -3,6 +3,7 @@ streaming with usage, OpenAI-shaped errors, and one usage record per request."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
@@ -244,3 +245,43 @@ def test_openapi_schema_describes_the_inference_routes(cloud_api: dict[str, str]
     assert chat["security"] == [{"BearerAuth": []}]
     assert schema["components"]["securitySchemes"]["BearerAuth"]["scheme"] == "bearer"
     assert "requestBody" in schema["paths"]["/v1/completions"]["post"]
+
+
+def test_generic_inference_serves_tensor_models_in_batches_and_llms(cloud_api: dict[str, str], tiny_zoo: Path) -> None:
+    import numpy as np
+
+    from shared.zoo.registry import ZooLayout
+
+    held = np.load(ZooLayout(tiny_zoo).artifact_dir("digits-held-out") / "digits-held-out.npz")
+    x, y = held[held.files[0]], held[held.files[1]]
+    url, headers = f"{cloud_api['url']}/v1/inference", {"Authorization": f"Bearer {cloud_api['key']}"}
+
+    async def many() -> list[httpx.Response]:
+        async with httpx.AsyncClient(headers=headers, timeout=60) as c:
+            return list(
+                await asyncio.gather(
+                    *(
+                        c.post(url, json={"model_id": "tierline/digits-large", "inputs": x[i : i + 4].tolist()})
+                        for i in range(0, 64, 4)
+                    )
+                )
+            )
+
+    responses = asyncio.run(many())
+    assert all(r.status_code == 200 for r in responses)
+    labels = [label for r in responses for label in r.json()["labels"]]
+    assert len(labels) == 64 and all(len(o) == 10 for r in responses for o in r.json()["outputs"])
+    assert np.mean(np.asarray(labels) == y[:64]) > 0.8  # the classifier, not noise
+    bad = httpx.post(url, json={"model_id": "tierline/digits-large", "inputs": [[0.0] * 63]}, headers=headers)
+    assert bad.status_code == 400 and "64" in bad.json()["error"]["message"]
+    llm = httpx.post(
+        url,
+        json={"model_id": MODEL, "inputs": ["def f():\n", "x = "], "parameters": {"max_tokens": 5, "temperature": 0}},
+        headers=headers,
+    )
+    assert llm.status_code == 200 and len(llm.json()["outputs"]) == 2
+    assert llm.json()["usage"]["completion_tokens"] <= 10
+    unknown = httpx.post(url, json={"model_id": MODEL, "inputs": ["x"], "parameters": {"beam": 2}}, headers=headers)
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "parameters.beam"
+    missing = httpx.post(url, json={"model_id": "nope", "inputs": [1]}, headers=headers)
+    assert missing.status_code == 404
