@@ -4,6 +4,7 @@ and real servers started as subprocesses on free ports."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -101,6 +102,22 @@ def migrated_db(db_url: str) -> str:
 
 def tierline_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "shared.cli", *args]
+
+
+def seed_data_dir(dest: Path, tiny_zoo: Path, session_data_dir: Path) -> Path:
+    """A data dir holding the session's tiny zoo and the key that signed it (servers start on it as they are)."""
+    shutil.copytree(session_data_dir / "keys", dest / "keys")
+    shutil.copytree(tiny_zoo, dest / "zoo" / "tiny")
+    return dest
+
+
+def migrated_sqlite(data_dir: Path) -> str:
+    """The URL of a SQLite file in ``data_dir``, migrated to head."""
+    from shared.storage.migrate import upgrade
+
+    url = f"sqlite:///{data_dir / 'tierline.db'}"
+    upgrade(url)
+    return url
 
 
 def base_env(data_dir: Path, **extra: str) -> dict[str, str]:

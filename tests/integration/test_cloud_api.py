@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -18,9 +17,8 @@ from openai.types.chat import ChatCompletionMessageParam
 from sqlalchemy import create_engine
 from sqlmodel import Session, select
 
-from shared.storage.migrate import upgrade
 from shared.storage.models import Tenant, UsageRecord
-from tests.conftest import REPO, base_env, free_port, run_server, tierline_cmd
+from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, seed_data_dir, tierline_cmd
 
 pytestmark = pytest.mark.integration
 MODEL = "tierline/lm-cloud"
@@ -30,11 +28,8 @@ MODEL = "tierline/lm-cloud"
 def cloud_api(
     tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_data_dir: Path
 ) -> Iterator[dict[str, str]]:
-    data = tmp_path_factory.mktemp("cloud-api")
-    shutil.copytree(session_data_dir / "keys", data / "keys")
-    shutil.copytree(tiny_zoo, data / "zoo" / "tiny")
-    db_url = f"sqlite:///{data / 'tierline.db'}"
-    upgrade(db_url)
+    data = seed_data_dir(tmp_path_factory.mktemp("cloud-api"), tiny_zoo, session_data_dir)
+    db_url = migrated_sqlite(data)
     env = base_env(
         data,
         TIERLINE_DATABASE_URL=db_url,

@@ -3,7 +3,6 @@ zoo's INT8 ONNX and TFLite exports (no torch in the agent)."""
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import base_env, free_port, run_server
+from tests.conftest import base_env, free_port, run_server, seed_data_dir
 
 pytestmark = pytest.mark.integration
 INT8 = "tierline/lm-edge-onnx-int8"
@@ -20,9 +19,7 @@ TFLITE = "tierline/lm-edge-tflite"
 
 @pytest.fixture(scope="module")
 def edge(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_data_dir: Path) -> Iterator[str]:
-    d = tmp_path_factory.mktemp("edge")
-    shutil.copytree(session_data_dir / "keys", d / "keys")
-    shutil.copytree(tiny_zoo, d / "zoo" / "tiny")
+    d = seed_data_dir(tmp_path_factory.mktemp("edge"), tiny_zoo, session_data_dir)
     env = base_env(d, TIERLINE_EDGE_ZOO_DIR=str(d / "zoo" / "tiny"))
     with run_server(["edge", "run"], env, free_port()) as url:
         yield url

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -17,8 +16,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519, rsa
 
 from cloud.jwt_auth import JwtVerifier
 from shared.errors import AuthenticationError
-from shared.storage.migrate import upgrade
-from tests.conftest import REPO, base_env, free_port, run_server, tierline_cmd
+from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, seed_data_dir, tierline_cmd
 
 ISSUER = "https://login.example.test/"
 
@@ -66,10 +64,8 @@ def test_verifier_accepts_good_tokens_and_names_what_is_wrong(keys: dict[str, An
 def test_cloud_api_serves_a_tenant_named_by_a_jwt(
     keys: dict[str, Any], tmp_path: Path, tiny_zoo: Path, session_data_dir: Path
 ) -> None:
-    shutil.copytree(session_data_dir / "keys", tmp_path / "keys")
-    shutil.copytree(tiny_zoo, tmp_path / "zoo" / "tiny")
-    db_url = f"sqlite:///{tmp_path / 'tierline.db'}"
-    upgrade(db_url)
+    seed_data_dir(tmp_path, tiny_zoo, session_data_dir)
+    db_url = migrated_sqlite(tmp_path)
     env = base_env(
         tmp_path,
         TIERLINE_DATABASE_URL=db_url,

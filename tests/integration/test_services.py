@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +12,7 @@ import pytest
 
 from shared.storage.migrate import upgrade
 from shared.storage.session import session_scope
-from tests.conftest import REPO, base_env, free_port, run_server, tierline_cmd
+from tests.conftest import REPO, base_env, free_port, run_server, seed_data_dir, tierline_cmd
 
 pytestmark = pytest.mark.integration
 
@@ -21,10 +20,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture
 def data_dir(tmp_path: Path, tiny_zoo: Path, session_data_dir: Path) -> Path:
     """A data dir holding the session's tiny zoo and the key that signed it."""
-    d = tmp_path / "data"
-    shutil.copytree(session_data_dir / "keys", d / "keys")
-    shutil.copytree(tiny_zoo, d / "zoo" / "tiny")
-    return d
+    return seed_data_dir(tmp_path / "data", tiny_zoo, session_data_dir)
 
 
 @pytest.fixture
