@@ -43,6 +43,7 @@ def _ms_per_token(model_dir: Path, num_threads: int) -> float:
 
 def choose(int8_dir: Path, fp32_dir: Path, num_threads: int) -> Int8Choice:
     """Time both exports; INT8 only when it is strictly faster."""
-    int8 = _ms_per_token(int8_dir, num_threads)
-    fp32 = _ms_per_token(fp32_dir, num_threads)
-    return Int8Choice("onnx-int8" if int8 < fp32 else "onnx", round(int8, 4), round(fp32, 4))
+    # Decide on the figures that are shown, so /v1/models never reports a choice its numbers contradict.
+    int8 = round(_ms_per_token(int8_dir, num_threads), 4)
+    fp32 = round(_ms_per_token(fp32_dir, num_threads), 4)
+    return Int8Choice("onnx-int8" if int8 < fp32 else "onnx", int8, fp32)
