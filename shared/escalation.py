@@ -1,0 +1,223 @@
+"""Escalation-signal math and the edge policy that decides whether a local answer is good enough.
+
+Pure numpy, shared by the edge agent (deciding per request), the cascade benchmark and calibration.
+Every signal is oriented as a *confidence*: higher means the local answer is more likely right, and the
+policy escalates when ``confidence < threshold``.
+
+Signals per generated token (from the raw model distribution at that step):
+- ``mean_logprob``: mean log-probability of the chosen tokens (≤ 0).
+- ``min_margin``: the smallest top-1 minus top-2 probability over the tokens, in [0, 1].
+- ``norm_entropy``: 1 - mean normalised entropy (entropy / log V), in [0, 1].
+For a classifier (one distribution): ``softmax_margin`` (top-1 - top-2 probability), ``max_prob`` and
+``norm_entropy``.
+
+A ``LearnedRouter`` is a logistic regression over the signals plus prompt length; its confidence is the
+predicted probability that the local answer matches what the cloud would have done.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shared.errors import ConfigurationError
+
+LM_SIGNALS = ("mean_logprob", "min_margin", "norm_entropy")
+CLASSIFIER_SIGNALS = ("softmax_margin", "max_prob", "norm_entropy")
+ROUTER = "router"
+MODES = ("local-first", "cloud-first", "local-only", "cloud-only")
+POLICY_SCHEMA = "tierline.edge-policy/v1"
+
+
+def _probs(logits: np.ndarray) -> np.ndarray:
+    x = np.asarray(logits, dtype=np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    p = np.exp(x)
+    p /= p.sum(axis=-1, keepdims=True)
+    return p
+
+
+@dataclass(frozen=True, slots=True)
+class StepSignal:
+    """What one generated token says about the model's confidence."""
+
+    logprob: float
+    margin: float
+    norm_entropy: float  # entropy / log(V), 0 = certain, 1 = uniform
+
+
+def step_signal(logits: np.ndarray, token: int) -> StepSignal:
+    p = _probs(logits)
+    top2 = np.partition(p, -2)[-2:] if p.shape[-1] > 1 else np.array([0.0, float(p[0])])
+    nz = p[p > 0]
+    entropy = float(-(nz * np.log(nz)).sum())
+    return StepSignal(
+        logprob=float(math.log(max(float(p[token]), 1e-300))),
+        margin=float(top2[1] - top2[0]),
+        norm_entropy=entropy / math.log(p.shape[-1]) if p.shape[-1] > 1 else 0.0,
+    )
+
+
+def lm_signals(steps: list[StepSignal]) -> dict[str, float]:
+    """Summarise a generation; an empty generation is maximally confident (there is nothing to doubt)."""
+    if not steps:
+        return {"mean_logprob": 0.0, "min_margin": 1.0, "norm_entropy": 1.0}
+    return {
+        "mean_logprob": sum(s.logprob for s in steps) / len(steps),
+        "min_margin": min(s.margin for s in steps),
+        "norm_entropy": 1.0 - sum(s.norm_entropy for s in steps) / len(steps),
+    }
+
+
+def classifier_signals(logits: np.ndarray) -> dict[str, np.ndarray]:
+    """Signals for a batch of classifier outputs ``[batch, classes]`` (one value per row)."""
+    p = _probs(np.atleast_2d(logits))
+    top2 = np.sort(p, axis=-1)[:, -2:]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ent = -np.where(p > 0, p * np.log(p), 0.0).sum(axis=-1)
+    return {
+        "softmax_margin": top2[:, 1] - top2[:, 0],
+        "max_prob": top2[:, 1],
+        "norm_entropy": 1.0 - ent / math.log(p.shape[-1]),
+    }
+
+
+@dataclass(slots=True)
+class LearnedRouter:
+    """Logistic regression over standardised features; ``confidence`` = P(local answer is good)."""
+
+    features: list[str]
+    weights: list[float]
+    bias: float
+    mean: list[float]
+    std: list[float]
+
+    def confidence(self, values: dict[str, float]) -> float:
+        try:
+            x = np.array([values[f] for f in self.features], dtype=np.float64)
+        except KeyError as exc:
+            raise ConfigurationError(f"learned router needs signal {exc.args[0]!r}") from exc
+        z = float(((x - np.array(self.mean)) / np.array(self.std)) @ np.array(self.weights) + self.bias)
+        return 1.0 / (1.0 + math.exp(-max(min(z, 60.0), -60.0)))
+
+    def confidences(self, table: dict[str, np.ndarray]) -> np.ndarray:
+        x = np.stack([np.asarray(table[f], dtype=np.float64) for f in self.features], axis=1)
+        z = ((x - np.array(self.mean)) / np.array(self.std)) @ np.array(self.weights) + self.bias
+        return 1.0 / (1.0 + np.exp(-np.clip(z, -60.0, 60.0)))
+
+
+def fit_router(
+    table: dict[str, np.ndarray], good: np.ndarray, features: list[str], l2: float = 1e-2, steps: int = 500
+) -> LearnedRouter:
+    """Fit the router by full-batch gradient descent with L2 (no scikit-learn on devices)."""
+    x = np.stack([np.asarray(table[f], dtype=np.float64) for f in features], axis=1)
+    y = np.asarray(good, dtype=np.float64)
+    mean, std = x.mean(axis=0), x.std(axis=0)
+    std = np.where(std > 1e-12, std, 1.0)
+    xs = (x - mean) / std
+    w = np.zeros(x.shape[1])
+    b = float(np.log((y.mean() + 1e-6) / (1 - y.mean() + 1e-6)))
+    lr = 0.5
+    for _ in range(steps):
+        p = 1.0 / (1.0 + np.exp(-np.clip(xs @ w + b, -60, 60)))
+        g = p - y
+        w -= lr * (xs.T @ g / len(y) + l2 * w)
+        b -= lr * float(g.mean())
+    return LearnedRouter(features, w.tolist(), b, mean.tolist(), std.tolist())
+
+
+@dataclass(slots=True)
+class EdgePolicy:
+    """When a device answers locally. Stored as JSON next to the agent's config or delivered at sync."""
+
+    model: str
+    signal: str = "mean_logprob"
+    threshold: float = -3.0  # uncalibrated default: escalate when the mean token logprob is below it
+    mode: str = "local-first"
+    max_prompt_tokens: int | None = None  # None: the local model's context
+    max_new_tokens: int = 256  # pre-signal: asking for more goes to the cloud in local-first mode
+    stream_window: int = 8  # tokens generated locally before a local-first stream commits to the edge
+    router: LearnedRouter | None = None
+    calibration: dict[str, Any] = field(default_factory=dict)  # how the threshold was chosen, and the curve
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigurationError(f"edge policy for {self.model}: mode must be one of {', '.join(MODES)}")
+        if self.signal == ROUTER and self.router is None:
+            raise ConfigurationError(f"edge policy for {self.model}: signal 'router' needs router weights")
+        if self.signal not in (*LM_SIGNALS, *CLASSIFIER_SIGNALS, ROUTER):
+            raise ConfigurationError(f"edge policy for {self.model}: unknown signal {self.signal!r}")
+
+    def confidence(self, signals: dict[str, float]) -> float:
+        if self.signal == ROUTER:
+            assert self.router is not None
+            return self.router.confidence(signals)
+        if self.signal not in signals:
+            raise ConfigurationError(f"edge policy for {self.model}: no {self.signal!r} signal for this model")
+        return signals[self.signal]
+
+    def should_escalate(self, signals: dict[str, float]) -> bool:
+        return self.confidence(signals) < self.threshold
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["schema"] = POLICY_SCHEMA
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> EdgePolicy:
+        values = {k: v for k, v in data.items() if k != "schema"}
+        router = values.pop("router", None)
+        try:
+            return cls(**values, router=LearnedRouter(**router) if router else None)
+        except TypeError as exc:
+            raise ConfigurationError(f"invalid edge policy: {exc}") from exc
+
+
+def policy_path(directory: Path, model: str) -> Path:
+    return directory / f"{model.replace('/', '__')}.json"
+
+
+def save_policy(directory: Path, policy: EdgePolicy) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = policy_path(directory, policy.model)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(policy.to_json(), indent=2, sort_keys=True))
+    tmp.replace(path)
+    return path
+
+
+def load_policy(directory: Path | None, model: str) -> EdgePolicy | None:
+    if directory is None:
+        return None
+    path = policy_path(directory, model)
+    if not path.is_file():
+        return None
+    try:
+        return EdgePolicy.from_json(json.loads(path.read_text()))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigurationError(f"cannot read edge policy {path}: {exc}") from exc
+
+
+def threshold_for_quality(
+    confidence: np.ndarray, edge_good: np.ndarray, cloud_good: np.ndarray, max_quality_loss: float
+) -> tuple[float, float]:
+    """The lowest threshold (most edge answers) whose routed quality stays within ``max_quality_loss`` of
+    cloud-only. Returns ``(threshold, edge_share)``; ``(inf, 0.0)`` when no threshold qualifies."""
+    conf = np.asarray(confidence, dtype=np.float64)
+    eg, cg = np.asarray(edge_good, dtype=np.float64), np.asarray(cloud_good, dtype=np.float64)
+    target = cg.mean() - max_quality_loss
+    best = (math.inf, 0.0)
+    for t in np.unique(conf):
+        local = conf >= t
+        quality = float(np.where(local, eg, cg).mean())
+        if quality >= target - 1e-12:
+            share = float(local.mean())
+            if share > best[1]:
+                best = (float(t), share)
+    return best
