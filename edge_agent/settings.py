@@ -23,6 +23,12 @@ class EdgeSettings(BaseSettings):
     num_threads: int = Field(1, ge=1, le=64, description="runtime threads per model")
     api_key: SecretStr | None = Field(None, description="optional bearer key for the local API")
     cloud_url: str | None = Field(None, description="the cloud tier's base URL")
+    state_dir: Path | None = Field(
+        None, description="the agent's own state: credentials, outbox, policies (default $TIERLINE_DATA_DIR/edge)"
+    )
+    policy_dir: Path | None = Field(
+        None, description="calibrated escalation policies, one JSON per model (default <state_dir>/policies)"
+    )
 
 
 def load_edge_settings(config_file: Path | None) -> EdgeSettings:
@@ -38,3 +44,13 @@ def load_edge_settings(config_file: Path | None) -> EdgeSettings:
     except ValueError as exc:
         first = str(exc).splitlines()
         raise ConfigurationError(f"invalid edge config: {' '.join(first[:3])}") from exc
+
+
+def state_dir(settings: EdgeSettings) -> Path:
+    from shared.settings import CoreSettings
+
+    return settings.state_dir or CoreSettings().data_dir / "edge"
+
+
+def policy_dir(settings: EdgeSettings) -> Path:
+    return settings.policy_dir or state_dir(settings) / "policies"
