@@ -143,6 +143,7 @@ class UsageRecord(SQLModel, table=True):
     latency_ms: float | None = None
     ttft_ms: float | None = None
     rollout_arm: str | None = Field(default=None, max_length=16)
+    escalation_reason: str | None = Field(default=None, max_length=32, description="why an edge request went up")
     occurred_at: datetime = _ts()
     ingested_at: datetime = _ts()
 
@@ -157,6 +158,46 @@ class Device(SQLModel, table=True):
     agent_version: str = Field(default="", max_length=32)
     enrolled_at: datetime = _ts()
     last_seen_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    name: str = Field(default="", max_length=128)
+    status: str = Field(default="active", max_length=16, description="active | revoked")
+    runtime: dict[str, Any] = Field(
+        default_factory=dict, sa_column=Column(JSON, nullable=False), description="host and runtime summary"
+    )
+    versions: dict[str, str] = Field(
+        default_factory=dict, sa_column=Column(JSON, nullable=False), description="model -> loaded version"
+    )
+    metrics: dict[str, Any] = Field(
+        default_factory=dict, sa_column=Column(JSON, nullable=False), description="last per-version metrics"
+    )
+
+
+class EnrollmentToken(SQLModel, table=True):
+    """A one-time token an operator hands to a device; exchanged for the device's own credential."""
+
+    __tablename__ = "enrollment_token"
+
+    id: int | None = Field(default=None, primary_key=True)
+    tenant_id: int = Field(foreign_key="tenant.id", index=True)
+    token_hash: str = Field(max_length=128, unique=True, description="sha256 of the token")
+    labels: dict[str, str] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    created_at: datetime = _ts()
+    expires_at: datetime = Field(sa_type=DateTime(timezone=True))
+    used_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    device_id: str | None = Field(default=None, max_length=64)
+
+
+class DeviceEvent(SQLModel, table=True):
+    """Telemetry and events a device delivered from its outbox, keyed by the device's record id."""
+
+    __tablename__ = "device_event"
+
+    id: str = Field(primary_key=True, max_length=64)
+    device_id: str = Field(foreign_key="device.id", index=True)
+    tenant_id: int = Field(foreign_key="tenant.id", index=True)
+    kind: str = Field(max_length=16, description="telemetry | event")
+    payload: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    occurred_at: datetime = _ts()
+    ingested_at: datetime = _ts()
 
 
 class AuditLog(SQLModel, table=True):
