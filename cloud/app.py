@@ -19,11 +19,11 @@ from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.spec import Components, SecurityScheme
-from litestar.response import Stream
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
 from cloud.completions import Caller, CompletionService
+from cloud.edge_gateway import ROUTES as EDGE_ROUTES
 from cloud.engines import EnginePool
 from cloud.idempotency import IdempotencyStore, request_hash, usage_id
 from cloud.jwt_auth import JwtVerifier, looks_like_jwt
@@ -31,6 +31,7 @@ from cloud.limits import RateLimiter
 from cloud.metering import UsageWriter
 from cloud.models_catalog import ServedModel, find, load_catalog
 from cloud.observability import Metrics
+from cloud.responses import respond
 from cloud.settings import CloudSettings
 from cloud.tensor_models import TensorPool, unknown_model
 from shared.errors import AuthenticationError, ServiceUnavailableError
@@ -41,8 +42,6 @@ from shared.storage.migrate import is_up_to_date
 from shared.storage.models import Tenant
 from shared.storage.session import get_engine
 from shared.tenancy import authenticate
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def _model_json(m: ServedModel) -> dict[str, Any]:
@@ -107,13 +106,6 @@ def get_model(state: State, caller: Caller, model_id: str) -> dict[str, Any]:
     return _model_json(find(state.catalog, model_id.lstrip("/")))
 
 
-def _respond(caller: Caller, result: dict[str, Any] | AsyncIterator[bytes]) -> Response[Any]:
-    headers = {"x-request-id": caller.request_id, "x-tierline-tier": "cloud"}
-    if isinstance(result, dict):
-        return Response(result, headers=headers)
-    return Stream(result, media_type="text/event-stream", headers={**headers, **SSE_HEADERS})
-
-
 async def _idempotent(
     request: Request[Any, Any, Any],
     state: State,
@@ -125,7 +117,7 @@ async def _idempotent(
     """Run ``call``; with an ``Idempotency-Key`` header, a retry gets the stored response, unbilled."""
     key = request.headers.get("idempotency-key")
     if key is None:
-        return _respond(caller, await call())
+        return respond(caller, await call())
     store: IdempotencyStore = state.idempotency
     tenant_id = caller.tenant.id or 0
     stored = await asyncio.to_thread(store.claim, tenant_id, key, request_hash(body), is_stream)
@@ -139,7 +131,7 @@ async def _idempotent(
         raise
     assert isinstance(result, dict)  # streams are refused by claim()
     await asyncio.to_thread(store.complete, tenant_id, key, result)
-    return _respond(caller, result)
+    return respond(caller, result)
 
 
 @post("/v1/chat/completions", dependencies=CALLER, status_code=200, security=BEARER)
@@ -170,7 +162,7 @@ async def inference(state: State, caller: Caller, data: InferenceRequest) -> Res
         return Response(result, headers={"x-request-id": caller.request_id, "x-tierline-tier": "cloud"})
     if data.model_id not in state.pool.engines:
         raise unknown_model(data.model_id)
-    return _respond(caller, await state.service.inference(caller, data))
+    return respond(caller, await state.service.inference(caller, data))
 
 
 def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Litestar:
@@ -213,7 +205,17 @@ def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Li
             await limiter.close()
 
     return Litestar(
-        route_handlers=[healthz, readyz, metrics, list_models, get_model, chat_completions, completions, inference],
+        route_handlers=[
+            healthz,
+            readyz,
+            metrics,
+            list_models,
+            get_model,
+            chat_completions,
+            completions,
+            inference,
+            *EDGE_ROUTES,
+        ],
         exception_handlers=EXCEPTION_HANDLERS,
         state=State(
             {
@@ -222,6 +224,7 @@ def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Li
                 "metrics": observed,
                 "idempotency": IdempotencyStore(db),
                 "jwt": verifier,
+                "edge_sync_interval_s": settings.edge_sync_interval_s,
             }
         ),
         middleware=[observed.middleware],
@@ -232,7 +235,10 @@ def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Li
             version="1",
             components=Components(
                 security_schemes={
-                    "BearerAuth": SecurityScheme(type="http", scheme="bearer", description="tl- API key or JWT")
+                    "BearerAuth": SecurityScheme(type="http", scheme="bearer", description="tl- API key or JWT"),
+                    "DeviceAuth": SecurityScheme(
+                        type="http", scheme="bearer", description="tld- device credential from /v1/edge/enroll"
+                    ),
                 }
             ),
         ),

@@ -31,6 +31,8 @@ class Caller:
     key: ApiKey | None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     started: float = field(default_factory=time.monotonic)
+    device_id: str | None = None  # set on escalations from an edge agent
+    escalation_reason: str | None = None
 
 
 @dataclass(slots=True)
@@ -125,6 +127,8 @@ class CompletionService:
                 id=caller.request_id,
                 tenant_id=caller.tenant.id or 0,
                 api_key_id=caller.key.id if caller.key is not None else None,
+                device_id=caller.device_id,
+                escalation_reason=caller.escalation_reason,
                 model=served.model_id,
                 model_version=served.version,
                 tier="cloud",

@@ -34,3 +34,4 @@ class CloudSettings(BaseSettings):
     jwt_audience: str | None = Field(None, description="required aud claim, when set")
     jwt_tenant_claim: str = Field("tenant", description="claim naming the tenant")
     usage_flush_ms: int = Field(200, ge=10, description="how often usage records are written, in batches")
+    edge_sync_interval_s: float = Field(30.0, gt=0, description="how often enrolled agents sync (told at enroll)")

@@ -20,6 +20,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
     "db": ("shared.storage.cli", "db", "Database migrations."),
     "tenants": ("shared.tenancy_cli", "tenants", "Create and list tenants."),
     "keys": ("shared.tenancy_cli", "keys", "Create, list and revoke API keys."),
+    "devices": ("shared.devices_cli", "devices", "Edge devices: enrollment tokens, list, revoke."),
     "models": ("shared.registry_cli", "models", "The model registry."),
     "rollouts": ("shared.registry_cli", "rollouts", "Canary rollouts of model versions."),
     "bench": ("bench.cli", "bench", "Benchmarks that print JSON."),

@@ -1,0 +1,161 @@
+"""The edge-facing gateway: devices enroll, sync (usage and telemetry up, desired state down) and escalate.
+
+- ``POST /v1/edge/enroll``: a one-time enrollment token (``tierline devices enrollment-token``) becomes a
+  device record and a device credential, returned once with the artifact-signing public key(s).
+- ``POST /v1/edge/sync``: device-authenticated; stores the outbox batch idempotently by record id and
+  answers the device's desired model versions. The batch is committed before the answer, so an agent that
+  hears 200 may forget the batch.
+- ``POST /v1/edge/escalate``: device-authenticated inference on the cloud's models, billed to the device's
+  tenant (tier ``cloud``, the escalation reason recorded). The device's record id is reused as the usage id,
+  so the record the agent later syncs for the same request is a duplicate and never counted twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+from litestar import Request, Response, post
+from litestar.datastructures import State
+from litestar.di import Provide
+from pydantic import ValidationError as PydanticValidationError
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Session
+
+from cloud.completions import Caller
+from cloud.responses import respond
+from shared.artifacts import load_public_key, public_path, public_pem
+from shared.devices import authenticate_device, enroll, ingest
+from shared.edge_protocol import (
+    DesiredModel,
+    EnrollRequest,
+    EnrollResponse,
+    EscalateRequest,
+    SyncRequest,
+    SyncResponse,
+)
+from shared.errors import AuthenticationError, ValidationError
+from shared.openai_schema import ChatCompletionRequest, CompletionRequest
+from shared.settings import CoreSettings
+from shared.storage.models import Device, Tenant
+
+DEVICE_BEARER: list[dict[str, list[str]]] = [{"DeviceAuth": []}]
+
+
+class DesiredState(Protocol):
+    def desired(self, device: Device) -> list[DesiredModel]: ...
+
+
+@dataclass(slots=True)
+class DeviceCaller:
+    device: Device
+    tenant: Tenant
+
+
+def require_device(request: Request[Any, Any, Any], state: State) -> DeviceCaller:
+    scheme, _, secret = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not secret.strip():
+        raise AuthenticationError("missing device credential (Authorization: Bearer tld-...)")
+    with Session(state.engine) as session:
+        device, tenant = authenticate_device(session, secret.strip())
+        session.expunge_all()
+    return DeviceCaller(device, tenant)
+
+
+DEVICE = {"device": Provide(require_device, sync_to_thread=True)}
+
+
+def signing_public_keys() -> list[str]:
+    path = public_path(CoreSettings().signing_key_path)
+    return [public_pem(load_public_key(path)).decode()] if path.is_file() else []
+
+
+@post("/v1/edge/enroll", status_code=200, sync_to_thread=True)
+def enroll_device(state: State, data: EnrollRequest) -> EnrollResponse:
+    """Exchange a one-time enrollment token for a device credential and the artifact-signing keys."""
+    with Session(state.engine) as session:
+        device, tenant, secret = enroll(
+            session,
+            data.token,
+            name=data.name,
+            labels=data.labels,
+            agent_version=data.agent_version,
+            runtime=data.runtime,
+        )
+        session.commit()
+        device_id, tenant_name = device.id, tenant.name
+    return EnrollResponse(
+        device_id=device_id,
+        device_token=secret,
+        tenant=tenant_name,
+        signing_public_keys=signing_public_keys(),
+        sync_interval_s=state.edge_sync_interval_s,
+    )
+
+
+def _sync(state: State, caller: DeviceCaller, data: SyncRequest) -> SyncResponse:
+    for attempt in (1, 2):
+        try:
+            with Session(state.engine) as session:
+                accepted, duplicates = ingest(session, caller.device, data.usage, data.events)
+                device = session.get(Device, caller.device.id)
+                assert device is not None
+                device.last_seen_at = datetime.now(UTC)
+                device.agent_version = data.agent_version or device.agent_version
+                device.runtime = data.runtime or device.runtime
+                device.versions = data.models
+                device.metrics = data.metrics
+                session.add(device)
+                session.commit()
+                break
+        except IntegrityError:
+            # A concurrent retry of the same batch stored some ids first; the second pass skips them.
+            if attempt == 2:
+                raise
+    releases: DesiredState | None = state.get("releases")
+    desired = releases.desired(caller.device) if releases is not None else []
+    return SyncResponse(
+        accepted=accepted,
+        duplicates=duplicates,
+        desired=desired,
+        config={"sync_interval_s": state.edge_sync_interval_s},
+        server_time=time.time(),
+    )
+
+
+@post("/v1/edge/sync", dependencies=DEVICE, status_code=200, security=DEVICE_BEARER)
+async def sync(state: State, device: DeviceCaller, data: SyncRequest) -> SyncResponse:
+    """Heartbeat and outbox batch up (idempotent by record id); the device's desired state down."""
+    return await asyncio.to_thread(_sync, state, device, data)
+
+
+@post("/v1/edge/escalate", dependencies=DEVICE, status_code=200, security=DEVICE_BEARER)
+async def escalate(state: State, device: DeviceCaller, data: EscalateRequest) -> Response[Any]:
+    """A request the device chose not to answer locally, served by the cloud and billed to its tenant."""
+    request_id = data.request_id or uuid.uuid4().hex
+    if not request_id.replace("-", "").replace("_", "").isalnum():
+        raise ValidationError("request_id: letters, digits, '-' and '_' only", param="request_id")
+    caller = Caller(
+        tenant=device.tenant,
+        key=None,
+        request_id=request_id,
+        device_id=device.device.id,
+        escalation_reason=data.reason,
+    )
+    try:
+        if data.endpoint == "chat.completions":
+            result = await state.service.chat(caller, ChatCompletionRequest.model_validate(data.body))
+        else:
+            result = await state.service.completions(caller, CompletionRequest.model_validate(data.body))
+    except PydanticValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        raise ValidationError(f"body.{loc}: {err['msg']}", param=f"body.{loc}") from None
+    return respond(caller, result)
+
+
+ROUTES = [enroll_device, sync, escalate]

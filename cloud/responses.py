@@ -1,0 +1,22 @@
+"""How the cloud answers an inference request: JSON, or server-sent events for streams."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from litestar import Response
+from litestar.response import Stream
+
+from cloud.completions import Caller
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def respond(caller: Caller, result: dict[str, Any] | AsyncIterator[bytes]) -> Response[Any]:
+    headers = {"x-request-id": caller.request_id, "x-tierline-tier": "cloud"}
+    if caller.escalation_reason:
+        headers["x-tierline-escalation-reason"] = caller.escalation_reason
+    if isinstance(result, dict):
+        return Response(result, headers=headers)
+    return Stream(result, media_type="text/event-stream", headers={**headers, **SSE_HEADERS})

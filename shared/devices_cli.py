@@ -1,0 +1,78 @@
+"""``tierline devices``: enrollment tokens and the fleet's device records."""
+
+from __future__ import annotations
+
+import click
+
+
+def _labels(values: tuple[str, ...]) -> dict[str, str]:
+    labels = {}
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--label")
+        labels[key] = value
+    return labels
+
+
+@click.group()
+def devices() -> None:
+    """Edge devices: enrollment tokens, list, revoke."""
+
+
+@devices.command("enrollment-token")
+@click.option("--tenant", "tenant_name", required=True, help="tenant the device will belong to")
+@click.option("--label", "labels", multiple=True, help="KEY=VALUE label given to the device (repeatable)")
+@click.option("--ttl-hours", type=click.FloatRange(min=0, min_open=True), default=24.0, show_default=True)
+def enrollment_token(tenant_name: str, labels: tuple[str, ...], ttl_hours: float) -> None:
+    """Create a one-time enrollment token and print it once (only its hash is stored).
+
+    On the device: tierline edge enroll --cloud URL --token TOKEN
+    """
+    from datetime import timedelta
+
+    from shared.devices import create_enrollment_token
+    from shared.storage.session import session_scope
+    from shared.tenancy import get_tenant
+
+    parsed = _labels(labels)
+    with session_scope() as session:
+        issued = create_enrollment_token(
+            session, get_tenant(session, tenant_name), labels=parsed, ttl=timedelta(hours=ttl_hours)
+        )
+        note = f"enrollment token {issued.id} for tenant {tenant_name}, valid {ttl_hours:g} h (shown once):"
+        click.echo(note, err=True)
+        click.echo(issued.secret)
+
+
+@devices.command("list")
+@click.option("--tenant", "tenant_name", required=True, help="tenant name")
+def devices_list(tenant_name: str) -> None:
+    """List a tenant's devices: id, status, last seen, loaded model versions."""
+    from sqlmodel import col, select
+
+    from shared.storage.models import Device
+    from shared.storage.session import session_scope
+    from shared.tenancy import get_tenant
+
+    with session_scope() as session:
+        tenant = get_tenant(session, tenant_name)
+        rows = session.exec(select(Device).where(Device.tenant_id == tenant.id).order_by(col(Device.enrolled_at)))
+        for d in rows:
+            seen = d.last_seen_at.isoformat(timespec="seconds") if d.last_seen_at else "-"
+            versions = ",".join(f"{k}={v}" for k, v in sorted(d.versions.items())) or "-"
+            click.echo(f"{d.id}\t{d.status}\t{d.name or '-'}\tlast seen {seen}\t{versions}")
+
+
+@devices.command("revoke")
+@click.option("--tenant", "tenant_name", required=True, help="tenant name")
+@click.argument("device_id")
+def devices_revoke(tenant_name: str, device_id: str) -> None:
+    """Revoke DEVICE_ID: its credential stops working at once."""
+    from shared.devices import revoke_device
+    from shared.storage.session import session_scope
+    from shared.tenancy import get_tenant
+
+    with session_scope() as session:
+        revoke_device(session, get_tenant(session, tenant_name), device_id)
+        click.echo(f"revoked device {device_id}")

@@ -1,0 +1,85 @@
+"""The wire protocol between edge agents and the cloud: enroll, sync (outbox up, desired state down), escalate.
+
+Pydantic models, so both sides validate the same shapes and errors name the field. Record ids are chosen by
+the device (uuid4 hex) and are the cloud's primary keys: re-sending a batch never counts a record twice.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_BATCH = 1000
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class EnrollRequest(_Strict):
+    token: str = Field(min_length=8, max_length=256, description="one-time enrollment token (tle-...)")
+    name: str = Field("", max_length=128, description="a human name for the device")
+    labels: dict[str, str] = Field(default_factory=dict, description="merged over the token's labels")
+    agent_version: str = Field("", max_length=32)
+    runtime: dict[str, Any] = Field(default_factory=dict, description="host and runtime summary")
+
+
+class EnrollResponse(_Strict):
+    device_id: str
+    device_token: str = Field(description="the device's bearer credential (tld-...); shown once")
+    tenant: str
+    signing_public_keys: list[str] = Field(description="PEM Ed25519 public keys that sign model artifacts")
+    sync_interval_s: float
+
+
+class UsageItem(_Strict):
+    id: str = Field(min_length=8, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    model: str = Field(max_length=128)
+    model_version: str | None = Field(None, max_length=64)
+    tier: Literal["edge", "cloud"] = "edge"
+    prompt_tokens: int = Field(0, ge=0)
+    completion_tokens: int = Field(0, ge=0)
+    status: Literal["ok", "error", "abandoned", "degraded"] = "ok"
+    latency_ms: float | None = Field(None, ge=0)
+    ttft_ms: float | None = Field(None, ge=0)
+    escalation_reason: str | None = Field(None, max_length=32)
+    occurred_at: float = Field(description="unix seconds on the device")
+
+
+class EventItem(_Strict):
+    id: str = Field(min_length=8, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    kind: Literal["telemetry", "event"]
+    payload: dict[str, Any] = Field(default_factory=dict)
+    occurred_at: float
+
+
+class SyncRequest(_Strict):
+    agent_version: str = Field("", max_length=32)
+    runtime: dict[str, Any] = Field(default_factory=dict)
+    models: dict[str, str] = Field(default_factory=dict, description="model -> version loaded now")
+    metrics: dict[str, Any] = Field(default_factory=dict, description="per model version: requests, errors, p50...")
+    usage: list[UsageItem] = Field(default_factory=list, max_length=MAX_BATCH)
+    events: list[EventItem] = Field(default_factory=list, max_length=MAX_BATCH)
+
+
+class DesiredModel(_Strict):
+    name: str
+    version: str
+    sha256: str
+    manifest_url: str = Field(description="relative to the cloud's base URL")
+
+
+class SyncResponse(_Strict):
+    accepted: int = Field(description="records new to the cloud")
+    duplicates: int = Field(description="records the cloud already had (a retried batch)")
+    desired: list[DesiredModel] = Field(default_factory=list)
+    config: dict[str, Any] = Field(default_factory=dict)
+    server_time: float
+
+
+class EscalateRequest(_Strict):
+    endpoint: Literal["chat.completions", "completions"]
+    reason: str = Field(max_length=32, description="why the device escalated (policy signal or pre-signal)")
+    request_id: str | None = Field(None, max_length=64, description="the device's record id, reused for metering")
+    body: dict[str, Any] = Field(description="the OpenAI request body, as the client sent it")
