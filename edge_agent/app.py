@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,9 +17,14 @@ from litestar.di import Provide
 from litestar.response import Stream
 
 from edge_agent import int8_guard, serving
-from edge_agent.settings import EdgeSettings
+from edge_agent.agent import Agent, AgentStats
+from edge_agent.cloud_link import CloudLink, Credentials
+from edge_agent.outbox import Outbox
+from edge_agent.settings import EdgeSettings, policy_dir, state_dir
+from edge_agent.tiering import Answer, Tiering, family
 from shared.artifacts import load_public_key, public_path, verify_files, verify_signature
 from shared.errors import ArtifactVerificationError, AuthenticationError, ConfigurationError
+from shared.escalation import EdgePolicy, load_policy
 from shared.http import EXCEPTION_HANDLERS, healthz
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest
 from shared.settings import CoreSettings
@@ -34,13 +42,16 @@ class LocalModel:
     format: str
     sha256: str
     path: Path
+    version: str
 
 
 def verified_local_models(zoo_root: Path, trusted_key_files: list[Path]) -> list[LocalModel]:
     """Every edge artifact under ``zoo_root`` whose signature and hashes check out; others are refused."""
     if not trusted_key_files:
         raise ConfigurationError("no trusted public key configured (TIERLINE_EDGE_TRUSTED_KEYS)")
-    keys = [load_public_key(p) for p in trusted_key_files]
+    keys = [load_public_key(p) for p in trusted_key_files if p.is_file()]
+    if not keys:
+        raise ConfigurationError(f"none of the trusted public keys exists: {', '.join(map(str, trusted_key_files))}")
     layout = ZooLayout(zoo_root)
     models = []
     for name in EDGE_ARTIFACTS:
@@ -53,7 +64,8 @@ def verified_local_models(zoo_root: Path, trusted_key_files: list[Path]) -> list
         except ArtifactVerificationError as exc:
             logger.error("refusing artifact %s: %s", name, exc.message)
             continue
-        models.append(LocalModel(f"tierline/{name}", manifest.format, manifest.sha256, layout.artifact_dir(name)))
+        path = layout.artifact_dir(name)
+        models.append(LocalModel(f"tierline/{name}", manifest.format, manifest.sha256, path, manifest.version))
     return models
 
 
@@ -101,31 +113,62 @@ def list_models(state: State, _auth: None) -> dict[str, Any]:
 
 
 LOCAL_AUTH = {"_auth": Provide(_local_key_guard, sync_to_thread=False)}
-EDGE_HEADERS = {"x-tierline-tier": "edge"}
 
 
-def _respond(result: dict[str, Any] | AsyncIterator[bytes]) -> Response[Any]:
-    if isinstance(result, dict):
-        return Response(result, headers=EDGE_HEADERS)
-    return Stream(result, media_type="text/event-stream", headers={**EDGE_HEADERS, "Cache-Control": "no-cache"})
+def _respond(answer: Answer) -> Response[Any]:
+    if isinstance(answer.body, dict):
+        return Response(answer.body, status_code=answer.status_code, headers=answer.headers)
+    headers = {**answer.headers, "Cache-Control": "no-cache"}
+    return Stream(answer.body, media_type="text/event-stream", headers=headers)
 
 
 @post("/v1/chat/completions", dependencies=LOCAL_AUTH, status_code=200)
-async def chat_completions(state: State, _auth: None, data: ChatCompletionRequest) -> Response[Any]:
-    """OpenAI chat completions on a local model."""
-    return _respond(await serving.chat(state.local, data))
+async def chat_completions(
+    request: Request[Any, Any, Any], state: State, _auth: None, data: ChatCompletionRequest
+) -> Response[Any]:
+    """OpenAI chat completions: answered on the device or escalated (``x-tierline-tier`` says which)."""
+    return _respond(await state.tiering.handle("chat.completions", data, request.headers.get("x-tierline-tier")))
 
 
 @post("/v1/completions", dependencies=LOCAL_AUTH, status_code=200)
-async def completions(state: State, _auth: None, data: CompletionRequest) -> Response[Any]:
-    """OpenAI completions on a local model."""
-    return _respond(await serving.complete(state.local, data))
+async def completions(
+    request: Request[Any, Any, Any], state: State, _auth: None, data: CompletionRequest
+) -> Response[Any]:
+    """OpenAI completions: answered on the device or escalated (``x-tierline-tier`` says which)."""
+    return _respond(await state.tiering.handle("completions", data, request.headers.get("x-tierline-tier")))
+
+
+@get("/metrics", sync_to_thread=True, include_in_schema=False)
+def metrics(state: State) -> Response[str]:
+    """Prometheus exposition: requests per model version and outcome, degraded answers, outbox depth."""
+    agent: Agent = state.agent
+    link: CloudLink | None = state.link
+    text = agent.stats.prometheus(agent.outbox.stats(), link.breaker.state if link is not None else None)
+    return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@get("/v1/agent", dependencies=LOCAL_AUTH, sync_to_thread=True)
+def agent_status(state: State, _auth: None) -> dict[str, Any]:
+    """The agent's own state: enrollment, cloud link, outbox, per-version stats."""
+    agent: Agent = state.agent
+    link: CloudLink | None = state.link
+    return {
+        "enrolled": link is not None,
+        "device_id": link.creds.device_id if link is not None else None,
+        "cloud_breaker": link.breaker.state if link is not None else None,
+        "outbox": agent.outbox.stats(),
+        "synced_records": agent.synced_records,
+        "models": agent.stats.snapshot(),
+    }
 
 
 def create_app(settings: EdgeSettings) -> Litestar:
     core = CoreSettings()
     zoo_root = settings.zoo_dir or core.zoo_dir / "demo"
+    creds = Credentials.load(state_dir(settings))
     key_files = settings.trusted_keys or [public_path(core.signing_key_path)]
+    if creds is not None:
+        key_files = [*key_files, *creds.key_files(state_dir(settings))]
     models = verified_local_models(zoo_root, key_files)
     logger.info("edge agent serving %d verified model(s) from %s", len(models), zoo_root)
     api_key = settings.api_key.get_secret_value() if settings.api_key else None
@@ -144,8 +187,48 @@ def create_app(settings: EdgeSettings) -> Litestar:
             choice.fp32_ms_per_token,
         )
     local = serving.LocalModels(paths, settings.num_threads)
+    versions = {m.id: m.version for m in models}
+    if EDGE_LM in guards:
+        versions[EDGE_LM] = versions[EDGE_LM_INT8 if guards[EDGE_LM].chosen == "onnx-int8" else EDGE_LM_FP32]
+    policies = _policies(policy_dir(settings), [*paths, *guards])
+    home = state_dir(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        link = CloudLink(creds, deadline_s=settings.cloud_deadline_s) if creds is not None else None
+        outbox = Outbox(home / "outbox.sqlite3", settings.outbox_max_bytes)
+        agent = Agent(outbox, AgentStats(versions), link, creds.sync_interval_s if creds else 30.0)
+        app.state.agent = agent
+        app.state.link = link
+        app.state.tiering = Tiering(local, link, policies, agent.record)
+        syncing = asyncio.create_task(agent.run(), name="edge-sync") if link is not None else None
+        try:
+            yield
+        finally:
+            if syncing is not None:
+                syncing.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await syncing
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(agent.drain(), settings.shutdown_sync_s)
+            if link is not None:
+                await link.aclose()
+            outbox.close()
+
     return Litestar(
-        route_handlers=[healthz, readyz, list_models, chat_completions, completions],
+        route_handlers=[healthz, readyz, metrics, agent_status, list_models, chat_completions, completions],
         exception_handlers=EXCEPTION_HANDLERS,
         state=State({"models": models, "api_key": api_key, "local": local, "guards": guards}),
+        lifespan=[lifespan],
     )
+
+
+def _policies(directory: Path, model_ids: list[str]) -> dict[str, EdgePolicy]:
+    """Calibrated policies (``tierline edge calibrate``), by model id and by model family."""
+    found: dict[str, EdgePolicy] = {}
+    for model_id in {*model_ids, *(family(m) for m in model_ids)}:
+        policy = load_policy(directory, model_id)
+        if policy is not None:
+            found[model_id] = policy
+            logger.info("escalation policy for %s: %s < %s escalates", model_id, policy.signal, policy.threshold)
+    return found

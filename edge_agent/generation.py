@@ -14,6 +14,7 @@ import numpy as np
 from edge_agent.runtime.lm import CausalLMRuntime, load_causal_lm
 from shared.chat_tokenizer import ChatTokenizer, IncrementalDetokenizer
 from shared.errors import ValidationError
+from shared.escalation import StepSignal, step_signal
 from shared.openai_responses import Logprob
 from shared.sampling import choose, logprob_of
 
@@ -40,6 +41,7 @@ class LocalStep:
     delta_text: str
     logprob: Logprob | None
     finish_reason: str | None
+    signal: StepSignal | None = None  # confidence evidence for the escalation policy
 
 
 class LocalLM:
@@ -96,7 +98,7 @@ class LocalLM:
                 delta, stopped = detok.update(out, is_final=reason is not None)
                 if stopped:
                     reason = "stop"
-                yield LocalStep(token, delta, lp, reason)
+                yield LocalStep(token, delta, lp, reason, step_signal(logits, token))
                 if reason is not None:
                     return
                 logits = self.runtime.decode(token)

@@ -1,7 +1,11 @@
 """The agent's local OpenAI-compatible inference: chat completions and completions, streamed or not.
 
-Runs on the device's runtimes only (escalation to the cloud arrives with the escalation policy). Answers
-carry ``x-tierline-tier: edge``. One prompt and ``n = 1`` per request: a device serves one sequence at a time.
+Runs on the device's runtimes only; ``edge_agent.tiering`` decides whether a request is answered here or by
+the cloud. One prompt and ``n = 1`` per request: a device serves one sequence at a time.
+
+A request is first *prepared* (model resolved, prompt tokenized, lengths checked), then either run whole
+(``run``) or streamed (``stream``) from a step iterator, which lets the tiering layer look at the first
+tokens before it commits a stream to the edge.
 """
 
 from __future__ import annotations
@@ -10,12 +14,14 @@ import asyncio
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from edge_agent.generation import LocalLM, LocalRequest, LocalStep
 from shared.errors import NotFoundError, ValidationError
+from shared.escalation import StepSignal, lm_signals
 from shared.openai_responses import SSE_DONE, chat_logprob, completion_logprobs, sse
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest
 
@@ -30,6 +36,9 @@ class LocalModels:
         self.num_threads = num_threads
         self._loaded: dict[str, LocalLM] = {}
         self._lock = threading.Lock()
+
+    def has(self, model_id: str) -> bool:
+        return model_id in self.paths
 
     def get(self, model_id: str) -> LocalLM:
         path = self.paths.get(model_id)
@@ -97,94 +106,124 @@ def _usage(prompt: int, completion: int) -> dict[str, Any]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def chat(models: LocalModels, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[bytes]:
+Endpoint = Literal["chat.completions", "completions"]
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A request ready to run on a local model."""
+
+    endpoint: Endpoint
+    req: ChatCompletionRequest | CompletionRequest
+    lm: LocalLM
+    local: LocalRequest
+    echo_text: str = ""
+    steps_seen: list[LocalStep] = field(default_factory=list)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.local.prompt_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.steps_seen)
+
+    def signals(self) -> dict[str, float]:
+        return lm_signals([s.signal for s in self.steps_seen if isinstance(s.signal, StepSignal)])
+
+
+async def prepare(models: LocalModels, endpoint: Endpoint, req: ChatCompletionRequest | CompletionRequest) -> Prepared:
     lm = await asyncio.to_thread(models.get, req.model)
-    text = lm.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages])
-    local = _request(lm, lm.tokenizer.encode(text), req, req.max_new_tokens, req.num_logprobs)
-    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model}
-    if not req.stream:
-        steps = [s async for s in _steps(lm, local)]
-        content = "".join(s.delta_text for s in steps)
-        lps = [s.logprob for s in steps if s.logprob is not None]
-        return {
-            "id": rid,
-            "object": "chat.completion",
-            "created": created,
-            "model": req.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": content},
-                    "finish_reason": steps[-1].finish_reason,
-                    "logprobs": {"content": [chat_logprob(lm.tokenizer, lp) for lp in lps]}
-                    if local.logprobs is not None
-                    else None,
-                }
-            ],
-            "usage": _usage(len(local.prompt_ids), len(steps)),
-        }
-
-    async def body() -> AsyncIterator[bytes]:
-        yield sse(
-            {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
-        )
-        n = 0
-        async for step in _steps(lm, local):
-            n += 1
-            chunk: dict[str, Any] = {"index": 0, "delta": {}, "finish_reason": step.finish_reason}
-            if step.delta_text:
-                chunk["delta"]["content"] = step.delta_text
-            if step.logprob is not None:
-                chunk["logprobs"] = {"content": [chat_logprob(lm.tokenizer, step.logprob)]}
-            if step.delta_text or step.finish_reason or step.logprob is not None:
-                yield sse({**base, "choices": [chunk]})
-        if req.include_usage:
-            yield sse({**base, "choices": [], "usage": _usage(len(local.prompt_ids), n)})
-        yield SSE_DONE
-
-    return body()
-
-
-async def complete(models: LocalModels, req: CompletionRequest) -> dict[str, Any] | AsyncIterator[bytes]:
-    lm = await asyncio.to_thread(models.get, req.model)
+    if isinstance(req, ChatCompletionRequest):
+        text = lm.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages])
+        local = _request(lm, lm.tokenizer.encode(text), req, req.max_new_tokens, req.num_logprobs)
+        return Prepared(endpoint, req, lm, local)
     prompts = req.prompts()
     if len(prompts) != 1:
         raise ValidationError("prompt: the edge agent takes one prompt per request", param="prompt")
     prompt = prompts[0]
     ids = lm.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-    local = _request(lm, ids, req, req.max_tokens, req.logprobs)
-    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    base = {"id": rid, "object": "text_completion", "created": created, "model": req.model}
-    if not req.stream:
-        steps = [s async for s in _steps(lm, local)]
-        lps = [s.logprob for s in steps if s.logprob is not None]
-        text = "".join(s.delta_text for s in steps)
-        if req.echo:
-            text = lm.tokenizer.decode(ids) + text
+    echo = lm.tokenizer.decode(ids) if req.echo else ""
+    return Prepared(endpoint, req, lm, _request(lm, ids, req, req.max_tokens, req.logprobs), echo)
+
+
+def steps(p: Prepared) -> AsyncGenerator[LocalStep, None]:
+    """The local generation, recording each step on ``p`` (for usage and signals)."""
+
+    async def gen() -> AsyncGenerator[LocalStep, None]:
+        async for step in _steps(p.lm, p.local):
+            p.steps_seen.append(step)
+            yield step
+
+    return gen()
+
+
+async def run(p: Prepared) -> dict[str, Any]:
+    """Generate the whole answer locally."""
+    done = [s async for s in steps(p)]
+    lps = [s.logprob for s in done if s.logprob is not None]
+    text = "".join(s.delta_text for s in done)
+    created = int(time.time())
+    if p.endpoint == "chat.completions":
         return {
-            **base,
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": created,
+            "model": p.req.model,
             "choices": [
                 {
                     "index": 0,
-                    "text": text,
-                    "finish_reason": steps[-1].finish_reason,
-                    "logprobs": completion_logprobs(lm.tokenizer, lps) if local.logprobs is not None else None,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": done[-1].finish_reason,
+                    "logprobs": {"content": [chat_logprob(p.lm.tokenizer, lp) for lp in lps]}
+                    if p.local.logprobs is not None
+                    else None,
                 }
             ],
-            "usage": _usage(len(ids), len(steps)),
+            "usage": _usage(p.prompt_tokens, len(done)),
         }
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": created,
+        "model": p.req.model,
+        "choices": [
+            {
+                "index": 0,
+                "text": p.echo_text + text,
+                "finish_reason": done[-1].finish_reason,
+                "logprobs": completion_logprobs(p.lm.tokenizer, lps) if p.local.logprobs is not None else None,
+            }
+        ],
+        "usage": _usage(p.prompt_tokens, len(done)),
+    }
 
-    async def body() -> AsyncIterator[bytes]:
-        n = 0
-        async for step in _steps(lm, local):
-            n += 1
+
+async def stream(p: Prepared, source: AsyncIterator[LocalStep]) -> AsyncIterator[bytes]:
+    """Server-sent events for ``source`` (the steps of ``steps(p)``, possibly some already buffered)."""
+    created = int(time.time())
+    tok = p.lm.tokenizer
+    if p.endpoint == "chat.completions":
+        base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": created}
+        base["model"] = p.req.model
+        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        yield sse({**base, "choices": [first]})
+        async for step in source:
+            chunk: dict[str, Any] = {"index": 0, "delta": {}, "finish_reason": step.finish_reason}
+            if step.delta_text:
+                chunk["delta"]["content"] = step.delta_text
+            if step.logprob is not None:
+                chunk["logprobs"] = {"content": [chat_logprob(tok, step.logprob)]}
+            if step.delta_text or step.finish_reason or step.logprob is not None:
+                yield sse({**base, "choices": [chunk]})
+    else:
+        base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": created}
+        base["model"] = p.req.model
+        async for step in source:
             if step.delta_text or step.finish_reason:
-                lp = completion_logprobs(lm.tokenizer, [step.logprob]) if step.logprob is not None else None
+                lp = completion_logprobs(tok, [step.logprob]) if step.logprob is not None else None
                 choice = {"index": 0, "text": step.delta_text, "finish_reason": step.finish_reason, "logprobs": lp}
                 yield sse({**base, "choices": [choice]})
-        if req.include_usage:
-            yield sse({**base, "choices": [], "usage": _usage(len(ids), n)})
-        yield SSE_DONE
-
-    return body()
+    if p.req.include_usage:
+        yield sse({**base, "choices": [], "usage": _usage(p.prompt_tokens, p.completion_tokens)})
+    yield SSE_DONE

@@ -23,6 +23,11 @@ class EdgeSettings(BaseSettings):
     num_threads: int = Field(1, ge=1, le=64, description="runtime threads per model")
     api_key: SecretStr | None = Field(None, description="optional bearer key for the local API")
     cloud_url: str | None = Field(None, description="the cloud tier's base URL")
+    cloud_deadline_s: float = Field(
+        30.0, gt=0, description="longest wait for the cloud on an escalation before answering locally"
+    )
+    outbox_max_bytes: int = Field(64 << 20, ge=1 << 16, description="outbox bound; only telemetry is ever dropped")
+    shutdown_sync_s: float = Field(5.0, ge=0, description="time given to a last sync when the agent stops")
     state_dir: Path | None = Field(
         None, description="the agent's own state: credentials, outbox, policies (default $TIERLINE_DATA_DIR/edge)"
     )

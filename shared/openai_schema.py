@@ -63,7 +63,7 @@ class _Sampling(_Request):
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     ignore_eos: bool = False
     speculation: Literal["off", "draft", "ngram"] | None = None
-    tier: Literal["edge", "cloud"] | None = None
+    tier: Literal["edge", "cloud", "local-first", "cloud-first", "local-only", "cloud-only"] | None = None
     quality: Literal["standard", "high"] | None = None
 
     @field_validator("stop")

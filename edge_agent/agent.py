@@ -1,0 +1,215 @@
+"""The agent's moving parts behind the local API: per-version stats, the outbox of usage records, and the sync
+loop that delivers them to the cloud and brings back the desired state."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import platform
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib.metadata import version as package_version
+from typing import Any
+
+from edge_agent.cloud_link import CloudLink, CloudUnavailableError
+from edge_agent.outbox import Outbox
+from edge_agent.tiering import Served
+from shared.edge_protocol import MAX_BATCH, DesiredModel, EventItem, SyncRequest, SyncResponse, UsageItem
+
+logger = logging.getLogger(__name__)
+
+AGENT_VERSION = package_version("tierline")
+
+
+def runtime_summary() -> dict[str, Any]:
+    import os
+
+    import onnxruntime
+
+    return {
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "system": platform.system(),
+        "cpus": os.cpu_count() or 0,
+        "onnxruntime": onnxruntime.__version__,
+    }
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)
+
+
+@dataclass(slots=True)
+class VersionStats:
+    requests: int = 0
+    errors: int = 0
+    escalations: int = 0
+    degraded: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    latencies_ms: deque[float] = field(default_factory=lambda: deque(maxlen=2048))
+
+    def as_json(self) -> dict[str, Any]:
+        lat = list(self.latencies_ms)
+        return {
+            "requests": self.requests,
+            "errors": self.errors,
+            "escalations": self.escalations,
+            "degraded": self.degraded,
+            "escalation_rate": round(self.escalations / self.requests, 4) if self.requests else 0.0,
+            "p50_ms": _quantile(lat, 0.5),
+            "p95_ms": _quantile(lat, 0.95),
+        }
+
+
+class AgentStats:
+    """Counters per local model version (``model@version``), for sync heartbeats and ``/metrics``."""
+
+    def __init__(self, versions: dict[str, str]) -> None:
+        self.versions = versions  # model id -> version loaded now
+        self.by_key: dict[str, VersionStats] = {}
+
+    def key(self, model: str) -> str:
+        return f"{model}@{self.versions.get(model, 'cloud')}"
+
+    def observe(self, served: Served) -> None:
+        s = self.by_key.setdefault(self.key(served.model), VersionStats())
+        s.requests += 1
+        s.errors += served.status == "error"
+        s.escalations += served.escalation_reason is not None and not served.degraded
+        s.degraded += served.degraded
+        s.prompt_tokens += served.prompt_tokens
+        s.completion_tokens += served.completion_tokens
+        s.latencies_ms.append(served.latency_ms)
+
+    def observe_escalation(self, model: str) -> None:
+        s = self.by_key.setdefault(self.key(model), VersionStats())
+        s.requests += 1
+        s.escalations += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        return {k: v.as_json() for k, v in sorted(self.by_key.items())}
+
+    def prometheus(self, outbox: dict[str, Any], breaker: str | None) -> str:
+        lines = [
+            "# HELP tierline_edge_requests_total Requests per local model version, by outcome.",
+            "# TYPE tierline_edge_requests_total counter",
+        ]
+        for key, s in sorted(self.by_key.items()):
+            model, _, version = key.partition("@")
+            labels = f'model="{model}",version="{version}"'
+            lines.append(f'tierline_edge_requests_total{{{labels},outcome="local"}} {s.requests - s.escalations}')
+            lines.append(f'tierline_edge_requests_total{{{labels},outcome="escalated"}} {s.escalations}')
+            lines.append(f'tierline_edge_requests_total{{{labels},outcome="error"}} {s.errors}')
+        lines += [
+            "# HELP tierline_edge_degraded_total Requests answered locally because the cloud was unreachable.",
+            "# TYPE tierline_edge_degraded_total counter",
+            f"tierline_edge_degraded_total {sum(s.degraded for s in self.by_key.values())}",
+            "# HELP tierline_edge_outbox_pending Records waiting for delivery to the cloud, by kind.",
+            "# TYPE tierline_edge_outbox_pending gauge",
+        ]
+        for kind, n in sorted(outbox.get("pending", {}).items()):
+            lines.append(f'tierline_edge_outbox_pending{{kind="{kind}"}} {n}')
+        if breaker is not None:
+            lines += [
+                "# HELP tierline_edge_cloud_breaker_open 1 while the circuit breaker to the cloud is open.",
+                "# TYPE tierline_edge_cloud_breaker_open gauge",
+                f"tierline_edge_cloud_breaker_open {int(breaker == 'open')}",
+            ]
+        return "\n".join(lines) + "\n"
+
+
+class Agent:
+    """Records what the device served and syncs it with the cloud."""
+
+    def __init__(self, outbox: Outbox, stats: AgentStats, link: CloudLink | None, interval_s: float) -> None:
+        self.outbox = outbox
+        self.stats = stats
+        self.link = link
+        self.interval_s = interval_s
+        self.on_desired: Callable[[list[DesiredModel]], None] | None = None
+        self.last_sync: SyncResponse | None = None
+        self.synced_records = 0
+
+    def record(self, served: Served) -> None:
+        """Called for every answered request, before its answer leaves (usage records are never lost)."""
+        self.stats.observe(served)
+        if served.tier != "edge":
+            return  # the cloud metered it under the same request id
+        item = UsageItem(
+            id=served.request_id,
+            model=served.model,
+            model_version=self.stats.versions.get(served.model),
+            tier="edge",
+            prompt_tokens=served.prompt_tokens,
+            completion_tokens=served.completion_tokens,
+            status="degraded" if served.degraded else served.status,
+            latency_ms=served.latency_ms,
+            ttft_ms=served.ttft_ms,
+            escalation_reason=served.escalation_reason,
+            occurred_at=time.time(),
+        )
+        self.outbox.put("usage", item.model_dump(mode="json"), record_id=served.request_id)
+
+    def event(self, kind: str, payload: dict[str, Any]) -> None:
+        self.outbox.put("event", {"type": kind, **payload})
+
+    async def sync_once(self) -> SyncResponse | None:
+        """One heartbeat with one outbox batch; None when the cloud is unreachable (the batch stays)."""
+        if self.link is None:
+            return None
+        records = await asyncio.to_thread(self.outbox.batch, MAX_BATCH)
+        usage = [UsageItem.model_validate(r.payload) for r in records if r.kind == "usage"]
+        events = [
+            EventItem(
+                id=r.id,
+                kind="telemetry" if r.kind == "telemetry" else "event",
+                payload=r.payload,
+                occurred_at=r.created_at,
+            )
+            for r in records
+            if r.kind != "usage"
+        ]
+        request = SyncRequest(
+            agent_version=AGENT_VERSION,
+            runtime=runtime_summary(),
+            models=dict(self.stats.versions),
+            metrics=self.stats.snapshot(),
+            usage=usage,
+            events=events,
+        )
+        try:
+            answer = await self.link.sync(request)
+        except CloudUnavailableError:
+            await asyncio.to_thread(self.outbox.nack, [r.id for r in records])
+            return None
+        await asyncio.to_thread(self.outbox.ack, [r.id for r in records])
+        self.synced_records += len(records)
+        self.last_sync = answer
+        if answer.desired and self.on_desired is not None:
+            self.on_desired(answer.desired)
+        if "sync_interval_s" in answer.config:
+            self.interval_s = float(answer.config["sync_interval_s"])
+        return answer
+
+    async def drain(self) -> bool:
+        """A heartbeat, then more batches until the outbox is empty; False when the cloud did not answer."""
+        while True:
+            if await self.sync_once() is None:
+                return False
+            if sum(self.outbox.stats()["pending"].values()) == 0:
+                return True
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s * random.uniform(0.8, 1.2))
+            try:
+                await self.drain()
+            except Exception:
+                logger.exception("sync failed; records stay in the outbox and are retried")

@@ -1,0 +1,341 @@
+"""Where a request is answered: on the device, or escalated to the cloud.
+
+Modes (per model from its policy, per request from the ``x-tierline-tier`` header or the ``tier`` field):
+- ``local-first`` (default): pre-signals first (model not on the device, prompt too long for the local
+  context, ``max_tokens`` above the policy's bound, ``quality: "high"``, a cloud-only feature such as
+  ``n > 1`` or penalties) send the request up at once; otherwise the local answer is generated and its
+  confidence (the policy's signal against its calibrated threshold) decides whether it is returned or
+  the request is escalated.
+- ``cloud-first``: the cloud answers; when it is unreachable, the local model does (marked degraded).
+- ``local-only`` / ``cloud-only``: no fallback.
+``tier: "edge"`` and ``tier: "cloud"`` are accepted as ``local-only`` and ``cloud-only``.
+
+Streams in local-first mode: the agent generates the first ``stream_window`` tokens locally before sending
+anything, decides on them, and then either streams those tokens and the rest from the device, or drops
+them and relays the cloud's stream. The trade-off: time to first token grows by the window's local decode
+time, and the decision sees only the window (a confident start can still end badly), in exchange for never
+showing the client tokens that are later replaced.
+
+When the cloud cannot be reached in time (or the breaker is open), a request that can be answered locally
+is, with ``x-tierline-degraded: cloud-unreachable``. Every request answered on the device becomes a usage
+record in the outbox; an escalated one is metered by the cloud under the same request id.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from edge_agent import serving
+from edge_agent.cloud_link import CloudLink, CloudUnavailableError
+from edge_agent.generation import LocalStep
+from shared.errors import ApplicationError, NotFoundError, ServiceUnavailableError, ValidationError
+from shared.escalation import MODES, EdgePolicy
+from shared.openai_schema import ChatCompletionRequest, CompletionRequest
+
+logger = logging.getLogger(__name__)
+
+TIER_ALIASES = {"edge": "local-only", "cloud": "cloud-only"}
+LOCAL_SUFFIXES = ("-onnx-int8", "-onnx", "-tflite")
+DEFAULT_CLOUD_MODELS = {"tierline/lm-edge": "tierline/lm-cloud", "tierline/digits-small": "tierline/digits-large"}
+STRIP_FIELDS = ("tier", "quality")
+
+
+@dataclass(slots=True)
+class Answer:
+    body: dict[str, Any] | AsyncIterator[bytes]
+    tier: str  # edge | cloud
+    reason: str | None = None
+    degraded: str | None = None
+    status_code: int = 200
+    request_id: str = ""
+
+    @property
+    def headers(self) -> dict[str, str]:
+        h = {"x-tierline-tier": self.tier, "x-request-id": self.request_id}
+        if self.reason:
+            h["x-tierline-escalation-reason"] = self.reason
+        if self.degraded:
+            h["x-tierline-degraded"] = self.degraded
+        return h
+
+
+@dataclass(slots=True)
+class Served:
+    """What the usage record and the per-version stats need about one answered request."""
+
+    request_id: str
+    model: str
+    tier: str
+    prompt_tokens: int
+    completion_tokens: int
+    status: str
+    latency_ms: float
+    ttft_ms: float | None
+    escalation_reason: str | None
+    degraded: bool
+
+
+def family(model: str) -> str:
+    for suffix in LOCAL_SUFFIXES:
+        if model.endswith(suffix):
+            return model[: -len(suffix)]
+    return model
+
+
+@dataclass(slots=True)
+class Tiering:
+    local: serving.LocalModels
+    link: CloudLink | None
+    policies: dict[str, EdgePolicy]
+    on_served: Callable[[Served], None]
+    cloud_models: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_CLOUD_MODELS))
+
+    def policy(self, model: str) -> EdgePolicy:
+        return self.policies.get(model) or self.policies.get(family(model)) or EdgePolicy(model=family(model))
+
+    def cloud_model(self, model: str) -> str:
+        return self.cloud_models.get(model) or self.cloud_models.get(family(model)) or model
+
+    def mode(self, model: str, header: str | None, req: ChatCompletionRequest | CompletionRequest) -> str:
+        wanted = header or req.tier
+        if wanted:
+            mode = TIER_ALIASES.get(wanted, wanted)
+            if mode not in MODES:
+                raise ValidationError(
+                    f"x-tierline-tier: {wanted!r} is not one of {', '.join((*MODES, *TIER_ALIASES))}", param="tier"
+                )
+            return mode
+        return self.policy(model).mode
+
+    async def handle(
+        self, endpoint: serving.Endpoint, req: ChatCompletionRequest | CompletionRequest, header: str | None
+    ) -> Answer:
+        started = time.monotonic()
+        request_id = uuid.uuid4().hex
+        mode = self.mode(req.model, header, req)
+        if self.link is None:
+            if mode == "cloud-only":
+                raise ServiceUnavailableError("this device is not enrolled with a cloud (tierline edge enroll)")
+            mode = "local-only"
+        if mode == "cloud-only":
+            return await self._cloud(endpoint, req, request_id, "client-asked", fallback=None)
+        if mode == "cloud-first":
+            return await self._cloud(endpoint, req, request_id, "cloud-first", fallback=started)
+        try:
+            prepared = await serving.prepare(self.local, endpoint, req)
+        except ApplicationError as exc:
+            reason = self._pre_signal_of(exc)
+            if mode == "local-only" or reason is None:
+                raise
+            return await self._cloud(endpoint, req, request_id, reason, fallback=None)
+        policy = self.policy(req.model)
+        if mode == "local-first":
+            reason = self._pre_signal(req, prepared, policy)
+            if reason is not None:
+                return await self._cloud(endpoint, req, request_id, reason, fallback=started, prepared=prepared)
+        if not req.stream:
+            body = await serving.run(prepared)
+            if mode == "local-first" and policy.should_escalate(prepared.signals()):
+                return await self._cloud(
+                    endpoint, req, request_id, "low-confidence", fallback=started, prepared=prepared, local_body=body
+                )
+            return self._edge(prepared, body, request_id, started, None)
+        if mode == "local-only":
+            return self._edge_stream(prepared, serving.steps(prepared), request_id, started, None)
+        return await self._windowed(endpoint, req, prepared, policy, request_id, started)
+
+    # -- pre-signals ------------------------------------------------------------------------------------------
+    @staticmethod
+    def _pre_signal_of(exc: ApplicationError) -> str | None:
+        if isinstance(exc, NotFoundError):
+            return "model-not-local"
+        if exc.code == "context_length_exceeded":
+            return "prompt-too-long"
+        if exc.param in ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt"):
+            return "cloud-feature"
+        return None
+
+    @staticmethod
+    def _pre_signal(
+        req: ChatCompletionRequest | CompletionRequest, prepared: serving.Prepared, policy: EdgePolicy
+    ) -> str | None:
+        if req.quality == "high":
+            return "quality-high"
+        limit = policy.max_prompt_tokens
+        if limit is not None and prepared.prompt_tokens > limit:
+            return "prompt-too-long"
+        wanted = prepared.local.max_tokens
+        if wanted is not None and wanted > policy.max_new_tokens:
+            return "max-tokens"
+        return None
+
+    # -- answers ----------------------------------------------------------------------------------------------
+    def _served(self, served: Served) -> None:
+        try:
+            self.on_served(served)
+        except Exception:  # the answer is already on its way; a failing recorder is logged, not raised
+            logger.exception("recording usage for request %s failed", served.request_id)
+
+    def _edge(
+        self,
+        prepared: serving.Prepared,
+        body: dict[str, Any],
+        request_id: str,
+        started: float,
+        degraded: str | None,
+        reason: str | None = None,
+    ) -> Answer:
+        latency = (time.monotonic() - started) * 1000
+        self._served(
+            Served(
+                request_id,
+                prepared.req.model,
+                "edge",
+                prepared.prompt_tokens,
+                prepared.completion_tokens,
+                "ok",
+                round(latency, 2),
+                None,
+                reason,
+                degraded is not None,
+            )
+        )
+        return Answer(body, "edge", reason, degraded, request_id=request_id)
+
+    def _edge_stream(
+        self,
+        prepared: serving.Prepared,
+        source: AsyncIterator[LocalStep],
+        request_id: str,
+        started: float,
+        degraded: str | None,
+        reason: str | None = None,
+    ) -> Answer:
+        first: list[float] = []
+
+        async def timed() -> AsyncIterator[LocalStep]:
+            async for step in source:
+                if not first:
+                    first.append(time.monotonic())
+                yield step
+
+        async def body() -> AsyncIterator[bytes]:
+            status = "abandoned"
+            try:
+                async for chunk in serving.stream(prepared, timed()):
+                    yield chunk
+                status = "ok"
+            finally:
+                latency = (time.monotonic() - started) * 1000
+                ttft = (first[0] - started) * 1000 if first else None
+                self._served(
+                    Served(
+                        request_id,
+                        prepared.req.model,
+                        "edge",
+                        prepared.prompt_tokens,
+                        prepared.completion_tokens,
+                        status,
+                        round(latency, 2),
+                        round(ttft, 2) if ttft is not None else None,
+                        reason,
+                        degraded is not None,
+                    )
+                )
+
+        return Answer(body(), "edge", reason, degraded, request_id=request_id)
+
+    async def _windowed(
+        self,
+        endpoint: serving.Endpoint,
+        req: ChatCompletionRequest | CompletionRequest,
+        prepared: serving.Prepared,
+        policy: EdgePolicy,
+        request_id: str,
+        started: float,
+    ) -> Answer:
+        source = serving.steps(prepared)
+        window: list[LocalStep] = []
+        async for step in source:
+            window.append(step)
+            if step.finish_reason is not None or len(window) >= policy.stream_window:
+                break
+        if not policy.should_escalate(prepared.signals()):
+            return self._edge_stream(prepared, _chain(window, source), request_id, started, None)
+        try:
+            answer = await self._cloud(endpoint, req, request_id, "low-confidence", fallback=None)
+        except ServiceUnavailableError:
+            # Cloud unreachable: the device answers after all, continuing the generation it already started.
+            return self._edge_stream(
+                prepared, _chain(window, source), request_id, started, "cloud-unreachable", "low-confidence"
+            )
+        await source.aclose()
+        return answer
+
+    async def _cloud(
+        self,
+        endpoint: serving.Endpoint,
+        req: ChatCompletionRequest | CompletionRequest,
+        request_id: str,
+        reason: str,
+        *,
+        fallback: float | None,
+        prepared: serving.Prepared | None = None,
+        local_body: dict[str, Any] | None = None,
+    ) -> Answer:
+        """Escalate; on an unreachable cloud answer locally (``fallback`` = start time) or raise 503."""
+        body = req.model_dump(mode="json", exclude_unset=True)
+        for name in STRIP_FIELDS:
+            body.pop(name, None)
+        body["model"] = self.cloud_model(req.model)
+        assert self.link is not None
+        try:
+            if req.stream:
+                response, chunks = await self.link.escalate_stream(endpoint, body, reason, request_id)
+                if response.status_code != 200:
+                    content = b"".join([c async for c in chunks])
+                    return self._cloud_error(response.status_code, content, reason, request_id)
+                return Answer(chunks, "cloud", reason, request_id=request_id)
+            r = await self.link.escalate(endpoint, body, reason, request_id)
+            if r.status_code != 200:
+                return self._cloud_error(r.status_code, r.content, reason, request_id)
+            return Answer(r.json(), "cloud", reason, request_id=request_id)
+        except CloudUnavailableError as exc:
+            if fallback is None:
+                raise ServiceUnavailableError(f"the cloud tier is unreachable ({exc.reason})") from None
+            if prepared is None:
+                try:
+                    prepared = await serving.prepare(self.local, endpoint, req)
+                except ApplicationError:
+                    raise ServiceUnavailableError(f"the cloud tier is unreachable ({exc.reason})") from None
+            if local_body is not None:
+                return self._edge(prepared, local_body, request_id, fallback, "cloud-unreachable", reason)
+            if req.stream:
+                return self._edge_stream(
+                    prepared, serving.steps(prepared), request_id, fallback, "cloud-unreachable", reason
+                )
+            answer = await serving.run(prepared)
+            return self._edge(prepared, answer, request_id, fallback, "cloud-unreachable", reason)
+
+    @staticmethod
+    def _cloud_error(status: int, content: bytes, reason: str, request_id: str) -> Answer:
+        """The cloud refused the request (4xx): relay its OpenAI-shaped error as it is."""
+        import json
+
+        try:
+            payload = json.loads(content)
+        except ValueError:
+            payload = {"error": {"message": content[:200].decode(errors="replace"), "type": "cloud_error"}}
+        return Answer(payload, "cloud", reason, status_code=status, request_id=request_id)
+
+
+async def _chain(first: list[LocalStep], rest: AsyncIterator[LocalStep]) -> AsyncIterator[LocalStep]:
+    for step in first:
+        yield step
+    async for step in rest:
+        yield step
