@@ -1,0 +1,364 @@
+"""Edge releases: model artifacts published for devices, and the device-authenticated download route.
+
+Layout under ``$TIERLINE_DATA_DIR/edge-releases``::
+
+    releases.json                      publish log, oldest first: [{name, version, sha256, published_at}]
+    <name>/<version>/manifest.json     the signed manifest
+    <name>/<version>/<file>...         exactly the files the manifest lists
+
+A published version is immutable: publishing the same name and version with other bytes is refused. Every
+device is told the most recently *published* version of each model, not the highest version string, so
+publishing an existing version again makes it the newest: that is how the fleet is rolled back.
+
+``GET /v1/edge/artifacts/{name}/{version}/{path}`` serves ``manifest.json`` or a file the manifest lists, to
+enrolled devices only, with single-range HTTP Range support so that an interrupted download resumes. Devices
+verify the signature and every hash themselves; this side only refuses to publish what its own key did not
+sign.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from litestar import Request, Response, get
+from litestar.datastructures import State
+from litestar.response import Stream
+
+from cloud.edge_gateway import DEVICE, DEVICE_BEARER, DeviceCaller
+from shared.artifacts import (
+    FileEntry,
+    Manifest,
+    load_or_create_signing_key,
+    load_public_key,
+    public_path,
+    read_manifest,
+    sign_manifest,
+    verify_signature,
+)
+from shared.edge_protocol import DesiredModel
+from shared.errors import ArtifactVerificationError, ConflictError, NotFoundError
+from shared.settings import CoreSettings
+from shared.storage.models import Device
+
+RELEASES_DIR = "edge-releases"
+INDEX_FILE = "releases.json"
+MANIFEST_FILE = "manifest.json"
+CHUNK_BYTES = 64 * 1024
+_SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
+_RANGE = re.compile(r"^\s*bytes\s*=\s*(\d*)\s*-\s*(\d*)\s*$", re.IGNORECASE)
+
+
+def is_safe_file_path(path: str) -> bool:
+    """A relative POSIX path inside the artifact: no ``..``, no absolute path, no empty or odd segment."""
+    if not path or "\\" in path or "\x00" in path or path.startswith("/"):
+        return False
+    return all(part not in ("", ".", "..") for part in path.split("/"))
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    name: str
+    version: str
+    sha256: str
+    published_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class ServedFile:
+    path: Path
+    size: int
+    etag: str
+    media_type: str
+
+
+class ReleaseStore:
+    """Published edge artifacts on the cloud's disk. ``trusted_keys`` default to the platform's signing key."""
+
+    def __init__(self, root: Path, trusted_keys: list[Ed25519PublicKey] | None = None) -> None:
+        self.root = root
+        self._trusted_keys = trusted_keys
+        self._index_cache: tuple[tuple[int, int], list[Release]] | None = None
+
+    @classmethod
+    def from_settings(cls) -> ReleaseStore:
+        return cls(CoreSettings().data_dir / RELEASES_DIR)
+
+    def trusted_keys(self) -> list[Ed25519PublicKey]:
+        if self._trusted_keys is not None:
+            return self._trusted_keys
+        return [load_public_key(public_path(CoreSettings().signing_key_path))]
+
+    def version_dir(self, name: str, version: str) -> Path:
+        if not (_SEGMENT.fullmatch(name) and _SEGMENT.fullmatch(version)):
+            raise NotFoundError(f"no published artifact {name!r} version {version!r}")
+        return self.root / name / version
+
+    # --- publishing -----------------------------------------------------------------------------------------
+
+    def publish(self, artifact_dir: Path, manifest_path: Path) -> Manifest:
+        """Publish the artifact in ``artifact_dir`` described by the signed manifest at ``manifest_path``."""
+        return self.publish_manifest(artifact_dir, read_manifest(manifest_path))
+
+    def publish_manifest(self, artifact_dir: Path, manifest: Manifest) -> Manifest:
+        """Verify ``manifest`` (trusted signature, safe paths, every file's hash) and publish a copy atomically."""
+        for value, what in ((manifest.name, "name"), (manifest.version, "version")):
+            if not _SEGMENT.fullmatch(value):
+                raise ArtifactVerificationError(f"manifest {what} {value!r}: letters, digits and '._+-' only")
+        verify_signature(manifest, self.trusted_keys())
+        for entry in manifest.files:
+            if not is_safe_file_path(entry.path) or entry.path == MANIFEST_FILE:
+                raise ArtifactVerificationError(f"{manifest.name}: file path {entry.path!r} is not allowed")
+        target = self.version_dir(manifest.name, manifest.version)
+        with self._locked():
+            if (target / MANIFEST_FILE).is_file():
+                existing = read_manifest(target / MANIFEST_FILE)
+                if existing.sha256 != manifest.sha256:
+                    raise ConflictError(
+                        f"{manifest.name} {manifest.version} is already published with other content; "
+                        "publish it under a new version"
+                    )
+            else:
+                self._copy_in(artifact_dir, manifest, target)
+            releases = self._read_index()
+            releases.append(Release(manifest.name, manifest.version, manifest.sha256, time.time()))
+            body = json.dumps({"releases": [asdict(r) for r in releases]}, indent=2) + "\n"
+            _write_atomic(self.root / INDEX_FILE, body.encode())
+        return manifest
+
+    def _copy_in(self, artifact_dir: Path, manifest: Manifest, target: Path) -> None:
+        tmp = target.with_name(f".tmp-{target.name}-{uuid.uuid4().hex[:8]}")
+        try:
+            for entry in manifest.files:
+                _copy_checked(artifact_dir / entry.path, tmp / entry.path, entry)
+            (tmp / MANIFEST_FILE).write_text(manifest.to_json())
+            for path in tmp.rglob("*"):
+                if path.is_file():
+                    with path.open("rb") as f:
+                        os.fsync(f.fileno())
+            if target.exists():  # a directory without its manifest: a crashed publish, never served
+                shutil.rmtree(target)
+            tmp.rename(target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.root.mkdir(parents=True, exist_ok=True)
+        with (self.root / ".lock").open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    # --- reading ---------------------------------------------------------------------------------------------
+
+    def releases(self) -> list[Release]:
+        """Every publish, oldest first."""
+        return list(self._read_index())
+
+    def _read_index(self) -> list[Release]:
+        path = self.root / INDEX_FILE
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return []
+        stamp = (st.st_mtime_ns, st.st_size)
+        if self._index_cache is not None and self._index_cache[0] == stamp:
+            return list(self._index_cache[1])
+        releases = [Release(**r) for r in json.loads(path.read_text())["releases"]]
+        self._index_cache = (stamp, releases)
+        return list(releases)
+
+    def desired(self, device: Device) -> list[DesiredModel]:
+        """The most recently published version of every model (the same for every device, for now)."""
+        newest: dict[str, Release] = {}
+        for release in self._read_index():
+            newest.pop(release.name, None)
+            newest[release.name] = release
+        return [
+            DesiredModel(
+                name=r.name,
+                version=r.version,
+                sha256=r.sha256,
+                manifest_url=f"/v1/edge/artifacts/{r.name}/{r.version}/{MANIFEST_FILE}",
+            )
+            for r in sorted(newest.values(), key=lambda r: r.name)
+        ]
+
+    def locate(self, name: str, version: str, path: str) -> ServedFile:
+        """The manifest or a listed file of a published version; anything else (or escaping it) is a 404."""
+        missing = NotFoundError(f"no artifact file {name}/{version}/{path}")
+        try:
+            vdir = self.version_dir(name, version).resolve(strict=True)
+            manifest = read_manifest(vdir / MANIFEST_FILE)
+        except (OSError, ArtifactVerificationError):
+            raise missing from None
+        if not vdir.is_relative_to(self.root.resolve()):
+            raise missing
+        if path == MANIFEST_FILE:
+            return ServedFile(vdir / MANIFEST_FILE, (vdir / MANIFEST_FILE).stat().st_size, "", "application/json")
+        entry = next((e for e in manifest.files if e.path == path), None)
+        if entry is None or not is_safe_file_path(path):
+            raise missing
+        try:
+            real = (vdir / path).resolve(strict=True)
+        except OSError:
+            raise missing from None
+        if not real.is_relative_to(vdir) or not real.is_file():
+            raise missing
+        return ServedFile(real, real.stat().st_size, f'"{entry.sha256}"', "application/octet-stream")
+
+
+def _copy_checked(src: Path, dest: Path, entry: FileEntry) -> None:
+    if not src.is_file():
+        raise ArtifactVerificationError(f"{src}: missing")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    with src.open("rb") as fin, dest.open("wb") as fout:
+        while chunk := fin.read(1 << 20):
+            digest.update(chunk)
+            fout.write(chunk)
+    if dest.stat().st_size != entry.size:
+        raise ArtifactVerificationError(f"{src}: size {dest.stat().st_size} != {entry.size}")
+    if digest.hexdigest() != entry.sha256:
+        raise ArtifactVerificationError(f"{src}: sha256 mismatch")
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    with tmp.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+# --- HTTP -----------------------------------------------------------------------------------------------------
+
+
+class RangeNotSatisfiableError(Exception):
+    pass
+
+
+def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """The inclusive byte range a ``Range`` header asks for, or None for the whole file.
+
+    Headers this server does not honour (several ranges, bad syntax, last < first) are ignored, as RFC 9110
+    allows; a well-formed range that starts past the end raises RangeNotSatisfiableError.
+    """
+    match = _RANGE.match(header or "")
+    if match is None or match.groups() == ("", ""):
+        return None
+    first, last = match.groups()
+    if first == "":
+        suffix = int(last)
+        if suffix == 0 or size == 0:
+            raise RangeNotSatisfiableError
+        return max(0, size - suffix), size - 1
+    start = int(first)
+    end = int(last) if last else size - 1
+    if end < start:
+        return None
+    if start >= size:
+        raise RangeNotSatisfiableError
+    return start, min(end, size - 1)
+
+
+def _read(path: Path, start: int, length: int) -> Iterator[bytes]:
+    with path.open("rb") as f:
+        f.seek(start)
+        while length > 0:
+            chunk = f.read(min(CHUNK_BYTES, length))
+            if not chunk:
+                return
+            length -= len(chunk)
+            yield chunk
+
+
+def range_response(served: ServedFile, range_header: str | None, if_range: str | None) -> Response[Any]:
+    headers = {"Accept-Ranges": "bytes"}
+    if served.etag:
+        headers["ETag"] = served.etag
+        if if_range is not None and if_range.strip() != served.etag:
+            range_header = None  # the client's partial copy is of other bytes: send them all
+    try:
+        span = parse_range(range_header, served.size)
+    except RangeNotSatisfiableError:
+        error = {"message": "requested range not satisfiable", "type": "invalid_request_error", "param": "Range"}
+        return Response(
+            {"error": {**error, "code": "range_not_satisfiable"}},
+            status_code=416,
+            headers={**headers, "Content-Range": f"bytes */{served.size}"},
+        )
+    status, (start, end) = (200, (0, served.size - 1)) if span is None else (206, span)
+    length = end - start + 1
+    headers["Content-Length"] = str(length)
+    if status == 206:
+        headers["Content-Range"] = f"bytes {start}-{end}/{served.size}"
+    return Stream(_read(served.path, start, length), status_code=status, media_type=served.media_type, headers=headers)
+
+
+@get(
+    "/v1/edge/artifacts/{name:str}/{version:str}/{path:path}",
+    dependencies=DEVICE,
+    security=DEVICE_BEARER,
+)
+async def download_artifact(
+    request: Request[Any, Any, Any], state: State, device: DeviceCaller, name: str, version: str, path: str
+) -> Response[Any]:
+    """A published artifact's manifest or one of its files, for enrolled devices; supports ``Range: bytes=``."""
+    store: ReleaseStore = state.releases
+    served = await asyncio.to_thread(store.locate, name, version, path.lstrip("/"))
+    return range_response(served, request.headers.get("range"), request.headers.get("if-range"))
+
+
+ARTIFACT_ROUTES = [download_artifact]
+
+
+# --- CLI --------------------------------------------------------------------------------------------------------
+
+
+@click.command("publish")
+@click.argument("artifact_dir", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.option(
+    "--manifest",
+    "manifest_path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="signed manifest (default: ARTIFACT_DIR/../../manifests/<dir name>.json, as in a built zoo)",
+)
+@click.option("--as-version", default=None, help="publish under this version, re-signed with the platform key")
+def publish_command(artifact_dir: Path, manifest_path: Path | None, as_version: str | None) -> None:
+    """Publish an edge artifact for devices: they install it at their next sync.
+
+    Publishing a version that is already published makes it the newest again, which rolls devices back.
+    """
+    store = ReleaseStore.from_settings()
+    path = manifest_path or artifact_dir.parent.parent / "manifests" / f"{artifact_dir.name}.json"
+    manifest = read_manifest(path)
+    if as_version is not None:
+        verify_signature(manifest, store.trusted_keys())  # never launder an artifact the platform did not sign
+        manifest.metadata = {**manifest.metadata, "published_from_version": manifest.version}
+        manifest.version = as_version
+        sign_manifest(manifest, load_or_create_signing_key(CoreSettings().signing_key_path))
+    store.publish_manifest(artifact_dir, manifest)
+    click.echo(
+        f"published {manifest.name} {manifest.version} ({len(manifest.files)} files, {manifest.size} bytes, "
+        f"sha256 {manifest.sha256}); devices install it at their next sync"
+    )
