@@ -24,6 +24,7 @@ from sqlmodel import Session, select
 
 from cloud.completions import Caller, CompletionService
 from cloud.edge_gateway import ROUTES as EDGE_ROUTES
+from cloud.edge_releases import ARTIFACT_ROUTES, RELEASES_DIR, ReleaseStore
 from cloud.engines import EnginePool
 from cloud.idempotency import IdempotencyStore, request_hash, usage_id
 from cloud.jwt_auth import JwtVerifier, looks_like_jwt
@@ -215,6 +216,7 @@ def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Li
             completions,
             inference,
             *EDGE_ROUTES,
+            *ARTIFACT_ROUTES,
         ],
         exception_handlers=EXCEPTION_HANDLERS,
         state=State(
@@ -225,6 +227,7 @@ def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Li
                 "idempotency": IdempotencyStore(db),
                 "jwt": verifier,
                 "edge_sync_interval_s": settings.edge_sync_interval_s,
+                "releases": ReleaseStore(core.data_dir / RELEASES_DIR),
             }
         ),
         middleware=[observed.middleware],
