@@ -48,8 +48,9 @@ def _quantile(values: list[float], q: float) -> float | None:
 @dataclass(slots=True)
 class VersionStats:
     requests: int = 0
+    local: int = 0  # answered on the device (degraded ones included)
+    escalations: int = 0  # answered by the cloud
     errors: int = 0
-    escalations: int = 0
     degraded: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -59,6 +60,7 @@ class VersionStats:
         lat = list(self.latencies_ms)
         return {
             "requests": self.requests,
+            "local": self.local,
             "errors": self.errors,
             "escalations": self.escalations,
             "degraded": self.degraded,
@@ -81,17 +83,16 @@ class AgentStats:
     def observe(self, served: Served) -> None:
         s = self.by_key.setdefault(self.key(served.model), VersionStats())
         s.requests += 1
-        s.errors += served.status == "error"
-        s.escalations += served.escalation_reason is not None and not served.degraded
+        if served.status == "error":
+            s.errors += 1
+        elif served.tier == "cloud":
+            s.escalations += 1
+        else:
+            s.local += 1
         s.degraded += served.degraded
         s.prompt_tokens += served.prompt_tokens
         s.completion_tokens += served.completion_tokens
         s.latencies_ms.append(served.latency_ms)
-
-    def observe_escalation(self, model: str) -> None:
-        s = self.by_key.setdefault(self.key(model), VersionStats())
-        s.requests += 1
-        s.escalations += 1
 
     def snapshot(self) -> dict[str, Any]:
         return {k: v.as_json() for k, v in sorted(self.by_key.items())}
@@ -104,7 +105,7 @@ class AgentStats:
         for key, s in sorted(self.by_key.items()):
             model, _, version = key.partition("@")
             labels = f'model="{model}",version="{version}"'
-            lines.append(f'tierline_edge_requests_total{{{labels},outcome="local"}} {s.requests - s.escalations}')
+            lines.append(f'tierline_edge_requests_total{{{labels},outcome="local"}} {s.local}')
             lines.append(f'tierline_edge_requests_total{{{labels},outcome="escalated"}} {s.escalations}')
             lines.append(f'tierline_edge_requests_total{{{labels},outcome="error"}} {s.errors}')
         lines += [

@@ -18,7 +18,7 @@ from litestar.response import Stream
 
 from edge_agent import int8_guard, serving
 from edge_agent.agent import Agent, AgentStats
-from edge_agent.cloud_link import CloudLink, Credentials
+from edge_agent.cloud_link import CircuitBreaker, CloudLink, Credentials
 from edge_agent.outbox import Outbox
 from edge_agent.settings import EdgeSettings, policy_dir, state_dir
 from edge_agent.tiering import Answer, Tiering, family
@@ -195,7 +195,11 @@ def create_app(settings: EdgeSettings) -> Litestar:
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        link = CloudLink(creds, deadline_s=settings.cloud_deadline_s) if creds is not None else None
+        link = (
+            CloudLink(creds, deadline_s=settings.cloud_deadline_s, breaker=CircuitBreaker(3, settings.breaker_reset_s))
+            if creds is not None
+            else None
+        )
         outbox = Outbox(home / "outbox.sqlite3", settings.outbox_max_bytes)
         agent = Agent(outbox, AgentStats(versions), link, creds.sync_interval_s if creds else 30.0)
         app.state.agent = agent

@@ -26,6 +26,7 @@ class EdgeSettings(BaseSettings):
     cloud_deadline_s: float = Field(
         30.0, gt=0, description="longest wait for the cloud on an escalation before answering locally"
     )
+    breaker_reset_s: float = Field(10.0, gt=0, description="how long an open breaker waits before probing the cloud")
     outbox_max_bytes: int = Field(64 << 20, ge=1 << 16, description="outbox bound; only telemetry is ever dropped")
     shutdown_sync_s: float = Field(5.0, ge=0, description="time given to a last sync when the agent stops")
     state_dir: Path | None = Field(

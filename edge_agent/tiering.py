@@ -23,6 +23,7 @@ record in the outbox; an escalated one is metered by the cloud under the same re
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -294,17 +295,21 @@ class Tiering:
             body.pop(name, None)
         body["model"] = self.cloud_model(req.model)
         assert self.link is not None
+        started = time.monotonic()
         try:
             if req.stream:
                 response, chunks = await self.link.escalate_stream(endpoint, body, reason, request_id)
                 if response.status_code != 200:
                     content = b"".join([c async for c in chunks])
-                    return self._cloud_error(response.status_code, content, reason, request_id)
+                    return self._cloud_error(req, response.status_code, content, reason, request_id, started)
+                self._cloud_served(req, request_id, reason, started, "ok", None)
                 return Answer(chunks, "cloud", reason, request_id=request_id)
             r = await self.link.escalate(endpoint, body, reason, request_id)
             if r.status_code != 200:
-                return self._cloud_error(r.status_code, r.content, reason, request_id)
-            return Answer(r.json(), "cloud", reason, request_id=request_id)
+                return self._cloud_error(req, r.status_code, r.content, reason, request_id, started)
+            payload = r.json()
+            self._cloud_served(req, request_id, reason, started, "ok", payload.get("usage"))
+            return Answer(payload, "cloud", reason, request_id=request_id)
         except CloudUnavailableError as exc:
             if fallback is None:
                 raise ServiceUnavailableError(f"the cloud tier is unreachable ({exc.reason})") from None
@@ -322,15 +327,36 @@ class Tiering:
             answer = await serving.run(prepared)
             return self._edge(prepared, answer, request_id, fallback, "cloud-unreachable", reason)
 
-    @staticmethod
-    def _cloud_error(status: int, content: bytes, reason: str, request_id: str) -> Answer:
-        """The cloud refused the request (4xx): relay its OpenAI-shaped error as it is."""
-        import json
+    def _cloud_served(
+        self,
+        req: ChatCompletionRequest | CompletionRequest,
+        request_id: str,
+        reason: str,
+        started: float,
+        status: str,
+        usage: dict[str, Any] | None,
+    ) -> None:
+        """Stats only: the cloud meters an escalated request itself, under the same request id."""
+        usage = usage or {}
+        latency = round((time.monotonic() - started) * 1000, 2)
+        prompt, completion = int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
+        self._served(Served(request_id, req.model, "cloud", prompt, completion, status, latency, None, reason, False))
 
+    def _cloud_error(
+        self,
+        req: ChatCompletionRequest | CompletionRequest,
+        status: int,
+        content: bytes,
+        reason: str,
+        request_id: str,
+        started: float,
+    ) -> Answer:
+        """The cloud refused the request (4xx): relay its OpenAI-shaped error as it is."""
         try:
             payload = json.loads(content)
         except ValueError:
             payload = {"error": {"message": content[:200].decode(errors="replace"), "type": "cloud_error"}}
+        self._cloud_served(req, request_id, reason, started, "error", None)
         return Answer(payload, "cloud", reason, status_code=status, request_id=request_id)
 
 

@@ -1,0 +1,269 @@
+"""The edge agent and the cloud as real processes on localhost: enrollment through the CLI, escalation by
+pre-signals and by the calibrated confidence policy, the cloud going away (degraded local answers, an
+outbox that grows) and coming back (every usage record lands exactly once)."""
+
+from __future__ import annotations
+
+import json
+import stat
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from sqlalchemy import create_engine
+from sqlmodel import Session, select
+
+from shared.escalation import EdgePolicy, save_policy
+from shared.storage.models import Device, UsageRecord
+from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, seed_data_dir, tierline_cmd
+
+pytestmark = pytest.mark.integration
+INT8 = "tierline/lm-edge-onnx-int8"  # family policy: never escalates on confidence
+FP32 = "tierline/lm-edge-onnx"  # its own policy: always escalates on confidence (threshold above any logprob)
+
+
+class Fleet:
+    def __init__(self, data: Path, cloud_env: dict[str, str], agent_env: dict[str, str]) -> None:
+        self.data = data
+        self.cloud_env = cloud_env
+        self.agent_env = agent_env
+        self.cloud_port = free_port()
+        self.cloud_url = f"http://127.0.0.1:{self.cloud_port}"
+        self.edge_url = ""
+        self.db = cloud_env["TIERLINE_DATABASE_URL"]
+        self._cloud: ExitStack | None = None
+
+    def cli(self, *args: str, env: dict[str, str] | None = None) -> str:
+        proc = subprocess.run(
+            tierline_cmd(*args), env=env or self.cloud_env, cwd=REPO, capture_output=True, text=True, check=False
+        )
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.strip()
+
+    def start_cloud(self) -> None:
+        stack = ExitStack()
+        stack.enter_context(run_server(["cloud", "serve"], self.cloud_env, self.cloud_port, timeout=120))
+        self._cloud = stack
+
+    def stop_cloud(self) -> None:
+        assert self._cloud is not None
+        self._cloud.close()
+        self._cloud = None
+
+    def rows(self) -> list[UsageRecord]:
+        engine = create_engine(self.db)
+        with Session(engine) as s:
+            rows = list(s.exec(select(UsageRecord).where(UsageRecord.device_id.is_not(None))))  # type: ignore[union-attr]
+        engine.dispose()
+        return rows
+
+    def device(self) -> Device:
+        engine = create_engine(self.db)
+        with Session(engine) as s:
+            device = s.exec(select(Device)).one()
+        engine.dispose()
+        return device
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_data_dir: Path) -> Iterator[Fleet]:
+    data = seed_data_dir(tmp_path_factory.mktemp("fleet"), tiny_zoo, session_data_dir)
+    cloud_env = base_env(
+        data,
+        TIERLINE_DATABASE_URL=migrated_sqlite(data),
+        TIERLINE_CLOUD_ZOO_PRESET="tiny",
+        TIERLINE_CLOUD_KV_CACHE_MB="16",
+        TIERLINE_CLOUD_USAGE_FLUSH_MS="50",
+        TIERLINE_CLOUD_EDGE_SYNC_INTERVAL_S="0.5",
+    )
+    state = data / "agent-state"
+    agent_env = base_env(
+        data,
+        TIERLINE_EDGE_ZOO_DIR=str(data / "zoo" / "tiny"),
+        TIERLINE_EDGE_STATE_DIR=str(state),
+        TIERLINE_EDGE_BREAKER_RESET_S="0.5",
+        TIERLINE_EDGE_CLOUD_DEADLINE_S="20",
+    )
+    f = Fleet(data, cloud_env, agent_env)
+    f.cli("tenants", "create", "acme")
+    token = f.cli("devices", "enrollment-token", "--tenant", "acme", "--label", "site=lab")
+    f.start_cloud()
+    try:
+        out = f.cli("edge", "enroll", "--cloud", f.cloud_url, "--token", token, "--name", "bench-1", env=agent_env)
+        assert "enrolled as device dev-" in out
+        reused = subprocess.run(
+            tierline_cmd("edge", "enroll", "--cloud", f.cloud_url, "--token", token),
+            env=agent_env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+        )
+        assert reused.returncode == 1 and "already been used" in reused.stderr and "Traceback" not in reused.stderr
+        save_policy(state / "policies", EdgePolicy("tierline/lm-edge", threshold=-1e9, stream_window=4))
+        save_policy(state / "policies", EdgePolicy(FP32, threshold=1.0, stream_window=4))
+        with run_server(["edge", "run"], agent_env, free_port()) as edge_url:
+            f.edge_url = edge_url
+            yield f
+    finally:
+        if f._cloud is not None:
+            f.stop_cloud()
+
+
+@pytest.fixture
+def client(fleet: Fleet) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{fleet.edge_url}/v1", api_key="local", max_retries=0)
+
+
+def test_enrollment_stores_a_private_credential_and_a_device_record(fleet: Fleet) -> None:
+    creds = Path(fleet.agent_env["TIERLINE_EDGE_STATE_DIR"]) / "credentials.json"
+    assert stat.S_IMODE(creds.stat().st_mode) == 0o600
+    saved = json.loads(creds.read_text())
+    assert saved["device_token"].startswith("tld-") and saved["signing_public_keys"]
+    device = fleet.device()
+    assert device.id == saved["device_id"] and device.name == "bench-1" and device.labels == {"site": "lab"}
+    assert saved["device_token"] not in device.token_hash  # only the hash is stored
+    bad = httpx.post(f"{fleet.cloud_url}/v1/edge/sync", json={}, headers={"Authorization": "Bearer tld-nope"})
+    assert bad.status_code == 401
+
+
+def test_confident_local_answer_stays_on_the_edge(client: openai.OpenAI) -> None:
+    raw = client.completions.with_raw_response.create(model=INT8, prompt="def main():\n", max_tokens=8, temperature=0)
+    assert raw.headers["x-tierline-tier"] == "edge"
+    assert "x-tierline-escalation-reason" not in raw.headers
+    assert raw.parse().model == INT8
+
+
+def test_low_confidence_escalates_to_the_cloud_model(client: openai.OpenAI, fleet: Fleet) -> None:
+    raw = client.completions.with_raw_response.create(model=FP32, prompt="def main():\n", max_tokens=8, temperature=0)
+    assert raw.headers["x-tierline-tier"] == "cloud"
+    assert raw.headers["x-tierline-escalation-reason"] == "low-confidence"
+    body = raw.parse()
+    assert body.model == "tierline/lm-cloud" and body.usage is not None
+    # Billed to the device's tenant, tier cloud, reason recorded, under the agent's request id.
+    rid = raw.headers["x-request-id"]
+    deadline = time.monotonic() + 5
+    while not (rows := [r for r in fleet.rows() if r.id == rid]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(rows) == 1
+    assert rows[0].tier == "cloud" and rows[0].escalation_reason == "low-confidence"
+    assert rows[0].device_id == fleet.device().id and rows[0].completion_tokens == body.usage.completion_tokens
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"model": "tierline/lm-cloud"}, "model-not-local"),
+        ({"model": INT8, "extra_body": {"quality": "high"}}, "quality-high"),
+        ({"model": INT8, "n": 2}, "cloud-feature"),
+        ({"model": INT8, "max_tokens": 100_000}, "prompt-too-long"),
+    ],
+)
+def test_pre_signals_send_the_request_up_before_running_locally(
+    client: openai.OpenAI, kwargs: dict[str, Any], reason: str
+) -> None:
+    args: dict[str, Any] = {"prompt": "import os\n", "max_tokens": 6, "temperature": 0, **kwargs}
+    if reason == "prompt-too-long":
+        # Longer than the local context; the cloud refuses it too, with its own clear 400.
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.completions.create(**args)
+        assert exc.value.response.headers["x-tierline-tier"] == "cloud"
+        assert exc.value.response.headers["x-tierline-escalation-reason"] == reason
+        return
+    raw = client.completions.with_raw_response.create(**args)
+    assert raw.headers["x-tierline-tier"] == "cloud" and raw.headers["x-tierline-escalation-reason"] == reason
+    assert len(raw.parse().choices) == args.get("n", 1)
+
+
+def test_streams_decide_on_a_window_then_stream_from_one_tier(client: openai.OpenAI, fleet: Fleet) -> None:
+    for model, tier in ((INT8, "edge"), (FP32, "cloud")):
+        with client.chat.completions.with_streaming_response.create(
+            model=model, messages=[{"role": "user", "content": "def f("}], max_tokens=10, temperature=0, stream=True
+        ) as resp:
+            assert resp.headers["x-tierline-tier"] == tier
+            chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        whole = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "def f("}], max_tokens=10, temperature=0
+        )
+        assert text == whole.choices[0].message.content
+
+
+def test_header_overrides_the_mode(client: openai.OpenAI, fleet: Fleet) -> None:
+    cloud = httpx.post(
+        f"{fleet.edge_url}/v1/completions",
+        json={"model": INT8, "prompt": "x = ", "max_tokens": 4},
+        headers={"x-tierline-tier": "cloud-only"},
+    )
+    assert cloud.status_code == 200 and cloud.headers["x-tierline-tier"] == "cloud"
+    local = httpx.post(
+        f"{fleet.edge_url}/v1/completions",
+        json={"model": FP32, "prompt": "x = ", "max_tokens": 4, "tier": "edge"},
+    )
+    assert local.status_code == 200 and local.headers["x-tierline-tier"] == "edge"
+    bad = httpx.post(
+        f"{fleet.edge_url}/v1/completions",
+        json={"model": INT8, "prompt": "x = ", "max_tokens": 4},
+        headers={"x-tierline-tier": "sideways"},
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tier"
+
+
+def test_cloud_outage_degrades_locally_and_every_record_lands_once(client: openai.OpenAI, fleet: Fleet) -> None:
+    device_id = fleet.device().id
+
+    def served_ids() -> set[str]:
+        return {r.id for r in fleet.rows() if r.device_id == device_id}
+
+    # Everything served so far reaches the cloud (sync every ~0.5 s).
+    status = httpx.get(f"{fleet.edge_url}/v1/agent").json()
+    assert status["enrolled"] and status["device_id"] == device_id
+
+    fleet.stop_cloud()
+    during_outage: list[str] = []
+    for i in range(6):
+        model = FP32 if i % 2 else INT8  # FP32 wants the cloud; with the cloud gone it answers locally
+        started = time.monotonic()
+        raw = client.completions.with_raw_response.create(model=model, prompt=f"x{i} = ", max_tokens=4, temperature=0)
+        assert time.monotonic() - started < 15  # never a hang past the deadline
+        assert raw.headers["x-tierline-tier"] == "edge"
+        if model == FP32:
+            assert raw.headers["x-tierline-degraded"] == "cloud-unreachable"
+        during_outage.append(raw.headers["x-request-id"])
+    with pytest.raises(openai.APIStatusError) as cloud_only:
+        client.completions.create(model="tierline/lm-cloud", prompt="x", max_tokens=2)
+    assert cloud_only.value.status_code == 503
+    pending = httpx.get(f"{fleet.edge_url}/v1/agent").json()["outbox"]["pending"]["usage"]
+    assert pending >= len(during_outage)
+    assert not set(during_outage) & served_ids()
+
+    fleet.start_cloud()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if httpx.get(f"{fleet.edge_url}/v1/agent").json()["outbox"]["pending"]["usage"] == 0:
+            break
+        time.sleep(0.2)
+    have = served_ids()
+    assert set(during_outage) <= have
+    rows = [r for r in fleet.rows() if r.device_id == device_id]
+    assert len(rows) == len({r.id for r in rows})  # exactly once: no id twice (primary key) ...
+    metrics = httpx.get(f"{fleet.edge_url}/metrics").text
+    local = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("tierline_edge_requests_total") and 'outcome="local"' in line
+    )
+    escalated = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("tierline_edge_requests_total") and 'outcome="escalated"' in line
+    )
+    # ... and every request the agent answered is in the ledger: edge answers from the outbox, escalations
+    # metered by the cloud (the refused escalation and the 503 are not answers, and not billed).
+    assert sum(r.tier == "edge" for r in rows) == local > 0
+    assert sum(r.tier == "cloud" for r in rows) == escalated > 0
