@@ -1,0 +1,308 @@
+"""``tierline bench edge``: what the edge LM costs on this host.
+
+Decode speed of the zoo's edge LM in each device format (ONNX fp32, ONNX INT8, TFLite) beside eager torch
+(transformers, same weights), INT8's next-token agreement with fp32 on held-out code, model file sizes, and
+the resident memory of a real, idle edge agent serving the zoo.
+
+Speed is generated tokens over the wall time of one greedy run (prefill of a 64-token held-out prompt, then
+one decode step per token with a KV cache), best of ``repeats`` after a warm-up, the same thread count
+everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import click
+import httpx
+import numpy as np
+
+from edge_agent.runtime.lm import CausalLMRuntime, OnnxCausalLM, load_causal_lm
+from shared.errors import ConfigurationError, ValidationError
+from shared.zoo.registry import ZooLayout
+
+PROMPT_TOKENS = 64
+NUM_WINDOWS = 8
+WINDOW_TOKENS = 64
+# The issue's targets; reported beside the measurements, never enforced.
+TARGETS = {"fp32_vs_torch": 2.0, "int8_vs_fp32": 1.3, "agreement_int8_vs_fp32": 0.97}
+AGENT_START_TIMEOUT_S = 180.0
+AGENT_SETTLE_S = 1.0
+
+
+def _held_out_ids(layout: ZooLayout) -> tuple[list[int], np.ndarray]:
+    """The timing prompt (the first held-out file's opening) and teacher-forcing windows: int64 [N, T]
+    from the middle of the next held-out files long enough to hold one."""
+    from tokenizers import Tokenizer
+
+    from shared.zoo.corpus import held_out_files
+
+    tok = Tokenizer.from_file(str(layout.artifact_dir("lm-edge") / "tokenizer.json"))
+    files = held_out_files()
+    prompt = list(tok.encode(files[0].text).ids[:PROMPT_TOKENS])
+    windows: list[list[int]] = []
+    for f in files[1:]:
+        ids = tok.encode(f.text).ids
+        if len(ids) >= WINDOW_TOKENS:
+            start = (len(ids) - WINDOW_TOKENS) // 2
+            windows.append(ids[start : start + WINDOW_TOKENS])
+        if len(windows) == NUM_WINDOWS:
+            break
+    return prompt, np.asarray(windows, dtype=np.int64)
+
+
+def _best_rates(
+    runs: dict[str, Callable[[], list[int]]], num_tokens: int, repeats: int
+) -> tuple[dict[str, float], dict[str, list[int]]]:
+    """(tokens/s of each run's best of ``repeats``, the tokens each generated), after one warm-up each."""
+    tokens = {name: run() for name, run in runs.items()}
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(repeats):
+        # Round-robin, so a burst of load from elsewhere on the host slows every format alike.
+        for name, run in runs.items():
+            started = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - started)
+    return {name: num_tokens / seconds for name, seconds in best.items()}, tokens
+
+
+def _torch_greedy(model_dir: Path, prompt: list[int], num_tokens: int) -> Callable[[], list[int]]:
+    """Eager transformers with its KV cache, driven step by step like the runtimes (no ``generate`` overhead)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def greedy() -> list[int]:
+        with torch.inference_mode():
+            # logits_to_keep=1: the prefill projects only the last position, as ``generate`` does.
+            out = model(torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
+            tokens = [int(out.logits[0, -1].argmax())]
+            while len(tokens) < num_tokens:
+                out = model(torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True, logits_to_keep=1)
+                tokens.append(int(out.logits[0, -1].argmax()))
+        return tokens
+
+    return greedy
+
+
+@contextmanager
+def _torch_threads(threads: int) -> Iterator[None]:
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _next_token_choices(runtime: CausalLMRuntime, windows: np.ndarray) -> np.ndarray:
+    """Teacher-forced greedy choice at every position of every window: int64 [N, T]."""
+    assert isinstance(runtime, OnnxCausalLM)
+    meta = runtime.meta
+    empty = np.zeros((meta["num_layers"], len(windows), meta["num_kv_heads"], 0, meta["head_dim"]), np.float32)
+    # logits: [N, T, V]
+    logits = runtime.session.run(["logits"], {"input_ids": windows, "past_keys": empty, "past_values": empty})[0]
+    choices: np.ndarray = logits.argmax(-1)
+    return choices
+
+
+def _model_bytes(artifact_dir: Path) -> int:
+    """The model file with any external-data files beside it (``model.onnx``, ``model.onnx.data``...)."""
+    return sum(p.stat().st_size for p in artifact_dir.glob("model.*") if p.is_file())
+
+
+def _tokens_before_divergence(tokens: list[int], reference: list[int]) -> int:
+    for i, (a, b) in enumerate(zip(tokens, reference, strict=False)):
+        if a != b:
+            return i
+    return min(len(tokens), len(reference))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _vm_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024  # kB
+    raise ConfigurationError(f"no VmRSS in /proc/{pid}/status")
+
+
+@contextmanager
+def _running_agent(zoo_root: Path, data_dir: Path, threads: int) -> Iterator[tuple[int, str]]:
+    """``tierline edge run`` on a free port, serving ``zoo_root`` with the data dir's signing key; yields
+    (pid, base URL) once /healthz answers, then SIGTERMs it."""
+    from shared.artifacts import public_path
+    from shared.settings import CoreSettings
+
+    key = public_path(CoreSettings(data_dir=data_dir).signing_key_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERLINE_")}
+    env.update(
+        {
+            "TIERLINE_DATA_DIR": str(data_dir),
+            "TIERLINE_LOG_LEVEL": "WARNING",
+            "TIERLINE_EDGE_ZOO_DIR": str(zoo_root),
+            "TIERLINE_EDGE_TRUSTED_KEYS": json.dumps([str(key)]),
+            "TIERLINE_EDGE_NUM_THREADS": str(threads),
+        }
+    )
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "shared.cli", "edge", "run", "--host", "127.0.0.1", "--port", str(port)]
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + AGENT_START_TIMEOUT_S
+            while not _is_healthy(url):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    tail = log.read().decode(errors="replace").strip().splitlines()[-1:]
+                    raise ConfigurationError(f"the edge agent did not start on {url}: {' '.join(tail) or 'no output'}")
+                time.sleep(0.1)
+            yield proc.pid, url
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+def _is_healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def agent_idle_rss_mb(zoo_root: Path, data_dir: Path, threads: int = 1) -> tuple[float, int]:
+    """(resident MB of a started, idle edge agent serving ``zoo_root``, how many models it serves)."""
+    with _running_agent(zoo_root, data_dir, threads) as (pid, url):
+        models = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
+        if not models:
+            raise ConfigurationError(
+                f"the edge agent refused every artifact in {zoo_root}: is it signed by {data_dir}'s key?"
+            )
+        time.sleep(AGENT_SETTLE_S)
+        return _vm_rss_mb(pid), len(models)
+
+
+def _host(threads: int) -> dict[str, Any]:
+    cpu, flags = platform.processor(), set[str]()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                cpu = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    import onnxruntime
+
+    return {
+        "machine": platform.machine(),
+        "cpu": cpu,
+        "logical_cpus": os.cpu_count(),
+        "int8_dot_product": bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8", "asimddp"}),
+        "threads": threads,
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "python": platform.python_version(),
+        "onnxruntime": onnxruntime.__version__,
+    }
+
+
+def run_edge_bench(
+    zoo_root: Path, data_dir: Path, num_tokens: int = 64, repeats: int = 5, threads: int = 1
+) -> dict[str, Any]:
+    """Every figure of ``tierline bench edge`` on the built zoo preset at ``zoo_root`` (signed by the key in
+    ``data_dir``)."""
+    layout = ZooLayout(zoo_root)
+    fp32 = load_causal_lm(layout.artifact_dir("lm-edge-onnx"), threads)
+    if PROMPT_TOKENS + num_tokens > fp32.max_context:
+        raise ValidationError(
+            f"--tokens {num_tokens}: the {PROMPT_TOKENS}-token prompt plus new tokens must fit the edge LM's "
+            f"context of {fp32.max_context}"
+        )
+    int8 = load_causal_lm(layout.artifact_dir("lm-edge-onnx-int8"), threads)
+    prompt, windows = _held_out_ids(layout)
+
+    runtimes = {"fp32": fp32, "int8": int8}
+    tflite_dir = layout.artifact_dir("lm-edge-tflite")
+    if tflite_dir.is_dir():
+        runtimes["tflite"] = load_causal_lm(tflite_dir, threads)
+    runs: dict[str, Callable[[], list[int]]] = {
+        name: partial(rt.greedy, prompt, num_tokens) for name, rt in runtimes.items()
+    }
+    runs["torch"] = _torch_greedy(layout.artifact_dir("lm-edge"), prompt, num_tokens)
+    with _torch_threads(threads):
+        rates, tokens = _best_rates(runs, num_tokens, repeats)
+    agreement = float((_next_token_choices(int8, windows) == _next_token_choices(fp32, windows)).mean())
+    rss_mb, num_models = agent_idle_rss_mb(zoo_root, data_dir, threads)
+
+    result: dict[str, Any] = {
+        "bench": "edge",
+        "preset": layout.report().get("preset"),
+        "prompt_tokens": len(prompt),
+        "new_tokens": num_tokens,
+        "threads": threads,
+        "int8_tokens_per_s": round(rates["int8"], 1),
+        "fp32_tokens_per_s": round(rates["fp32"], 1),
+        "torch_tokens_per_s": round(rates["torch"], 1),
+        "tflite_tokens_per_s": round(rates["tflite"], 1) if "tflite" in rates else None,
+        "fp32_vs_torch": round(rates["fp32"] / rates["torch"], 2),
+        "int8_vs_fp32": round(rates["int8"] / rates["fp32"], 2),
+        "int8_size_bytes": _model_bytes(layout.artifact_dir("lm-edge-onnx-int8")),
+        "fp32_size_bytes": _model_bytes(layout.artifact_dir("lm-edge-onnx")),
+        "agreement_int8_vs_fp32": round(agreement, 4),
+        "agreement_positions": int(windows.size),
+        "fp32_tokens_before_divergence_from_torch": _tokens_before_divergence(tokens["fp32"], tokens["torch"]),
+        "agent_idle_rss_mb": round(rss_mb, 1),
+        "agent_models": num_models,
+    }
+    result["targets"] = TARGETS
+    result["targets_met"] = {key: result[key] >= target for key, target in TARGETS.items()}
+    result["host"] = _host(threads)
+    return result
+
+
+@click.command("edge")
+@click.option("--preset", type=click.Choice(["tiny", "demo"]), default="demo", show_default=True)
+@click.option("--zoo-dir", type=click.Path(path_type=Path), default=None, help="default $TIERLINE_DATA_DIR/zoo")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@click.option("--tokens", type=click.IntRange(min=1), default=64, show_default=True, help="tokens to decode per run")
+@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="timed runs (best kept)")
+@click.option("--threads", type=click.IntRange(1, 64), default=1, show_default=True, help="threads per runtime")
+def edge_command(preset: str, zoo_dir: Path | None, as_json: bool, tokens: int, repeats: int, threads: int) -> None:
+    """Edge LM on this host: INT8/fp32/TFLite decode speed beside eager torch, INT8 agreement, sizes, agent RSS."""
+    from bench.cli import _emit, _zoo_root
+    from shared.settings import CoreSettings
+
+    root = _zoo_root(preset, zoo_dir)
+    _emit(run_edge_bench(root, CoreSettings().data_dir, tokens, repeats, threads), as_json)
+
+
+if __name__ == "__main__":
+    edge_command()
