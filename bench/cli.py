@@ -130,3 +130,12 @@ def bench_tensor(preset: str, zoo_dir: Path | None, as_json: bool, num_requests:
 
 bench.add_command(planned("cascade", "Edge/cloud cascade quality vs edge share.", issue=6))
 bench.add_command(planned("billing", "Usage ingestion and rating throughput.", issue=8))
+
+
+def _register() -> None:
+    from bench.edge_bench import edge_command
+
+    bench.add_command(edge_command)
+
+
+_register()

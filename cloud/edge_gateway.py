@@ -39,7 +39,7 @@ from shared.edge_protocol import (
     SyncResponse,
 )
 from shared.errors import AuthenticationError, ValidationError
-from shared.openai_schema import ChatCompletionRequest, CompletionRequest
+from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
 from shared.settings import CoreSettings
 from shared.storage.models import Device, Tenant
 
@@ -147,7 +147,14 @@ async def escalate(state: State, device: DeviceCaller, data: EscalateRequest) ->
         escalation_reason=data.reason,
     )
     try:
-        if data.endpoint == "chat.completions":
+        if data.endpoint == "inference":
+            inference = InferenceRequest.model_validate(data.body)
+            tensor = state.tensors.get(inference.model_id)
+            if tensor is not None:
+                result = {"model_id": inference.model_id, **(await state.tensors.infer(tensor, inference.inputs))}
+            else:
+                result = await state.service.inference(caller, inference)
+        elif data.endpoint == "chat.completions":
             result = await state.service.chat(caller, ChatCompletionRequest.model_validate(data.body))
         else:
             result = await state.service.completions(caller, CompletionRequest.model_validate(data.body))

@@ -21,12 +21,13 @@ from edge_agent.agent import Agent, AgentStats
 from edge_agent.cloud_link import CircuitBreaker, CloudLink, Credentials
 from edge_agent.outbox import Outbox
 from edge_agent.settings import EdgeSettings, policy_dir, state_dir
+from edge_agent.tensors import LocalClassifier
 from edge_agent.tiering import Answer, Tiering, family
 from shared.artifacts import load_public_key, public_path, verify_files, verify_signature
 from shared.errors import ArtifactVerificationError, AuthenticationError, ConfigurationError
 from shared.escalation import EdgePolicy, load_policy
 from shared.http import EXCEPTION_HANDLERS, healthz
-from shared.openai_schema import ChatCompletionRequest, CompletionRequest
+from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
 from shared.settings import CoreSettings
 from shared.zoo.registry import ZooLayout
 
@@ -43,6 +44,7 @@ class LocalModel:
     sha256: str
     path: Path
     version: str
+    kind: str
 
 
 def verified_local_models(zoo_root: Path, trusted_key_files: list[Path]) -> list[LocalModel]:
@@ -65,7 +67,8 @@ def verified_local_models(zoo_root: Path, trusted_key_files: list[Path]) -> list
             logger.error("refusing artifact %s: %s", name, exc.message)
             continue
         path = layout.artifact_dir(name)
-        models.append(LocalModel(f"tierline/{name}", manifest.format, manifest.sha256, path, manifest.version))
+        model_id = f"tierline/{name}"
+        models.append(LocalModel(model_id, manifest.format, manifest.sha256, path, manifest.version, manifest.kind))
     return models
 
 
@@ -138,6 +141,14 @@ async def completions(
     return _respond(await state.tiering.handle("completions", data, request.headers.get("x-tierline-tier")))
 
 
+@post("/v1/inference", dependencies=LOCAL_AUTH, status_code=200)
+async def inference(
+    request: Request[Any, Any, Any], state: State, _auth: None, data: InferenceRequest
+) -> Response[Any]:
+    """Rows of numbers for a tensor model; low-confidence rows are escalated (``tiers`` says per row)."""
+    return _respond(await state.tiering.infer(data, request.headers.get("x-tierline-tier")))
+
+
 @get("/metrics", sync_to_thread=True, include_in_schema=False)
 def metrics(state: State) -> Response[str]:
     """Prometheus exposition: requests per model version and outcome, degraded answers, outbox depth."""
@@ -172,7 +183,12 @@ def create_app(settings: EdgeSettings) -> Litestar:
     models = verified_local_models(zoo_root, key_files)
     logger.info("edge agent serving %d verified model(s) from %s", len(models), zoo_root)
     api_key = settings.api_key.get_secret_value() if settings.api_key else None
-    paths = {m.id: m.path for m in models if m.format in serving.LM_FORMATS}
+    paths = {m.id: m.path for m in models if m.kind == "causal-lm" and m.format in serving.LM_FORMATS}
+    classifiers = {
+        m.id: LocalClassifier.load(m.id, m.path, settings.num_threads)
+        for m in models
+        if m.kind == "tensor" and m.format == "onnx"
+    }
     guards: dict[str, int8_guard.Int8Choice] = {}
     int8, fp32 = paths.get(EDGE_LM_INT8), paths.get(EDGE_LM_FP32)
     if int8 is not None and fp32 is not None:
@@ -190,7 +206,7 @@ def create_app(settings: EdgeSettings) -> Litestar:
     versions = {m.id: m.version for m in models}
     if EDGE_LM in guards:
         versions[EDGE_LM] = versions[EDGE_LM_INT8 if guards[EDGE_LM].chosen == "onnx-int8" else EDGE_LM_FP32]
-    policies = _policies(policy_dir(settings), [*paths, *guards])
+    policies = _policies(policy_dir(settings), [*paths, *guards, *classifiers])
     home = state_dir(settings)
 
     @asynccontextmanager
@@ -204,7 +220,7 @@ def create_app(settings: EdgeSettings) -> Litestar:
         agent = Agent(outbox, AgentStats(versions), link, creds.sync_interval_s if creds else 30.0)
         app.state.agent = agent
         app.state.link = link
-        app.state.tiering = Tiering(local, link, policies, agent.record)
+        app.state.tiering = Tiering(local, link, policies, agent.record, classifiers)
         syncing = asyncio.create_task(agent.run(), name="edge-sync") if link is not None else None
         try:
             yield
@@ -220,7 +236,16 @@ def create_app(settings: EdgeSettings) -> Litestar:
             outbox.close()
 
     return Litestar(
-        route_handlers=[healthz, readyz, metrics, agent_status, list_models, chat_completions, completions],
+        route_handlers=[
+            healthz,
+            readyz,
+            metrics,
+            agent_status,
+            list_models,
+            chat_completions,
+            completions,
+            inference,
+        ],
         exception_handlers=EXCEPTION_HANDLERS,
         state=State({"models": models, "api_key": api_key, "local": local, "guards": guards}),
         lifespan=[lifespan],

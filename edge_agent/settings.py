@@ -27,7 +27,7 @@ class EdgeSettings(BaseSettings):
         30.0, gt=0, description="longest wait for the cloud on an escalation before answering locally"
     )
     breaker_reset_s: float = Field(10.0, gt=0, description="how long an open breaker waits before probing the cloud")
-    outbox_max_bytes: int = Field(64 << 20, ge=1 << 16, description="outbox bound; only telemetry is ever dropped")
+    outbox_max_bytes: int = Field(64 << 20, ge=1 << 16, description="outbox bound; telemetry then events may be dropped, usage never")
     shutdown_sync_s: float = Field(5.0, ge=0, description="time given to a last sync when the agent stops")
     state_dir: Path | None = Field(
         None, description="the agent's own state: credentials, outbox, policies (default $TIERLINE_DATA_DIR/edge)"

@@ -31,12 +31,15 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from edge_agent import serving
 from edge_agent.cloud_link import CloudLink, CloudUnavailableError
 from edge_agent.generation import LocalStep
+from edge_agent.tensors import LocalClassifier, classifier_confidence
 from shared.errors import ApplicationError, NotFoundError, ServiceUnavailableError, ValidationError
-from shared.escalation import MODES, EdgePolicy
-from shared.openai_schema import ChatCompletionRequest, CompletionRequest
+from shared.escalation import CLASSIFIER_SIGNALS, MODES, EdgePolicy
+from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +47,7 @@ TIER_ALIASES = {"edge": "local-only", "cloud": "cloud-only"}
 LOCAL_SUFFIXES = ("-onnx-int8", "-onnx", "-tflite")
 DEFAULT_CLOUD_MODELS = {"tierline/lm-edge": "tierline/lm-cloud", "tierline/digits-small": "tierline/digits-large"}
 STRIP_FIELDS = ("tier", "quality")
+DEFAULT_MARGIN = 0.5  # uncalibrated classifiers: a top-1 minus top-2 probability below this escalates
 
 
 @dataclass(slots=True)
@@ -94,6 +98,7 @@ class Tiering:
     link: CloudLink | None
     policies: dict[str, EdgePolicy]
     on_served: Callable[[Served], None]
+    classifiers: dict[str, LocalClassifier] = field(default_factory=dict)
     cloud_models: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_CLOUD_MODELS))
 
     def policy(self, model: str) -> EdgePolicy:
@@ -149,6 +154,89 @@ class Tiering:
         if mode == "local-only":
             return self._edge_stream(prepared, serving.steps(prepared), request_id, started, None)
         return await self._windowed(endpoint, req, prepared, policy, request_id, started)
+
+    async def infer(self, req: InferenceRequest, header: str | None) -> Answer:
+        """``/v1/inference`` on a local classifier; low-confidence rows go up to the cloud's model together."""
+        started = time.monotonic()
+        request_id = uuid.uuid4().hex
+        wanted = header or (req.parameters.get("tier") if isinstance(req.parameters.get("tier"), str) else None)
+        mode = TIER_ALIASES.get(wanted, wanted) if wanted else self.policy(req.model_id).mode
+        if mode not in MODES:
+            raise ValidationError(f"x-tierline-tier: {wanted!r} is not one of {', '.join(MODES)}", param="tier")
+        if self.link is None:
+            if mode == "cloud-only":
+                raise ServiceUnavailableError("this device is not enrolled with a cloud (tierline edge enroll)")
+            mode = "local-only"
+        model = self.classifiers.get(req.model_id)
+        if model is None:
+            if mode == "local-only":
+                raise NotFoundError(f"The model '{req.model_id}' does not exist on this device", param="model_id")
+            return await self._infer_cloud(req, req.inputs, request_id, "model-not-local")
+        rows = model.rows(req.inputs)
+        if mode in ("cloud-only", "cloud-first"):
+            try:
+                return await self._infer_cloud(req, rows.tolist(), request_id, mode)
+            except ServiceUnavailableError:
+                if mode == "cloud-only":
+                    raise
+            logits, _ = await model.infer(rows)
+            return self._infer_edge(req, model.result(logits), len(rows), request_id, started, "cloud-unreachable")
+        logits, signals = await model.infer(rows)
+        result = model.result(logits)
+        policy = self.policy(req.model_id)
+        if policy.signal == "router" and policy.router is not None:
+            confidence = policy.router.confidences(signals)
+        else:
+            confidence = classifier_confidence(policy.signal, signals)
+        threshold = policy.threshold if policy.signal in (*CLASSIFIER_SIGNALS, "router") else DEFAULT_MARGIN
+        low = np.flatnonzero(confidence < threshold) if mode == "local-first" else np.array([], dtype=np.int64)
+        result["tiers"] = ["edge"] * len(rows)
+        if low.size == 0:
+            return self._infer_edge(req, result, len(rows), request_id, started, None)
+        try:
+            cloud = await self._infer_cloud(req, rows[low].tolist(), request_id, "low-confidence")
+        except ServiceUnavailableError:
+            return self._infer_edge(req, result, len(rows), request_id, started, "cloud-unreachable")
+        if cloud.status_code != 200 or not isinstance(cloud.body, dict):
+            return cloud
+        for j, i in enumerate(low.tolist()):
+            result["outputs"][i] = cloud.body["outputs"][j]
+            if "labels" in result and "labels" in cloud.body:
+                result["labels"][i] = cloud.body["labels"][j]
+            result["tiers"][i] = "cloud"
+        tier = "cloud" if low.size == len(rows) else "mixed"
+        local_rows = len(rows) - int(low.size)
+        self._served(
+            Served(request_id, req.model_id, "edge", local_rows, 0, "ok", _ms(started), None, "low-confidence", False)
+        )
+        return Answer({"model_id": req.model_id, **result}, tier, "low-confidence", request_id=request_id)
+
+    def _infer_edge(
+        self,
+        req: InferenceRequest,
+        result: dict[str, Any],
+        n_rows: int,
+        request_id: str,
+        started: float,
+        degraded: str | None,
+    ) -> Answer:
+        result.setdefault("tiers", ["edge"] * n_rows)
+        self._served(
+            Served(request_id, req.model_id, "edge", n_rows, 0, "ok", _ms(started), None, None, degraded is not None)
+        )
+        return Answer({"model_id": req.model_id, **result}, "edge", None, degraded, request_id=request_id)
+
+    async def _infer_cloud(self, req: InferenceRequest, inputs: list[Any], request_id: str, reason: str) -> Answer:
+        assert self.link is not None
+        body = {"model_id": self.cloud_model(req.model_id), "inputs": inputs}
+        try:
+            r = await self.link.escalate("inference", body, reason, request_id)
+        except CloudUnavailableError as exc:
+            raise ServiceUnavailableError(f"the cloud tier is unreachable ({exc.reason})") from None
+        payload = r.json()
+        if r.status_code == 200:
+            payload["tiers"] = ["cloud"] * len(inputs)
+        return Answer(payload, "cloud", reason, status_code=r.status_code, request_id=request_id)
 
     # -- pre-signals ------------------------------------------------------------------------------------------
     @staticmethod
@@ -358,6 +446,10 @@ class Tiering:
             payload = {"error": {"message": content[:200].decode(errors="replace"), "type": "cloud_error"}}
         self._cloud_served(req, request_id, reason, started, "error", None)
         return Answer(payload, "cloud", reason, status_code=status, request_id=request_id)
+
+
+def _ms(started: float) -> float:
+    return round((time.monotonic() - started) * 1000, 2)
 
 
 async def _chain(first: list[LocalStep], rest: AsyncIterator[LocalStep]) -> AsyncIterator[LocalStep]:

@@ -79,7 +79,7 @@ class SyncResponse(_Strict):
 
 
 class EscalateRequest(_Strict):
-    endpoint: Literal["chat.completions", "completions"]
+    endpoint: Literal["chat.completions", "completions", "inference"]
     reason: str = Field(max_length=32, description="why the device escalated (policy signal or pre-signal)")
     request_id: str | None = Field(None, max_length=64, description="the device's record id, reused for metering")
     body: dict[str, Any] = Field(description="the OpenAI request body, as the client sent it")

@@ -267,3 +267,36 @@ def test_cloud_outage_degrades_locally_and_every_record_lands_once(client: opena
     # metered by the cloud (the refused escalation and the 503 are not answers, and not billed).
     assert sum(r.tier == "edge" for r in rows) == local > 0
     assert sum(r.tier == "cloud" for r in rows) == escalated > 0
+
+
+def test_classifier_rows_escalate_one_by_one(fleet: Fleet) -> None:
+    from shared.zoo.digits import load_split
+
+    rows = load_split().x_held_out[:60].tolist()
+    url = f"{fleet.edge_url}/v1/inference"
+    mixed = httpx.post(url, json={"model_id": "tierline/digits-small", "inputs": rows}, timeout=30)
+    assert mixed.status_code == 200, mixed.text
+    body = mixed.json()
+    tiers = body["tiers"]
+    assert len(tiers) == len(body["labels"]) == 60 and set(tiers) <= {"edge", "cloud"}
+    request = {"model_id": "tierline/digits-small", "inputs": rows}
+    local = httpx.post(url, json=request, headers={"x-tierline-tier": "edge"})
+    cloud = httpx.post(url, json=request, headers={"x-tierline-tier": "cloud"})
+    assert local.headers["x-tierline-tier"] == "edge" and cloud.headers["x-tierline-tier"] == "cloud"
+    for i, tier in enumerate(tiers):
+        source = cloud.json() if tier == "cloud" else local.json()
+        assert body["labels"][i] == source["labels"][i]
+    # Only uncertain rows went up (the default policy: top-1 minus top-2 probability below 0.5).
+    probs = [sorted(_softmax(o))[-2:] for o in local.json()["outputs"]]
+    assert [("cloud" if p[1] - p[0] < 0.5 else "edge") for p in probs] == tiers
+    assert mixed.headers["x-tierline-tier"] == ("mixed" if "cloud" in tiers and "edge" in tiers else tiers[0])
+    bad = httpx.post(url, json={"model_id": "tierline/digits-small", "inputs": [[1.0, 2.0]]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "inputs"
+
+
+def _softmax(logits: list[float]) -> list[float]:
+    import math
+
+    top = max(logits)
+    e = [math.exp(x - top) for x in logits]
+    return [x / sum(e) for x in e]

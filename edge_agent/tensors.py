@@ -1,0 +1,85 @@
+"""Tensor models on the device (the zoo's digits classifier, ONNX Runtime on CPU) behind ``/v1/inference``.
+
+Escalation is per row: rows whose confidence (the policy's classifier signal, ``softmax_margin`` unless
+calibrated otherwise) is below the threshold go to the cloud's larger model in one escalated call; the
+others are answered here. The answer says per row where it came from (``tiers``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shared.errors import ValidationError
+from shared.escalation import CLASSIFIER_SIGNALS, classifier_signals
+
+MAX_ROWS = 4096
+DEFAULT_CLASSIFIER_SIGNAL = "softmax_margin"
+
+
+@dataclass(slots=True)
+class LocalClassifier:
+    model_id: str
+    session: Any  # onnxruntime.InferenceSession
+    input_name: str
+    num_features: int
+    labels: list[Any] | None
+    lock: threading.Lock
+
+    @classmethod
+    def load(cls, model_id: str, model_dir: Path, num_threads: int) -> LocalClassifier:
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = num_threads
+        opts.inter_op_num_threads = 1
+        session = ort.InferenceSession(str(model_dir / "model.onnx"), opts, providers=["CPUExecutionProvider"])
+        meta_path = model_dir / "classifier.json"
+        meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+        first = session.get_inputs()[0]
+        features = int(meta.get("num_features") or first.shape[-1])
+        return cls(model_id, session, first.name, features, meta.get("labels"), threading.Lock())
+
+    def rows(self, inputs: list[Any]) -> np.ndarray:
+        if len(inputs) > MAX_ROWS:
+            raise ValidationError(f"inputs: at most {MAX_ROWS} rows per request", param="inputs")
+        try:
+            rows = np.asarray(inputs, dtype=np.float32)
+        except (ValueError, TypeError):
+            raise ValidationError("inputs: rows must be equal-length lists of numbers", param="inputs") from None
+        if rows.ndim == 1:
+            rows = rows[None, :]
+        if rows.ndim != 2 or rows.shape[1] != self.num_features:
+            raise ValidationError(
+                f"inputs: {self.model_id} takes rows of {self.num_features} numbers, got shape {list(rows.shape)}",
+                param="inputs",
+            )
+        if not np.isfinite(rows).all():
+            raise ValidationError("inputs: NaN or infinite values", param="inputs")
+        return rows
+
+    def run(self, rows: np.ndarray) -> np.ndarray:
+        with self.lock:
+            return np.asarray(self.session.run(None, {self.input_name: rows})[0])
+
+    async def infer(self, rows: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        logits = await asyncio.to_thread(self.run, rows)
+        return logits, classifier_signals(logits)
+
+    def result(self, logits: np.ndarray) -> dict[str, Any]:
+        out: dict[str, Any] = {"outputs": logits.tolist()}
+        if self.labels is not None:
+            out["labels"] = [self.labels[i] for i in np.argmax(logits, axis=-1).tolist()]
+        return out
+
+
+def classifier_confidence(signal: str, signals: dict[str, np.ndarray]) -> np.ndarray:
+    if signal not in CLASSIFIER_SIGNALS:
+        signal = DEFAULT_CLASSIFIER_SIGNAL
+    return signals[signal]
