@@ -27,6 +27,9 @@ SURFACE = [
     ["tenants", "list"],
     ["keys", "create"],
     ["keys", "revoke"],
+    ["devices", "enrollment-token"],
+    ["devices", "list"],
+    ["devices", "revoke"],
     ["models", "list"],
     ["rollouts", "create"],
     ["bench", "zoo"],
@@ -35,6 +38,7 @@ SURFACE = [
     ["bench", "prefix"],
     ["bench", "tensor"],
     ["bench", "api"],
+    ["bench", "edge"],
 ]
 
 
