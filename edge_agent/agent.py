@@ -207,10 +207,18 @@ class Agent:
             if sum(self.outbox.stats()["pending"].values()) == 0:
                 return True
 
+    def sample(self) -> None:
+        """A telemetry sample per sync tick, so the cloud sees the device's history across an outage."""
+        box = self.outbox.stats()
+        metrics = self.stats.snapshot()
+        sample = {"metrics": metrics, "outbox": box["pending"], "dropped": box["dropped_telemetry"]}
+        self.outbox.put("telemetry", sample)
+
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s * random.uniform(0.8, 1.2))
             try:
+                await asyncio.to_thread(self.sample)
                 await self.drain()
             except Exception:
                 logger.exception("sync failed; records stay in the outbox and are retried")

@@ -20,7 +20,7 @@ from sqlalchemy import create_engine
 from sqlmodel import Session, select
 
 from shared.escalation import EdgePolicy, save_policy
-from shared.storage.models import Device, UsageRecord
+from shared.storage.models import Device, DeviceEvent, UsageRecord
 from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, seed_data_dir, tierline_cmd
 
 pytestmark = pytest.mark.integration
@@ -267,6 +267,13 @@ def test_cloud_outage_degrades_locally_and_every_record_lands_once(client: opena
     # metered by the cloud (the refused escalation and the 503 are not answers, and not billed).
     assert sum(r.tier == "edge" for r in rows) == local > 0
     assert sum(r.tier == "cloud" for r in rows) == escalated > 0
+    # Telemetry sampled during the outage arrived too, with the device's per-version metrics.
+    engine = create_engine(fleet.db)
+    with Session(engine) as s:
+        samples = list(s.exec(select(DeviceEvent).where(DeviceEvent.kind == "telemetry")))
+    engine.dispose()
+    assert samples and all(e.device_id == device_id for e in samples)
+    assert any(f"{INT8}@" in key for key in samples[-1].payload["metrics"])
 
 
 def test_classifier_rows_escalate_one_by_one(fleet: Fleet) -> None:
