@@ -141,6 +141,8 @@ class ReleaseStore:
         return manifest
 
     def _copy_in(self, artifact_dir: Path, manifest: Manifest, target: Path) -> None:
+        for stale in target.parent.glob(".tmp-*"):  # crashed publishes (we hold the lock: none is running)
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = target.with_name(f".tmp-{target.name}-{uuid.uuid4().hex[:8]}")
         try:
             for entry in manifest.files:
@@ -272,12 +274,11 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
             raise RangeNotSatisfiableError
         return max(0, size - suffix), size - 1
     start = int(first)
-    end = int(last) if last else size - 1
-    if end < start:
+    if last and int(last) < start:
         return None
     if start >= size:
         raise RangeNotSatisfiableError
-    return start, min(end, size - 1)
+    return start, min(int(last), size - 1) if last else size - 1
 
 
 def _read(path: Path, start: int, length: int) -> Iterator[bytes]:
