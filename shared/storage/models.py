@@ -225,3 +225,77 @@ class IdempotentResponse(SQLModel, table=True):
     status: str = Field(default="in_progress", max_length=16, description="in_progress | done")
     response: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
     created_at: datetime = _ts()
+
+
+class Job(SQLModel, table=True):
+    """An inference request accepted for later (``"async": true``), run by the cloud's job workers.
+
+    ``available_at`` is when a worker may take the job: for a queued job, now or after a retry delay; for a
+    running one, when its worker's lease lapses (a crashed worker's jobs are taken again then).
+    """
+
+    __tablename__ = "job"
+    __table_args__ = (
+        Index("ix_job_tenant_created", "tenant_id", "created_at"),
+        Index("ix_job_status_available", "status", "available_at"),
+    )
+
+    id: str = Field(primary_key=True, max_length=64, description="also the request id of its usage record")
+    tenant_id: int = Field(foreign_key="tenant.id")
+    api_key_id: int | None = Field(default=None, foreign_key="api_key.id")
+    endpoint: str = Field(max_length=32, description="/v1/chat/completions | /v1/completions | /v1/inference")
+    model: str = Field(max_length=256)
+    request: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    status: str = Field(default="queued", max_length=16, description="queued | running | succeeded | failed")
+    result: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
+    error: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
+    webhook_url: str | None = Field(default=None, max_length=2048)
+    attempts: int = Field(default=0, description="how many times a worker started it")
+    created_at: datetime = _ts()
+    available_at: datetime = _ts()
+    started_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    finished_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+
+
+class WebhookSecret(SQLModel, table=True):
+    """The key a tenant's webhooks are signed with (HMAC-SHA256). Kept readable, since signing needs it."""
+
+    __tablename__ = "webhook_secret"
+
+    tenant_id: int = Field(foreign_key="tenant.id", primary_key=True)
+    secret: str = Field(max_length=128)
+    created_at: datetime = _ts()
+
+
+class WebhookDelivery(SQLModel, table=True):
+    """One job's result on its way to the job's webhook URL; its id is sent with every attempt.
+
+    ``available_at`` is when the next attempt is due (and, while one is in flight, when its claim lapses).
+    """
+
+    __tablename__ = "webhook_delivery"
+    __table_args__ = (Index("ix_webhook_delivery_status_available", "status", "available_at"),)
+
+    id: str = Field(primary_key=True, max_length=64)
+    job_id: str = Field(foreign_key="job.id", unique=True)
+    tenant_id: int = Field(foreign_key="tenant.id", index=True)
+    url: str = Field(max_length=2048)
+    status: str = Field(default="pending", max_length=16, description="pending | delivered | failed")
+    attempts: int = 0
+    created_at: datetime = _ts()
+    available_at: datetime = _ts()
+    finished_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+
+
+class WebhookAttempt(SQLModel, table=True):
+    """One POST of a webhook delivery: the receiver's status code, or why no answer came."""
+
+    __tablename__ = "webhook_attempt"
+
+    id: int | None = Field(default=None, primary_key=True)
+    delivery_id: str = Field(foreign_key="webhook_delivery.id", index=True)
+    attempt: int
+    status_code: int | None = None
+    error: str | None = Field(default=None, max_length=500)
+    duration_ms: float | None = None
+    at: datetime = _ts()
