@@ -26,3 +26,13 @@ def serve(host: str | None, port: int | None) -> None:
         port if port is not None else svc.cloud_port,
         log_level=CoreSettings().log_level,
     )
+
+
+
+def _register() -> None:
+    from cloud.edge_releases import publish_command
+
+    cloud.add_command(publish_command)
+
+
+_register()

@@ -26,7 +26,6 @@ from pydantic import ValidationError as PydanticValidationError
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
 
-from cloud.completions import Caller
 from cloud.responses import respond
 from shared.artifacts import load_public_key, public_path, public_pem
 from shared.devices import authenticate_device, enroll, ingest
@@ -136,6 +135,8 @@ async def sync(state: State, device: DeviceCaller, data: SyncRequest) -> SyncRes
 @post("/v1/edge/escalate", dependencies=DEVICE, status_code=200, security=DEVICE_BEARER)
 async def escalate(state: State, device: DeviceCaller, data: EscalateRequest) -> Response[Any]:
     """A request the device chose not to answer locally, served by the cloud and billed to its tenant."""
+    from cloud.completions import Caller  # imports the engine (torch); the rest of this module does not
+
     request_id = data.request_id or uuid.uuid4().hex
     if not request_id.replace("-", "").replace("_", "").isalnum():
         raise ValidationError("request_id: letters, digits, '-' and '_' only", param="request_id")

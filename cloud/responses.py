@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from litestar import Response
 from litestar.response import Stream
 
-from cloud.completions import Caller
+if TYPE_CHECKING:  # the engine (torch) loads only where requests are served, not for CLI commands
+    from cloud.completions import Caller
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 

@@ -135,6 +135,7 @@ class Agent:
         self.link = link
         self.interval_s = interval_s
         self.on_desired: Callable[[list[DesiredModel]], None] | None = None
+        self.on_outcome: Callable[[str, str | None, bool], None] | None = None  # model id, version, ok
         self.last_sync: SyncResponse | None = None
         self.synced_records = 0
 
@@ -143,6 +144,8 @@ class Agent:
         self.stats.observe(served)
         if served.tier != "edge":
             return  # the cloud metered it under the same request id
+        if self.on_outcome is not None:
+            self.on_outcome(served.model, self.stats.versions.get(served.model), served.status == "ok")
         item = UsageItem(
             id=served.request_id,
             model=served.model,

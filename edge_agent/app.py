@@ -7,69 +7,33 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from litestar import Litestar, Request, Response, get, post
 from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.response import Stream
 
-from edge_agent import int8_guard, serving
 from edge_agent.agent import Agent, AgentStats
 from edge_agent.cloud_link import CircuitBreaker, CloudLink, Credentials
+from edge_agent.model_store import ModelStore
+from edge_agent.models import EDGE_ARTIFACTS, PREFIX, ServedModels
 from edge_agent.outbox import Outbox
 from edge_agent.settings import EdgeSettings, policy_dir, state_dir
-from edge_agent.tensors import LocalClassifier
 from edge_agent.tiering import Answer, Tiering, family
-from shared.artifacts import load_public_key, public_path, verify_files, verify_signature
-from shared.errors import ArtifactVerificationError, AuthenticationError, ConfigurationError
+from edge_agent.updater import HealthWatch, Updater
+from shared.artifacts import load_public_key, public_path
+from shared.edge_protocol import DesiredModel
+from shared.errors import AuthenticationError, ConfigurationError
 from shared.escalation import EdgePolicy, load_policy
 from shared.http import EXCEPTION_HANDLERS, healthz
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
 from shared.settings import CoreSettings
-from shared.zoo.registry import ZooLayout
 
 logger = logging.getLogger(__name__)
-
-EDGE_ARTIFACTS = ("lm-edge-onnx-int8", "lm-edge-onnx", "lm-edge-tflite", "digits-small")
-EDGE_LM, EDGE_LM_INT8, EDGE_LM_FP32 = "tierline/lm-edge", "tierline/lm-edge-onnx-int8", "tierline/lm-edge-onnx"
-
-
-@dataclass(frozen=True, slots=True)
-class LocalModel:
-    id: str
-    format: str
-    sha256: str
-    path: Path
-    version: str
-    kind: str
-
-
-def verified_local_models(zoo_root: Path, trusted_key_files: list[Path]) -> list[LocalModel]:
-    """Every edge artifact under ``zoo_root`` whose signature and hashes check out; others are refused."""
-    if not trusted_key_files:
-        raise ConfigurationError("no trusted public key configured (TIERLINE_EDGE_TRUSTED_KEYS)")
-    keys = [load_public_key(p) for p in trusted_key_files if p.is_file()]
-    if not keys:
-        raise ConfigurationError(f"none of the trusted public keys exists: {', '.join(map(str, trusted_key_files))}")
-    layout = ZooLayout(zoo_root)
-    models = []
-    for name in EDGE_ARTIFACTS:
-        if not layout.manifest_path(name).is_file():
-            continue
-        try:
-            manifest = layout.manifest(name)
-            verify_signature(manifest, keys)
-            verify_files(manifest, layout.artifact_dir(name))
-        except ArtifactVerificationError as exc:
-            logger.error("refusing artifact %s: %s", name, exc.message)
-            continue
-        path = layout.artifact_dir(name)
-        model_id = f"tierline/{name}"
-        models.append(LocalModel(model_id, manifest.format, manifest.sha256, path, manifest.version, manifest.kind))
-    return models
 
 
 def _local_key_guard(state: State, request: Request[Any, Any, Any]) -> None:
@@ -83,7 +47,7 @@ def _local_key_guard(state: State, request: Request[Any, Any, Any]) -> None:
 
 @get("/readyz", sync_to_thread=False, include_in_schema=False)
 def readyz(state: State) -> dict[str, Any]:
-    return {"status": "ready", "models": len(state.models)}
+    return {"status": "ready", "models": len(state.served.models)}
 
 
 @get("/v1/models", dependencies={"_auth": Provide(_local_key_guard, sync_to_thread=False)}, sync_to_thread=False)
@@ -98,8 +62,9 @@ def list_models(state: State, _auth: None) -> dict[str, Any]:
                 "owned_by": "tierline-edge",
                 "format": m.format,
                 "sha256": m.sha256,
+                "version": m.version,
             }
-            for m in state.models
+            for m in state.served.models.values()
         ]
         + [
             {
@@ -110,7 +75,7 @@ def list_models(state: State, _auth: None) -> dict[str, Any]:
                 "format": choice.chosen,
                 "int8_guard": choice.as_json(),
             }
-            for alias, choice in state.guards.items()
+            for alias, choice in state.served.guards.items()
         ],
     }
 
@@ -176,38 +141,19 @@ def agent_status(state: State, _auth: None) -> dict[str, Any]:
 def create_app(settings: EdgeSettings) -> Litestar:
     core = CoreSettings()
     zoo_root = settings.zoo_dir or core.zoo_dir / "demo"
-    creds = Credentials.load(state_dir(settings))
+    home = state_dir(settings)
+    creds = Credentials.load(home)
     key_files = settings.trusted_keys or [public_path(core.signing_key_path)]
     if creds is not None:
-        key_files = [*key_files, *creds.key_files(state_dir(settings))]
-    models = verified_local_models(zoo_root, key_files)
-    logger.info("edge agent serving %d verified model(s) from %s", len(models), zoo_root)
+        key_files = [*key_files, *creds.key_files(home)]
+    keys = [load_public_key(p) for p in key_files if p.is_file()]
+    if not keys:
+        raise ConfigurationError(f"none of the trusted public keys exists: {', '.join(map(str, key_files))}")
+    store = ModelStore(home)
+    served = ServedModels(zoo_root, store, keys, settings.num_threads)
+    logger.info("edge agent serving %d verified model(s) from %s and %s", len(served.models), zoo_root, home)
     api_key = settings.api_key.get_secret_value() if settings.api_key else None
-    paths = {m.id: m.path for m in models if m.kind == "causal-lm" and m.format in serving.LM_FORMATS}
-    classifiers = {
-        m.id: LocalClassifier.load(m.id, m.path, settings.num_threads)
-        for m in models
-        if m.kind == "tensor" and m.format == "onnx"
-    }
-    guards: dict[str, int8_guard.Int8Choice] = {}
-    int8, fp32 = paths.get(EDGE_LM_INT8), paths.get(EDGE_LM_FP32)
-    if int8 is not None and fp32 is not None:
-        choice = int8_guard.choose(int8, fp32, settings.num_threads)
-        guards[EDGE_LM] = choice
-        paths[EDGE_LM] = int8 if choice.chosen == "onnx-int8" else fp32
-        logger.info(
-            "INT8 guard: serving %s as %s (%.3f ms/token INT8, %.3f fp32)",
-            EDGE_LM,
-            choice.chosen,
-            choice.int8_ms_per_token,
-            choice.fp32_ms_per_token,
-        )
-    local = serving.LocalModels(paths, settings.num_threads)
-    versions = {m.id: m.version for m in models}
-    if EDGE_LM in guards:
-        versions[EDGE_LM] = versions[EDGE_LM_INT8 if guards[EDGE_LM].chosen == "onnx-int8" else EDGE_LM_FP32]
-    policies = _policies(policy_dir(settings), [*paths, *guards, *classifiers])
-    home = state_dir(settings)
+    policies = _policies(policy_dir(settings), [*served.ids(), *served.guards])
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -217,10 +163,11 @@ def create_app(settings: EdgeSettings) -> Litestar:
             else None
         )
         outbox = Outbox(home / "outbox.sqlite3", settings.outbox_max_bytes)
-        agent = Agent(outbox, AgentStats(versions), link, creds.sync_interval_s if creds else 30.0)
+        agent = Agent(outbox, AgentStats(served.versions()), link, creds.sync_interval_s if creds else 30.0)
+        updates = Updates(served, agent, settings, creds, keys, home) if creds is not None else None
         app.state.agent = agent
         app.state.link = link
-        app.state.tiering = Tiering(local, link, policies, agent.record, classifiers)
+        app.state.tiering = Tiering(served.lms, link, policies, agent.record, served.classifiers)
         syncing = asyncio.create_task(agent.run(), name="edge-sync") if link is not None else None
         try:
             yield
@@ -229,6 +176,9 @@ def create_app(settings: EdgeSettings) -> Litestar:
                 syncing.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await syncing
+            if updates is not None:
+                await updates.close()
+            if syncing is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(agent.drain(), settings.shutdown_sync_s)
             if link is not None:
@@ -247,9 +197,78 @@ def create_app(settings: EdgeSettings) -> Litestar:
             inference,
         ],
         exception_handlers=EXCEPTION_HANDLERS,
-        state=State({"models": models, "api_key": api_key, "local": local, "guards": guards}),
+        state=State({"served": served, "api_key": api_key}),
         lifespan=[lifespan],
     )
+
+
+class Updates:
+    """Applies the desired versions the sync brings, one model after another, and swaps what installs; the
+    health watch rolls a new version back when its error rate in its first minutes crosses the bound."""
+
+    def __init__(
+        self,
+        served: ServedModels,
+        agent: Agent,
+        settings: EdgeSettings,
+        creds: Credentials,
+        keys: list[Ed25519PublicKey],
+        home: Path,
+    ) -> None:
+        self.served = served
+        self.agent = agent
+        self.client = httpx.Client(
+            base_url=creds.cloud_url,
+            headers={"Authorization": f"Bearer {creds.device_token}"},
+            timeout=httpx.Timeout(30.0, connect=5.0),
+        )
+        self.updater = Updater(
+            self.client,
+            served.store,
+            home / "staging",
+            keys,
+            settings.max_artifact_bytes,
+            agent.event,
+            num_threads=settings.num_threads,
+        )
+        self.health = HealthWatch(
+            served.store,
+            agent.event,
+            window_s=settings.rollback_window_s,
+            max_error_rate=settings.rollback_max_error_rate,
+            min_requests=settings.rollback_min_requests,
+        )
+        self.task: asyncio.Task[None] | None = None
+        agent.on_desired = self.desired
+        agent.on_outcome = self.outcome
+
+    def desired(self, desired: list[DesiredModel]) -> None:
+        if self.task is not None and not self.task.done():
+            return  # one pass at a time; the next sync brings the list again
+        wanted = [d for d in desired if d.name in EDGE_ARTIFACTS]
+        self.task = asyncio.create_task(self._apply(wanted), name="edge-updates")
+
+    async def _apply(self, desired: list[DesiredModel]) -> None:
+        for d in desired:
+            if await asyncio.to_thread(self.updater.apply, d) == "installed":
+                await self._swap(d.name)
+
+    async def _swap(self, name: str) -> None:
+        model = await asyncio.to_thread(self.served.swap, name)
+        if model is not None:
+            self.agent.stats.versions.update(self.served.versions())
+
+    def outcome(self, model_id: str, version: str | None, ok: bool) -> None:
+        name = model_id.removeprefix(PREFIX)
+        if version is not None and self.health.record(name, version, ok):
+            asyncio.get_running_loop().create_task(self._swap(name))
+
+    async def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+        self.client.close()
 
 
 def _policies(directory: Path, model_ids: list[str]) -> dict[str, EdgePolicy]:

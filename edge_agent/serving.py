@@ -37,6 +37,12 @@ class LocalModels:
         self._loaded: dict[str, LocalLM] = {}
         self._lock = threading.Lock()
 
+    def replace(self, model_id: str, path: Path, runtime: LocalLM) -> None:
+        """Serve ``model_id`` from ``runtime`` from now on; requests holding the old runtime finish on it."""
+        with self._lock:
+            self.paths[model_id] = path
+            self._loaded[model_id] = runtime
+
     def has(self, model_id: str) -> bool:
         return model_id in self.paths
 

@@ -27,8 +27,14 @@ class EdgeSettings(BaseSettings):
         30.0, gt=0, description="longest wait for the cloud on an escalation before answering locally"
     )
     breaker_reset_s: float = Field(10.0, gt=0, description="how long an open breaker waits before probing the cloud")
-    outbox_max_bytes: int = Field(64 << 20, ge=1 << 16, description="outbox bound; telemetry then events may be dropped, usage never")
+    outbox_max_bytes: int = Field(
+        64 << 20, ge=1 << 16, description="outbox bound; telemetry then events may be dropped, usage never"
+    )
     shutdown_sync_s: float = Field(5.0, ge=0, description="time given to a last sync when the agent stops")
+    max_artifact_bytes: int = Field(1 << 30, ge=1 << 10, description="largest model artifact an update may download")
+    rollback_window_s: float = Field(300.0, gt=0, description="how long a new version is watched after a swap")
+    rollback_max_error_rate: float = Field(0.2, ge=0, le=1, description="error rate that rolls a new version back")
+    rollback_min_requests: int = Field(20, ge=1, description="requests seen before the error rate counts")
     state_dir: Path | None = Field(
         None, description="the agent's own state: credentials, outbox, policies (default $TIERLINE_DATA_DIR/edge)"
     )

@@ -123,6 +123,24 @@ class Tiering:
     ) -> Answer:
         started = time.monotonic()
         request_id = uuid.uuid4().hex
+        try:
+            return await self._handle(endpoint, req, header, request_id, started)
+        except ApplicationError:
+            raise
+        except Exception:
+            # A runtime failure on the device: counted against the model version (the health watch rolls a
+            # freshly installed version back on these), then answered as a 500 by the error handler.
+            self._served(Served(request_id, req.model, "edge", 0, 0, "error", _ms(started), None, None, False))
+            raise
+
+    async def _handle(
+        self,
+        endpoint: serving.Endpoint,
+        req: ChatCompletionRequest | CompletionRequest,
+        header: str | None,
+        request_id: str,
+        started: float,
+    ) -> Answer:
         mode = self.mode(req.model, header, req)
         if self.link is None:
             if mode == "cloud-only":
@@ -319,6 +337,9 @@ class Tiering:
                 async for chunk in serving.stream(prepared, timed()):
                     yield chunk
                 status = "ok"
+            except Exception:
+                status = "error"
+                raise
             finally:
                 latency = (time.monotonic() - started) * 1000
                 ttft = (first[0] - started) * 1000 if first else None

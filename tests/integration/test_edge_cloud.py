@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import stat
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -212,6 +213,64 @@ def test_header_overrides_the_mode(client: openai.OpenAI, fleet: Fleet) -> None:
         headers={"x-tierline-tier": "sideways"},
     )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tier"
+
+
+def test_a_published_version_is_installed_and_swapped_under_load_with_no_failed_request(
+    client: openai.OpenAI, fleet: Fleet
+) -> None:
+    def int8_version() -> str:
+        models = httpx.get(f"{fleet.edge_url}/v1/models").json()["data"]
+        return str(next(m["version"] for m in models if m["id"] == INT8))
+
+    before = int8_version()
+    zoo_int8 = fleet.data / "zoo" / "tiny" / "artifacts" / "lm-edge-onnx-int8"
+    fleet.cli("cloud", "publish", str(zoo_int8), "--as-version", "tiny-2")
+    failures: list[str] = []
+    versions_seen: set[str] = set()
+    stop = threading.Event()
+
+    def hammer() -> None:
+        with httpx.Client(base_url=fleet.edge_url, timeout=60) as http:
+            while not stop.is_set():
+                r = http.post("/v1/completions", json={"model": INT8, "prompt": "def f(", "max_tokens": 4})
+                if r.status_code != 200 or r.headers["x-tierline-tier"] != "edge":
+                    failures.append(f"{r.status_code} {r.text[:200]}")
+
+    workers = [threading.Thread(target=hammer) for _ in range(32)]
+    for w in workers:
+        w.start()
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        versions_seen.add(version := int8_version())
+        if version == "tiny-2":
+            break
+        time.sleep(0.2)
+    time.sleep(1.0)  # keep the load on across and after the swap
+    stop.set()
+    for w in workers:
+        w.join(60)
+    assert before != "tiny-2" and int8_version() == "tiny-2"
+    assert failures == []
+    events = _events(fleet)
+    assert "update.activated" in [e.payload.get("type") for e in events]
+    device = fleet.device()
+    deadline = time.monotonic() + 10
+    while device.versions.get(INT8) != "tiny-2" and time.monotonic() < deadline:
+        time.sleep(0.3)
+        device = fleet.device()
+    assert device.versions.get(INT8) == "tiny-2"  # the heartbeat reports what the device runs now
+
+
+def _events(fleet: Fleet) -> list[DeviceEvent]:
+    engine = create_engine(fleet.db)
+    deadline = time.monotonic() + 10
+    while True:
+        with Session(engine) as s:
+            events = list(s.exec(select(DeviceEvent).where(DeviceEvent.kind == "event")))
+        if any(e.payload.get("type") == "update.activated" for e in events) or time.monotonic() > deadline:
+            engine.dispose()
+            return events
+        time.sleep(0.3)
 
 
 def test_cloud_outage_degrades_locally_and_every_record_lands_once(client: openai.OpenAI, fleet: Fleet) -> None:
