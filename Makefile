@@ -42,6 +42,7 @@ bench: install
 	$(BIN)/tierline bench spec --json
 	$(BIN)/tierline bench prefix --json
 	$(BIN)/tierline bench tensor --json
+	$(BIN)/tierline bench edge --json
 	$(BIN)/tierline bench api --preset tiny --json
 
 clean:
