@@ -144,6 +144,8 @@ class UsageRecord(SQLModel, table=True):
     ttft_ms: float | None = None
     rollout_arm: str | None = Field(default=None, max_length=16)
     escalation_reason: str | None = Field(default=None, max_length=32, description="why an edge request went up")
+    price_id: int | None = Field(default=None, description="the price it was rated with; None: no price (flagged)")
+    cost: Decimal | None = Field(default=None, sa_type=MONEY)
     occurred_at: datetime = _ts()
     ingested_at: datetime = _ts()
 
@@ -299,3 +301,35 @@ class WebhookAttempt(SQLModel, table=True):
     error: str | None = Field(default=None, max_length=500)
     duration_ms: float | None = None
     at: datetime = _ts()
+
+
+class Price(SQLModel, table=True):
+    """A model's price per million tokens from ``effective_from`` on; rows are never rewritten (history)."""
+
+    __tablename__ = "price"
+
+    id: int | None = Field(default=None, primary_key=True)
+    model: str = Field(max_length=128, index=True)
+    version: int | None = Field(default=None, description="None: every version")
+    tier: str | None = Field(default=None, max_length=8, description="edge | cloud | None: both")
+    currency: str = Field(default="USD", max_length=3)
+    prompt_per_mtok: Decimal = Field(sa_type=MONEY)
+    completion_per_mtok: Decimal = Field(sa_type=MONEY)
+    cached_per_mtok: Decimal = Field(sa_type=MONEY)
+    effective_from: datetime = Field(sa_type=DateTime(timezone=True))
+    created_at: datetime = _ts()
+
+
+class BudgetPeriod(SQLModel, table=True):
+    """A tenant's spend in one calendar month: settled cost plus what requests in flight have reserved.
+
+    Reservations are one conditional UPDATE (``spent + reserved + amount <= budget``), atomic on SQLite and
+    PostgreSQL alike, so concurrent requests can never commit more than the budget.
+    """
+
+    __tablename__ = "budget_period"
+
+    tenant_id: int = Field(foreign_key="tenant.id", primary_key=True)
+    period: str = Field(primary_key=True, max_length=7, description="YYYY-MM (UTC)")
+    spent: Decimal = Field(default=Decimal(0), sa_type=MONEY)
+    reserved: Decimal = Field(default=Decimal(0), sa_type=MONEY)
