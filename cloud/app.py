@@ -14,7 +14,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from litestar import Litestar, Request, Response, get, post
+from litestar import Litestar, Request, Response, Router, get, post
 from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
@@ -27,6 +27,9 @@ from cloud.edge_gateway import ROUTES as EDGE_ROUTES
 from cloud.edge_releases import ARTIFACT_ROUTES, RELEASES_DIR, ReleaseStore
 from cloud.engines import EnginePool
 from cloud.idempotency import IdempotencyStore, request_hash, usage_id
+from cloud.job_routes import JOB_ROUTES, submit_if_async
+from cloud.job_worker import running_jobs
+from cloud.jobs import CHAT, COMPLETIONS, INFERENCE, JobSettings, JobStore
 from cloud.jwt_auth import JwtVerifier, looks_like_jwt
 from cloud.limits import RateLimiter
 from cloud.metering import UsageWriter
@@ -35,6 +38,7 @@ from cloud.observability import Metrics
 from cloud.responses import respond
 from cloud.settings import CloudSettings
 from cloud.tensor_models import TensorPool, unknown_model
+from cloud.webhooks import WebhookStore
 from shared.errors import AuthenticationError, ServiceUnavailableError
 from shared.http import EXCEPTION_HANDLERS, healthz
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
@@ -139,8 +143,10 @@ async def _idempotent(
 async def chat_completions(
     request: Request[Any, Any, Any], state: State, caller: Caller, data: ChatCompletionRequest
 ) -> Response[Any]:
-    """OpenAI chat completions, with ``stream: true`` as server-sent events."""
+    """OpenAI chat completions, with ``stream: true`` as server-sent events (``"async": true``: a job, 202)."""
     body = data.model_dump(mode="json", exclude_unset=True)
+    if (job := await submit_if_async(request, state, caller, CHAT, data.model, body, data.stream)) is not None:
+        return job
     return await _idempotent(request, state, caller, body, data.stream, partial(state.service.chat, caller, data))
 
 
@@ -148,15 +154,22 @@ async def chat_completions(
 async def completions(
     request: Request[Any, Any, Any], state: State, caller: Caller, data: CompletionRequest
 ) -> Response[Any]:
-    """OpenAI (legacy) completions, with ``stream: true`` as server-sent events."""
+    """OpenAI (legacy) completions, with ``stream: true`` as server-sent events (``"async": true``: a job, 202)."""
     body = data.model_dump(mode="json", exclude_unset=True)
+    if (job := await submit_if_async(request, state, caller, COMPLETIONS, data.model, body, data.stream)) is not None:
+        return job
     call = partial(state.service.completions, caller, data)
     return await _idempotent(request, state, caller, body, data.stream, call)
 
 
 @post("/v1/inference", dependencies=CALLER, status_code=200, security=BEARER)
-async def inference(state: State, caller: Caller, data: InferenceRequest) -> Response[Any]:
+async def inference(
+    request: Request[Any, Any, Any], state: State, caller: Caller, data: InferenceRequest
+) -> Response[Any]:
     """Generic inference: prompts for an LLM, rows of numbers for a tensor model (concurrent calls batch)."""
+    body = data.model_dump(mode="json", exclude_unset=True)
+    if (job := await submit_if_async(request, state, caller, INFERENCE, data.model_id, body, False)) is not None:
+        return job
     tensor = state.tensors.get(data.model_id)
     if tensor is not None:
         result = {"model_id": data.model_id, **(await state.tensors.infer(tensor, data.inputs))}
@@ -198,7 +211,8 @@ def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Li
         limiter = RateLimiter(settings, core.redis_url)
         app.state.service = CompletionService(pool, usage, limiter, settings.request_timeout_s, observed)
         try:
-            yield
+            async with running_jobs(app.state, app.state.service, tensors, usage):
+                yield
         finally:
             await tensors.close()
             pool.shutdown()
@@ -215,6 +229,7 @@ def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Li
             chat_completions,
             completions,
             inference,
+            Router("/", route_handlers=JOB_ROUTES, dependencies=CALLER, security=BEARER),
             *EDGE_ROUTES,
             *ARTIFACT_ROUTES,
         ],
@@ -228,6 +243,9 @@ def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Li
                 "jwt": verifier,
                 "edge_sync_interval_s": settings.edge_sync_interval_s,
                 "releases": ReleaseStore(core.data_dir / RELEASES_DIR),
+                "jobs": JobStore(db),
+                "webhooks": WebhookStore(db),
+                "job_settings": JobSettings(),
             }
         ),
         middleware=[observed.middleware],
