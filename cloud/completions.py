@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 
 from cloud.engine.outputs import RequestOutput
@@ -19,9 +20,14 @@ from cloud.engines import EnginePool, ServedLM
 from cloud.limits import RateLimiter, Reservation
 from cloud.metering import UsageWriter
 from cloud.observability import Metrics
+from shared.budgets import PriceBook
+from shared.budgets import Reservation as BudgetReservation
+from shared.budgets import reserve as reserve_budget
+from shared.budgets import settle as settle_budget
 from shared.errors import DeadlineExceededError, PermissionDeniedError, ValidationError
 from shared.openai_responses import SSE_DONE, chat_logprob, completion_logprobs, sse
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
+from shared.pricing import Tokens
 from shared.storage.models import ApiKey, Tenant, UsageRecord
 
 
@@ -45,6 +51,7 @@ class _Meter:
     first_token_at: float | None = None
     by_request: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     reservation: Reservation | None = None
+    budget: BudgetReservation | None = None
 
     def update(self, out: RequestOutput) -> None:
         u = out.usage
@@ -73,6 +80,7 @@ class CompletionService:
         self.limiter = limiter
         self.request_timeout_s = request_timeout_s
         self.metrics = metrics
+        self.prices = PriceBook(usage.engine)
 
     async def _admit(
         self, caller: Caller, served: ServedLM, prompts: list[str | list[int]], params: SamplingParams
@@ -80,12 +88,27 @@ class CompletionService:
         """Tokenize, reserve prompt + max_tokens against the rate limits, and start the meter."""
         tok = served.engine.engine.tokenizer
         ids: list[str | list[int]] = [tok.encode(p) if isinstance(p, str) else p for p in prompts]
-        reserved = 0
+        reserved = prompt_worst = completion_worst = 0
         for p in ids:
             max_new = params.max_tokens or max(1, served.max_model_len - len(p))
             reserved += len(p) + max_new * params.n
+            prompt_worst += len(p) * params.n
+            completion_worst += max_new * params.n
         meter = _Meter()
         meter.reservation = await self.limiter.acquire(caller.tenant, caller.key, reserved)
+        budget = caller.tenant.monthly_budget
+        if budget is not None:
+            worst_case = Tokens(prompt_worst, completion_worst)
+            _, worst = self.prices.cost(served.model_id, served.version, "cloud", worst_case)
+            if worst is not None:
+                try:
+                    meter.budget = await asyncio.to_thread(
+                        reserve_budget, self.usage.engine, caller.tenant.id or 0, budget, worst
+                    )
+                except BaseException:
+                    await self.limiter.release(meter.reservation, 0)
+                    meter.reservation = None
+                    raise
         return ids, meter
 
     # -- shared -------------------------------------------------------------------------------------------------
@@ -115,6 +138,11 @@ class CompletionService:
         if meter.reservation is not None:
             await self.limiter.release(meter.reservation, meter.prompt_tokens + meter.completion_tokens)
             meter.reservation = None
+        tokens = Tokens(meter.prompt_tokens, meter.completion_tokens, meter.cached_tokens)
+        price_id, cost = self.prices.cost(served.model_id, served.version, "cloud", tokens)
+        if meter.budget is not None:
+            reservation, meter.budget = meter.budget, None
+            await asyncio.to_thread(settle_budget, self.usage.engine, reservation, cost or Decimal(0))
         if meter.prompt_tokens == 0 and meter.completion_tokens == 0:
             return
         now = time.monotonic()
@@ -129,6 +157,8 @@ class CompletionService:
                 api_key_id=caller.key.id if caller.key is not None else None,
                 device_id=caller.device_id,
                 escalation_reason=caller.escalation_reason,
+                price_id=price_id,
+                cost=cost,
                 model=served.model_id,
                 model_version=served.version,
                 tier="cloud",

@@ -15,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any, Protocol
 
 from litestar import Request, Response, post
@@ -28,6 +30,7 @@ from sqlmodel import Session
 
 from cloud.responses import respond
 from shared.artifacts import load_public_key, public_path, public_pem
+from shared.budgets import PriceBook
 from shared.devices import authenticate_device, enroll, ingest
 from shared.edge_protocol import (
     DesiredModel,
@@ -36,9 +39,11 @@ from shared.edge_protocol import (
     EscalateRequest,
     SyncRequest,
     SyncResponse,
+    UsageItem,
 )
 from shared.errors import AuthenticationError, ValidationError
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
+from shared.pricing import Tokens, cost
 from shared.settings import CoreSettings
 from shared.storage.models import Device, Tenant
 
@@ -96,11 +101,30 @@ def enroll_device(state: State, data: EnrollRequest) -> EnrollResponse:
     )
 
 
+def _rater(state: State) -> Callable[[UsageItem], tuple[int | None, Decimal | None]]:
+    prices: PriceBook | None = state.get("prices")
+    if prices is None:
+        prices = state.prices = PriceBook(state.engine)
+
+    def rate(u: UsageItem) -> tuple[int | None, Decimal | None]:
+        version = int(u.model_version) if u.model_version and u.model_version.isdigit() else None
+        try:
+            at = datetime.fromtimestamp(u.occurred_at, UTC)
+        except (OverflowError, OSError, ValueError):
+            at = None
+        price = prices.lookup(u.model, version, u.tier, at)
+        if price is None:
+            return None, None
+        return getattr(price, "id", None), cost(price, Tokens(u.prompt_tokens, u.completion_tokens))
+
+    return rate
+
+
 def _sync(state: State, caller: DeviceCaller, data: SyncRequest) -> SyncResponse:
     for attempt in (1, 2):
         try:
             with Session(state.engine) as session:
-                accepted, duplicates = ingest(session, caller.device, data.usage, data.events)
+                accepted, duplicates = ingest(session, caller.device, data.usage, data.events, _rater(state))
                 device = session.get(Device, caller.device.id)
                 assert device is not None
                 device.last_seen_at = datetime.now(UTC)

@@ -24,6 +24,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
     "models": ("shared.registry_cli", "models", "The model registry."),
     "rollouts": ("shared.registry_cli", "rollouts", "Canary rollouts of model versions."),
     "bench": ("bench.cli", "bench", "Benchmarks that print JSON."),
+    "billing": ("shared.billing_cli", "billing", "Prices, budgets and invoices."),
 }
 
 

@@ -9,13 +9,16 @@ from __future__ import annotations
 import hashlib
 import secrets
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import update
 from sqlmodel import Session, col, select
 
+from shared.budgets import add_spend
 from shared.edge_protocol import EventItem, UsageItem
 from shared.errors import AuthenticationError, ValidationError
 from shared.storage.models import Device, DeviceEvent, EnrollmentToken, Tenant, UsageRecord
@@ -126,11 +129,18 @@ def _ts(unix: float) -> datetime:
         return datetime.now(UTC)
 
 
-def ingest(session: Session, device: Device, usage: list[UsageItem], events: list[EventItem]) -> tuple[int, int]:
+Rate = Callable[[UsageItem], tuple[int | None, Decimal | None]]
+
+
+def ingest(
+    session: Session, device: Device, usage: list[UsageItem], events: list[EventItem], rate: Rate | None = None
+) -> tuple[int, int]:
     """Store what is new, skip what the cloud already has. Returns ``(accepted, duplicates)``.
 
     Ids already present (a retried batch, or a request the cloud metered itself on escalation) are skipped,
-    never overwritten; the caller commits, so a batch is stored whole or not at all.
+    never overwritten; the caller commits, so a batch is stored whole or not at all. ``rate`` prices each new
+    record (price id and cost, stamped on it) and its cost counts against the tenant's budget period of the
+    record's own time.
     """
     accepted = duplicates = 0
     ids = [u.id for u in usage]
@@ -141,6 +151,9 @@ def ingest(session: Session, device: Device, usage: list[UsageItem], events: lis
         if u.id in have:
             duplicates += 1
             continue
+        price_id, cost = rate(u) if rate is not None else (None, None)
+        if cost:
+            add_spend(session, device.tenant_id, _ts(u.occurred_at), cost)
         session.add(
             UsageRecord(
                 id=u.id,
@@ -155,6 +168,8 @@ def ingest(session: Session, device: Device, usage: list[UsageItem], events: lis
                 latency_ms=u.latency_ms,
                 ttft_ms=u.ttft_ms,
                 escalation_reason=u.escalation_reason,
+                price_id=price_id,
+                cost=cost,
                 occurred_at=_ts(u.occurred_at),
             )
         )
