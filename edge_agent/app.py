@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -129,6 +130,7 @@ def agent_status(state: State, _auth: None) -> dict[str, Any]:
     agent: Agent = state.agent
     link: CloudLink | None = state.link
     return {
+        "pid": os.getpid(),
         "enrolled": link is not None,
         "device_id": link.creds.device_id if link is not None else None,
         "cloud_breaker": link.breaker.state if link is not None else None,
@@ -230,6 +232,7 @@ class Updates:
             settings.max_artifact_bytes,
             agent.event,
             num_threads=settings.num_threads,
+            max_bytes_per_s=settings.update_max_bytes_per_s,
         )
         self.health = HealthWatch(
             served.store,

@@ -32,6 +32,9 @@ class EdgeSettings(BaseSettings):
     )
     shutdown_sync_s: float = Field(5.0, ge=0, description="time given to a last sync when the agent stops")
     max_artifact_bytes: int = Field(1 << 30, ge=1 << 10, description="largest model artifact an update may download")
+    update_max_bytes_per_s: float | None = Field(
+        None, gt=0, description="bandwidth cap for model downloads (None: unlimited)"
+    )
     rollback_window_s: float = Field(300.0, gt=0, description="how long a new version is watched after a swap")
     rollback_max_error_rate: float = Field(0.2, ge=0, le=1, description="error rate that rolls a new version back")
     rollback_min_requests: int = Field(20, ge=1, description="requests seen before the error rate counts")
