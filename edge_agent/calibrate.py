@@ -40,15 +40,16 @@ MAX_CURVE_POINTS = 51
 DATA_FORMAT = f"""\b
 --data is JSON Lines, one validation item per line, as `tierline bench cascade --export-validation FILE`
 writes it (other keys are ignored):
-  {{"model": "tierline/lm-edge", "prompt_tokens": 128, "edge_good": true, "cloud_good": false,
-   "signals": {{"mean_logprob": -0.41, "min_margin": 0.12, "norm_entropy": 0.83}}}}
+  {{"model": "tierline/lm-edge", "prompt_tokens": 128, "edge_good": false, "cloud_good": true,
+   "agrees_with_cloud": false, "signals": {{"mean_logprob": -0.41, "min_margin": 0.12, "norm_entropy": 0.83}}}}
 \b
-model          the served model id; --model matches it or its last part (lm-edge)
-signals        the edge's confidence signals: {", ".join(LM_SIGNALS)} (LMs),
-               {", ".join(CLASSIFIER_SIGNALS)} (classifiers)
-prompt_tokens  the prompt's length in tokens, or null (classifiers)
-edge_good      whether the edge model's answer was right
-cloud_good     whether the cloud model's answer was right
+model              the served model id; --model matches it or its last part (lm-edge)
+signals            the edge's confidence signals: {", ".join(LM_SIGNALS)} (LMs),
+                   {", ".join(CLASSIFIER_SIGNALS)} (classifiers)
+prompt_tokens      the prompt's length in tokens, or null (classifiers)
+edge_good          whether the edge model's answer was right
+cloud_good         whether the cloud model's answer was right
+agrees_with_cloud  whether the edge's answer was the cloud's (what the learned router predicts)
 \b
 Every signal, and a learned router over all of them (plus prompt_tokens), is tried; the one that answers
 the most items locally within the bound wins. At least {MIN_ITEMS} items of the model are needed."""
@@ -63,13 +64,20 @@ class ValidationSet:
     prompt_tokens: np.ndarray | None
     edge_good: np.ndarray
     cloud_good: np.ndarray
+    agrees: np.ndarray
 
     def __len__(self) -> int:
         return len(self.edge_good)
 
 
 def validation_row(
-    model: str, signals: dict[str, float], prompt_tokens: int | None, edge_good: bool, cloud_good: bool
+    model: str,
+    signals: dict[str, float],
+    prompt_tokens: int | None,
+    *,
+    edge_good: bool,
+    cloud_good: bool,
+    agrees_with_cloud: bool,
 ) -> dict[str, Any]:
     """One line of the ``--data`` format."""
     return {
@@ -78,6 +86,7 @@ def validation_row(
         PROMPT_TOKENS: prompt_tokens,
         "edge_good": bool(edge_good),
         "cloud_good": bool(cloud_good),
+        "agrees_with_cloud": bool(agrees_with_cloud),
     }
 
 
@@ -97,7 +106,7 @@ def _parse_row(line: str, where: str) -> dict[str, Any]:
     signals = row.get("signals")
     if not isinstance(signals, dict) or not all(_is_number(v) for v in signals.values()):
         raise ConfigurationError(f"{where}: 'signals' must be an object of finite numbers")
-    for key in ("edge_good", "cloud_good"):
+    for key in ("edge_good", "cloud_good", "agrees_with_cloud"):
         if not isinstance(row.get(key), bool):
             raise ConfigurationError(f"{where}: '{key}' must be true or false")
     tokens = row.get(PROMPT_TOKENS)
@@ -133,6 +142,7 @@ def read_validation(path: Path, model: str) -> ValidationSet:
         prompt_tokens=np.array(tokens, dtype=np.float64) if all(t is not None for t in tokens) else None,
         edge_good=np.array([r["edge_good"] for r in mine]),
         cloud_good=np.array([r["cloud_good"] for r in mine]),
+        agrees=np.array([r["agrees_with_cloud"] for r in mine]),
     )
 
 
@@ -145,10 +155,11 @@ def router_inputs(data: ValidationSet) -> dict[str, np.ndarray]:
 
 
 def fit_validation_router(data: ValidationSet) -> LearnedRouter:
-    """The router, trained to predict that the edge's answer is no worse than the cloud's: exactly the items
-    where answering locally costs no quality."""
+    """The router, trained to predict that the edge's answer is the one the cloud would give. (Predicting "the
+    edge is no worse than the cloud" instead ranks no better than chance on weak LMs: most such items are ones
+    both tiers get wrong, and a linear model cannot separate them from the confident, right ones.)"""
     table = router_inputs(data)
-    return fit_router(table, data.edge_good >= data.cloud_good, list(table))
+    return fit_router(table, data.agrees, list(table))
 
 
 def curve_points(
@@ -172,6 +183,10 @@ def calibrate(data: ValidationSet, max_quality_loss: float) -> tuple[EdgePolicy,
     confidences = {**data.signals, ROUTER: router.confidences(router_inputs(data))}
     ranking = rank_signals(confidences, data.edge_good, data.cloud_good, max_quality_loss)
     best = ranking[0]
+    # No threshold qualifies: escalate everything, with a finite threshold (policies travel as strict JSON).
+    threshold = (
+        best.threshold if math.isfinite(best.threshold) else float(np.nextafter(confidences[best.signal].max(), np.inf))
+    )
     calibration = {
         "max_quality_loss": max_quality_loss,
         "num_items": len(data),
@@ -181,12 +196,15 @@ def calibrate(data: ValidationSet, max_quality_loss: float) -> tuple[EdgePolicy,
         "cloud_only_quality": float(data.cloud_good.mean()),
         "edge_only_quality": float(data.edge_good.mean()),
         "curve": curve_points(confidences[best.signal], data.edge_good, data.cloud_good),
-        "signals": {c.signal: dataclasses.asdict(c) for c in ranking},
+        "signals": {
+            c.signal: {**dataclasses.asdict(c), "threshold": c.threshold if math.isfinite(c.threshold) else None}
+            for c in ranking
+        },
     }
     policy = EdgePolicy(
         model=data.model,
         signal=best.signal,
-        threshold=best.threshold,
+        threshold=threshold,
         router=router if best.signal == ROUTER else None,
         calibration=calibration,
     )
@@ -249,7 +267,7 @@ def calibrate_command(model: str, max_quality_loss: float, data_file: Path, out_
     except OSError as exc:
         raise click.ClickException(f"cannot write the policy: {exc}") from exc
     cal = policy.calibration
-    if math.isinf(policy.threshold):
+    if cal["edge_share"] == 0.0:
         decision = "no threshold keeps quality within the bound, so every request escalates"
     else:
         decision = f"{policy.signal} >= {policy.threshold:.4g} answers {cal['edge_share']:.1%} locally"

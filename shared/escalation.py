@@ -221,3 +221,65 @@ def threshold_for_quality(
             if share > best[1]:
                 best = (float(t), share)
     return best
+
+
+def routed_quality(
+    confidence: np.ndarray, edge_good: np.ndarray, cloud_good: np.ndarray, threshold: float
+) -> tuple[float, float]:
+    """``(edge_share, quality)`` when items with ``confidence >= threshold`` are answered at the edge."""
+    local = np.asarray(confidence, dtype=np.float64) >= threshold
+    quality = np.where(local, np.asarray(edge_good, dtype=np.float64), np.asarray(cloud_good, dtype=np.float64))
+    return float(local.mean()), float(quality.mean())
+
+
+def quality_curve(
+    confidence: np.ndarray, edge_good: np.ndarray, cloud_good: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Edge share and routed quality at every distinct threshold, from all-cloud ``(0, cloud quality)`` to all-edge
+    ``(1, edge quality)``. Items with equal confidence move together, so the curve only bends where a threshold
+    can actually cut."""
+    conf = np.asarray(confidence, dtype=np.float64)
+    gain = np.asarray(edge_good, dtype=np.float64) - np.asarray(cloud_good, dtype=np.float64)
+    n = len(conf)
+    if n == 0:
+        raise ValueError("quality_curve needs at least one item")
+    order = np.argsort(-conf, kind="stable")
+    cuts = np.concatenate([[0], np.flatnonzero(np.diff(conf[order])) + 1, [n]])
+    cum = np.concatenate([[0.0], np.cumsum(gain[order])])
+    cloud_quality = float(np.mean(np.asarray(cloud_good, dtype=np.float64)))
+    return cuts / n, cloud_quality + cum[cuts] / n
+
+
+def auc_gain_vs_random(confidence: np.ndarray, edge_good: np.ndarray, cloud_good: np.ndarray) -> float:
+    """Area under quality-vs-edge-share over [0, 1] minus that of random routing (the straight line from
+    cloud-only to edge-only quality). Positive: the signal sends the right requests up."""
+    if len(confidence) == 0:
+        return 0.0
+    shares, quality = quality_curve(confidence, edge_good, cloud_good)
+    area = float(np.sum(np.diff(shares) * (quality[1:] + quality[:-1]) / 2.0))
+    return area - (float(np.mean(edge_good)) + float(np.mean(cloud_good))) / 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class SignalChoice:
+    """How one signal does on one data set: its threshold for the quality bound, and its whole curve's gain."""
+
+    signal: str
+    threshold: float
+    edge_share: float
+    quality: float
+    auc_gain: float
+
+
+def rank_signals(
+    confidences: dict[str, np.ndarray], edge_good: np.ndarray, cloud_good: np.ndarray, max_quality_loss: float
+) -> list[SignalChoice]:
+    """Every signal's threshold for the bound (``threshold_for_quality``), best first: the largest edge share,
+    then the largest ``auc_gain_vs_random``; on a full tie the signal listed first wins (list simple signals
+    before the router)."""
+    choices = []
+    for name, conf in confidences.items():
+        threshold, _ = threshold_for_quality(conf, edge_good, cloud_good, max_quality_loss)
+        share, quality = routed_quality(conf, edge_good, cloud_good, threshold)
+        choices.append(SignalChoice(name, threshold, share, quality, auc_gain_vs_random(conf, edge_good, cloud_good)))
+    return sorted(choices, key=lambda c: (-c.edge_share, -c.auc_gain))

@@ -1,0 +1,209 @@
+"""The two cascade tasks, run on both tiers: per held-out item, the edge's escalation signals and whether the
+edge's and the cloud's answers were right.
+
+- ``digits``: the held-out digits (never trained on); ``digits-small`` at the edge, ``digits-large`` in the cloud,
+  both through ONNX Runtime. Right = the predicted class is the label. Signals: ``classifier_signals`` of the edge
+  logits.
+- ``lm``: line completion on the held-out standard-library files. An item is a line start: the prompt is up to
+  ``CONTEXT_TOKENS`` tokens of the file before it, cut at a token boundary of the file's own tokenisation (so
+  the prompt is tokenised as in training); the answer is the rest of the line. Both tiers decode greedily until
+  they emit a token holding a newline (or EOS), at most ``MAX_LINE_TOKENS`` tokens. Right = the generated line
+  is exactly the true line. Items skip blank lines, lines shorter than ``MIN_LINE_CHARS`` characters once
+  stripped (a lone ``)`` or ``]``: nothing to predict), lines that need more than the generation cap (no tier
+  could get them right, so they would only dilute both qualities alike) and the first ``MIN_CONTEXT_TOKENS``
+  tokens of each file (no context to go on). The edge runs the ONNX INT8 export with
+  ``edge_agent.runtime.lm`` (the device runtime; signals from ``step_signal`` over every generated token,
+  the newline included); the cloud runs ``lm-cloud`` on the project's engine, all prompts in one batch.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shared.escalation import StepSignal, classifier_signals, lm_signals, step_signal
+from shared.zoo.registry import ZooLayout
+
+CONTEXT_TOKENS = 128
+MIN_CONTEXT_TOKENS = 16
+MAX_LINE_TOKENS = 24
+MIN_LINE_CHARS = 3
+EDGE_LM_ARTIFACT = "lm-edge-onnx-int8"
+KV_CACHE_BYTES = 256 << 20
+
+
+@dataclass(slots=True)
+class TaskResults:
+    """One task's items as columns; ``signal_s`` is the time the edge spent computing each item's signals."""
+
+    task: str
+    edge_model: str
+    cloud_model: str
+    signals: dict[str, np.ndarray]
+    prompt_tokens: np.ndarray | None
+    edge_good: np.ndarray
+    cloud_good: np.ndarray
+    agrees: np.ndarray  # the edge's answer is the cloud's
+    signal_s: np.ndarray
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.edge_good)
+
+
+def run_digits(layout: ZooLayout) -> TaskResults:
+    """Both classifiers on every held-out digit."""
+    import onnxruntime as ort
+
+    with np.load(layout.artifact_dir("digits-held-out") / "digits-held-out.npz") as held_out:
+        x, y = held_out["x"].astype(np.float32), held_out["y"]
+    logits = {}
+    for name in ("digits-small", "digits-large"):
+        model_dir = layout.artifact_dir(name)
+        meta = json.loads((model_dir / "classifier.json").read_text())
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = 1
+        session = ort.InferenceSession(str(model_dir / "model.onnx"), opts, providers=["CPUExecutionProvider"])
+        logits[name] = session.run([meta["output"]], {meta["input"]: x})[0]
+    signal_s = np.empty(len(x))
+    for i in range(len(x)):  # per request, as the agent sees them one at a time
+        started = time.perf_counter()
+        classifier_signals(logits["digits-small"][i])
+        signal_s[i] = time.perf_counter() - started
+    return TaskResults(
+        task="digits",
+        edge_model="tierline/digits-small",
+        cloud_model="tierline/digits-large",
+        signals=classifier_signals(logits["digits-small"]),
+        prompt_tokens=None,
+        edge_good=logits["digits-small"].argmax(-1) == y,
+        cloud_good=logits["digits-large"].argmax(-1) == y,
+        agrees=logits["digits-small"].argmax(-1) == logits["digits-large"].argmax(-1),
+        signal_s=signal_s,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class LineItem:
+    prompt: list[int]
+    line: str  # the rest of the line after the prompt, without the newline
+
+
+class _LineEnds:
+    """Which token ids end a line (hold a newline) or the text (EOS), and how a generation reads as a line."""
+
+    def __init__(self, tokenizer: Any, eos_ids: set[int]) -> None:
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.has_newline = np.array(["\n" in tokenizer.decode([i]) for i in range(tokenizer.get_vocab_size())])
+
+    def is_end(self, token: int) -> bool:
+        return bool(self.has_newline[token]) or token in self.eos_ids
+
+    def line(self, ids: list[int]) -> str | None:
+        """The generated line, or None when the cap came before the line ended."""
+        if not ids or not self.is_end(ids[-1]):
+            return None
+        if ids[-1] in self.eos_ids:
+            return str(self.tokenizer.decode(ids[:-1]))
+        return str(self.tokenizer.decode(ids)).split("\n", 1)[0]
+
+
+def line_items(ends: _LineEnds, texts: list[str], num_items: int, seed: int) -> list[LineItem]:
+    """``num_items`` line starts drawn at random (seeded) from every file's eligible lines."""
+    encodings = ends.tokenizer.encode_batch(texts)
+    starts: list[tuple[int, int, int]] = []  # (file, first token of the line, its newline token)
+    for f, enc in enumerate(encodings):
+        newlines = np.flatnonzero(ends.has_newline[np.asarray(enc.ids, dtype=np.int64)])
+        first, last = newlines[:-1] + 1, newlines[1:]
+        ok = (first < last) & (last - first + 1 <= MAX_LINE_TOKENS) & (first >= MIN_CONTEXT_TOKENS)
+        starts.extend((f, int(a), int(b)) for a, b in zip(first[ok], last[ok], strict=True))
+    items: list[LineItem] = []
+    for k in np.random.default_rng(seed).permutation(len(starts)):
+        f, start, newline = starts[int(k)]
+        ids = encodings[f].ids
+        line = str(ends.tokenizer.decode(ids[start : newline + 1])).split("\n", 1)[0]
+        if len(line.strip()) >= MIN_LINE_CHARS:
+            items.append(LineItem(list(ids[max(0, start - CONTEXT_TOKENS) : start]), line))
+            if len(items) == num_items:
+                break
+    return items
+
+
+def _edge_lines(
+    model_dir: Path, ends: _LineEnds, items: list[LineItem]
+) -> tuple[list[str | None], list[dict[str, float]], np.ndarray]:
+    from edge_agent.runtime.lm import load_causal_lm
+
+    runtime = load_causal_lm(model_dir, num_threads=1)
+    lines: list[str | None] = []
+    signals: list[dict[str, float]] = []
+    signal_s = np.zeros(len(items))
+    for i, item in enumerate(items):
+        runtime.reset()
+        logits = runtime.prefill(item.prompt)
+        out: list[int] = []
+        steps: list[StepSignal] = []
+        while True:
+            token = int(np.argmax(logits))
+            started = time.perf_counter()
+            steps.append(step_signal(logits, token))
+            signal_s[i] += time.perf_counter() - started
+            out.append(token)
+            if ends.is_end(token) or len(out) == MAX_LINE_TOKENS:
+                break
+            logits = runtime.decode(token)
+        started = time.perf_counter()
+        signals.append(lm_signals(steps))
+        signal_s[i] += time.perf_counter() - started
+        lines.append(ends.line(out))
+    return lines, signals, signal_s
+
+
+def _cloud_lines(model_dir: Path, ends: _LineEnds, items: list[LineItem]) -> list[str | None]:
+    from cloud.engine.llm import LLM
+    from cloud.engine.sampling_params import SamplingParams
+
+    llm = LLM(model_dir, kv_cache_bytes=KV_CACHE_BYTES)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_LINE_TOKENS, stop=["\n"])
+    outputs = llm.generate([item.prompt for item in items], params)
+    return [ends.line(out.token_ids) for out in outputs]
+
+
+def run_lm(layout: ZooLayout, num_lines: int, seed: int) -> TaskResults:
+    """Greedy line completion on ``num_lines`` held-out lines by the edge LM (INT8) and the cloud LM."""
+    from tokenizers import Tokenizer
+
+    from shared.zoo.corpus import held_out_files
+
+    edge_dir = layout.artifact_dir(EDGE_LM_ARTIFACT)
+    generation = json.loads((edge_dir / "generation_config.json").read_text())
+    eos = generation.get("eos_token_id", [])
+    ends = _LineEnds(
+        Tokenizer.from_file(str(edge_dir / "tokenizer.json")), set(eos if isinstance(eos, list) else [eos])
+    )
+    items = line_items(ends, [f.text for f in held_out_files()], num_lines, seed)
+    edge_lines, signals, signal_s = _edge_lines(edge_dir, ends, items)
+    cloud_lines = _cloud_lines(layout.artifact_dir("lm-cloud"), ends, items)
+    truth = [item.line for item in items]
+    return TaskResults(
+        task="lm",
+        edge_model="tierline/lm-edge",
+        cloud_model="tierline/lm-cloud",
+        signals={k: np.array([s[k] for s in signals]) for k in signals[0]} if signals else {},
+        prompt_tokens=np.array([len(item.prompt) for item in items], dtype=np.float64),
+        edge_good=np.array([e == t for e, t in zip(edge_lines, truth, strict=True)], dtype=bool),
+        cloud_good=np.array([c == t for c, t in zip(cloud_lines, truth, strict=True)], dtype=bool),
+        agrees=np.array([e is not None and e == c for e, c in zip(edge_lines, cloud_lines, strict=True)], dtype=bool),
+        signal_s=signal_s,
+        extra={
+            "edge_lines_finished": round(float(np.mean([e is not None for e in edge_lines])), 4),
+            "context_tokens": CONTEXT_TOKENS,
+            "max_line_tokens": MAX_LINE_TOKENS,
+        },
+    )

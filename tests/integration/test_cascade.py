@@ -1,0 +1,196 @@
+"""The cascade benchmark on the test zoo reports every number in range; its validation export calibrates into a
+policy the agent loads, and that policy keeps quality within the bound on the data it was calibrated on."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from bench.cascade_bench import cascade_command
+from edge_agent.calibrate import calibrate_command
+from shared.escalation import CLASSIFIER_SIGNALS, LM_SIGNALS, ROUTER, EdgePolicy, load_policy, save_policy
+
+pytestmark = pytest.mark.integration
+
+NUM_LINES = 40
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+TASK_KEYS = {
+    "edge_only_quality",
+    "cloud_only_quality",
+    "oracle_quality",
+    "oracle_edge_share",
+    "policy_points",
+    "random_points",
+    "edge_share_at_cloud_parity_minus_1pt",
+    "auc_gain_vs_random",
+    "decision_p95_ms",
+    "router_decision_p95_ms",
+    "signals",
+    "winner",
+    "n_validation",
+    "n_test",
+}
+
+
+@pytest.fixture(scope="module")
+def cascade(tiny_zoo: Path, session_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One run of ``tierline bench cascade`` on the tiny preset, with the validation export (and the plot)."""
+    out = tmp_path_factory.mktemp("cascade")
+    args = ["--preset", "tiny", "--json", "--lines", str(NUM_LINES), "--export-validation", str(out / "val.jsonl")]
+    if HAS_MATPLOTLIB:
+        args += ["--plot", str(out / "cascade.png")]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TIERLINE_DATA_DIR", str(session_data_dir))  # the default --zoo-dir finds the built tiny zoo
+        result = CliRunner().invoke(cascade_command, args)
+    assert result.exit_code == 0, result.output
+    return {"report": json.loads(result.stdout), "dir": out}
+
+
+def _rows(path: Path, model: str) -> list[dict[str, Any]]:
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["model"] == model]
+
+
+def _calibrate(*args: str) -> Any:
+    return CliRunner().invoke(calibrate_command, list(args))
+
+
+def test_cascade_reports_every_number_in_range(cascade: dict[str, Any]) -> None:
+    report = cascade["report"]
+    expected_signals = {"digits": {*CLASSIFIER_SIGNALS, ROUTER}, "lm": {*LM_SIGNALS, ROUTER}}
+    for task, total in (("digits", 540), ("lm", NUM_LINES)):
+        r = report[task]
+        assert set(r) >= TASK_KEYS, TASK_KEYS - set(r)
+        assert r["n_validation"] + r["n_test"] == total and r["n_validation"] > 0 and r["n_test"] > 0
+        for key in ("edge_only_quality", "cloud_only_quality", "oracle_quality", "oracle_edge_share"):
+            assert 0.0 <= r[key] <= 1.0, key
+        assert r["oracle_quality"] >= max(r["edge_only_quality"], r["cloud_only_quality"])
+        assert set(r["signals"]) == expected_signals[task] and r["winner"] in r["signals"]
+        for name, s in r["signals"].items():
+            assert 0.0 <= s["edge_share_at_cloud_parity_minus_1pt"] <= 1.0, name
+            assert -1.0 <= s["auc_gain_vs_random"] <= 1.0, name
+        assert (
+            r["edge_share_at_cloud_parity_minus_1pt"]
+            == r["signals"][r["winner"]]["edge_share_at_cloud_parity_minus_1pt"]
+        )
+        assert r["decision_p95_ms"] > 0 and r["router_decision_p95_ms"] > 0
+
+        shares = [p["edge_share"] for p in r["policy_points"]]
+        assert shares == sorted(shares), "a lower threshold never answers fewer requests at the edge"
+        assert shares[0] <= 0.1 and shares[-1] >= 0.9, "the sweep spans all-cloud to all-edge"
+        assert all(0.0 <= p["quality"] <= 1.0 for p in r["policy_points"])
+        for point, rand in zip(r["policy_points"], r["random_points"], strict=True):
+            assert rand["edge_share"] == point["edge_share"]
+            linear = point["edge_share"] * r["edge_only_quality"] + (1 - point["edge_share"]) * r["cloud_only_quality"]
+            assert rand["quality"] == pytest.approx(linear, abs=1e-3)
+    assert 0.0 <= report["lm"]["agreement_with_cloud"] <= 1.0
+    # The small classifier answers most digits locally within a point of the large one's accuracy.
+    assert report["digits"]["edge_share_at_cloud_parity_minus_1pt"] >= 0.7
+    assert report["digits"]["parity_holds_on_test"] is True
+
+
+@pytest.mark.parametrize(
+    ("model", "model_id"), [("digits-small", "tierline/digits-small"), ("tierline/lm-edge", "tierline/lm-edge")]
+)
+def test_validation_export_calibrates_a_policy_within_the_bound(
+    cascade: dict[str, Any], tmp_path: Path, model: str, model_id: str
+) -> None:
+    data = cascade["dir"] / "val.jsonl"
+    rows = _rows(data, model_id)
+    task = "digits" if "digits" in model_id else "lm"
+    assert len(rows) == cascade["report"][task]["n_validation"]
+
+    result = _calibrate("--model", model, "--max-quality-loss", "0.01", "--data", str(data), "--out-dir", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    assert len(result.output.strip().splitlines()) == 1 and model_id in result.output
+
+    policy = load_policy(tmp_path, model_id)
+    assert policy is not None and policy.model == model_id
+    edge_good = np.array([r["edge_good"] for r in rows])
+    cloud_good = np.array([r["cloud_good"] for r in rows])
+    local = np.array(
+        [not policy.should_escalate({**r["signals"], "prompt_tokens": r["prompt_tokens"] or 0}) for r in rows]
+    )
+    quality = np.where(local, edge_good, cloud_good).mean()
+    assert quality >= cloud_good.mean() - 0.01 - 1e-9
+    cal = policy.calibration
+    assert cal["max_quality_loss"] == 0.01 and cal["num_items"] == len(rows) and cal["calibrated_at"]
+    assert cal["edge_share"] == pytest.approx(local.mean())
+    assert policy.signal in cal["signals"] and len(cal["curve"]) >= 2
+    if task == "digits":
+        assert local.mean() >= 0.7
+
+
+def test_calibrate_keeps_operator_settings_and_defaults_to_the_agent_policy_dir(
+    cascade: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TIERLINE_EDGE_POLICY_DIR", str(tmp_path))
+    save_policy(tmp_path, EdgePolicy("tierline/digits-small", mode="cloud-first", max_new_tokens=64))
+    result = _calibrate("--model", "digits-small", "--data", str(cascade["dir"] / "val.jsonl"))
+    assert result.exit_code == 0, result.output
+    policy = load_policy(tmp_path, "tierline/digits-small")
+    assert policy is not None and policy.calibration
+    assert (policy.mode, policy.max_new_tokens) == ("cloud-first", 64)
+
+
+_ROW = {
+    "model": "tierline/lm-edge",
+    "signals": {"mean_logprob": -1.0},
+    "prompt_tokens": 12,
+    "edge_good": True,
+    "cloud_good": True,
+    "agrees_with_cloud": True,
+}
+
+
+def _line(**changes: Any) -> str:
+    return json.dumps({**_ROW, **changes}) + "\n"
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("not json\n", "not JSON"),
+        (_line(edge_good=1), "'edge_good'"),
+        (_line(signals={"mean_logprob": "x"}), "'signals'"),
+        (_line(prompt_tokens=-3), "'prompt_tokens'"),
+        (_line(model="tierline/other"), "no items for model 'lm-edge' (models in the file: tierline/other)"),
+        (_line() * 3, "only 3 items"),
+        (_line(signals={"perplexity": 2.0}) * 12, "no item of tierline/lm-edge has a known signal"),
+        ("", "no items for model"),
+    ],
+)
+def test_calibrate_rejects_bad_data_in_one_line(tmp_path: Path, content: str, message: str) -> None:
+    data = tmp_path / "val.jsonl"
+    data.write_text(content)
+    result = _calibrate("--model", "lm-edge", "--data", str(data), "--out-dir", str(tmp_path / "policies"))
+    assert result.exit_code == 1
+    assert message in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "policies").exists()
+
+
+def test_calibrate_escalates_everything_when_no_threshold_keeps_quality(tmp_path: Path) -> None:
+    data = tmp_path / "val.jsonl"
+    rows = [_line(signals={"mean_logprob": -0.1 * i}, edge_good=False, agrees_with_cloud=False) for i in range(12)]
+    data.write_text("".join(rows))
+    result = _calibrate(
+        "--model", "lm-edge", "--max-quality-loss", "0", "--data", str(data), "--out-dir", str(tmp_path)
+    )
+    assert result.exit_code == 0, result.output
+    assert "every request escalates" in result.output
+    policy = load_policy(tmp_path, "tierline/lm-edge")
+    assert policy is not None and np.isfinite(policy.threshold)
+    assert all(policy.should_escalate({"mean_logprob": -0.1 * i, "prompt_tokens": 12}) for i in range(12))
+
+
+@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="--plot needs matplotlib, which is not installed")
+def test_plot_writes_a_png(cascade: dict[str, Any]) -> None:
+    png = cascade["dir"] / "cascade.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png.stat().st_size > 10_000
