@@ -333,3 +333,88 @@ class BudgetPeriod(SQLModel, table=True):
     period: str = Field(primary_key=True, max_length=7, description="YYYY-MM (UTC)")
     spent: Decimal = Field(default=Decimal(0), sa_type=MONEY)
     reserved: Decimal = Field(default=Decimal(0), sa_type=MONEY)
+
+
+class Rollout(SQLModel, table=True):
+    """A canary rollout of a model's candidate version against its baseline, in steps of candidate weight.
+
+    Versions are strings: edge artifact versions are names like ``tiny-2``, cloud versions are numbers.
+    ``revision`` grows with every transition, so two controllers (or an operator and a controller) can never
+    both apply a transition to the same state.
+    """
+
+    __tablename__ = "rollout"
+    __table_args__ = (Index("ix_rollout_model_status", "model", "status"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    tenant_id: int | None = Field(default=None, foreign_key="tenant.id", description="None: every tenant")
+    model: str = Field(max_length=128, description="cloud model name, or the edge artifact name")
+    baseline_version: str = Field(max_length=64)
+    candidate_version: str = Field(max_length=64)
+    scope: str = Field(max_length=8, description="cloud | edge | both")
+    device_selector: dict[str, str] = Field(
+        default_factory=dict, sa_column=Column(JSON, nullable=False), description="labels a device must carry"
+    )
+    steps: list[float] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    step_index: int = 0
+    weight: float = Field(default=0.0, description="the candidate's share of subjects now, in percent")
+    status: str = Field(
+        default="pending", max_length=16, description="pending | running | paused | promoted | rolled_back | aborted"
+    )
+    min_step_s: float = Field(default=300.0, description="least time a step runs before it may advance")
+    min_samples: int = Field(default=100, description="least requests per arm before a step is judged")
+    checks: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    last_analysis: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
+    created_by: str = Field(default="", max_length=128)
+    revision: int = Field(default=1)
+    created_at: datetime = _ts()
+    updated_at: datetime = _ts()
+    step_started_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    finished_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+
+
+class RolloutEvent(SQLModel, table=True):
+    """One transition of a rollout, with its reason and the metrics that caused it."""
+
+    __tablename__ = "rollout_event"
+
+    id: int | None = Field(default=None, primary_key=True)
+    rollout_id: int = Field(foreign_key="rollout.id", index=True)
+    at: datetime = _ts()
+    kind: str = Field(max_length=32, description="created | started | advanced | paused | resumed | promoted | ...")
+    from_status: str | None = Field(default=None, max_length=16)
+    to_status: str = Field(max_length=16)
+    step_index: int
+    weight: float
+    reason: str = Field(default="", max_length=2000)
+    metrics: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
+    actor: str = Field(default="", max_length=128)
+
+
+class RolloutPin(SQLModel, table=True):
+    """A tenant or device held on one arm of a rollout, or left out of it."""
+
+    __tablename__ = "rollout_pin"
+    __table_args__ = (UniqueConstraint("rollout_id", "kind", "key"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    rollout_id: int = Field(foreign_key="rollout.id", index=True)
+    kind: str = Field(max_length=8, description="tenant | device")
+    key: str = Field(max_length=128, description="tenant name or device id")
+    arm: str = Field(max_length=16, description="baseline | candidate | excluded")
+    created_at: datetime = _ts()
+
+
+class ConsoleToken(SQLModel, table=True):
+    """A bearer token for the console's management API, acting as a console user. Only its sha256 is kept."""
+
+    __tablename__ = "console_token"
+
+    id: int | None = Field(default=None, primary_key=True)
+    user_id: int = Field(foreign_key="console_user.id", index=True)
+    name: str = Field(default="", max_length=200)
+    prefix: str = Field(max_length=16, description="first characters of the token, shown to identify it")
+    token_hash: str = Field(max_length=128, unique=True, description="sha256 of the token")
+    created_at: datetime = _ts()
+    revoked_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    last_used_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
