@@ -128,14 +128,15 @@ def bench_tensor(preset: str, zoo_dir: Path | None, as_json: bool, num_requests:
     _emit(run_tensor_bench(_zoo_root(preset, zoo_dir), num_requests, concurrency), as_json)
 
 
-bench.add_command(planned("cascade", "Edge/cloud cascade quality vs edge share.", issue=6))
 bench.add_command(planned("billing", "Usage ingestion and rating throughput.", issue=8))
 
 
 def _register() -> None:
+    from bench.cascade_bench import cascade_command
     from bench.edge_bench import edge_command
 
     bench.add_command(edge_command)
+    bench.add_command(cascade_command)
 
 
 _register()

@@ -6,8 +6,6 @@ from pathlib import Path
 
 import click
 
-from shared.planned import planned
-
 
 @click.group()
 def edge() -> None:
@@ -71,4 +69,10 @@ def enroll(cloud_url: str, token: str, name: str, labels: tuple[str, ...], confi
     click.echo(f"enrolled as device {creds.device_id} of tenant {creds.tenant}; credentials in {path}")
 
 
-edge.add_command(planned("calibrate", "Pick the escalation threshold from validation data.", issue=6))
+def _register() -> None:
+    from edge_agent.calibrate import calibrate_command
+
+    edge.add_command(calibrate_command)
+
+
+_register()

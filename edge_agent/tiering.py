@@ -164,7 +164,7 @@ class Tiering:
                 return await self._cloud(endpoint, req, request_id, reason, fallback=started, prepared=prepared)
         if not req.stream:
             body = await serving.run(prepared)
-            if mode == "local-first" and policy.should_escalate(prepared.signals()):
+            if mode == "local-first" and policy.should_escalate(_signals(prepared)):
                 return await self._cloud(
                     endpoint, req, request_id, "low-confidence", fallback=started, prepared=prepared, local_body=body
                 )
@@ -375,7 +375,7 @@ class Tiering:
             window.append(step)
             if step.finish_reason is not None or len(window) >= policy.stream_window:
                 break
-        if not policy.should_escalate(prepared.signals()):
+        if not policy.should_escalate(_signals(prepared)):
             return self._edge_stream(prepared, _chain(window, source), request_id, started, None)
         try:
             answer = await self._cloud(endpoint, req, request_id, "low-confidence", fallback=None)
@@ -467,6 +467,11 @@ class Tiering:
             payload = {"error": {"message": content[:200].decode(errors="replace"), "type": "cloud_error"}}
         self._cloud_served(req, request_id, reason, started, "error", None)
         return Answer(payload, "cloud", reason, status_code=status, request_id=request_id)
+
+
+def _signals(prepared: serving.Prepared) -> dict[str, float]:
+    """The policy's inputs: the answer's confidence signals and the prompt's length (the router uses it)."""
+    return {**prepared.signals(), "prompt_tokens": float(prepared.prompt_tokens)}
 
 
 def _ms(started: float) -> float:

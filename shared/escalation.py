@@ -52,14 +52,28 @@ class StepSignal:
 
 
 def step_signal(logits: np.ndarray, token: int) -> StepSignal:
-    p = _probs(logits)
-    top2 = np.partition(p, -2)[-2:] if p.shape[-1] > 1 else np.array([0.0, float(p[0])])
-    nz = p[p > 0]
-    entropy = float(-(nz * np.log(nz)).sum())
+    """One pass-light computation per generated token (it runs inside the decode loop): float32, the
+    entropy from ``log Z - E[z]`` instead of ``p log p``, the runner-up by masking the top entry."""
+    x = np.asarray(logits, dtype=np.float32)
+    n = x.shape[-1]
+    top = int(x.argmax())
+    z = x - x[top]
+    e = np.exp(z)
+    total = float(e.sum())
+    log_total = math.log(total)
+    # H = -sum p log p with p = e / total and log p = z - log_total.
+    entropy = log_total - float(np.dot(e, z)) / total
+    if n > 1:
+        saved = e[top]
+        e[top] = -1.0
+        second = float(e.max())
+        e[top] = saved
+    else:
+        second = 0.0
     return StepSignal(
-        logprob=float(math.log(max(float(p[token]), 1e-300))),
-        margin=float(top2[1] - top2[0]),
-        norm_entropy=entropy / math.log(p.shape[-1]) if p.shape[-1] > 1 else 0.0,
+        logprob=float(z[token]) - log_total,
+        margin=(1.0 - second) / total,
+        norm_entropy=max(0.0, entropy) / math.log(n) if n > 1 else 0.0,
     )
 
 

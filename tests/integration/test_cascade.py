@@ -3,7 +3,6 @@ policy the agent loads, and that policy keeps quality within the bound on the da
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,6 @@ from shared.escalation import CLASSIFIER_SIGNALS, LM_SIGNALS, ROUTER, EdgePolicy
 pytestmark = pytest.mark.integration
 
 NUM_LINES = 40
-HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 TASK_KEYS = {
     "edge_only_quality",
     "cloud_only_quality",
@@ -43,8 +41,7 @@ def cascade(tiny_zoo: Path, session_data_dir: Path, tmp_path_factory: pytest.Tem
     """One run of ``tierline bench cascade`` on the tiny preset, with the validation export (and the plot)."""
     out = tmp_path_factory.mktemp("cascade")
     args = ["--preset", "tiny", "--json", "--lines", str(NUM_LINES), "--export-validation", str(out / "val.jsonl")]
-    if HAS_MATPLOTLIB:
-        args += ["--plot", str(out / "cascade.png")]
+    args += ["--plot", str(out / "cascade.png")]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TIERLINE_DATA_DIR", str(session_data_dir))  # the default --zoo-dir finds the built tiny zoo
         result = CliRunner().invoke(cascade_command, args)
@@ -189,7 +186,6 @@ def test_calibrate_escalates_everything_when_no_threshold_keeps_quality(tmp_path
     assert all(policy.should_escalate({"mean_logprob": -0.1 * i, "prompt_tokens": 12}) for i in range(12))
 
 
-@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="--plot needs matplotlib, which is not installed")
 def test_plot_writes_a_png(cascade: dict[str, Any]) -> None:
     png = cascade["dir"] / "cascade.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
