@@ -204,7 +204,7 @@ class JobWorker:
         """Wait until the job's usage record is stored, so a finished job is never unbilled after a crash."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + METERED_WAIT_S
-        with contextlib.suppress(Exception):  # the writer logs and keeps the records; the wait below decides
+        with contextlib.suppress(Exception):  # a failed write stays queued in the writer; the wait below decides
             await self.usage.flush()
         while not await asyncio.to_thread(self._is_metered, job_id):
             if loop.time() > deadline:

@@ -6,6 +6,10 @@ call would have returned, or ``failed`` with an OpenAI-shaped error. Workers cla
 conditional UPDATE, so two replicas never run it at once, and hold it under a lease they renew; a worker
 that dies lets its lease lapse and the job is taken again. The attempt number fences a finish: a worker
 whose lease was taken over cannot overwrite the newer attempt's outcome.
+
+A job's usage record has the job's id, so a re-run is billed once. A job cut off by a crash is billed only by
+its re-run; one still running when a graceful stop's drain time ends is billed for what that attempt
+generated (the usage record of an abandoned request), and its re-run's record is then a duplicate.
 """
 
 from __future__ import annotations
