@@ -12,7 +12,7 @@ edge's and the cloud's answers were right.
   stripped (a lone ``)`` or ``]``: nothing to predict), lines that need more than the generation cap (no tier
   could get them right, so they would only dilute both qualities alike) and the first ``MIN_CONTEXT_TOKENS``
   tokens of each file (no context to go on). The edge runs the ONNX INT8 export with
-  ``edge_agent.runtime.lm`` (the device runtime; signals from ``step_signal`` over every generated token,
+  ``edge_agent.runtime.lm`` (the device runtime; signals from ``step_signals`` over every generated token,
   the newline included); the cloud runs ``lm-cloud`` on the project's engine, all prompts in one batch.
 """
 
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from shared.escalation import StepSignal, classifier_signals, lm_signals, step_signal
+from shared.escalation import classifier_signals, lm_signals, step_signals
 from shared.zoo.registry import ZooLayout
 
 CONTEXT_TOKENS = 128
@@ -148,19 +148,18 @@ def _edge_lines(
         runtime.reset()
         logits = runtime.prefill(item.prompt)
         out: list[int] = []
-        steps: list[StepSignal] = []
+        rows: list[np.ndarray] = []
         while True:
             token = int(np.argmax(logits))
-            started = time.perf_counter()
-            steps.append(step_signal(logits, token))
-            signal_s[i] += time.perf_counter() - started
+            rows.append(logits)
             out.append(token)
             if ends.is_end(token) or len(out) == MAX_LINE_TOKENS:
                 break
             logits = runtime.decode(token)
+        # The evidence for the whole line in one vectorised pass (what a device pays to decide).
         started = time.perf_counter()
-        signals.append(lm_signals(steps))
-        signal_s[i] += time.perf_counter() - started
+        signals.append(lm_signals(step_signals(np.stack(rows), out)))
+        signal_s[i] = time.perf_counter() - started
         lines.append(ends.line(out))
     return lines, signals, signal_s
 
