@@ -43,6 +43,7 @@ bench: install
 	$(BIN)/tierline bench prefix --json
 	$(BIN)/tierline bench tensor --json
 	$(BIN)/tierline bench edge --json
+	$(BIN)/tierline bench cascade --json --plot docs/cascade.png
 	$(BIN)/tierline bench api --preset tiny --json
 
 clean:
