@@ -8,7 +8,13 @@ Layout under ``$TIERLINE_DATA_DIR/edge-releases``::
 
 A published version is immutable: publishing the same name and version with other bytes is refused. Every
 device is told the most recently *published* version of each model, not the highest version string, so
-publishing an existing version again makes it the newest: that is how the fleet is rolled back.
+publishing an existing version again makes it the newest: that is how the fleet is rolled back by hand.
+
+A rollout (``shared.rollouts``) whose scope covers the edge overrides that rule for its model (the rollout's
+model is the artifact name): while it is pending, running or paused, each device gets its sticky arm's
+version (baseline outside the selector); once promoted, the candidate; once rolled back or aborted, the
+baseline. A publish of the model after the rollout finished makes today's rule apply again. A version the
+rollout names but nobody published is left out of the answer, so devices keep what they run.
 
 ``GET /v1/edge/artifacts/{name}/{version}/{path}`` serves ``manifest.json`` or a file the manifest lists, to
 enrolled devices only, with single-range HTTP Range support so that an interrupted download resumes. Devices
@@ -22,6 +28,7 @@ import asyncio
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -38,6 +45,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from litestar import Request, Response, get
 from litestar.datastructures import State
 from litestar.response import Stream
+from sqlalchemy.engine import Engine
+from sqlmodel import Session
 
 from cloud.edge_gateway import DEVICE, DEVICE_BEARER, DeviceCaller
 from shared.artifacts import (
@@ -52,8 +61,12 @@ from shared.artifacts import (
 )
 from shared.edge_protocol import DesiredModel
 from shared.errors import ArtifactVerificationError, ConflictError, NotFoundError
+from shared.rollouts import FINAL, edge_version, load_plans, plans_for
 from shared.settings import CoreSettings
 from shared.storage.models import Device
+from shared.storage.session import get_engine
+
+logger = logging.getLogger(__name__)
 
 RELEASES_DIR = "edge-releases"
 INDEX_FILE = "releases.json"
@@ -87,12 +100,17 @@ class ServedFile:
 
 
 class ReleaseStore:
-    """Published edge artifacts on the cloud's disk. ``trusted_keys`` default to the platform's signing key."""
+    """Published edge artifacts on the cloud's disk. ``trusted_keys`` default to the platform's signing key;
+    ``engine`` (where rollouts are read) defaults to the process's database."""
 
-    def __init__(self, root: Path, trusted_keys: list[Ed25519PublicKey] | None = None) -> None:
+    def __init__(
+        self, root: Path, trusted_keys: list[Ed25519PublicKey] | None = None, engine: Engine | None = None
+    ) -> None:
         self.root = root
         self._trusted_keys = trusted_keys
+        self._engine = engine
         self._index_cache: tuple[tuple[int, int], list[Release]] | None = None
+        self._warned: set[tuple[int, str]] = set()
 
     @classmethod
     def from_settings(cls) -> ReleaseStore:
@@ -188,11 +206,39 @@ class ReleaseStore:
         return list(releases)
 
     def desired(self, device: Device) -> list[DesiredModel]:
-        """The most recently published version of every model (the same for every device, for now)."""
+        """Per model: the version a rollout assigns this device, else the most recently published one."""
+        releases = self._read_index()
         newest: dict[str, Release] = {}
-        for release in self._read_index():
+        published: dict[tuple[str, str], Release] = {}
+        for release in releases:
             newest.pop(release.name, None)
             newest[release.name] = release
+            published[(release.name, release.version)] = release
+        if not newest:
+            return []
+        with Session(self._engine or get_engine()) as session:
+            plans = load_plans(session, "edge")
+        chosen: list[Release] = []
+        for name, release in sorted(newest.items()):
+            plan = plans_for(plans, name, device.tenant_id)
+            published_after_end = (
+                plan is not None
+                and plan.status in FINAL
+                and plan.finished_at is not None
+                and release.published_at > plan.finished_at.timestamp()
+            )
+            if plan is None or published_after_end:
+                chosen.append(release)
+                continue
+            version = edge_version(plan, device.id, device.tenant_id, device.labels)
+            assigned = published.get((name, version))
+            if assigned is not None:
+                chosen.append(assigned)
+            elif (plan.id, version) not in self._warned:
+                self._warned.add((plan.id, version))
+                logger.warning(
+                    "rollout %s assigns %s %s, which is not published; devices keep theirs", plan.id, name, version
+                )
         return [
             DesiredModel(
                 name=r.name,
@@ -200,7 +246,7 @@ class ReleaseStore:
                 sha256=r.sha256,
                 manifest_url=f"/v1/edge/artifacts/{r.name}/{r.version}/{MANIFEST_FILE}",
             )
-            for r in sorted(newest.values(), key=lambda r: r.name)
+            for r in chosen
         ]
 
     def locate(self, name: str, version: str, path: str) -> ServedFile:

@@ -14,6 +14,8 @@ from sqlalchemy import func
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
+from console.api import API_ROUTER
+from console.rollout_controller import rollout_controller
 from shared.http import EXCEPTION_HANDLERS, healthz
 from shared.settings import SecretSettings
 from shared.storage.models import ApiKey, Device, Model, Tenant
@@ -35,8 +37,9 @@ def overview(state: State) -> Template:
 def create_app(engine: Engine | None = None) -> Litestar:
     SecretSettings()  # refuses a placeholder secret outside dev mode
     return Litestar(
-        route_handlers=[healthz, overview],
+        route_handlers=[healthz, overview, API_ROUTER],
         exception_handlers=EXCEPTION_HANDLERS,
+        lifespan=[rollout_controller],
         template_config=TemplateConfig(directory=TEMPLATES, engine=JinjaTemplateEngine),
         state=State({"engine": engine or get_engine()}),
     )

@@ -51,3 +51,17 @@ def create_admin(username: str, role: str, password_stdin: bool, if_missing: boo
     with session_scope() as session:
         create_user(session, username, password, role)
     click.echo(f"created console user {username} ({role})")
+
+
+@console.command("create-token")
+@click.option("--username", required=True, help="the console user the token acts as")
+@click.option("--name", default="", help="a label for the token")
+def create_token(username: str, name: str) -> None:
+    """Create a management API token for a console user and print it once (only its hash is stored)."""
+    from console.api import create_token as issue
+    from shared.storage.session import session_scope
+
+    with session_scope() as session:
+        issued = issue(session, username, name=name)
+        click.echo(f"console API token id {issued.record.id} for {username} (shown once):", err=True)
+        click.echo(issued.secret)
