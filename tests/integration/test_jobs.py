@@ -367,7 +367,7 @@ def _wait_until_running(db_url: str, ids: list[str], timeout: float = 30.0) -> s
         if running:
             return running[0]
         time.sleep(0.05)
-    raise AssertionError("no job started")
+    raise AssertionError(f"no job started: {_statuses(db_url, ids)}")
 
 
 @pytest.mark.slow
@@ -388,14 +388,17 @@ def test_jobs_survive_sigterm_and_a_crash_and_each_is_billed_once(
         first.send_signal(signal.SIGTERM)  # the running job finishes (drain); the queued ones wait
         assert first.wait(timeout=60) in (0, -signal.SIGTERM)
     after_sigterm = _statuses(db_url, ids)
-    assert any(status == "queued" for status, _ in after_sigterm.values())
+    assert any(status == "queued" for status, _ in after_sigterm.values()), after_sigterm
     assert all(status in ("queued", "succeeded") for status, _ in after_sigterm.values())
 
     with cloud_process(env, port) as second:
         _wait_until_running(db_url, ids)
         second.kill()  # a crash: the running job's lease lapses and another process takes it again
         second.wait()
-    (interrupted,) = [i for i, (status, _) in _statuses(db_url, ids).items() if status == "running"]
+    after_crash = _statuses(db_url, ids)
+    running = [i for i, (status, _) in after_crash.items() if status == "running"]
+    assert len(running) == 1, after_crash  # one worker: the job it was running when killed
+    interrupted = running[0]
 
     with cloud_process(env, port):
         jobs = [wait_for_job(url, key, job_id) for job_id in ids]
