@@ -39,7 +39,7 @@ from cloud.responses import respond
 from cloud.settings import CloudSettings
 from cloud.tensor_models import TensorPool, unknown_model
 from cloud.webhooks import WebhookStore
-from shared.errors import AuthenticationError, ServiceUnavailableError
+from shared.errors import AuthenticationError, PermissionDeniedError, ServiceUnavailableError
 from shared.http import EXCEPTION_HANDLERS, healthz
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
 from shared.settings import CoreSettings
@@ -172,6 +172,9 @@ async def inference(
         return job
     tensor = state.tensors.get(data.model_id)
     if tensor is not None:
+        allowed = caller.key.allowed_models if caller.key is not None else None
+        if allowed and data.model_id not in allowed:
+            raise PermissionDeniedError(f"this API key may not use model '{data.model_id}'", param="model_id")
         result = {"model_id": data.model_id, **(await state.tensors.infer(tensor, data.inputs))}
         return Response(result, headers={"x-request-id": caller.request_id, "x-tierline-tier": "cloud"})
     if data.model_id not in state.pool.engines:

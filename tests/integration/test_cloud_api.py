@@ -280,3 +280,26 @@ def test_generic_inference_serves_tensor_models_in_batches_and_llms(cloud_api: d
     assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "parameters.beam"
     missing = httpx.post(url, json={"model_id": "nope", "inputs": [1]}, headers=headers)
     assert missing.status_code == 404
+
+
+def test_a_key_limited_to_some_models_is_refused_the_others(cloud_api: dict[str, str]) -> None:
+    from shared.tenancy import create_api_key
+
+    engine = create_engine(cloud_api["db"])
+    with Session(engine) as s:
+        acme = s.exec(select(Tenant).where(Tenant.name == "acme")).one()
+        issued = create_api_key(s, acme, name="lm-only", allowed_models=[MODEL])
+        s.commit()
+    engine.dispose()
+    headers = {"Authorization": f"Bearer {issued.secret}"}
+    url = cloud_api["url"]
+    tensor = httpx.post(
+        f"{url}/v1/inference", json={"model_id": "tierline/digits-large", "inputs": [[0.0] * 64]}, headers=headers
+    )
+    assert tensor.status_code == 403 and tensor.json()["error"]["param"] == "model_id"
+    other = httpx.post(
+        f"{url}/v1/completions", json={"model": "tierline/lm-edge", "prompt": "x", "max_tokens": 1}, headers=headers
+    )
+    assert other.status_code == 403 and other.json()["error"]["param"] == "model"
+    ok = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}, headers=headers)
+    assert ok.status_code == 200
