@@ -325,7 +325,7 @@ def validate_checks(checks: Mapping[str, Any] | None) -> dict[str, Any]:
     for metric, spec in checks.items():
         param = f"checks.{metric}"
         if metric not in METRICS:
-            raise ValidationError(f"unknown check {metric!r}; known: {', '.join(METRICS)}", param=param)
+            raise ValidationError(f"{param}: unknown check; known: {', '.join(METRICS)}", param=param)
         if spec is None:
             merged[metric] = None
             continue
