@@ -33,7 +33,7 @@ def test_raising_the_weight_only_moves_subjects_to_the_candidate() -> None:
     weights = [0, 0.5, 1, 5, 12.5, 25, 50, 75, 100]
     previous = dict.fromkeys(SUBJECTS, "baseline")
     for w in weights:
-        current = {s: arm(3, s, w) for s in SUBJECTS}
+        current: dict[str, str] = {s: arm(3, s, w) for s in SUBJECTS}
         moved_back = [s for s in SUBJECTS if previous[s] == "candidate" and current[s] == "baseline"]
         assert moved_back == [], f"weight {w} moved {len(moved_back)} subjects back to the baseline"
         previous = current
