@@ -7,7 +7,6 @@ Controllers stay thin: they parse and validate the body, resolve the caller, and
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
@@ -41,6 +40,7 @@ from cloud.tensor_models import TensorPool, unknown_model
 from cloud.webhooks import WebhookStore
 from shared.errors import AuthenticationError, PermissionDeniedError, ServiceUnavailableError
 from shared.http import EXCEPTION_HANDLERS, healthz
+from shared.logs import request_id_middleware, server_request_id
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
 from shared.settings import CoreSettings
 from shared.storage.migrate import is_up_to_date
@@ -70,10 +70,7 @@ def require_caller(request: Request[Any, Any, Any], state: State) -> Caller:
         else:
             tenant, key = authenticate(session, secret)
         session.expunge_all()
-    request_id = request.headers.get("x-request-id", "")
-    if not (0 < len(request_id) <= 64 and request_id.replace("-", "").isalnum()):
-        request_id = uuid.uuid4().hex
-    return Caller(tenant=tenant, key=key, request_id=request_id)
+    return Caller(tenant=tenant, key=key, request_id=server_request_id())
 
 
 CALLER = {"caller": Provide(require_caller, sync_to_thread=True)}
@@ -128,7 +125,8 @@ async def _idempotent(
     stored = await asyncio.to_thread(store.claim, tenant_id, key, request_hash(body), is_stream)
     caller.request_id = usage_id(tenant_id, key)
     if stored is not None:
-        return Response(stored, headers={"x-request-id": caller.request_id, "x-tierline-idempotent-replay": "true"})
+        replay = {"x-tierline-usage-id": caller.request_id, "x-tierline-idempotent-replay": "true"}
+        return Response(stored, headers=replay)
     try:
         result = await call()
     except BaseException:
@@ -176,7 +174,7 @@ async def inference(
         if allowed and data.model_id not in allowed:
             raise PermissionDeniedError(f"this API key may not use model '{data.model_id}'", param="model_id")
         result = {"model_id": data.model_id, **(await state.tensors.infer(tensor, data.inputs))}
-        return Response(result, headers={"x-request-id": caller.request_id, "x-tierline-tier": "cloud"})
+        return Response(result, headers={"x-tierline-tier": "cloud"})
     if data.model_id not in state.pool.engines:
         raise unknown_model(data.model_id)
     return respond(caller, await state.service.inference(caller, data))
@@ -223,6 +221,7 @@ def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Li
             await limiter.close()
 
     return Litestar(
+        logging_config=None,  # the process's logging (shared.logs) stays as configured: text or JSON
         route_handlers=[
             healthz,
             readyz,
@@ -251,7 +250,7 @@ def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Li
                 "job_settings": JobSettings(),
             }
         ),
-        middleware=[observed.middleware],
+        middleware=[request_id_middleware, observed.middleware],
         lifespan=[lifespan],
         request_max_body_size=settings.max_body_bytes,
         openapi_config=OpenAPIConfig(

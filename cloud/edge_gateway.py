@@ -6,13 +6,14 @@
   answers the device's desired model versions. The batch is committed before the answer, so an agent that
   hears 200 may forget the batch.
 - ``POST /v1/edge/escalate``: device-authenticated inference on the cloud's models, billed to the device's
-  tenant (tier ``cloud``, the escalation reason recorded). The device's record id is reused as the usage id,
-  so the record the agent later syncs for the same request is a duplicate and never counted twice.
+  tenant (tier ``cloud``, the escalation reason recorded) under a usage id the cloud chooses and returns in
+  ``x-tierline-usage-id``; the agent records no usage of its own for an escalated request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -47,6 +48,7 @@ from shared.pricing import Tokens, cost
 from shared.settings import CoreSettings
 from shared.storage.models import Device, Tenant
 
+logger = logging.getLogger(__name__)
 DEVICE_BEARER: list[dict[str, list[str]]] = [{"DeviceAuth": []}]
 
 
@@ -161,13 +163,14 @@ async def escalate(state: State, device: DeviceCaller, data: EscalateRequest) ->
     """A request the device chose not to answer locally, served by the cloud and billed to its tenant."""
     from cloud.completions import Caller  # imports the engine (torch); the rest of this module does not
 
-    request_id = data.request_id or uuid.uuid4().hex
-    if not request_id.replace("-", "").replace("_", "").isalnum():
+    if data.request_id is not None and not data.request_id.replace("-", "").replace("_", "").isalnum():
         raise ValidationError("request_id: letters, digits, '-' and '_' only", param="request_id")
+    # Billed under an id the cloud chooses; the device's id is for correlation (logged) only.
+    logger.info("escalation from %s (device request %s): %s", device.device.id, data.request_id, data.reason)
     caller = Caller(
         tenant=device.tenant,
         key=None,
-        request_id=request_id,
+        request_id=uuid.uuid4().hex,
         device_id=device.device.id,
         escalation_reason=data.reason,
     )

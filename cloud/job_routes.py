@@ -100,7 +100,7 @@ async def submit_if_async(
     )
     store: JobStore = state.jobs
     stored, is_new = await asyncio.to_thread(store.create, job)
-    headers = {"Location": f"/v1/jobs/{stored.id}", "x-request-id": stored.id}
+    headers = {"Location": f"/v1/jobs/{stored.id}", "x-tierline-usage-id": stored.id}
     if prefers_async:
         headers["Preference-Applied"] = ASYNC_PREFERENCE
     if is_new:

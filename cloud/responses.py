@@ -15,7 +15,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def respond(caller: Caller, result: dict[str, Any] | AsyncIterator[bytes]) -> Response[Any]:
-    headers = {"x-request-id": caller.request_id, "x-tierline-tier": "cloud"}
+    headers = {"x-tierline-usage-id": caller.request_id, "x-tierline-tier": "cloud"}
     if caller.escalation_reason:
         headers["x-tierline-escalation-reason"] = caller.escalation_reason
     if isinstance(result, dict):

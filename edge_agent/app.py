@@ -31,6 +31,7 @@ from shared.edge_protocol import DesiredModel
 from shared.errors import AuthenticationError, ConfigurationError
 from shared.escalation import EdgePolicy, load_policy
 from shared.http import EXCEPTION_HANDLERS, healthz
+from shared.logs import request_id_middleware
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
 from shared.settings import CoreSettings
 
@@ -188,6 +189,7 @@ def create_app(settings: EdgeSettings) -> Litestar:
             outbox.close()
 
     return Litestar(
+        logging_config=None,  # the process's logging (shared.logs) stays as configured: text or JSON
         route_handlers=[
             healthz,
             readyz,
@@ -201,6 +203,7 @@ def create_app(settings: EdgeSettings) -> Litestar:
         exception_handlers=EXCEPTION_HANDLERS,
         state=State({"served": served, "api_key": api_key}),
         lifespan=[lifespan],
+        middleware=[request_id_middleware],
     )
 
 

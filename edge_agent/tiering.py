@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +38,7 @@ from edge_agent.generation import LocalStep
 from edge_agent.tensors import LocalClassifier, classifier_confidence
 from shared.errors import ApplicationError, NotFoundError, ServiceUnavailableError, ValidationError
 from shared.escalation import CLASSIFIER_SIGNALS, MODES, EdgePolicy
+from shared.logs import server_request_id
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
 
 logger = logging.getLogger(__name__)
@@ -57,11 +57,13 @@ class Answer:
     reason: str | None = None
     degraded: str | None = None
     status_code: int = 200
-    request_id: str = ""
+    request_id: str = ""  # the usage id: the outbox record's for edge answers, the cloud's for escalations
 
     @property
     def headers(self) -> dict[str, str]:
-        h = {"x-tierline-tier": self.tier, "x-request-id": self.request_id}
+        h = {"x-tierline-tier": self.tier}
+        if self.request_id:
+            h["x-tierline-usage-id"] = self.request_id
         if self.reason:
             h["x-tierline-escalation-reason"] = self.reason
         if self.degraded:
@@ -122,7 +124,7 @@ class Tiering:
         self, endpoint: serving.Endpoint, req: ChatCompletionRequest | CompletionRequest, header: str | None
     ) -> Answer:
         started = time.monotonic()
-        request_id = uuid.uuid4().hex
+        request_id = server_request_id()
         try:
             return await self._handle(endpoint, req, header, request_id, started)
         except ApplicationError:
@@ -176,7 +178,7 @@ class Tiering:
     async def infer(self, req: InferenceRequest, header: str | None) -> Answer:
         """``/v1/inference`` on a local classifier; low-confidence rows go up to the cloud's model together."""
         started = time.monotonic()
-        request_id = uuid.uuid4().hex
+        request_id = server_request_id()
         wanted = header or (req.parameters.get("tier") if isinstance(req.parameters.get("tier"), str) else None)
         mode = TIER_ALIASES.get(wanted, wanted) if wanted else self.policy(req.model_id).mode
         if mode not in MODES:
@@ -254,7 +256,8 @@ class Tiering:
         payload = r.json()
         if r.status_code == 200:
             payload["tiers"] = ["cloud"] * len(inputs)
-        return Answer(payload, "cloud", reason, status_code=r.status_code, request_id=request_id)
+        usage_id = r.headers.get("x-tierline-usage-id", "")
+        return Answer(payload, "cloud", reason, status_code=r.status_code, request_id=usage_id)
 
     # -- pre-signals ------------------------------------------------------------------------------------------
     @staticmethod
@@ -411,14 +414,16 @@ class Tiering:
                 if response.status_code != 200:
                     content = b"".join([c async for c in chunks])
                     return self._cloud_error(req, response.status_code, content, reason, request_id, started)
-                self._cloud_served(req, request_id, reason, started, "ok", None)
-                return Answer(chunks, "cloud", reason, request_id=request_id)
+                usage_id = response.headers.get("x-tierline-usage-id", "")
+                self._cloud_served(req, usage_id or request_id, reason, started, "ok", None)
+                return Answer(chunks, "cloud", reason, request_id=usage_id)
             r = await self.link.escalate(endpoint, body, reason, request_id)
             if r.status_code != 200:
                 return self._cloud_error(req, r.status_code, r.content, reason, request_id, started)
             payload = r.json()
-            self._cloud_served(req, request_id, reason, started, "ok", payload.get("usage"))
-            return Answer(payload, "cloud", reason, request_id=request_id)
+            usage_id = r.headers.get("x-tierline-usage-id", "")
+            self._cloud_served(req, usage_id or request_id, reason, started, "ok", payload.get("usage"))
+            return Answer(payload, "cloud", reason, request_id=usage_id)
         except CloudUnavailableError as exc:
             if fallback is None:
                 raise ServiceUnavailableError(f"the cloud tier is unreachable ({exc.reason})") from None
@@ -466,7 +471,7 @@ class Tiering:
         except ValueError:
             payload = {"error": {"message": content[:200].decode(errors="replace"), "type": "cloud_error"}}
         self._cloud_served(req, request_id, reason, started, "error", None)
-        return Answer(payload, "cloud", reason, status_code=status, request_id=request_id)
+        return Answer(payload, "cloud", reason, status_code=status)
 
 
 def _signals(prepared: serving.Prepared) -> dict[str, float]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import logging
 import sys
 
 import click
@@ -70,13 +69,11 @@ def _missing_extra_command(name: str, help_text: str, missing: str) -> click.Com
 @click.option("--log-level", default=None, help="Logging level (default: $TIERLINE_LOG_LEVEL or INFO).")
 def cli(log_level: str | None) -> None:
     """tierline: an edge-cloud tiered inference platform behind one OpenAI-compatible API."""
+    from shared.logs import configure
     from shared.settings import CoreSettings
 
-    level = (log_level or CoreSettings().log_level).upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if level != "DEBUG":
-        for chatty in ("httpx", "alembic.runtime.plugins"):
-            logging.getLogger(chatty).setLevel(logging.WARNING)
+    core = CoreSettings()
+    configure(log_level or core.log_level, core.effective_log_format)
 
 
 def main() -> None:

@@ -85,6 +85,7 @@ def serve(app: Any, host: str, port: int, *, log_level: str = "info") -> None:
         host=host,
         port=port,
         log_level=log_level.lower(),
+        log_config=None,  # uvicorn's loggers propagate to the root handler tierline configured (text or JSON)
         access_log=False,
         timeout_graceful_shutdown=30,
         lifespan="on",

@@ -28,6 +28,9 @@ class CoreSettings(BaseSettings):
     env: Environment = Field("dev", description="'dev' allows placeholder secrets and verbose errors")
     data_dir: Path = Field(Path("./var"), description="state: SQLite file, zoo, keys, artifacts, outbox")
     log_level: str = Field("INFO", description="logging level name")
+    log_format: Literal["text", "json"] | None = Field(
+        None, description="'json': one JSON object per line, with request ids; default json in production"
+    )
     redis_url: str | None = Field(
         None, description="redis://host:port/db shares rate-limit counters across replicas; in memory when unset"
     )
@@ -35,6 +38,10 @@ class CoreSettings(BaseSettings):
     @property
     def is_dev(self) -> bool:
         return self.env == "dev"
+
+    @property
+    def effective_log_format(self) -> str:
+        return self.log_format or ("text" if self.is_dev else "json")
 
     @property
     def zoo_dir(self) -> Path:

@@ -104,7 +104,7 @@ def test_the_cloud_api_refuses_what_the_budget_cannot_cover(
             assert r.status_code == 429 and r.json()["error"]["type"] == "insufficient_quota", r.text
         # Usage records are written in batches; wait for all of them.
         engine = create_engine(migrated_db)
-        ids = {r.headers["x-request-id"] for r in ok}
+        ids = {r.headers["x-tierline-usage-id"] for r in ok}
         for _attempt in range(100):
             with Session(engine) as s:
                 rows = [u for u in s.exec(select(UsageRecord)) if u.id in ids]

@@ -82,7 +82,10 @@ def test_chat_completion_with_the_openai_sdk_is_metered_once(client: openai.Open
     assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
     assert choice.finish_reason in ("stop", "length")
     assert resp.usage is not None and resp.usage.completion_tokens <= 12 and resp.usage.prompt_tokens > 5
-    rows = usage_rows(cloud_api["db"], "test-chat-1")
+    # The client's id is echoed for correlation; what it is billed under is the server's choice.
+    usage_id = raw.headers["x-tierline-usage-id"]
+    assert usage_id != "test-chat-1"
+    rows = usage_rows(cloud_api["db"], usage_id)
     assert len(rows) == 1
     row = rows[0]
     assert (row.prompt_tokens, row.completion_tokens) == (resp.usage.prompt_tokens, resp.usage.completion_tokens)
@@ -170,13 +173,14 @@ def test_an_abandoned_stream_stops_generating_and_is_billed_for_what_was_generat
     body = {"model": MODEL, "prompt": "import sys\n", "max_tokens": 200, "ignore_eos": True, "stream": True}
     headers = {"Authorization": f"Bearer {cloud_api['key']}", "x-request-id": "abandoned-1"}
     with httpx.stream("POST", f"{cloud_api['url']}/v1/completions", json=body, headers=headers) as r:
-        assert r.status_code == 200
+        assert r.status_code == 200 and r.headers["x-request-id"] == "abandoned-1"
+        usage_id = r.headers["x-tierline-usage-id"]
         lines = 0
         for line in r.iter_lines():
             lines += line.startswith("data: ")
             if lines >= 3:
                 break
-    rows = usage_rows(cloud_api["db"], "abandoned-1")
+    rows = usage_rows(cloud_api["db"], usage_id)
     assert len(rows) == 1
     assert rows[0].status == "abandoned" and 0 < rows[0].completion_tokens < 200
 
@@ -220,7 +224,7 @@ def test_idempotency_key_replays_the_response_and_bills_once(cloud_api: dict[str
     again = httpx.post(url, json=body, headers=headers)
     assert first.status_code == again.status_code == 200
     assert again.json() == first.json() and again.headers["x-tierline-idempotent-replay"] == "true"
-    rows = usage_rows(cloud_api["db"], first.headers["x-request-id"])
+    rows = usage_rows(cloud_api["db"], first.headers["x-tierline-usage-id"])
     assert len(rows) == 1 and rows[0].completion_tokens == first.json()["usage"]["completion_tokens"]
     changed = httpx.post(url, json={**body, "max_tokens": 9}, headers=headers)
     assert changed.status_code == 422 and changed.json()["error"]["code"] == "idempotency_key_reused"
@@ -303,3 +307,17 @@ def test_a_key_limited_to_some_models_is_refused_the_others(cloud_api: dict[str,
     assert other.status_code == 403 and other.json()["error"]["param"] == "model"
     ok = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}, headers=headers)
     assert ok.status_code == 200
+
+
+def test_a_reused_request_id_is_billed_for_every_request(cloud_api: dict[str, str]) -> None:
+    headers = {"Authorization": f"Bearer {cloud_api['key']}", "x-request-id": "same-id-twice"}
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    answers = [httpx.post(f"{cloud_api['url']}/v1/completions", json=body, headers=headers) for _ in range(2)]
+    assert all(r.status_code == 200 and r.headers["x-request-id"] == "same-id-twice" for r in answers)
+    usage_ids = {r.headers["x-tierline-usage-id"] for r in answers}
+    assert len(usage_ids) == 2
+    for usage_id in usage_ids:
+        assert len(usage_rows(cloud_api["db"], usage_id)) == 1
+    # Errors carry the request id too, for correlation with the server's logs.
+    bad = httpx.post(f"{cloud_api['url']}/v1/completions", json={"model": MODEL}, headers=headers)
+    assert bad.status_code == 400 and bad.headers["x-request-id"] == "same-id-twice"

@@ -149,7 +149,7 @@ def test_low_confidence_escalates_to_the_cloud_model(client: openai.OpenAI, flee
     body = raw.parse()
     assert body.model == "tierline/lm-cloud" and body.usage is not None
     # Billed to the device's tenant, tier cloud, reason recorded, under the agent's request id.
-    rid = raw.headers["x-request-id"]
+    rid = raw.headers["x-tierline-usage-id"]
     deadline = time.monotonic() + 5
     while not (rows := [r for r in fleet.rows() if r.id == rid]) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -354,7 +354,7 @@ def test_cloud_outage_degrades_locally_and_every_record_lands_once(client: opena
         assert raw.headers["x-tierline-tier"] == "edge"
         if model == FP32:
             assert raw.headers["x-tierline-degraded"] == "cloud-unreachable"
-        during_outage.append(raw.headers["x-request-id"])
+        during_outage.append(raw.headers["x-tierline-usage-id"])
     with pytest.raises(openai.APIStatusError) as cloud_only:
         client.completions.create(model="tierline/lm-cloud", prompt="x", max_tokens=2)
     assert cloud_only.value.status_code == 503

@@ -100,7 +100,7 @@ def test_usage_records_survive_kill_9(agent_env: dict[str, str]) -> None:
             f"http://127.0.0.1:{port}/v1/completions", json={"model": INT8, "prompt": f"n = {i}", "max_tokens": 3}
         )
         assert r.status_code == 200
-        ids.append(r.headers["x-request-id"])
+        ids.append(r.headers["x-tierline-usage-id"])
     proc.kill()
     proc.wait()
     proc = _start(agent_env, port)
