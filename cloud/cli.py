@@ -28,7 +28,6 @@ def serve(host: str | None, port: int | None) -> None:
     )
 
 
-
 def _register() -> None:
     from cloud.edge_releases import publish_command
 
