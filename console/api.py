@@ -18,6 +18,8 @@ from typing import Any
 from litestar import Request, Router, get, post
 from litestar.datastructures import State
 from litestar.di import Provide
+from litestar.openapi import OpenAPIConfig
+from litestar.openapi.spec import Components, SecurityScheme
 from pydantic import BaseModel, ConfigDict, Field
 from sqlmodel import Session, col, select, update
 
@@ -235,4 +237,16 @@ API_ROUTER = Router(
     dependencies={"operator": Provide(require_operator, sync_to_thread=True)},
     security=[{"ConsoleToken": []}],
     tags=["management"],
+)
+
+OPENAPI_CONFIG = OpenAPIConfig(
+    title="tierline console API",
+    version="1",
+    components=Components(
+        security_schemes={
+            "ConsoleToken": SecurityScheme(
+                type="http", scheme="bearer", description="tlc- console API token (tierline console create-token)"
+            )
+        }
+    ),
 )

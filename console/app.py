@@ -14,7 +14,7 @@ from sqlalchemy import func
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from console.api import API_ROUTER
+from console.api import API_ROUTER, OPENAPI_CONFIG
 from console.rollout_controller import rollout_controller
 from shared.http import EXCEPTION_HANDLERS, healthz
 from shared.settings import SecretSettings
@@ -40,6 +40,7 @@ def create_app(engine: Engine | None = None) -> Litestar:
         route_handlers=[healthz, overview, API_ROUTER],
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=[rollout_controller],
+        openapi_config=OPENAPI_CONFIG,
         template_config=TemplateConfig(directory=TEMPLATES, engine=JinjaTemplateEngine),
         state=State({"engine": engine or get_engine()}),
     )

@@ -745,6 +745,23 @@ def resolve_cloud_arm(
     return CloudRoute(plan.id, which, plan.version(which))
 
 
+def usage_arm(plans: Iterable[RolloutPlan], *, model: str, tenant_id: int, version: str | None) -> Arm | None:
+    """The arm to stamp on a usage record served by ``version`` of ``model`` (edge records at ingestion).
+
+    By the version that served it, under the rollout that governs the model for the tenant, whatever that
+    rollout's state: a record that arrives after a rollback (a device that was offline) still says it was
+    served by the candidate. None when no rollout governs the model or the version is neither arm's.
+    """
+    plan = plans_for(plans, model, tenant_id)
+    if plan is None or version is None:
+        return None
+    if version == plan.candidate_version:
+        return CANDIDATE
+    if version == plan.baseline_version:
+        return BASELINE
+    return None
+
+
 # --- metrics: per-arm aggregates from usage records and device telemetry ---------------------------------------
 
 

@@ -20,6 +20,7 @@ from shared.rollouts import (
     edge_version,
     plans_for,
     resolve_cloud_arm,
+    usage_arm,
     validate_spec,
 )
 
@@ -252,3 +253,12 @@ def test_a_tenant_rollout_governs_only_its_tenant_and_the_newest_rollout_wins() 
     assert plans_for(plans, "tierline/lm-edge-onnx-int8", 9) is plans[0]
     assert plans_for(plans, "lm-edge-onnx-int8", 5) is plans[1]
     assert plans_for(plans, "lm-edge-onnx", 5) is None
+
+
+def test_usage_records_are_stamped_by_the_version_that_served_them() -> None:
+    plans = [plan(status="rolled_back", weight=0)]
+    assert usage_arm(plans, model="tierline/lm-edge-onnx-int8", tenant_id=1, version="c1") == "candidate"
+    assert usage_arm(plans, model="lm-edge-onnx-int8", tenant_id=1, version="b1") == "baseline"
+    assert usage_arm(plans, model="lm-edge-onnx-int8", tenant_id=1, version="a0") is None
+    assert usage_arm(plans, model="lm-edge-onnx-int8", tenant_id=1, version=None) is None
+    assert usage_arm(plans, model="digits-small", tenant_id=1, version="c1") is None
