@@ -229,6 +229,8 @@ def test_the_management_api_needs_a_token_validates_and_audits(platform: Platfor
     assert platform.api("GET", "/rollouts/999").status_code == 404
     assert platform.api("POST", "/rollouts/999/pause").status_code == 404
     assert platform.api("GET", "/rollouts").json() == {"object": "list", "data": []}  # nothing bad got in
+    # No rollout: every device is told the most recently published version, as before rollouts existed.
+    assert set(platform.sync_all().values()) == {"c3"}
 
 
 def test_a_candidate_with_injected_errors_rolls_back_by_itself_and_devices_return(platform: Platform) -> None:
@@ -334,6 +336,12 @@ def test_too_little_traffic_keeps_a_step_waiting_and_never_promotes(platform: Pl
     ]
     listed = platform.api("GET", "/rollouts", params={"status": "aborted"}).json()["data"]
     assert [x["id"] for x in listed] == [rollout_id]
+
+    # A publish after a rollout ended is the newest release again, for everyone.
+    artifact = Path(platform.env["TIERLINE_DATA_DIR"]) / "zoo" / "tiny" / "artifacts" / NAME
+    out = CliRunner().invoke(publish_command, [str(artifact), "--as-version", "c3"], env={**platform.env})
+    assert out.exit_code == 0, out.output
+    assert set(platform.sync_all().values()) == {"c3"}
 
 
 # --- the controller pass against the database (SQLite and PostgreSQL) ------------------------------------------
