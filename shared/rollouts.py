@@ -891,9 +891,10 @@ def _edge_window(
     excluded_tenants: set[int],
 ) -> Window:
     """Per-version counters from devices' telemetry samples (cumulative per agent process, keyed
-    ``model@version``), summed as increases over the window, restarts counted from zero. p95 is each
-    device's last reported p95, weighted by its requests in the window. Attribution is by the version a
-    device actually ran, so devices still converging count where they really were."""
+    ``model@version``), summed as increases over the window from the device's last sample before it,
+    restarts counted from zero. p95 is each device's last reported p95 (its agent's recent requests),
+    weighted by its requests in the window: an approximation. Attribution is by the version a device
+    actually ran, so devices still converging count where they really were."""
     query = select(Device.id, Device.tenant_id, Device.labels)
     if rollout.tenant_id is not None:
         query = query.where(Device.tenant_id == rollout.tenant_id)
@@ -937,6 +938,10 @@ def _add_device(
 ) -> None:
     before = [metrics for at, metrics in samples if at < since]
     inside = [metrics for at, metrics in samples if at >= since]
+    if not before and inside:
+        # No sample shortly before the window (telemetry dropped from a full outbox, or a long silence): the
+        # first one inside is the reference, so counts from before the window never land in it.
+        before, inside = inside[:1], inside[1:]
     for key, which in keys.items():
         prev = _Counters.of(before[-1], key) if before else _Counters()
         total = _Counters()

@@ -28,9 +28,16 @@ from console.api import create_token
 from console.passwords import create_user
 from shared.assignment import arm, cloud_subject
 from shared.devices import create_enrollment_token
-from shared.rollouts import RolloutSpec, create_rollout, load_plans, resolve_cloud_arm, run_controller_pass
+from shared.rollouts import (
+    RolloutSpec,
+    collect_windows,
+    create_rollout,
+    load_plans,
+    resolve_cloud_arm,
+    run_controller_pass,
+)
 from shared.storage.engine import make_engine
-from shared.storage.models import AuditLog, Rollout, RolloutEvent, UsageRecord
+from shared.storage.models import AuditLog, Device, DeviceEvent, Rollout, RolloutEvent, UsageRecord
 from shared.tenancy import create_tenant
 from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, seed_data_dir, tierline_cmd
 
@@ -453,4 +460,63 @@ def test_window_starts_exclude_older_usage(migrated_db: str) -> None:
         "wait",
         "waiting for data: cloud baseline 0/1 requests, cloud candidate 0/1 requests",
     )
+    engine.dispose()
+
+
+def telemetry(device: str, tenant_id: int, at: datetime, **versions: tuple[int, int]) -> DeviceEvent:
+    metrics = {
+        f"{MODEL_ID}@{v}": {"requests": n, "errors": e, "escalations": 0, "p95_ms": 100.0}
+        for v, (n, e) in versions.items()
+    }
+    return DeviceEvent(
+        id=uuid.uuid4().hex,
+        device_id=device,
+        tenant_id=tenant_id,
+        kind="telemetry",
+        payload={"metrics": metrics},
+        occurred_at=at,
+    )
+
+
+def test_fleet_windows_count_what_devices_served_inside_them(migrated_db: str) -> None:
+    """Cumulative agent counters become increases inside the window: a restart counts from zero, and a device
+    with no sample before the window counts from its first one inside, never its whole history."""
+    engine = make_engine(migrated_db)
+    start = datetime.now(UTC) - timedelta(minutes=5)
+    with Session(engine) as s:
+        tenant = create_tenant(s, "acme")
+        tid = tenant.id or 0
+        for device_id, ring in (
+            ("dev-steady", "beta"),
+            ("dev-restart", "beta"),
+            ("dev-late", "beta"),
+            ("dev-prod", "prod"),
+        ):
+            s.add(Device(id=device_id, tenant_id=tid, labels={"ring": ring}, token_hash=f"hash-{device_id}"))
+        spec = RolloutSpec(
+            model=NAME, baseline_version="b1", candidate_version="c1", scope="edge", device_selector={"ring": "beta"}
+        )
+        rollout = create_rollout(s, spec, actor="test")
+        s.flush()
+        minute = timedelta(minutes=1)
+        s.add_all(
+            [
+                telemetry("dev-steady", tid, start - minute, b1=(1000, 500)),  # history before the window
+                telemetry("dev-steady", tid, start + minute, b1=(1030, 501)),
+                telemetry("dev-steady", tid, start + 2 * minute, b1=(1060, 502), c1=(0, 0)),
+                telemetry("dev-restart", tid, start - minute, c1=(400, 0)),
+                telemetry("dev-restart", tid, start + minute, c1=(420, 5)),
+                telemetry("dev-restart", tid, start + 2 * minute, c1=(7, 1)),  # restarted: 7 new requests
+                telemetry("dev-late", tid, start + minute, c1=(9000, 9000)),  # no reference: not counted
+                telemetry("dev-late", tid, start + 2 * minute, c1=(9010, 9001)),
+                telemetry("dev-prod", tid, start + minute, c1=(5, 5)),  # outside the selector
+            ]
+        )
+        s.commit()
+        rollout.step_started_at = start
+        (window,) = collect_windows(s, rollout, start, datetime.now(UTC))
+    assert window.source == "edge"
+    assert (window.baseline.requests, window.baseline.errors, window.baseline.num_devices) == (60, 2, 1)
+    assert (window.candidate.requests, window.candidate.errors, window.candidate.num_devices) == (37, 7, 2)
+    assert window.candidate.p95_latency_ms == 100.0
     engine.dispose()
