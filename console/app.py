@@ -17,6 +17,7 @@ from sqlmodel import Session, select
 from console.api import API_ROUTER, OPENAPI_CONFIG
 from console.rollout_controller import rollout_controller
 from shared.http import EXCEPTION_HANDLERS, healthz
+from shared.logs import request_id_middleware
 from shared.settings import SecretSettings
 from shared.storage.models import ApiKey, Device, Model, Tenant
 from shared.storage.session import get_engine
@@ -37,9 +38,11 @@ def overview(state: State) -> Template:
 def create_app(engine: Engine | None = None) -> Litestar:
     SecretSettings()  # refuses a placeholder secret outside dev mode
     return Litestar(
+        logging_config=None,  # the process's logging (shared.logs) stays as configured: text or JSON
         route_handlers=[healthz, overview, API_ROUTER],
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=[rollout_controller],
+        middleware=[request_id_middleware],
         openapi_config=OPENAPI_CONFIG,
         template_config=TemplateConfig(directory=TEMPLATES, engine=JinjaTemplateEngine),
         state=State({"engine": engine or get_engine()}),

@@ -35,6 +35,11 @@ SURFACE = [
     ["cloud", "publish"],
     ["models", "list"],
     ["rollouts", "create"],
+    ["rollouts", "list"],
+    ["rollouts", "tick"],
+    ["console", "create-token"],
+    ["bench", "cascade"],
+    ["edge", "calibrate"],
     ["bench", "zoo"],
     ["bench", "engine"],
     ["bench", "spec"],
@@ -61,7 +66,7 @@ def test_root_help_lists_every_group() -> None:
 
 def test_planned_command_says_where_it_comes_from() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "rollouts", "create", "--model", "x"],
+        [sys.executable, "-m", "shared.cli", "models", "push", "x"],
         cwd=REPO,
         capture_output=True,
         text=True,
