@@ -21,6 +21,7 @@ from sqlmodel import Session, col, select
 from shared.budgets import add_spend
 from shared.edge_protocol import EventItem, UsageItem
 from shared.errors import AuthenticationError, ValidationError
+from shared.rollouts import load_plans, usage_arm
 from shared.storage.models import Device, DeviceEvent, EnrollmentToken, Tenant, UsageRecord
 
 ENROLL_PREFIX = "tle-"
@@ -147,6 +148,7 @@ def ingest(
     if len(set(ids)) != len(ids):
         raise ValidationError("usage: record ids must be unique within a batch", param="usage")
     have = set(session.exec(select(UsageRecord.id).where(col(UsageRecord.id).in_(ids)))) if ids else set()
+    plans = load_plans(session, "edge") if usage else []
     for u in usage:
         if u.id in have:
             duplicates += 1
@@ -168,6 +170,10 @@ def ingest(
                 latency_ms=u.latency_ms,
                 ttft_ms=u.ttft_ms,
                 escalation_reason=u.escalation_reason,
+                # The arm of the rollout governing the model, by the version that served it (for billing).
+                rollout_arm=usage_arm(
+                    plans, model=u.model.removeprefix("tierline/"), tenant_id=device.tenant_id, version=u.model_version
+                ),
                 price_id=price_id,
                 cost=cost,
                 occurred_at=_ts(u.occurred_at),

@@ -71,6 +71,16 @@ class SimDevice:
         body = {
             "models": {MODEL_ID: self.version},
             "metrics": self.counters,
+            "usage": [
+                {
+                    "id": uuid.uuid4().hex,
+                    "model": MODEL_ID,
+                    "model_version": self.version,
+                    "prompt_tokens": 3,
+                    "completion_tokens": 2,
+                    "occurred_at": time.time(),
+                }
+            ],
             "events": [
                 {
                     "id": uuid.uuid4().hex,
@@ -275,6 +285,14 @@ def test_a_candidate_with_injected_errors_rolls_back_by_itself_and_devices_retur
 
     # Every device is told to return to the baseline at its next sync.
     assert set(platform.sync_all().values()) == {"b1"}
+    # Usage records are stamped with the arm of the version that served them (billing tells them apart).
+    engine = make_engine(platform.db_url)
+    with Session(engine) as s:
+        arms = {(u.device_id, u.rollout_arm) for u in s.exec(select(UsageRecord).where(UsageRecord.tier == "edge"))}
+    engine.dispose()
+    beta = {d.id for d in platform.devices if d.ring == "beta"}
+    assert {a for _, a in arms} >= {"candidate", "baseline"}  # (None: synced before any rollout existed)
+    assert all(device in beta for device, a in arms if a == "candidate")
     assert audit_rows(platform, rollout_id) == [("console:ops", "rollout.create")]
 
 
