@@ -100,9 +100,7 @@ def step_signals(logits: np.ndarray, tokens: np.ndarray | list[int]) -> list[Ste
     logprob = z[rows, t] - log_total
     margin = (1.0 - second) / total
     norm = entropy / math.log(n) if n > 1 else np.zeros(len(x))
-    return [
-        StepSignal(float(a), float(b), float(c)) for a, b, c in zip(logprob, margin, norm, strict=True)
-    ]
+    return [StepSignal(float(a), float(b), float(c)) for a, b, c in zip(logprob, margin, norm, strict=True)]
 
 
 def lm_signals(steps: list[StepSignal]) -> dict[str, float]:
