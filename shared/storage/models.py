@@ -105,7 +105,22 @@ class ModelVersion(SQLModel, table=True):
     source: str = Field(default="", max_length=500)
     status: str = Field(default="registered", max_length=16, description="registered|validated|active|retired")
     derived_from_id: int | None = Field(default=None, foreign_key="model_version.id")
+    tags: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
     created_at: datetime = _ts()
+
+
+class ModelAlias(SQLModel, table=True):
+    """A named pointer (``stable``, ``canary``, user-defined) to one version of a model; moved atomically."""
+
+    __tablename__ = "model_alias"
+    __table_args__ = (UniqueConstraint("model_id", "name"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    model_id: int = Field(foreign_key="model.id", index=True)
+    name: str = Field(max_length=64)
+    version_id: int = Field(foreign_key="model_version.id")
+    updated_by: str = Field(default="", max_length=128)
+    updated_at: datetime = _ts()
 
 
 class ModelArtifact(SQLModel, table=True):
@@ -146,6 +161,9 @@ class UsageRecord(SQLModel, table=True):
     escalation_reason: str | None = Field(default=None, max_length=32, description="why an edge request went up")
     price_id: int | None = Field(default=None, description="the price it was rated with; None: no price (flagged)")
     cost: Decimal | None = Field(default=None, sa_type=MONEY)
+    invoice_id: int | None = Field(
+        default=None, foreign_key="invoice.id", index=True, description="the finalized invoice that billed it"
+    )
     occurred_at: datetime = _ts()
     ingested_at: datetime = _ts()
 
@@ -418,3 +436,82 @@ class ConsoleToken(SQLModel, table=True):
     created_at: datetime = _ts()
     revoked_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
     last_used_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+
+
+class Invoice(SQLModel, table=True):
+    """A tenant's bill for one calendar month: ``draft`` (live), ``finalized`` (locked, lines hashed), ``void``.
+
+    Finalizing stamps ``usage_record.invoice_id`` on every record it bills, so a record is billed exactly once:
+    a late record of a closed month has no invoice id yet and lands on the next invoice as an adjustment line.
+    """
+
+    __tablename__ = "invoice"
+    __table_args__ = (Index("ix_invoice_tenant_period", "tenant_id", "period"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    tenant_id: int = Field(foreign_key="tenant.id")
+    period: str = Field(max_length=7, description="YYYY-MM (UTC)")
+    number: str | None = Field(default=None, max_length=32, unique=True, description="assigned at finalize")
+    status: str = Field(default="draft", max_length=16, description="draft | finalized | void")
+    currency: str = Field(default="USD", max_length=3)
+    subtotal: Decimal = Field(default=Decimal(0), sa_type=MONEY, description="usage lines of the period")
+    adjustments: Decimal = Field(default=Decimal(0), sa_type=MONEY, description="late records of closed periods")
+    credits: Decimal = Field(default=Decimal(0), sa_type=MONEY, description="credit notes issued against it")
+    total: Decimal = Field(default=Decimal(0), sa_type=MONEY)
+    lines_hash: str | None = Field(default=None, max_length=64, description="sha256 of the canonical lines")
+    created_at: datetime = _ts()
+    finalized_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    voided_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    void_reason: str | None = Field(default=None, max_length=500)
+
+
+class InvoiceLine(SQLModel, table=True):
+    """One line of a finalized invoice: usage of one model/version/tier in one period, at its rated cost."""
+
+    __tablename__ = "invoice_line"
+
+    id: int | None = Field(default=None, primary_key=True)
+    invoice_id: int = Field(foreign_key="invoice.id", index=True)
+    kind: str = Field(max_length=16, description="usage | adjustment")
+    usage_period: str = Field(max_length=7, description="the month the records occurred in")
+    model: str = Field(max_length=128)
+    model_version: int | None = None
+    tier: str = Field(max_length=8)
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    unpriced_records: int = Field(default=0, description="records with no price in force (flagged, cost 0)")
+    amount: Decimal = Field(default=Decimal(0), sa_type=MONEY)
+    description: str = Field(default="", max_length=500)
+
+
+class CreditNote(SQLModel, table=True):
+    """A correction against a finalized invoice; the invoice itself never changes."""
+
+    __tablename__ = "credit_note"
+
+    id: int | None = Field(default=None, primary_key=True)
+    invoice_id: int = Field(foreign_key="invoice.id", index=True)
+    tenant_id: int = Field(foreign_key="tenant.id", index=True)
+    number: str = Field(max_length=32, unique=True)
+    amount: Decimal = Field(sa_type=MONEY)
+    currency: str = Field(default="USD", max_length=3)
+    reason: str = Field(max_length=1000)
+    created_by: str = Field(default="", max_length=128)
+    created_at: datetime = _ts()
+
+
+class BudgetAlert(SQLModel, table=True):
+    """A budget threshold (percent) a tenant crossed in a month; the unique key makes each fire once."""
+
+    __tablename__ = "budget_alert"
+    __table_args__ = (UniqueConstraint("tenant_id", "period", "threshold"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    tenant_id: int = Field(foreign_key="tenant.id", index=True)
+    period: str = Field(max_length=7)
+    threshold: int = Field(description="percent of the monthly budget: 80 or 100")
+    spent: Decimal = Field(sa_type=MONEY)
+    budget: Decimal = Field(sa_type=MONEY)
+    fired_at: datetime = _ts()
