@@ -15,6 +15,8 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
 from console.api import API_ROUTER, OPENAPI_CONFIG
+from console.billing_api import BILLING_ROUTER
+from console.registry_api import REGISTRY_ROUTER
 from console.rollout_controller import rollout_controller
 from shared.http import EXCEPTION_HANDLERS, healthz
 from shared.logs import request_id_middleware
@@ -39,7 +41,7 @@ def create_app(engine: Engine | None = None) -> Litestar:
     SecretSettings()  # refuses a placeholder secret outside dev mode
     return Litestar(
         logging_config=None,  # the process's logging (shared.logs) stays as configured: text or JSON
-        route_handlers=[healthz, overview, API_ROUTER],
+        route_handlers=[healthz, overview, API_ROUTER, REGISTRY_ROUTER, BILLING_ROUTER],
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=[rollout_controller],
         middleware=[request_id_middleware],
