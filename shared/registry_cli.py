@@ -4,35 +4,227 @@ from __future__ import annotations
 
 import getpass
 import json
+from pathlib import Path
 from typing import Any
 
 import click
 
-from shared.planned import planned
-
 
 @click.group()
 def models() -> None:
-    """The model registry: models, versions, artifacts."""
+    """The model registry: models, versions, artifacts, aliases."""
 
 
 @models.command("list")
 def models_list() -> None:
     """List registered models."""
-    from sqlmodel import select
-
-    from shared.storage.models import Model
+    from shared import registry
     from shared.storage.session import session_scope
 
     with session_scope() as session:
-        rows = list(session.exec(select(Model).order_by(Model.name)))
+        rows = [registry.model_json(session, m, with_versions=False) for m in registry.list_models(session)]
     if not rows:
         click.echo("no models registered", err=True)
     for m in rows:
-        click.echo(f"{m.id}\t{m.name}\t{m.kind}\t{m.description}")
+        aliases = ",".join(f"{a}={n}" for a, n in m["aliases"].items()) or "-"
+        latest = m["latest_version"] or "-"
+        click.echo(
+            f"{m['name']}\t{m['kind']}\tversions {m['num_versions']} (latest {latest})\t{aliases}\t{m['description']}"
+        )
 
 
-models.add_command(planned("push", "Register a model version from PATH.", issue=7))
+@models.command("push")
+@click.argument("path", type=click.Path(path_type=Path, exists=True))
+@click.option("--name", required=True, help="the model's name (created when new)")
+@click.option(
+    "--kind",
+    type=click.Choice(["causal-lm", "tensor"]),
+    default=None,
+    help="of a new model [default: causal-lm for a checkpoint or edge dir, tensor for an .onnx file]",
+)
+@click.option("--label", default=None, help="a label for the version, e.g. 2026-12-rc1")
+@click.option("--tag", "tags", multiple=True, help="a tag for the version (repeatable)")
+@click.option("--alias", default=None, help="point this alias (e.g. canary) at the new version")
+@click.option("--json", "as_json", is_flag=True, help="print the new version as JSON")
+def models_push(
+    path: Path, name: str, kind: str | None, label: str | None, tags: tuple[str, ...], alias: str | None, as_json: bool
+) -> None:
+    """Register a new version of model NAME from PATH.
+
+    PATH is a Hugging Face checkpoint directory (config.json + *.safetensors: a cloud artifact), an .onnx file
+    (cloud) or an edge artifact directory (edge_model.json, as `tierline zoo build` writes). Its files go to the
+    artifact store (TIERLINE_ARTIFACT_STORE), the manifest is signed with the platform key.
+    """
+    from shared import registry, registry_artifacts
+    from shared.artifact_store import store_from_settings
+    from shared.storage.session import session_scope
+
+    store = store_from_settings()
+    key = registry_artifacts.platform_signing_key()
+    with session_scope() as session:
+        pushed = registry_artifacts.push_path(
+            session,
+            store,
+            path,
+            name=name,
+            kind=kind,
+            label=label,
+            tags=tags,
+            alias=alias,
+            actor=_actor(),
+            signing_key=key,
+        )
+        body = registry.version_json(pushed.version, [pushed.artifact], [alias] if alias else [])
+    if as_json:
+        click.echo(json.dumps(body, indent=2))
+        return
+    a = pushed.artifact
+    click.echo(
+        f"registered {name} version {pushed.version.number}: {a.target} {a.format}, {a.size} bytes, sha256 {a.sha256}"
+        + (f"; alias {alias} -> {pushed.version.number}" if alias else "")
+    )
+
+
+@models.command("versions")
+@click.argument("name")
+def models_versions(name: str) -> None:
+    """List the versions of model NAME with their status, aliases and artifacts."""
+    from shared import registry
+    from shared.storage.session import session_scope
+
+    with session_scope() as session:
+        body = registry.model_json(session, registry.get_model(session, name))
+    if not body["versions"]:
+        click.echo(f"{name} has no versions", err=True)
+    for v in body["versions"]:
+        arts = ", ".join(f"{a['target']}:{a['format']}({a['status']})" for a in v["artifacts"]) or "no artifacts"
+        extra = [f"label {v['label']}"] if v["label"] else []
+        extra += [f"from v{v['derived_from']}"] if v["derived_from"] else []
+        extra += [f"aliases {','.join(v['aliases'])}"] if v["aliases"] else []
+        extra += [f"tags {','.join(v['tags'])}"] if v["tags"] else []
+        click.echo(f"{v['number']}\t{v['status']}\t{arts}\t{'; '.join(extra)}")
+
+
+@models.command("show")
+@click.argument("name")
+def models_show(name: str) -> None:
+    """Print model NAME, its aliases, versions and artifacts as JSON."""
+    from shared import registry
+    from shared.storage.session import session_scope
+
+    with session_scope() as session:
+        body = registry.model_json(session, registry.get_model(session, name))
+    click.echo(json.dumps(body, indent=2))
+
+
+@models.command("alias")
+@click.argument("name")
+@click.argument("alias")
+@click.argument("version", type=int)
+def models_alias(name: str, alias: str, version: int) -> None:
+    """Point ALIAS (stable, canary, any name) of model NAME at VERSION, in one step."""
+    from shared import registry
+    from shared.storage.session import session_scope
+
+    with session_scope() as session:
+        registry.move_alias(session, registry.get_model(session, name), alias, version, actor=_actor())
+    click.echo(f"{name}: {alias} -> {version}")
+
+
+@models.command("status")
+@click.argument("name")
+@click.argument("version", type=int)
+@click.argument("status", type=click.Choice(["validated", "active", "retired"]))
+@click.option("--reason", default="", help="why, for the audit log")
+def models_status(name: str, version: int, status: str, reason: str) -> None:
+    """Move VERSION of NAME forward: registered -> validated -> active -> retired."""
+    from shared import registry
+    from shared.storage.session import session_scope
+
+    with session_scope() as session:
+        model = registry.get_model(session, name)
+        registry.set_status(session, model, version, status, actor=_actor(), reason=reason)
+    click.echo(f"{name} version {version}: {status}")
+
+
+@models.command("tag")
+@click.argument("name")
+@click.argument("version", type=int)
+@click.option("--add", "add", multiple=True, help="a tag to add (repeatable)")
+@click.option("--remove", "remove", multiple=True, help="a tag to remove (repeatable)")
+def models_tag(name: str, version: int, add: tuple[str, ...], remove: tuple[str, ...]) -> None:
+    """Add or remove tags of VERSION of NAME."""
+    from shared import registry
+    from shared.storage.session import session_scope
+
+    with session_scope() as session:
+        model = registry.get_model(session, name)
+        v = registry.tag_version(session, model, version, add=add, remove=remove, actor=_actor())
+        tags = list(v.tags)
+    click.echo(f"{name} version {version}: tags {', '.join(tags) or '(none)'}")
+
+
+@models.command("export")
+@click.argument("name")
+@click.argument("version")
+@click.option(
+    "--format",
+    "format",
+    type=click.Choice(["hf-safetensors", "onnx", "onnx-int8", "tflite", "tensorrt-plan"]),
+    required=True,
+    help="which of the version's artifacts",
+)
+@click.option("--out", "out", type=click.Path(path_type=Path), required=True, help="directory to write into")
+def models_export(name: str, version: str, format: str, out: Path) -> None:
+    """Write an artifact of VERSION (a number or an alias) of NAME to OUT, laid out like a built zoo.
+
+    OUT/artifacts/NAME/ holds its files (each checked against its hash) and OUT/manifests/NAME.json its signed
+    manifest, so `tierline cloud publish OUT/artifacts/NAME` offers it to devices as NAME version NUMBER.
+    A rejected or failed artifact is refused.
+    """
+    from shared import registry_artifacts
+    from shared.artifact_store import store_from_settings
+    from shared.storage.session import session_scope
+
+    with session_scope() as session:
+        files_dir, manifest = registry_artifacts.export_artifact(
+            session, store_from_settings(), name, version, format, out
+        )
+    click.echo(f"wrote {files_dir} and {manifest}; publish it with: tierline cloud publish {files_dir}")
+
+
+@models.command("derive")
+@click.argument("name")
+@click.argument("version", type=int)
+@click.option(
+    "--min-int8-agreement",
+    type=click.FloatRange(0.0, 1.0),
+    default=None,
+    help="reject INT8 below this next-token agreement with fp32 [default: TIERLINE_REGISTRY_MIN_INT8_AGREEMENT, 0.9]",
+)
+@click.option(
+    "--tflite/--no-tflite", default=None, help="also convert to TFLite [default: when litert-torch is installed]"
+)
+def models_derive(name: str, version: int, min_int8_agreement: float | None, tflite: bool | None) -> None:
+    """Derive edge artifacts (ONNX fp32, ONNX INT8, TFLite) of cloud checkpoint VERSION of NAME, here and now.
+
+    The result is a new version of NAME recording the version it was derived from; its artifacts are signed.
+    (The console's POST /api/models/NAME/versions/VERSION/derive runs the same job in the background.)
+    """
+    from shared import registry_artifacts
+    from shared.artifact_store import store_from_settings
+    from shared.edge_derive import run_derive, start_derive
+    from shared.storage.session import get_engine, session_scope
+
+    store = store_from_settings()
+    key = registry_artifacts.platform_signing_key()
+    with session_scope() as session:
+        job = start_derive(session, name, version, actor=_actor(), min_int8_agreement=min_int8_agreement, tflite=tflite)
+    click.echo(f"deriving {name} version {job.number} from version {version}", err=True)
+    result = run_derive(get_engine(), store, job, key, lambda msg: click.echo(f"[derive] {msg}", err=True))
+    if result.error:
+        raise click.ClickException(f"derive failed: {result.error}")
+    click.echo(f"{name} version {job.number}: " + ", ".join(f"{f} {s}" for f, s in result.statuses.items()))
 
 
 @click.group()

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from shared.assignment import arm, cloud_subject
 from shared.devices import create_enrollment_token
 from shared.rollouts import (
     RolloutSpec,
+    abort,
     collect_windows,
     create_rollout,
     load_plans,
@@ -537,4 +539,77 @@ def test_fleet_windows_count_what_devices_served_inside_them(migrated_db: str) -
     assert (window.baseline.requests, window.baseline.errors, window.baseline.num_devices) == (60, 2, 1)
     assert (window.candidate.requests, window.candidate.errors, window.candidate.num_devices) == (37, 7, 2)
     assert window.candidate.p95_latency_ms == 100.0
+    engine.dispose()
+
+
+def test_a_rolled_back_candidate_is_billed_as_served_and_its_usage_is_summed(migrated_db: str) -> None:
+    """The billing rule: a rollback never re-rates or voids what the candidate served; the rollback (and an
+    abort) event carries the candidate's usage and rated cost per tenant, the basis of a credit note."""
+    engine = make_engine(migrated_db)
+    with Session(engine) as s:
+        acme, globex = create_tenant(s, "acme"), create_tenant(s, "globex")
+        spec = RolloutSpec(
+            model="tierline/lm-cloud", baseline_version="1", candidate_version="2", min_step_s=0, min_samples=5
+        )
+        first = create_rollout(s, spec, actor="test")
+        s.commit()
+        ids, first_id = {"acme": acme.id or 0, "globex": globex.id or 0}, first.id or 0
+    run_controller_pass(engine)
+    with Session(engine) as s:
+        for name, n in (("acme", 6), ("globex", 3)):
+            for _ in range(n):
+                record = usage(ids[name], "candidate", 2, status="error")
+                record.cost = Decimal("0.000125")
+                s.add(record)
+        for _ in range(6):
+            s.add(usage(ids["acme"], "baseline", 1))
+        s.add(usage(ids["acme"], "candidate", 2))  # unpriced (no price in force): counted, flagged
+        s.commit()
+    (result,) = run_controller_pass(engine)
+    assert result.action == "rollback"
+    with Session(engine) as s:
+        event = s.exec(select(RolloutEvent).where(RolloutEvent.kind == "rolled_back")).one()
+        assert event.metrics is not None
+        assert event.metrics["candidate_usage"] == {
+            "rule": "billed as served",
+            "requests": 10,
+            "cost": "0.001125",
+            "by_tenant": [
+                {
+                    "tenant_id": ids["acme"],
+                    "requests": 7,
+                    "prompt_tokens": 70,
+                    "completion_tokens": 140,
+                    "cost": "0.000750",
+                    "unpriced_requests": 1,
+                },
+                {
+                    "tenant_id": ids["globex"],
+                    "requests": 3,
+                    "prompt_tokens": 30,
+                    "completion_tokens": 60,
+                    "cost": "0.000375",
+                    "unpriced_requests": 0,
+                },
+            ],
+        }
+        candidate = list(s.exec(select(UsageRecord).where(UsageRecord.rollout_arm == "candidate")))
+        assert len(candidate) == 10 and sum(u.cost is not None for u in candidate) == 9  # untouched by the rollback
+
+        # An operator's abort of the next rollout sums only what its own candidate served.
+        spec = RolloutSpec(
+            model="tierline/lm-cloud", baseline_version="1", candidate_version="3", min_step_s=0, min_samples=5
+        )
+        second = create_rollout(s, spec, actor="test")
+        s.commit()
+        aborted = abort(s, second.id or 0, actor="test:ops", reason="wrong build")
+        s.commit()
+        event = s.exec(select(RolloutEvent).where(RolloutEvent.kind == "aborted")).one()
+        assert aborted.id != first_id and event.metrics is not None
+        assert event.metrics["candidate_usage"] == {
+            "rule": "billed as served",
+            "requests": 0,
+            "cost": "0",
+            "by_tenant": [],
+        }
     engine.dispose()

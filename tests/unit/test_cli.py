@@ -1,9 +1,11 @@
-"""The CLI surface: every command has --help; planned commands refuse in one line."""
+"""The CLI surface: every command has --help; bad input is refused in one line, without a traceback."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -34,6 +36,14 @@ SURFACE = [
     ["billing", "prices", "list"],
     ["cloud", "publish"],
     ["models", "list"],
+    ["models", "push"],
+    ["models", "versions"],
+    ["models", "show"],
+    ["models", "alias"],
+    ["models", "status"],
+    ["models", "tag"],
+    ["models", "derive"],
+    ["models", "export"],
     ["rollouts", "create"],
     ["rollouts", "list"],
     ["rollouts", "tick"],
@@ -64,15 +74,17 @@ def test_root_help_lists_every_group() -> None:
         assert name in result.output
 
 
-def test_planned_command_says_where_it_comes_from() -> None:
+def test_push_of_a_missing_path_is_a_one_line_error(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-checkpoint"
     proc = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "models", "push", "x"],
+        [sys.executable, "-m", "shared.cli", "models", "push", str(missing), "--name", "x"],
         cwd=REPO,
         capture_output=True,
         text=True,
+        env={**os.environ, "TIERLINE_DATA_DIR": str(tmp_path)},
     )
     assert proc.returncode == 2
-    assert "planned in issue #7" in proc.stderr and "Traceback" not in proc.stderr
+    assert "no-such-checkpoint" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_edge_commands_never_import_torch() -> None:

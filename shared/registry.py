@@ -1,0 +1,466 @@
+"""The model registry: models, their numbered versions, each version's artifacts, aliases and tags.
+
+A **model** has a name and a kind (``causal-lm`` | ``tensor``). A **version** has a number that only grows
+(1, 2, 3... per model, never reused, even when two pushes race), an optional label, where it came from, tags,
+a status (``registered → validated → active → retired``) and, for a derived version, the version it was
+derived from. An **artifact** is one target's files (``cloud``: an HF checkpoint, ONNX, a TensorRT plan;
+``edge``: ONNX fp32 / INT8, TFLite): its bytes are blobs in the artifact store (:mod:`shared.artifact_store`)
+and its signed manifest (:mod:`shared.artifacts`) lists them with their sha256. An **alias** (``stable``,
+``canary``, any name) points at one version and moves with one row update.
+
+Every change writes an ``audit_log`` row (target ``model/<name>`` or ``model/<name>/<number>``). Functions
+take a session and leave the commit to the caller.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any, Final
+
+from sqlalchemy import func, insert, update
+from sqlalchemy import select as sa_select
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Session, col, select
+
+from shared.errors import ConflictError, NotFoundError, ValidationError
+from shared.storage.models import AuditLog, Model, ModelAlias, ModelArtifact, ModelVersion, utcnow
+
+KINDS: Final = ("causal-lm", "tensor")
+TARGETS: Final = ("cloud", "edge")
+FORMATS: Final[dict[str, tuple[str, ...]]] = {
+    "cloud": ("hf-safetensors", "onnx", "tensorrt-plan"),
+    "edge": ("onnx", "onnx-int8", "tflite"),
+}
+STATUSES: Final = ("registered", "validated", "active", "retired")
+# Forward only; retiring is allowed from any live status (a version nobody will ever serve).
+_NEXT_STATUS: Final[dict[str, tuple[str, ...]]] = {
+    "registered": ("validated", "retired"),
+    "validated": ("active", "retired"),
+    "active": ("retired",),
+    "retired": (),
+}
+ARTIFACT_STATUSES: Final = ("ready", "pending", "rejected", "failed")
+MAX_TAGS: Final = 32
+MANIFEST_FILE: Final = "manifest.json"
+EDGE_MODEL_FILE: Final = "edge_model.json"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
+_ALIAS_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:=/-]{0,63}$")
+_LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$")
+_VERSION_NUMBER_RETRIES: Final = 8
+
+
+# --- validation (pure) -----------------------------------------------------------------------------------------
+
+
+def check_name(name: str, param: str = "name") -> str:
+    if not _NAME_RE.fullmatch(name):
+        raise ValidationError(
+            f"{param} {name!r}: 1-128 letters, digits or '._+-', starting with a letter or digit", param=param
+        )
+    return name
+
+
+def check_kind(kind: str) -> str:
+    if kind not in KINDS:
+        raise ValidationError(f"kind must be one of {', '.join(KINDS)}, not {kind!r}", param="kind")
+    return kind
+
+
+def check_alias(alias: str) -> str:
+    if not _ALIAS_RE.fullmatch(alias):
+        raise ValidationError(f"alias {alias!r}: 1-64 letters, digits or '._-'", param="alias")
+    return alias
+
+
+def check_label(label: str | None) -> str | None:
+    if label is not None and not _LABEL_RE.fullmatch(label):
+        raise ValidationError(f"label {label!r}: 1-64 letters, digits or '._+-'", param="label")
+    return label
+
+
+def check_tags(tags: Iterable[str]) -> list[str]:
+    out: list[str] = []
+    for tag in tags:
+        if not _TAG_RE.fullmatch(tag):
+            raise ValidationError(f"tag {tag!r}: 1-64 letters, digits or '._:=/-'", param="tags")
+        if tag not in out:
+            out.append(tag)
+    if len(out) > MAX_TAGS:
+        raise ValidationError(f"at most {MAX_TAGS} tags per version", param="tags")
+    return out
+
+
+def check_target_format(target: str, format: str) -> None:
+    if target not in TARGETS:
+        raise ValidationError(f"target must be one of {', '.join(TARGETS)}, not {target!r}", param="target")
+    if format not in FORMATS[target]:
+        raise ValidationError(
+            f"format {format!r} is not a {target} format ({', '.join(FORMATS[target])})", param="format"
+        )
+
+
+def can_move_status(current: str, new: str) -> bool:
+    """Whether a version in ``current`` may go to ``new`` (forward only)."""
+    return new in _NEXT_STATUS.get(current, ())
+
+
+def is_safe_relpath(path: str) -> bool:
+    """A relative POSIX path inside an artifact: no ``..``, no absolute path, no empty segment."""
+    if not path or len(path) > 500 or "\\" in path or "\x00" in path or path.startswith("/"):
+        return False
+    return all(part not in ("", ".", "..") for part in path.split("/"))
+
+
+def infer_format(paths: Sequence[str]) -> tuple[str, str]:
+    """``(target, format)`` of an upload from its file names; ValidationError when they say nothing."""
+    names = {p.rsplit("/", 1)[-1] for p in paths}
+    if "config.json" in names and any(n.endswith(".safetensors") for n in names):
+        return "cloud", "hf-safetensors"
+    if any(n.endswith(".tflite") for n in names):
+        return "edge", "tflite"
+    if any(n.endswith((".plan", ".engine")) for n in names):
+        return "cloud", "tensorrt-plan"
+    if any(n.endswith(".onnx") for n in names):
+        return "cloud", "onnx"
+    raise ValidationError("cannot tell the artifact's format from its files; send target and format", param="format")
+
+
+# --- audit ---------------------------------------------------------------------------------------------------------
+
+
+def _audit(
+    session: Session, actor: str, action: str, target: str, before: dict[str, Any] | None, after: dict[str, Any]
+) -> None:
+    session.add(AuditLog(actor=actor[:128], action=action, target=target[:256], before=before, after=after))
+
+
+# --- models --------------------------------------------------------------------------------------------------------
+
+
+def get_model(session: Session, name: str) -> Model:
+    model = session.exec(select(Model).where(Model.name == name)).first()
+    if model is None:
+        raise NotFoundError(f"no model named {name!r}", param="name")
+    return model
+
+
+def list_models(session: Session) -> list[Model]:
+    return list(session.exec(select(Model).order_by(Model.name)))
+
+
+def create_model(session: Session, name: str, kind: str, *, description: str = "", actor: str) -> Model:
+    check_name(name)
+    check_kind(kind)
+    if len(description) > 2000:
+        raise ValidationError("description: at most 2000 characters", param="description")
+    if session.exec(select(Model.id).where(Model.name == name)).first() is not None:
+        raise ConflictError(f"a model named {name!r} exists", param="name")
+    model = Model(name=name, kind=kind, description=description)
+    session.add(model)
+    session.flush()
+    _audit(session, actor, "model.create", f"model/{name}", None, {"name": name, "kind": kind})
+    return model
+
+
+def ensure_model(session: Session, name: str, kind: str | None, *, description: str = "", actor: str) -> Model:
+    """The model ``name``, created with ``kind`` (default ``causal-lm``) if new; its kind must match."""
+    check_name(name)
+    existing = session.exec(select(Model).where(Model.name == name)).first()
+    if existing is None:
+        try:
+            with session.begin_nested():
+                return create_model(session, name, kind or "causal-lm", description=description, actor=actor)
+        except IntegrityError:  # created by a concurrent push meanwhile
+            existing = get_model(session, name)
+    if kind is not None and kind != existing.kind:
+        raise ValidationError(f"model {name!r} is a {existing.kind} model, not {kind}", param="kind")
+    return existing
+
+
+# --- versions ------------------------------------------------------------------------------------------------------
+
+
+def register_version(
+    session: Session,
+    model: Model,
+    *,
+    label: str | None = None,
+    source: str = "",
+    tags: Iterable[str] = (),
+    derived_from_id: int | None = None,
+    actor: str,
+) -> ModelVersion:
+    """Add the next version of ``model``: its number is one more than the highest, even under races.
+
+    The model's row is locked first (``SELECT ... FOR UPDATE`` on PostgreSQL, held to commit), then the number is
+    chosen and written by one ``INSERT ... SELECT max + 1`` (a single write, so SQLite serialises it too). The
+    unique constraint stays the backstop: a clash is retried in a savepoint.
+    """
+    assert model.id is not None
+    label = check_label(label)
+    tag_list = check_tags(tags)
+    next_number = (
+        sa_select(func.coalesce(func.max(ModelVersion.number), 0) + 1)
+        .where(col(ModelVersion.model_id) == model.id)
+        .scalar_subquery()
+    )
+    values = {
+        "model_id": model.id,
+        "number": next_number,
+        "label": label,
+        "source": source[:500],
+        "status": "registered",
+        "derived_from_id": derived_from_id,
+        "tags": tag_list,
+        "created_at": utcnow(),
+    }
+    # Serialise numbering per model on PostgreSQL (a no-op on SQLite, whose writes are serial anyway).
+    session.execute(sa_select(col(Model.id)).where(col(Model.id) == model.id).with_for_update())
+    for attempt in range(_VERSION_NUMBER_RETRIES):
+        try:
+            with session.begin_nested():
+                new_id = session.execute(
+                    insert(ModelVersion).values(**values).returning(col(ModelVersion.id))
+                ).scalar_one()
+            break
+        except IntegrityError:
+            if attempt == _VERSION_NUMBER_RETRIES - 1:
+                raise ConflictError(f"could not number a new version of {model.name}; try again") from None
+    version = session.get(ModelVersion, new_id)
+    assert version is not None
+    _audit(
+        session, actor, "model.version.register", f"model/{model.name}/{version.number}", None, version_json(version)
+    )
+    return version
+
+
+def get_version(session: Session, model: Model, number: int) -> ModelVersion:
+    version = session.exec(
+        select(ModelVersion).where(ModelVersion.model_id == model.id, ModelVersion.number == number)
+    ).first()
+    if version is None:
+        raise NotFoundError(f"model {model.name!r} has no version {number}", param="version")
+    return version
+
+
+def list_versions(session: Session, model: Model) -> list[ModelVersion]:
+    return list(
+        session.exec(select(ModelVersion).where(ModelVersion.model_id == model.id).order_by(col(ModelVersion.number)))
+    )
+
+
+def set_status(
+    session: Session, model: Model, number: int, status: str, *, actor: str, reason: str = ""
+) -> ModelVersion:
+    """Move a version's status forward (``registered → validated → active → retired``) with one conditional UPDATE."""
+    if status not in STATUSES:
+        raise ValidationError(f"status must be one of {', '.join(STATUSES)}, not {status!r}", param="status")
+    version = get_version(session, model, number)
+    before = version.status
+    if not can_move_status(before, status):
+        raise ConflictError(f"version {number} of {model.name} is {before}; it cannot become {status}", param="status")
+    result = session.execute(
+        update(ModelVersion)
+        .where(col(ModelVersion.id) == version.id, col(ModelVersion.status) == before)
+        .values(status=status)
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount != 1:  # type: ignore[attr-defined]
+        raise ConflictError(f"version {number} of {model.name} changed meanwhile; read it again", param="status")
+    session.refresh(version)
+    after: dict[str, Any] = {"status": status} | ({"reason": reason[:500]} if reason else {})
+    _audit(session, actor, "model.version.status", f"model/{model.name}/{number}", {"status": before}, after)
+    return version
+
+
+def tag_version(
+    session: Session, model: Model, number: int, *, add: Iterable[str] = (), remove: Iterable[str] = (), actor: str
+) -> ModelVersion:
+    version = get_version(session, model, number)
+    before = list(version.tags)
+    dropped = set(remove)
+    tags = check_tags([t for t in before if t not in dropped] + [t for t in add if t not in dropped])
+    if tags != before:
+        session.execute(
+            update(ModelVersion)
+            .where(col(ModelVersion.id) == version.id)
+            .values(tags=tags)
+            .execution_options(synchronize_session=False)
+        )
+        session.refresh(version)
+        _audit(session, actor, "model.version.tags", f"model/{model.name}/{number}", {"tags": before}, {"tags": tags})
+    return version
+
+
+def lineage(session: Session, version: ModelVersion) -> list[ModelVersion]:
+    """The versions ``version`` derives from, nearest first."""
+    chain: list[ModelVersion] = []
+    seen = {version.id}
+    parent_id = version.derived_from_id
+    while parent_id is not None and parent_id not in seen:
+        parent = session.get(ModelVersion, parent_id)
+        if parent is None:
+            break
+        chain.append(parent)
+        seen.add(parent_id)
+        parent_id = parent.derived_from_id
+    return chain
+
+
+# --- aliases -------------------------------------------------------------------------------------------------------
+
+
+def move_alias(session: Session, model: Model, alias: str, number: int, *, actor: str) -> ModelAlias:
+    """Point ``alias`` at version ``number``: one row update (readers see the old or the new version, never
+    neither); the row is created the first time."""
+    check_alias(alias)
+    version = get_version(session, model, number)
+    if version.status == "retired":
+        raise ConflictError(
+            f"version {number} of {model.name} is retired; an alias cannot point at it", param="version"
+        )
+    current = session.exec(select(ModelAlias).where(ModelAlias.model_id == model.id, ModelAlias.name == alias)).first()
+    before = {"version": _number_of(session, current.version_id)} if current is not None else None
+    values = {"version_id": version.id, "updated_by": actor[:128], "updated_at": utcnow()}
+    moved = session.execute(
+        update(ModelAlias)
+        .where(col(ModelAlias.model_id) == model.id, col(ModelAlias.name) == alias)
+        .values(**values)
+        .execution_options(synchronize_session=False)
+    )
+    if moved.rowcount == 0:  # type: ignore[attr-defined]
+        try:
+            with session.begin_nested():
+                session.add(
+                    ModelAlias(model_id=model.id or 0, name=alias, version_id=version.id or 0, updated_by=actor)
+                )
+        except IntegrityError:  # created concurrently: move it instead
+            session.execute(
+                update(ModelAlias)
+                .where(col(ModelAlias.model_id) == model.id, col(ModelAlias.name) == alias)
+                .values(**values)
+                .execution_options(synchronize_session=False)
+            )
+    row = session.exec(
+        select(ModelAlias)
+        .where(ModelAlias.model_id == model.id, ModelAlias.name == alias)
+        .execution_options(populate_existing=True)
+    ).one()
+    _audit(
+        session,
+        actor,
+        "model.alias.move",
+        f"model/{model.name}",
+        before and {"alias": alias, **before},
+        {"alias": alias, "version": number},
+    )
+    return row
+
+
+def _number_of(session: Session, version_id: int) -> int | None:
+    return session.exec(select(ModelVersion.number).where(ModelVersion.id == version_id)).first()
+
+
+def aliases_of(session: Session, model: Model) -> dict[str, int]:
+    """alias name -> version number."""
+    rows = session.exec(
+        select(ModelAlias.name, ModelVersion.number)
+        .join(ModelVersion, col(ModelVersion.id) == col(ModelAlias.version_id))
+        .where(ModelAlias.model_id == model.id)
+        .order_by(col(ModelAlias.name))
+    )
+    return {name: number for name, number in rows}
+
+
+def resolve(session: Session, name: str, ref: str) -> ModelVersion:
+    """A version by number (``3``) or alias (``stable``)."""
+    model = get_model(session, name)
+    if ref.isdigit():
+        return get_version(session, model, int(ref))
+    number = aliases_of(session, model).get(ref)
+    if number is None:
+        raise NotFoundError(f"model {name!r} has no version or alias {ref!r}", param="version")
+    return get_version(session, model, number)
+
+
+# --- reading artifacts ---------------------------------------------------------------------------------------------
+
+
+def artifacts_of(session: Session, version_ids: Iterable[int]) -> dict[int, list[ModelArtifact]]:
+    ids = list(version_ids)
+    out: dict[int, list[ModelArtifact]] = {i: [] for i in ids}
+    if ids:
+        rows = session.exec(
+            select(ModelArtifact).where(col(ModelArtifact.version_id).in_(ids)).order_by(col(ModelArtifact.id))
+        )
+        for a in rows:
+            out[a.version_id].append(a)
+    return out
+
+
+# --- JSON ----------------------------------------------------------------------------------------------------------
+
+
+def artifact_json(a: ModelArtifact) -> dict[str, Any]:
+    signature = (a.manifest or {}).get("signature") or {}
+    return {
+        "id": a.id,
+        "target": a.target,
+        "format": a.format,
+        "status": a.status,
+        "sha256": a.sha256,
+        "size": a.size,
+        "uri": a.uri,
+        "signature_key_id": signature.get("key_id"),
+        "metadata": (a.manifest or {}).get("metadata", {}),
+        "error": (a.manifest or {}).get("error"),
+        "created_at": a.created_at.isoformat(),
+    }
+
+
+def version_json(
+    v: ModelVersion,
+    artifacts: Sequence[ModelArtifact] = (),
+    aliases: Sequence[str] = (),
+    derived_from: int | None = None,
+) -> dict[str, Any]:
+    return {
+        "number": v.number,
+        "label": v.label,
+        "source": v.source,
+        "status": v.status,
+        "tags": list(v.tags),
+        "derived_from": derived_from,
+        "aliases": list(aliases),
+        "artifacts": [artifact_json(a) for a in artifacts],
+        "created_at": v.created_at.isoformat() if v.created_at else None,
+    }
+
+
+def model_json(session: Session, model: Model, *, with_versions: bool = True) -> dict[str, Any]:
+    aliases = aliases_of(session, model)
+    body: dict[str, Any] = {
+        "name": model.name,
+        "kind": model.kind,
+        "description": model.description,
+        "aliases": aliases,
+        "created_at": model.created_at.isoformat(),
+    }
+    versions = list_versions(session, model)
+    body["num_versions"] = len(versions)
+    body["latest_version"] = versions[-1].number if versions else None
+    if with_versions:
+        by_id = {v.id: v.number for v in versions}
+        arts = artifacts_of(session, [v.id for v in versions if v.id is not None])
+        body["versions"] = [
+            version_json(
+                v,
+                arts.get(v.id or 0, []),
+                [a for a, n in aliases.items() if n == v.number],
+                by_id.get(v.derived_from_id) if v.derived_from_id is not None else None,
+            )
+            for v in versions
+        ]
+    return body
