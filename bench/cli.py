@@ -8,8 +8,6 @@ from typing import Any
 
 import click
 
-from shared.planned import planned
-
 PRESETS = ["tiny", "demo"]
 
 
@@ -128,15 +126,14 @@ def bench_tensor(preset: str, zoo_dir: Path | None, as_json: bool, num_requests:
     _emit(run_tensor_bench(_zoo_root(preset, zoo_dir), num_requests, concurrency), as_json)
 
 
-bench.add_command(planned("billing", "Usage ingestion and rating throughput.", issue=8))
-
-
 def _register() -> None:
+    from bench.billing_bench import billing_command
     from bench.cascade_bench import cascade_command
     from bench.edge_bench import edge_command
 
     bench.add_command(edge_command)
     bench.add_command(cascade_command)
+    bench.add_command(billing_command)
 
 
 _register()

@@ -1,10 +1,28 @@
-"""``tierline billing``: the price book (invoices arrive with issue #8)."""
+"""``tierline billing``: the price book, invoices, voids and credit notes."""
 
 from __future__ import annotations
 
 from datetime import datetime
 
 import click
+
+
+def _actor() -> str:
+    import getpass
+
+    try:
+        return f"cli:{getpass.getuser()}"
+    except (KeyError, OSError):
+        return "cli"
+
+
+def _month(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    from shared.pricing import parse_period
+
+    try:
+        return parse_period(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 def _money(text: str, what: str) -> str:
@@ -16,6 +34,8 @@ def _money(text: str, what: str) -> str:
         raise click.BadParameter(f"{text!r} is not an amount", param_hint=what) from None
     if not value.is_finite() or value < 0:
         raise click.BadParameter("must be a non-negative amount", param_hint=what)
+    if value >= 10**12 or value != value.quantize(Decimal("0.000001")):
+        raise click.BadParameter("at most 12 digits before the decimal point and 6 after", param_hint=what)
     return text
 
 
@@ -58,25 +78,23 @@ def prices_set(
     from datetime import UTC
     from decimal import Decimal
 
-    from shared.storage.models import Price
+    from shared.billing import PriceSpec, add_price
     from shared.storage.session import session_scope
 
     if len(currency) != 3 or not currency.isalpha():
         raise click.BadParameter(f"{currency!r} is not a 3-letter currency code", param_hint="--currency")
-    prompt = Decimal(_money(prompt_price, "--prompt"))
-    row = Price(
+    spec = PriceSpec(
         model=model,
+        prompt_per_mtok=Decimal(_money(prompt_price, "--prompt")),
+        completion_per_mtok=Decimal(_money(completion_price, "--completion")),
+        cached_per_mtok=Decimal(_money(cached_price, "--cached")) if cached_price is not None else None,
         version=version,
         tier=tier,
-        currency=currency.upper(),
-        prompt_per_mtok=prompt,
-        completion_per_mtok=Decimal(_money(completion_price, "--completion")),
-        cached_per_mtok=Decimal(_money(cached_price, "--cached")) if cached_price is not None else prompt,
-        effective_from=(effective_from.replace(tzinfo=UTC) if effective_from else datetime.now(UTC)),
+        currency=currency,
+        effective_from=effective_from.replace(tzinfo=UTC) if effective_from else None,
     )
     with session_scope() as session:
-        session.add(row)
-        session.flush()
+        row = add_price(session, spec, actor=_actor())
         click.echo(f"price {row.id}: {model} {row.prompt_per_mtok}/{row.completion_per_mtok} {row.currency} per Mtok")
 
 
@@ -84,19 +102,69 @@ def prices_set(
 @click.option("--model", default=None, help="only this model")
 def prices_list(model: str | None) -> None:
     """List prices, newest first."""
-    from sqlmodel import col, select
-
-    from shared.storage.models import Price
+    from shared.billing import list_prices
     from shared.storage.session import session_scope
 
     with session_scope() as session:
-        query = select(Price).order_by(col(Price.model), col(Price.effective_from).desc())
-        if model is not None:
-            query = query.where(Price.model == model)
-        for p in session.exec(query):
+        for p in list_prices(session, model):
             scope = f"v{p.version}" if p.version is not None else "all versions"
             click.echo(
                 f"{p.id}\t{p.model}\t{scope}\t{p.tier or 'both tiers'}\tprompt {p.prompt_per_mtok} "
                 f"completion {p.completion_per_mtok} cached {p.cached_per_mtok} {p.currency}\t"
                 f"from {p.effective_from:%Y-%m-%d %H:%M}"
             )
+
+
+@billing.command("invoice")
+@click.option("--tenant", required=True, help="tenant name (or id)")
+@click.option("--month", required=True, callback=_month, help="the calendar month (UTC) to bill, YYYY-MM")
+@click.option("--finalize", is_flag=True, help="lock the month: store the lines, assign a number, bill the records")
+@click.option("--format", "fmt", type=click.Choice(["json", "csv"]), default="json", show_default=True)
+def invoice(tenant: str, month: str, finalize: bool, fmt: str) -> None:
+    """Show a tenant's invoice for a month: the finalized one, or else the live draft.
+
+    With --finalize, a month that has ended is invoiced: amounts are locked, a hash of the lines is stored,
+    and every record billed is stamped so it is never billed again. Late records of an invoiced month
+    land on the tenant's next invoice as adjustment lines.
+    """
+    import json
+
+    from shared import billing as service
+    from shared.invoices import to_csv
+    from shared.storage.session import session_scope
+
+    with session_scope() as session:
+        row = service.resolve_tenant(session, tenant)
+        if finalize:
+            finalized = service.finalize(session, row, month, actor=_actor())
+            view = service.invoice_json(session, finalized)
+        else:
+            view = service.month_invoice(session, row, month)
+    click.echo(to_csv(view) if fmt == "csv" else json.dumps(view, indent=2), nl=fmt != "csv")
+
+
+@billing.command("void")
+@click.argument("number")
+@click.option("--reason", required=True, help="why (kept on the invoice)")
+def void(number: str, reason: str) -> None:
+    """Void a finalized invoice; its records are billed again by the next invoice finalized for them."""
+    from shared import billing as service
+    from shared.storage.session import session_scope
+
+    with session_scope() as session:
+        row = service.void(session, number, reason=reason, actor=_actor())
+        click.echo(f"voided {row.number} ({row.period}): {reason}")
+
+
+@billing.command("credit")
+@click.argument("number")
+@click.option("--amount", required=True, help="positive, at most what is left of the invoice's total, e.g. 12.50")
+@click.option("--reason", required=True, help="why (printed on the credit note)")
+def credit(number: str, amount: str, reason: str) -> None:
+    """Issue a credit note against a finalized invoice (the invoice itself never changes)."""
+    from shared import billing as service
+    from shared.storage.session import session_scope
+
+    with session_scope() as session:
+        note = service.credit(session, number, amount, reason=reason, actor=_actor())
+        click.echo(f"{note.number}: {note.amount} {note.currency} against {number}")

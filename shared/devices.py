@@ -18,11 +18,11 @@ from typing import Any
 from sqlalchemy import update
 from sqlmodel import Session, col, select
 
-from shared.budgets import add_spend
 from shared.edge_protocol import EventItem, UsageItem
 from shared.errors import AuthenticationError, ValidationError
+from shared.ledger import NewUsage, ingest_usage
 from shared.rollouts import load_plans, usage_arm
-from shared.storage.models import Device, DeviceEvent, EnrollmentToken, Tenant, UsageRecord
+from shared.storage.models import Device, DeviceEvent, EnrollmentToken, Tenant
 
 ENROLL_PREFIX = "tle-"
 DEVICE_PREFIX = "tld-"
@@ -140,46 +140,39 @@ def ingest(
 
     Ids already present (a retried batch, or a request the cloud metered itself on escalation) are skipped,
     never overwritten; the caller commits, so a batch is stored whole or not at all. ``rate`` prices each new
-    record (price id and cost, stamped on it) and its cost counts against the tenant's budget period of the
-    record's own time.
+    record (price id and cost, stamped on it; without it the price book is read once for the batch) and its
+    cost counts against the tenant's budget period of the record's own time. Usage goes through the ledger's
+    batched insert (``shared.ledger.ingest_usage``).
     """
-    accepted = duplicates = 0
     ids = [u.id for u in usage]
     if len(set(ids)) != len(ids):
         raise ValidationError("usage: record ids must be unique within a batch", param="usage")
-    have = set(session.exec(select(UsageRecord.id).where(col(UsageRecord.id).in_(ids)))) if ids else set()
     plans = load_plans(session, "edge") if usage else []
-    for u in usage:
-        if u.id in have:
-            duplicates += 1
-            continue
-        price_id, cost = rate(u) if rate is not None else (None, None)
-        if cost:
-            add_spend(session, device.tenant_id, _ts(u.occurred_at), cost)
-        session.add(
-            UsageRecord(
-                id=u.id,
-                tenant_id=device.tenant_id,
-                device_id=device.id,
-                model=u.model,
-                model_version=int(u.model_version) if u.model_version and u.model_version.isdigit() else None,
-                tier=u.tier,
-                prompt_tokens=u.prompt_tokens,
-                completion_tokens=u.completion_tokens,
-                status=u.status if u.status != "degraded" else "ok",
-                latency_ms=u.latency_ms,
-                ttft_ms=u.ttft_ms,
-                escalation_reason=u.escalation_reason,
-                # The arm of the rollout governing the model, by the version that served it (for billing).
-                rollout_arm=usage_arm(
-                    plans, model=u.model.removeprefix("tierline/"), tenant_id=device.tenant_id, version=u.model_version
-                ),
-                price_id=price_id,
-                cost=cost,
-                occurred_at=_ts(u.occurred_at),
-            )
+    items = {u.id: u for u in usage}
+    records = [
+        NewUsage(
+            id=u.id,
+            tenant_id=device.tenant_id,
+            device_id=device.id,
+            model=u.model,
+            model_version=int(u.model_version) if u.model_version and u.model_version.isdigit() else None,
+            tier=u.tier,
+            prompt_tokens=u.prompt_tokens,
+            completion_tokens=u.completion_tokens,
+            status=u.status if u.status != "degraded" else "ok",
+            latency_ms=u.latency_ms,
+            ttft_ms=u.ttft_ms,
+            escalation_reason=u.escalation_reason,
+            # The arm of the rollout governing the model, by the version that served it (for billing).
+            rollout_arm=usage_arm(
+                plans, model=u.model.removeprefix("tierline/"), tenant_id=device.tenant_id, version=u.model_version
+            ),
+            occurred_at=_ts(u.occurred_at),
         )
-        accepted += 1
+        for u in usage
+    ]
+    result = ingest_usage(session, records, rate=(lambda r: rate(items[r.id])) if rate is not None else None)
+    accepted, duplicates = result.accepted, result.duplicates
     eids = [e.id for e in events]
     seen = set(session.exec(select(DeviceEvent.id).where(col(DeviceEvent.id).in_(eids)))) if eids else set()
     for e in events:

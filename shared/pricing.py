@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from decimal import ROUND_HALF_EVEN, Decimal
 from typing import Protocol
 
 MILLION = Decimal(1_000_000)
-COST_QUANTUM = Decimal("0.000000001")  # costs are kept to 1e-9 of the currency unit; invoices round lines
+# A record's cost is kept to 1e-6 of the currency unit: the scale of the database's money columns (NUMERIC(18, 6)),
+# so the cost a record is rated at is exactly the cost stored and summed. Invoices round lines, not records.
+COST_QUANTUM = Decimal("0.000001")
 
 
 class PriceLike(Protocol):
@@ -72,13 +74,39 @@ def cost(price: PriceLike, tokens: Tokens) -> Decimal:
 
 
 def _aware(ts: datetime) -> datetime:
-    from datetime import UTC
-
     return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
 
 
 def period_of(ts: datetime) -> str:
     """The billing period (calendar month, UTC) of a moment: ``YYYY-MM``."""
-    from datetime import UTC
-
     return _aware(ts).astimezone(UTC).strftime("%Y-%m")
+
+
+def parse_period(text: str) -> str:
+    """``YYYY-MM`` checked and normalized; ``ValueError`` names what is wrong."""
+    try:
+        start = datetime.strptime(text.strip(), "%Y-%m")
+    except ValueError:
+        raise ValueError(f"{text!r} is not a month (YYYY-MM)") from None
+    if not 1970 <= start.year < 9999:
+        raise ValueError(f"{text!r} is not a month between 1970-01 and 9998-12")
+    return start.strftime("%Y-%m")
+
+
+def period_bounds(period: str) -> tuple[datetime, datetime]:
+    """``[start, end)`` of a ``YYYY-MM`` period, as UTC moments."""
+    start = datetime.strptime(period, "%Y-%m").replace(tzinfo=UTC)
+    end = start.replace(year=start.year + 1, month=1) if start.month == 12 else start.replace(month=start.month + 1)
+    return start, end
+
+
+class PriceIndex:
+    """Prices grouped by model, so rating a batch costs one scan of the model's few prices per record."""
+
+    def __init__(self, prices: Iterable[PriceLike]) -> None:
+        self._by_model: dict[str, list[PriceLike]] = {}
+        for p in prices:
+            self._by_model.setdefault(p.model, []).append(p)
+
+    def lookup(self, model: str, version: int | None, tier: str, at: datetime) -> PriceLike | None:
+        return price_for(self._by_model.get(model, ()), model, version, tier, at)
