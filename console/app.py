@@ -1,51 +1,102 @@
-"""The web console (Litestar + Jinja + HTMX). Pages and auth grow with issue 9."""
+"""The web console (Litestar + Jinja + HTMX) and the management API under ``/api``.
+
+Pages (``console.pages``) sign in with a session cookie; ``/api`` takes console API tokens (``console.api``).
+"""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+from decimal import Decimal
 from pathlib import Path
-from typing import Any
 
-from litestar import Litestar, get
-from litestar.contrib.jinja import JinjaTemplateEngine
+from jinja2 import Environment, FileSystemLoader
+from litestar import Litestar
 from litestar.datastructures import State
-from litestar.response import Template
+from litestar.plugins.jinja import JinjaTemplateEngine
+from litestar.static_files import create_static_files_router
 from litestar.template.config import TemplateConfig
-from sqlalchemy import func
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, select
 
 from console.api import API_ROUTER, OPENAPI_CONFIG
+from console.auth import ConsoleAuth, ConsoleAuthSettings, security_headers
 from console.billing_api import BILLING_ROUTER
-from console.registry_api import REGISTRY_ROUTER
+from console.pages import LOGIN_ROUTER, PAGES_ROUTER
+from console.pages.common import aware
+from console.registry_api import REGISTRY_ROUTER, derive_jobs
 from console.rollout_controller import rollout_controller
 from shared.http import EXCEPTION_HANDLERS, healthz
 from shared.logs import request_id_middleware
 from shared.settings import SecretSettings
-from shared.storage.models import ApiKey, Device, Model, Tenant
 from shared.storage.session import get_engine
 
-TEMPLATES = Path(__file__).resolve().parent / "templates"
+HERE = Path(__file__).resolve().parent
+TEMPLATES = HERE / "templates"
+STATIC = HERE / "static"
 
 
-@get("/", sync_to_thread=True)
-def overview(state: State) -> Template:
-    with Session(state.engine) as session:
-        counts: dict[str, Any] = {
-            label: session.exec(select(func.count()).select_from(table)).one()
-            for label, table in (("tenants", Tenant), ("API keys", ApiKey), ("models", Model), ("devices", Device))
-        }
-    return Template(template_name="overview.html.j2", context={"counts": counts})
+def _when(ts: datetime | None) -> str:
+    return "—" if ts is None else aware(ts).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def create_app(engine: Engine | None = None) -> Litestar:
-    SecretSettings()  # refuses a placeholder secret outside dev mode
+def _ago(ts: datetime | None, now: datetime) -> str:
+    if ts is None:
+        return "never"
+    seconds = max(0, int((now - aware(ts)).total_seconds()))
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds // size} {unit} ago"
+    return f"{seconds} s ago"
+
+
+def _money(value: Decimal | float | None, currency: str = "") -> str:
+    if value is None:
+        return "—"
+    return f"{Decimal(str(value)):,.2f} {currency}".strip()
+
+
+def _number(value: Decimal | float | None) -> str:
+    """A stored amount without the trailing zeros of its column's scale: ``0.500000`` reads ``0.5``."""
+    if value is None:
+        return "—"
+    return format(Decimal(str(value)).normalize(), "f")
+
+
+def _is_past(ts: datetime | None) -> bool:
+    return ts is not None and aware(ts) <= datetime.now(UTC)
+
+
+def _percent(value: float | None, digits: int = 1) -> str:
+    return "—" if value is None else f"{100 * value:.{digits}f} %"
+
+
+def template_engine() -> Environment:
+    env = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=True, trim_blocks=True, lstrip_blocks=True)
+    env.filters.update(when=_when, ago=_ago, money=_money, percent=_percent, is_past=_is_past, number=_number)
+    return env
+
+
+def create_app(engine: Engine | None = None, auth_settings: ConsoleAuthSettings | None = None) -> Litestar:
+    secret = SecretSettings()  # refuses a placeholder secret outside dev mode
     return Litestar(
         logging_config=None,  # the process's logging (shared.logs) stays as configured: text or JSON
-        route_handlers=[healthz, overview, API_ROUTER, REGISTRY_ROUTER, BILLING_ROUTER],
+        route_handlers=[
+            healthz,
+            LOGIN_ROUTER,
+            PAGES_ROUTER,
+            API_ROUTER,
+            REGISTRY_ROUTER,
+            BILLING_ROUTER,
+            create_static_files_router("/static", directories=[STATIC], include_in_schema=False),
+        ],
         exception_handlers=EXCEPTION_HANDLERS,
-        lifespan=[rollout_controller],
-        middleware=[request_id_middleware],
+        lifespan=[rollout_controller, derive_jobs],
+        middleware=[security_headers, request_id_middleware],
         openapi_config=OPENAPI_CONFIG,
-        template_config=TemplateConfig(directory=TEMPLATES, engine=JinjaTemplateEngine),
-        state=State({"engine": engine or get_engine()}),
+        template_config=TemplateConfig(engine=JinjaTemplateEngine.from_environment(template_engine())),
+        state=State(
+            {
+                "engine": engine or get_engine(),
+                "auth": ConsoleAuth.from_settings(secret.secret_key.get_secret_value(), auth_settings),
+            }
+        ),
     )

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from litestar import Request, Response, Router, get, post
 from litestar.datastructures import State
 from litestar.di import Provide
-from litestar.params import Parameter
+from litestar.params import Parameter, QueryParameter
 from pydantic import BaseModel, ConfigDict, Field
 from sqlmodel import Session
 
@@ -27,7 +27,7 @@ from shared.pricing import period_bounds
 from shared.storage.models import Invoice, Tenant
 from shared.storage.session import session_scope
 
-Format = Annotated[str | None, Parameter(query="format", description="json (default) or csv")]
+Format = Annotated[str | None, QueryParameter(name="format", description="json (default) or csv")]
 
 
 class _Body(BaseModel):
@@ -195,8 +195,12 @@ def tenant_usage(
     request: Request[Any, Any, Any],
     state: State,
     tenant: str,
-    start: Annotated[str | None, Parameter(query="from", description="date or ISO time; default: month start")] = None,
-    end: Annotated[str | None, Parameter(query="to", description="date (inclusive) or ISO time; default: now")] = None,
+    start: Annotated[
+        str | None, QueryParameter(name="from", description="date or ISO time; default: month start")
+    ] = None,
+    end: Annotated[
+        str | None, QueryParameter(name="to", description="date (inclusive) or ISO time; default: now")
+    ] = None,
     group_by: Annotated[str | None, Parameter(description="day, month, model, version, tier; comma-separated")] = None,
 ) -> dict[str, Any]:
     """Requests, tokens and cost of a tenant's usage records in ``[from, to)``, grouped for dashboards.

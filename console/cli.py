@@ -16,7 +16,11 @@ def console() -> None:
 @click.option("--host", default=None, help="bind address (default $TIERLINE_CONSOLE_HOST or 127.0.0.1)")
 @click.option("--port", type=int, default=None, help="port (default $TIERLINE_CONSOLE_PORT or 8401)")
 def serve(host: str | None, port: int | None) -> None:
-    """Serve the console until SIGTERM."""
+    """Serve the web console (sign in at /) and the management API (/api) until SIGTERM.
+
+    Sign-in needs a console user (create-admin). Sessions are signed with TIERLINE_SECRET_KEY;
+    TIERLINE_CONSOLE_SECURE_COOKIES=1 marks the session cookie Secure behind a TLS proxy.
+    """
     from console.app import create_app
     from shared.http import serve as run
     from shared.settings import CoreSettings, ServiceSettings

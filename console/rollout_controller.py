@@ -20,7 +20,6 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from sqlalchemy.engine import Engine
 
-from console.registry_api import derive_jobs
 from shared.rollouts import run_controller_pass
 
 logger = logging.getLogger(__name__)
@@ -78,13 +77,11 @@ class RolloutController:
 
 @asynccontextmanager
 async def rollout_controller(app: Litestar) -> AsyncIterator[None]:
-    """Lifespan: the controller (and the registry's derive job runner) run while the console serves."""
+    """Lifespan: the controller runs while the console serves."""
     controller = RolloutController(app.state.engine, RolloutControllerSettings().rollout_interval_s)
     app.state.rollout_controller = controller
-    # The registry's derive jobs share this lifespan until console/app.py lists registry_api.derive_jobs itself.
-    async with derive_jobs(app):
-        await controller.start()
-        try:
-            yield
-        finally:
-            await controller.stop()
+    await controller.start()
+    try:
+        yield
+    finally:
+        await controller.stop()

@@ -68,7 +68,9 @@ def test_up_serves_everything_and_stops_cleanly(tmp_path: Path, tiny_zoo: Path, 
         assert "tierline/lm-cloud" in {m["id"] for m in models["data"]}
         edge = httpx.get(f"{info['edge_url']}/v1/models").json()
         assert "tierline/lm-edge-onnx-int8" in {m["id"] for m in edge["data"]}
-        assert httpx.get(info["console_url"] + "/").status_code == 200
+        console_home = httpx.get(info["console_url"] + "/")
+        assert console_home.status_code == 303 and console_home.headers["location"].startswith("/login")
+        assert httpx.get(info["console_url"] + "/login").status_code == 200
         assert info["console_admin"] == "admin" and len(info["console_admin_password"]) >= 16
         assert info["api_key"] in info["curl_cloud"]
         chat = subprocess.run(info["curl_cloud"], shell=True, capture_output=True, text=True, timeout=120, check=True)

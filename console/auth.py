@@ -1,0 +1,287 @@
+"""Console sign-in: signed session cookies, CSRF tokens, roles, login rate limiting and security headers.
+
+The session is a cookie the server signs (HMAC-SHA256 with a key derived from ``TIERLINE_SECRET_KEY``): a random
+session id, the user id, when it was issued and a fingerprint of the user's password hash, so changing a password
+ends every session of that user. The role is read from the database on every request. The CSRF token is an HMAC
+of the session id: every form carries it as ``_csrf`` and HTMX sends it as ``X-CSRF-Token``; a change without a
+valid one is refused (403) before any handler runs, and so is a change by a viewer.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import secrets
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import anyio.to_thread
+from argon2 import PasswordHasher
+from argon2.exceptions import InvalidHashError, VerificationError
+from litestar import Request
+from litestar.connection import ASGIConnection
+from litestar.handlers.base import BaseRouteHandler
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, select
+
+from shared.errors import PermissionDeniedError
+from shared.storage.models import ConsoleUser
+
+SESSION_COOKIE = "tierline_console"
+CSRF_FIELD = "_csrf"
+CSRF_HEADER = "x-csrf-token"
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+CONTENT_SECURITY_POLICY = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+    "object-src 'none'; base-uri 'self'; form-action 'self'; frame-ancestors 'none'"
+)
+_SECURITY_HEADERS = (
+    (b"content-security-policy", CONTENT_SECURITY_POLICY.encode()),
+    (b"x-content-type-options", b"nosniff"),
+    (b"x-frame-options", b"DENY"),
+    (b"referrer-policy", b"same-origin"),
+)
+_hasher = PasswordHasher()
+# Verified when the username is unknown, so a wrong name takes as long as a wrong password.
+_DUMMY_HASH = _hasher.hash(secrets.token_urlsafe(16))
+
+
+class ConsoleAuthSettings(BaseSettings):
+    """How console sessions and sign-in behave (env prefix ``TIERLINE_CONSOLE_``)."""
+
+    model_config = SettingsConfigDict(env_prefix="TIERLINE_CONSOLE_", extra="ignore")
+
+    secure_cookies: bool = Field(
+        False, description="always mark the session cookie Secure (it is whenever the request came over HTTPS)"
+    )
+    session_max_age_s: int = Field(12 * 3600, ge=60, description="a session ends this long after sign-in")
+    login_attempts_per_minute: int = Field(5, ge=1, description="failed sign-ins per username and address")
+
+
+class LoginRequiredError(Exception):
+    """No valid session: the browser is sent to the sign-in page."""
+
+
+@dataclass(frozen=True, slots=True)
+class SessionData:
+    sid: str
+    user_id: int | None
+    issued_at: float
+    fingerprint: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class SessionUser:
+    """The signed-in console user of a request (``request.user``)."""
+
+    id: int
+    username: str
+    role: str
+    csrf_token: str
+
+    @property
+    def actor(self) -> str:
+        return f"console:{self.username}"
+
+    @property
+    def is_admin(self) -> bool:
+        return self.role == "admin"
+
+
+def password_fingerprint(password_hash: str) -> str:
+    return hashlib.sha256(password_hash.encode()).hexdigest()[:16]
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+class SessionCodec:
+    """Signs and reads session cookies and derives CSRF tokens; the secret never leaves this object."""
+
+    def __init__(self, secret: str, max_age_s: int) -> None:
+        self._session_key = hashlib.sha256(b"tierline-console-session\0" + secret.encode()).digest()
+        self._csrf_key = hashlib.sha256(b"tierline-console-csrf\0" + secret.encode()).digest()
+        self.max_age_s = max_age_s
+
+    def encode(self, data: SessionData) -> str:
+        payload = json.dumps(
+            {"sid": data.sid, "uid": data.user_id, "iat": data.issued_at, "fp": data.fingerprint},
+            separators=(",", ":"),
+        ).encode()
+        mac = hmac.new(self._session_key, payload, hashlib.sha256).digest()
+        return f"{_b64(payload)}.{_b64(mac)}"
+
+    def decode(self, value: str | None, *, now: float | None = None) -> SessionData | None:
+        """The session in a cookie, or None when it is missing, forged, malformed or too old."""
+        if not value or "." not in value:
+            return None
+        body, _, sig = value.partition(".")
+        try:
+            payload, mac = _unb64(body), _unb64(sig)
+            if not hmac.compare_digest(mac, hmac.new(self._session_key, payload, hashlib.sha256).digest()):
+                return None
+            raw = json.loads(payload)
+            data = SessionData(str(raw["sid"]), raw["uid"], float(raw["iat"]), str(raw.get("fp", "")))
+        except (ValueError, KeyError, TypeError):
+            return None
+        if data.user_id is not None and not isinstance(data.user_id, int):
+            return None
+        if (now or time.time()) - data.issued_at > self.max_age_s:
+            return None
+        return data
+
+    def csrf_token(self, sid: str) -> str:
+        return _b64(hmac.new(self._csrf_key, sid.encode(), hashlib.sha256).digest())
+
+    def is_valid_csrf(self, sid: str, token: str | None) -> bool:
+        return bool(token) and hmac.compare_digest(self.csrf_token(sid), str(token))
+
+
+def new_session(user_id: int | None = None, fingerprint: str = "") -> SessionData:
+    return SessionData(secrets.token_urlsafe(18), user_id, time.time(), fingerprint)
+
+
+class LoginLimiter:
+    """Failed sign-ins per (username, client address) in a sliding minute; in memory, per process."""
+
+    MAX_KEYS = 10_000
+
+    def __init__(self, max_failures: int, window_s: float = 60.0) -> None:
+        self.max_failures = max_failures
+        self.window_s = window_s
+        self._failures: dict[tuple[str, str], deque[float]] = {}
+        self._lock = threading.Lock()
+
+    def retry_after(self, key: tuple[str, str], now: float | None = None) -> float | None:
+        """Seconds until another attempt is allowed, or None when one is allowed now."""
+        now = now or time.monotonic()
+        with self._lock:
+            times = self._failures.get(key)
+            if times is None:
+                return None
+            while times and times[0] <= now - self.window_s:
+                times.popleft()
+            if len(times) < self.max_failures:
+                return None
+            return max(0.0, times[0] + self.window_s - now)
+
+    def fail(self, key: tuple[str, str], now: float | None = None) -> None:
+        now = now or time.monotonic()
+        with self._lock:
+            if len(self._failures) >= self.MAX_KEYS:
+                cutoff = now - self.window_s
+                for k in [k for k, v in self._failures.items() if not v or v[-1] <= cutoff]:
+                    del self._failures[k]
+            self._failures.setdefault(key, deque()).append(now)
+
+    def reset(self, key: tuple[str, str]) -> None:
+        with self._lock:
+            self._failures.pop(key, None)
+
+
+@dataclass(slots=True)
+class ConsoleAuth:
+    """What the console's sign-in needs at run time; kept in ``app.state.auth``."""
+
+    codec: SessionCodec
+    limiter: LoginLimiter
+    settings: ConsoleAuthSettings
+
+    @classmethod
+    def from_settings(cls, secret: str, settings: ConsoleAuthSettings | None = None) -> ConsoleAuth:
+        settings = settings or ConsoleAuthSettings()
+        return cls(
+            SessionCodec(secret, settings.session_max_age_s),
+            LoginLimiter(settings.login_attempts_per_minute),
+            settings,
+        )
+
+    def cookie_is_secure(self, request: ASGIConnection[Any, Any, Any, Any]) -> bool:
+        return self.settings.secure_cookies or request.url.scheme == "https"
+
+
+def check_password(engine: Engine, username: str, password: str) -> ConsoleUser | None:
+    """The user when the password matches its argon2id hash; None otherwise (in constant-ish time)."""
+    with Session(engine) as session:
+        user = session.exec(select(ConsoleUser).where(ConsoleUser.username == username)).first()
+    try:
+        _hasher.verify(user.password_hash if user else _DUMMY_HASH, password)
+    except (VerificationError, InvalidHashError):
+        return None
+    return user
+
+
+def _load_user(engine: Engine, data: SessionData) -> ConsoleUser | None:
+    if data.user_id is None:
+        return None
+    with Session(engine) as session:
+        user = session.get(ConsoleUser, data.user_id)
+    if user is None or not hmac.compare_digest(password_fingerprint(user.password_hash), data.fingerprint):
+        return None
+    return user
+
+
+async def _submitted_csrf(connection: ASGIConnection[Any, Any, Any, Any]) -> str | None:
+    token = connection.headers.get(CSRF_HEADER)
+    if token:
+        return token
+    form = await Request(connection.scope, connection.receive).form()  # parsed once, cached for the handler
+    value = form.get(CSRF_FIELD)
+    return value if isinstance(value, str) else None
+
+
+async def require_console_user(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+    """Guard of every console page: a valid session; on a change, a valid CSRF token and the admin role."""
+    auth: ConsoleAuth = connection.app.state.auth
+    data = auth.codec.decode(connection.cookies.get(SESSION_COOKIE))
+    if data is None:
+        raise LoginRequiredError
+    user = await anyio.to_thread.run_sync(_load_user, connection.app.state.engine, data)
+    if user is None or user.id is None:
+        raise LoginRequiredError
+    connection.scope["user"] = SessionUser(user.id, user.username, user.role, auth.codec.csrf_token(data.sid))
+    if connection.scope.get("method", "GET") in SAFE_METHODS:
+        return
+    if not auth.codec.is_valid_csrf(data.sid, await _submitted_csrf(connection)):
+        raise PermissionDeniedError("missing or invalid CSRF token; reload the page and try again", code="csrf")
+    if user.role != "admin":
+        raise PermissionDeniedError(f"{user.username} is a {user.role}; only an admin can change anything")
+
+
+def session_user(request: Request[Any, Any, Any]) -> SessionUser:
+    user = request.scope.get("user")
+    assert isinstance(user, SessionUser), "require_console_user guards every page"
+    return user
+
+
+def security_headers(app: ASGIApp) -> ASGIApp:
+    """ASGI middleware: CSP without inline script, no framing, no sniffing, on every response but the API docs."""
+
+    async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or str(scope.get("path", "")).startswith("/schema"):
+            await app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                present = {name.lower() for name, _ in message.get("headers", [])}
+                extra = [(n, v) for n, v in _SECURITY_HEADERS if n not in present]
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        await app(scope, receive, send_with_headers)
+
+    return middleware

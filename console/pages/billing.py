@@ -1,0 +1,219 @@
+"""Billing: usage over time by tenant, model or tier (a chart), the price book, invoices."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from typing import Any
+
+from litestar import Request, Response, get, post
+from litestar.datastructures import State
+from litestar.response import Redirect, Template
+from sqlalchemy import func
+from sqlalchemy.sql.elements import ColumnElement
+from sqlmodel import Session, col, select
+
+from console.auth import session_user
+from console.pages import changes
+from console.pages.charts import stacked_columns
+from console.pages.common import (
+    Form,
+    errors_of,
+    optional_int,
+    optional_money,
+    paginate,
+    render,
+    see_other,
+    text,
+    write_session,
+)
+from shared import billing as billing_service
+from shared import invoices, tenancy
+from shared.errors import ApplicationError, NotFoundError, ValidationError
+from shared.storage.models import CreditNote, Invoice, InvoiceLine, Price, Tenant, UsageRecord
+
+GROUPS = ("tenant", "model", "tier")
+METRICS = ("cost", "tokens", "requests")
+DAYS = (7, 30, 90)
+
+
+def _utc_day(session: Session, column: Any) -> ColumnElement[str]:
+    if session.get_bind().dialect.name == "postgresql":
+        return func.to_char(func.timezone("UTC", column), "YYYY-MM-DD")
+    return func.strftime("%Y-%m-%d", column)
+
+
+def usage_series(session: Session, group: str, metric: str, since: datetime) -> dict[str, dict[str, float]]:
+    """``{group value: {YYYY-MM-DD: amount}}`` of usage records since ``since``."""
+    day = _utc_day(session, col(UsageRecord.occurred_at))
+    key: Any = {"tenant": Tenant.name, "model": UsageRecord.model, "tier": UsageRecord.tier}[group]
+    value: Any = {
+        "cost": func.coalesce(func.sum(UsageRecord.cost), 0),
+        "tokens": func.coalesce(func.sum(UsageRecord.prompt_tokens + UsageRecord.completion_tokens), 0),
+        "requests": func.count(),
+    }[metric]
+    query = (
+        select(key, day, value)
+        .select_from(UsageRecord)
+        .join(Tenant, col(Tenant.id) == UsageRecord.tenant_id)
+        .where(col(UsageRecord.occurred_at) >= since)
+        .group_by(key, day)
+    )
+    series: dict[str, dict[str, float]] = {}
+    for name, d, amount in session.exec(query):
+        series.setdefault(str(name), {})[str(d)] = float(Decimal(str(amount)))
+    return series
+
+
+@get("/billing", sync_to_thread=True)
+def billing(
+    request: Request[Any, Any, Any],
+    state: State,
+    group: str = "tenant",
+    metric: str = "cost",
+    days: int = 30,
+    page: int = 1,
+) -> Template:
+    """Usage per day, the price book (newest first) and invoices."""
+    group = group if group in GROUPS else GROUPS[0]
+    metric = metric if metric in METRICS else METRICS[0]
+    days = days if days in DAYS else 30
+    now = datetime.now(UTC)
+    start = (now - timedelta(days=days - 1)).replace(hour=0, minute=0, second=0, microsecond=0)
+    x_labels = [(start + timedelta(days=i)).strftime("%Y-%m-%d") for i in range(days)]
+    with Session(state.engine) as session:
+        series = usage_series(session, group, metric, start)
+        prices = list(session.exec(select(Price).order_by(Price.model, col(Price.effective_from).desc()).limit(200)))
+        invoices, info = paginate(
+            session,
+            select(Invoice, Tenant).join(Tenant).order_by(col(Invoice.period).desc(), col(Invoice.id).desc()),  # type: ignore[arg-type]
+            page,
+            {"group": group, "metric": metric, "days": str(days)},
+        )
+    unit = {"cost": "", "tokens": "tokens", "requests": "requests"}[metric]
+    totals = sorted(((s, sum(v.values())) for s, v in series.items()), key=lambda kv: -kv[1])
+    return render(
+        request,
+        "billing.html.j2",
+        chart=stacked_columns(series, x_labels, unit=unit, display=lambda day: day[5:]),
+        totals=totals,
+        group=group,
+        metric=metric,
+        days=days,
+        groups=GROUPS,
+        metrics=METRICS,
+        day_options=DAYS,
+        prices=prices,
+        invoices=invoices,
+        page=info,
+        now=now,
+    )
+
+
+@get("/billing/invoices/{invoice_id:int}", sync_to_thread=True)
+def invoice_detail(request: Request[Any, Any, Any], state: State, invoice_id: int) -> Template:
+    """An invoice with its lines and credit notes."""
+    with Session(state.engine) as session:
+        invoice = session.get(Invoice, invoice_id)
+        if invoice is None:
+            raise NotFoundError(f"no invoice with id {invoice_id}", param="id")
+        tenant = session.get(Tenant, invoice.tenant_id)
+        lines = list(
+            session.exec(select(InvoiceLine).where(InvoiceLine.invoice_id == invoice_id).order_by(col(InvoiceLine.id)))
+        )
+        credits = list(
+            session.exec(select(CreditNote).where(CreditNote.invoice_id == invoice_id).order_by(col(CreditNote.id)))
+        )
+    return render(request, "invoice.html.j2", invoice=invoice, tenant=tenant, lines=lines, credit_notes=credits)
+
+
+@get("/billing/invoices/{invoice_id:int}/csv", sync_to_thread=True)
+def invoice_csv(state: State, invoice_id: int) -> Response[str]:
+    """A finalized or void invoice as CSV (its lines, then the totals), for download."""
+    with Session(state.engine) as session:
+        invoice = session.get(Invoice, invoice_id)
+        if invoice is None or invoice.number is None:
+            raise NotFoundError(f"no stored invoice with id {invoice_id}", param="id")
+        body = invoices.to_csv(billing_service.invoice_json(session, invoice))
+    return Response(
+        body,
+        media_type="text/csv; charset=utf-8",
+        headers={"Content-Disposition": f'attachment; filename="{invoice.number}.csv"'},
+    )
+
+
+@get("/billing/finalize", sync_to_thread=True)
+def finalize_confirm(request: Request[Any, Any, Any], state: State, tenant: str = "", month: str = "") -> Template:
+    """What finalizing would bill (the draft), and the button that does it."""
+    with Session(state.engine) as session:
+        tenants = changes.tenant_names(session)
+        draft: dict[str, Any] | None = None
+        errors: dict[str, str] = {}
+        if tenant or month:
+            try:
+                period = billing_service.month(month)
+                draft = billing_service.month_invoice(session, tenancy.get_tenant(session, tenant), period)
+            except ApplicationError as exc:
+                errors = errors_of(exc)
+    return render(
+        request,
+        "finalize.html.j2",
+        400 if errors else 200,
+        tenants=tenants,
+        tenant=tenant,
+        month=month,
+        draft=draft,
+        errors=errors,
+    )
+
+
+@post("/billing/finalize", sync_to_thread=True)
+def finalize(request: Request[Any, Any, Any], state: State, data: Form) -> Redirect:
+    """Finalize a tenant's ended month: the invoice is stored, numbered and its records stamped."""
+    with write_session(state) as session:
+        tenant = tenancy.get_tenant(session, text(data, "tenant", max_length=64, required=True))
+        period = billing_service.month(text(data, "month", max_length=7, required=True))
+        invoice = billing_service.finalize(session, tenant, period, actor=session_user(request).actor)
+        invoice_id = invoice.id
+    return see_other(f"/billing/invoices/{invoice_id}")
+
+
+@post("/billing/prices", sync_to_thread=True)
+def price_add(request: Request[Any, Any, Any], state: State, data: Form) -> Template | Redirect:
+    """A new price from a moment on; earlier usage keeps the price it was rated with."""
+    try:
+        effective = text(data, "effective_from", max_length=32)
+        try:
+            start = datetime.fromisoformat(effective).replace(tzinfo=UTC) if effective else None
+        except ValueError:
+            raise ValidationError("effective from must be a date and time", param="effective_from") from None
+        spec = billing_service.PriceSpec(
+            model=text(data, "model", max_length=128, required=True),
+            prompt_per_mtok=_required_money(data, "prompt_per_mtok"),
+            completion_per_mtok=_required_money(data, "completion_per_mtok"),
+            cached_per_mtok=optional_money(data, "cached_per_mtok"),
+            version=optional_int(data, "version", minimum=1),
+            tier=text(data, "tier", max_length=8) or None,
+            currency=text(data, "currency", max_length=3) or "USD",
+            effective_from=start,
+        )
+        with write_session(state) as session:
+            billing_service.add_price(session, spec, actor=session_user(request).actor)
+    except ApplicationError as exc:
+        return render(request, "price_form.html.j2", 400, form=data, errors=errors_of(exc))
+    return see_other("/billing#prices")
+
+
+@get("/billing/prices/new", sync_to_thread=False)
+def price_new(request: Request[Any, Any, Any]) -> Template:
+    return render(request, "price_form.html.j2", form={"currency": "USD"}, errors={})
+
+
+def _required_money(form: dict[str, str], name: str) -> Decimal:
+    value = optional_money(form, name)
+    if value is None:
+        raise ValidationError(f"{name.replace('_', ' ')} is required", param=name)
+    return value
+
+
+HANDLERS = [billing, invoice_detail, invoice_csv, finalize_confirm, finalize, price_new, price_add]

@@ -1,0 +1,151 @@
+"""Sign-in and sign-out. The only console pages without the session guard."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import anyio.to_thread
+from litestar import Request, Response, get, post
+from litestar.datastructures import Cookie, State
+from litestar.response import Redirect, Template
+from sqlalchemy import update
+from sqlmodel import Session, col
+
+from console.auth import (
+    CSRF_FIELD,
+    SESSION_COOKIE,
+    ConsoleAuth,
+    SessionData,
+    check_password,
+    new_session,
+    password_fingerprint,
+)
+from console.pages.common import Form
+from shared.errors import PermissionDeniedError
+from shared.storage.models import ConsoleUser
+
+
+def _cookie(auth: ConsoleAuth, request: Request[Any, Any, Any], data: SessionData | None) -> Cookie:
+    secure = auth.cookie_is_secure(request)
+    if data is None:
+        return Cookie(key=SESSION_COOKIE, value="", max_age=0, httponly=True, samesite="lax", secure=secure)
+    return Cookie(
+        key=SESSION_COOKIE,
+        value=auth.codec.encode(data),
+        max_age=auth.settings.session_max_age_s,
+        httponly=True,
+        samesite="lax",
+        secure=secure,
+    )
+
+
+def _safe_next(target: str | None) -> str:
+    """Only paths on this site: never ``//host`` or an absolute URL (no open redirect)."""
+    if not target or not target.startswith("/") or target.startswith("//") or "\\" in target:
+        return "/"
+    return target
+
+
+def _login_page(
+    request: Request[Any, Any, Any],
+    auth: ConsoleAuth,
+    data: SessionData,
+    *,
+    next_path: str,
+    error: str = "",
+    username: str = "",
+    status_code: int = 200,
+    headers: dict[str, str] | None = None,
+) -> Template:
+    return Template(
+        template_name="login.html.j2",
+        context={
+            "user": None,
+            "csrf": auth.codec.csrf_token(data.sid),
+            "next": next_path,
+            "error": error,
+            "username": username,
+        },
+        status_code=status_code,
+        cookies=[_cookie(auth, request, data)],
+        headers=headers,
+    )
+
+
+@get("/login", sync_to_thread=False)
+def login_form(request: Request[Any, Any, Any], state: State, next: str | None = None) -> Template:
+    """The sign-in form; sets a pre-session cookie its CSRF token is bound to."""
+    auth: ConsoleAuth = state.auth
+    data = auth.codec.decode(request.cookies.get(SESSION_COOKIE))
+    if data is None or data.user_id is not None:
+        data = new_session()
+    return _login_page(request, auth, data, next_path=_safe_next(next))
+
+
+@post("/login")
+async def login(request: Request[Any, Any, Any], state: State, data: Form) -> Response[Any]:
+    """Check the password, rate-limited per username and address; a fresh session id on success."""
+    auth: ConsoleAuth = state.auth
+    pre = auth.codec.decode(request.cookies.get(SESSION_COOKIE))
+    next_path = _safe_next(data.get("next"))
+    if pre is None or not auth.codec.is_valid_csrf(pre.sid, data.get(CSRF_FIELD)):
+        return _login_page(
+            request,
+            auth,
+            new_session(),
+            next_path=next_path,
+            error="This form has expired. Sign in again.",
+            status_code=403,
+        )
+    username = data.get("username", "").strip()[:64]
+    key = (username.lower(), request.client.host if request.client else "")
+    wait = auth.limiter.retry_after(key)
+    if wait is not None:
+        return _login_page(
+            request,
+            auth,
+            pre,
+            next_path=next_path,
+            username=username,
+            error=f"Too many failed sign-ins. Try again in {max(1, round(wait))} seconds.",
+            status_code=429,
+            headers={"Retry-After": str(max(1, round(wait)))},
+        )
+    user = await anyio.to_thread.run_sync(check_password, state.engine, username, data.get("password", ""))
+    if user is None or user.id is None:
+        auth.limiter.fail(key)
+        return _login_page(
+            request,
+            auth,
+            pre,
+            next_path=next_path,
+            username=username,
+            error="Wrong username or password.",
+            status_code=401,
+        )
+    auth.limiter.reset(key)
+    await anyio.to_thread.run_sync(_stamp_login, state, user.id)
+    session = new_session(user.id, password_fingerprint(user.password_hash))
+    return Redirect(next_path, status_code=303, cookies=[_cookie(auth, request, session)])
+
+
+def _stamp_login(state: State, user_id: int) -> None:
+    with Session(state.engine) as session:
+        session.execute(
+            update(ConsoleUser).where(col(ConsoleUser.id) == user_id).values(last_login_at=datetime.now(UTC))
+        )
+        session.commit()
+
+
+@post("/logout", sync_to_thread=False)
+def logout(request: Request[Any, Any, Any], state: State, data: Form) -> Redirect:
+    """End the session (the cookie is cleared); needs the page's CSRF token, like every change."""
+    auth: ConsoleAuth = state.auth
+    current = auth.codec.decode(request.cookies.get(SESSION_COOKIE))
+    if current is not None and not auth.codec.is_valid_csrf(current.sid, data.get(CSRF_FIELD)):
+        raise PermissionDeniedError("missing or invalid CSRF token; reload the page and try again", code="csrf")
+    return Redirect("/login", status_code=303, cookies=[_cookie(auth, request, None)])
+
+
+LOGIN_HANDLERS = [login_form, login, logout]
