@@ -3,7 +3,8 @@
 The server runs as its own process on a temporary data dir (SQLite, the built zoo), with a tenant and key
 made through the CLI. Clients stream chat completions for ``duration_s``; the same request mix is then run
 on an in-process engine with the same concurrency, and the API's overhead is the difference of the two
-median latencies.
+median latencies. The same comparison one request at a time (``sequential_*``) shows the API's own cost per
+request apart from CPU contention between the server, its engine and the load generator.
 """
 
 from __future__ import annotations
@@ -159,6 +160,7 @@ def run_api_bench(
                     raise RuntimeError("the cloud server exited during start-up")
                 time.sleep(0.2)
             api = asyncio.run(_clients(url, key, model, duration_s, concurrency, max_tokens))
+            one_by_one = asyncio.run(_clients(url, key, model, min(5.0, duration_s / 3), 1, max_tokens))
         finally:
             server.terminate()
             server.wait(timeout=60)
@@ -168,6 +170,7 @@ def run_api_bench(
     alone = asyncio.run(
         _engine_alone(artifacts / name, draft, max(concurrency, len(api["latencies"])), concurrency, max_tokens)
     )
+    alone_one_by_one = asyncio.run(_engine_alone(artifacts / name, draft, len(one_by_one["latencies"]), 1, max_tokens))
     api_p50 = _pct(api["latencies"], 50)
     engine_p50 = _pct(alone, 50)
     return {
@@ -184,6 +187,11 @@ def run_api_bench(
         "latency_p50_ms": api_p50,
         "engine_latency_p50_ms": engine_p50,
         "overhead_p50_ms": round(api_p50 - engine_p50, 2),
+        # One request at a time: what the API adds per request when it does not compete for CPU with dozens of
+        # concurrent streams and their client (on a small host most of overhead_p50_ms is that contention).
+        "sequential_latency_p50_ms": _pct(one_by_one["latencies"], 50),
+        "sequential_engine_latency_p50_ms": _pct(alone_one_by_one, 50),
+        "sequential_overhead_p50_ms": round(_pct(one_by_one["latencies"], 50) - _pct(alone_one_by_one, 50), 2),
     }
 
 

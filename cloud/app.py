@@ -16,11 +16,13 @@ from typing import Any
 from litestar import Litestar, Request, Response, Router, get, post
 from litestar.datastructures import State
 from litestar.di import Provide
-from litestar.openapi import OpenAPIConfig
+from litestar.openapi import OpenAPIConfig, ResponseSpec
 from litestar.openapi.spec import Components, SecurityScheme
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
+from cloud.budget_watch import BudgetAlerts, ReservationSweeper
+from cloud.canary import CanaryRouter
 from cloud.completions import Caller, CompletionService
 from cloud.edge_gateway import ROUTES as EDGE_ROUTES
 from cloud.edge_releases import ARTIFACT_ROUTES, RELEASES_DIR, ReleaseStore
@@ -36,10 +38,12 @@ from cloud.models_catalog import ServedModel, find, load_catalog
 from cloud.observability import Metrics
 from cloud.responses import respond
 from cloud.settings import CloudSettings
+from cloud.tenant_routes import TENANT_ROUTES
 from cloud.tensor_models import TensorPool, unknown_model
 from cloud.webhooks import WebhookStore
+from shared.budgets import PriceBook
 from shared.errors import AuthenticationError, PermissionDeniedError, ServiceUnavailableError
-from shared.http import EXCEPTION_HANDLERS, healthz
+from shared.http import EXCEPTION_HANDLERS, StreamingOperation, error_responses, healthz
 from shared.logs import request_id_middleware, server_request_id
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
 from shared.settings import CoreSettings
@@ -70,11 +74,20 @@ def require_caller(request: Request[Any, Any, Any], state: State) -> Caller:
         else:
             tenant, key = authenticate(session, secret)
         session.expunge_all()
-    return Caller(tenant=tenant, key=key, request_id=server_request_id())
+    subject = request.headers.get("x-tierline-subject")
+    return Caller(tenant=tenant, key=key, request_id=server_request_id(), subject=subject[:256] if subject else None)
 
 
 CALLER = {"caller": Provide(require_caller, sync_to_thread=True)}
 BEARER: list[dict[str, list[str]]] = [{"BearerAuth": []}]
+INFERENCE_RESPONSES = {
+    202: ResponseSpec(
+        dict[str, Any],
+        description='Queued as a job ("async": true or Prefer: respond-async); Location: /v1/jobs/{id}',
+        generate_examples=False,
+    ),
+    **error_responses(400, 401, 403, 404, 409, 413, 422, 429),
+}
 
 
 @get("/readyz", sync_to_thread=True, include_in_schema=False)
@@ -98,12 +111,18 @@ def metrics(state: State) -> Response[bytes]:
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-@get("/v1/models", dependencies=CALLER, sync_to_thread=False, security=BEARER)
+@get("/v1/models", dependencies=CALLER, sync_to_thread=False, security=BEARER, responses=error_responses(401))
 def list_models(state: State, caller: Caller) -> dict[str, Any]:
     return {"object": "list", "data": [_model_json(m) for m in state.catalog]}
 
 
-@get("/v1/models/{model_id:path}", dependencies=CALLER, sync_to_thread=False, security=BEARER)
+@get(
+    "/v1/models/{model_id:path}",
+    dependencies=CALLER,
+    sync_to_thread=False,
+    security=BEARER,
+    responses=error_responses(400, 401, 404),
+)
 def get_model(state: State, caller: Caller, model_id: str) -> dict[str, Any]:
     return _model_json(find(state.catalog, model_id.lstrip("/")))
 
@@ -137,7 +156,14 @@ async def _idempotent(
     return respond(caller, result)
 
 
-@post("/v1/chat/completions", dependencies=CALLER, status_code=200, security=BEARER)
+@post(
+    "/v1/chat/completions",
+    dependencies=CALLER,
+    status_code=200,
+    security=BEARER,
+    responses=INFERENCE_RESPONSES,
+    operation_class=StreamingOperation,
+)
 async def chat_completions(
     request: Request[Any, Any, Any], state: State, caller: Caller, data: ChatCompletionRequest
 ) -> Response[Any]:
@@ -148,7 +174,14 @@ async def chat_completions(
     return await _idempotent(request, state, caller, body, data.stream, partial(state.service.chat, caller, data))
 
 
-@post("/v1/completions", dependencies=CALLER, status_code=200, security=BEARER)
+@post(
+    "/v1/completions",
+    dependencies=CALLER,
+    status_code=200,
+    security=BEARER,
+    responses=INFERENCE_RESPONSES,
+    operation_class=StreamingOperation,
+)
 async def completions(
     request: Request[Any, Any, Any], state: State, caller: Caller, data: CompletionRequest
 ) -> Response[Any]:
@@ -160,7 +193,7 @@ async def completions(
     return await _idempotent(request, state, caller, body, data.stream, call)
 
 
-@post("/v1/inference", dependencies=CALLER, status_code=200, security=BEARER)
+@post("/v1/inference", dependencies=CALLER, status_code=200, security=BEARER, responses=INFERENCE_RESPONSES)
 async def inference(
     request: Request[Any, Any, Any], state: State, caller: Caller, data: InferenceRequest
 ) -> Response[Any]:
@@ -210,11 +243,32 @@ def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Li
         app.state.pool = pool
         app.state.usage = usage
         limiter = RateLimiter(settings, core.redis_url)
-        app.state.service = CompletionService(pool, usage, limiter, settings.request_timeout_s, observed)
+        prices = PriceBook(db)
+        await prices.start()
+        app.state.prices = prices  # the edge gateway rates synced usage with the same book
+        sweeper = ReservationSweeper(db, settings.budget_sweep_interval_s)
+        await sweeper.start()
+        canary = CanaryRouter(db, settings.canary_refresh_s)
+        await canary.start()
+        app.state.service = CompletionService(
+            pool,
+            usage,
+            limiter,
+            settings.request_timeout_s,
+            observed,
+            prices=prices,
+            alerts=app.state.budget_alerts,
+            budget_lease_s=settings.request_timeout_s + settings.budget_lease_margin_s,
+            canary=canary,
+        )
         try:
-            async with running_jobs(app.state, app.state.service, tensors, usage):
+            async with running_jobs(app.state, app.state.service, tensors, usage) as worker:
+                app.state.budget_alerts.notify = worker.dispatcher.notify
                 yield
         finally:
+            await canary.close()
+            await sweeper.close()
+            await prices.close()
             await tensors.close()
             pool.shutdown()
             await usage.close()
@@ -231,7 +285,7 @@ def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Li
             chat_completions,
             completions,
             inference,
-            Router("/", route_handlers=JOB_ROUTES, dependencies=CALLER, security=BEARER),
+            Router("/", route_handlers=[*JOB_ROUTES, *TENANT_ROUTES], dependencies=CALLER, security=BEARER),
             *EDGE_ROUTES,
             *ARTIFACT_ROUTES,
         ],
@@ -247,6 +301,7 @@ def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Li
                 "releases": ReleaseStore(core.data_dir / RELEASES_DIR),
                 "jobs": JobStore(db),
                 "webhooks": WebhookStore(db),
+                "budget_alerts": BudgetAlerts(db),
                 "job_settings": JobSettings(),
             }
         ),

@@ -12,8 +12,14 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Any
+from functools import partial
+from typing import Any, get_type_hints
 
+from pydantic import TypeAdapter
+from pydantic import ValidationError as PydanticValidationError
+
+from cloud.budget_watch import BudgetAlerts
+from cloud.canary import CanaryRouter
 from cloud.engine.outputs import RequestOutput
 from cloud.engine.sampling_params import SamplingParams
 from cloud.engines import EnginePool, ServedLM
@@ -30,6 +36,29 @@ from shared.openai_schema import ChatCompletionRequest, CompletionRequest, Infer
 from shared.pricing import Tokens
 from shared.storage.models import ApiKey, Tenant, UsageRecord
 
+# ``/v1/inference`` parameters: the SamplingParams fields a request may set, and the JSON types each takes. They are
+# checked here, strictly (no bool for a number, no "1" for 1), because a wrong type that SamplingParams lets through
+# would fail inside the engine's step, and with it every other request in flight.
+_PARAMETER_TYPES: dict[str, TypeAdapter[Any]] = {
+    name: TypeAdapter(str | list[str] if name == "stop" else hint)
+    for name, hint in get_type_hints(SamplingParams).items()
+    if name not in ("n", "speculation")
+}
+
+
+def _check_parameters(parameters: dict[str, Any]) -> None:
+    for name, value in parameters.items():
+        adapter = _PARAMETER_TYPES.get(name)
+        if adapter is None:
+            raise ValidationError(
+                f"parameters: unknown field '{name}' (allowed: {', '.join(sorted(_PARAMETER_TYPES))})",
+                param=f"parameters.{name}",
+            )
+        try:
+            adapter.validate_python(value, strict=True)
+        except PydanticValidationError as exc:
+            raise ValidationError(f"parameters.{name}: {exc.errors()[0]['msg']}", param=f"parameters.{name}") from None
+
 
 @dataclass(slots=True)
 class Caller:
@@ -39,6 +68,8 @@ class Caller:
     started: float = field(default_factory=time.monotonic)
     device_id: str | None = None  # set on escalations from an edge agent
     escalation_reason: str | None = None
+    subject: str | None = None  # x-tierline-subject: whom canary routing keeps sticky (else the request's user)
+    model_version: str | None = None  # the version that serves the request (x-tierline-model-version)
 
 
 @dataclass(slots=True)
@@ -52,6 +83,7 @@ class _Meter:
     by_request: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     reservation: Reservation | None = None
     budget: BudgetReservation | None = None
+    rollout_arm: str | None = None
 
     def update(self, out: RequestOutput) -> None:
         u = out.usage
@@ -73,21 +105,38 @@ class _Meter:
 
 class CompletionService:
     def __init__(
-        self, pool: EnginePool, usage: UsageWriter, limiter: RateLimiter, request_timeout_s: float, metrics: Metrics
+        self,
+        pool: EnginePool,
+        usage: UsageWriter,
+        limiter: RateLimiter,
+        request_timeout_s: float,
+        metrics: Metrics,
+        prices: PriceBook | None = None,
+        alerts: BudgetAlerts | None = None,
+        budget_lease_s: float | None = None,
+        canary: CanaryRouter | None = None,
     ) -> None:
         self.pool = pool
         self.usage = usage
         self.limiter = limiter
         self.request_timeout_s = request_timeout_s
         self.metrics = metrics
-        self.prices = PriceBook(usage.engine)
+        self.prices = prices or PriceBook(usage.engine)
+        self.alerts = alerts
+        self.budget_lease_s = budget_lease_s or request_timeout_s + 60.0
+        self.canary = canary
 
     async def _admit(
-        self, caller: Caller, served: ServedLM, prompts: list[str | list[int]], params: SamplingParams
+        self,
+        caller: Caller,
+        served: ServedLM,
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+        user: str | None = None,
     ) -> tuple[list[str | list[int]], _Meter]:
-        """Tokenize, reserve prompt + max_tokens against the rate limits, and start the meter."""
-        tok = served.engine.engine.tokenizer
-        ids: list[str | list[int]] = [tok.encode(p) if isinstance(p, str) else p for p in prompts]
+        """Tokenize, reserve prompt + max_tokens against the rate limits and the budget, and start the meter."""
+        ids = self._checked_prompts(served, prompts, params.max_tokens)
+        caller.model_version = str(served.version) if served.version is not None else None
         reserved = prompt_worst = completion_worst = 0
         for p in ids:
             max_new = params.max_tokens or max(1, served.max_model_len - len(p))
@@ -95,6 +144,9 @@ class CompletionService:
             prompt_worst += len(p) * params.n
             completion_worst += max_new * params.n
         meter = _Meter()
+        if self.canary is not None:
+            subject = caller.subject or user
+            meter.rollout_arm = self.canary.arm(served.model_id, caller.model_version, caller.tenant.id or 0, subject)
         meter.reservation = await self.limiter.acquire(caller.tenant, caller.key, reserved)
         budget = caller.tenant.monthly_budget
         if budget is not None:
@@ -103,13 +155,51 @@ class CompletionService:
             if worst is not None:
                 try:
                     meter.budget = await asyncio.to_thread(
-                        reserve_budget, self.usage.engine, caller.tenant.id or 0, budget, worst
+                        partial(reserve_budget, lease_s=self.budget_lease_s),
+                        self.usage.engine,
+                        caller.tenant.id or 0,
+                        budget,
+                        worst,
                     )
                 except BaseException:
                     await self.limiter.release(meter.reservation, 0)
                     meter.reservation = None
                     raise
         return ids, meter
+
+    @staticmethod
+    def _checked_prompts(
+        served: ServedLM, prompts: list[str | list[int]], max_tokens: int | None
+    ) -> list[str | list[int]]:
+        """Every prompt's token ids, refusing what the engine would refuse for any one of them.
+
+        A request's prompts run as one engine request each, started together: a prompt the engine refused on
+        admission would leave its siblings cancelled half-admitted. Refused here, none of them starts.
+        """
+        engine = served.engine.engine
+        limit = served.max_model_len
+        ids: list[str | list[int]] = []
+        for prompt in prompts:
+            prompt_ids = engine.encode_prompt(prompt)
+            if not prompt_ids:
+                raise ValidationError("prompt: must not be empty", param="prompt")
+            if len(prompt_ids) >= limit:
+                raise ValidationError(
+                    f"This model's maximum context length is {limit} tokens. However, your prompt is "
+                    f"{len(prompt_ids)} tokens, leaving no room for a completion.",
+                    param="prompt",
+                    code="context_length_exceeded",
+                )
+            if max_tokens is not None and len(prompt_ids) + max_tokens > limit:
+                raise ValidationError(
+                    f"This model's maximum context length is {limit} tokens. However, you requested "
+                    f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, {max_tokens} in the "
+                    "completion). Please reduce the prompt or max_tokens.",
+                    param="max_tokens",
+                    code="context_length_exceeded",
+                )
+            ids.append(prompt_ids)
+        return ids
 
     # -- shared -------------------------------------------------------------------------------------------------
     def _resolve(self, caller: Caller, model: str) -> ServedLM:
@@ -142,7 +232,9 @@ class CompletionService:
         price_id, cost = self.prices.cost(served.model_id, served.version, "cloud", tokens)
         if meter.budget is not None:
             reservation, meter.budget = meter.budget, None
-            await asyncio.to_thread(settle_budget, self.usage.engine, reservation, cost or Decimal(0))
+            spent = await asyncio.to_thread(settle_budget, self.usage.engine, reservation, cost or Decimal(0))
+            if self.alerts is not None:
+                await self.alerts.after_settle(reservation.tenant_id, reservation.period, spent, reservation.budget)
         if meter.prompt_tokens == 0 and meter.completion_tokens == 0:
             return
         now = time.monotonic()
@@ -161,6 +253,7 @@ class CompletionService:
                 cost=cost,
                 model=served.model_id,
                 model_version=served.version,
+                rollout_arm=meter.rollout_arm,
                 tier="cloud",
                 prompt_tokens=meter.prompt_tokens,
                 completion_tokens=meter.completion_tokens,
@@ -259,7 +352,7 @@ class CompletionService:
     async def chat(self, caller: Caller, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[bytes]:
         served = self._resolve(caller, req.model)
         params = self._params(req, req.max_new_tokens, req.num_logprobs)
-        (prompt,), meter = await self._admit(caller, served, [self._chat_prompt(served, req)], params)
+        (prompt,), meter = await self._admit(caller, served, [self._chat_prompt(served, req)], params, req.user)
         if req.stream:
             return await self._chat_stream(served, caller, prompt, params, req, meter)
         final = (await self._collect(served, caller, [prompt], params, meter))[0]
@@ -365,13 +458,7 @@ class CompletionService:
     async def inference(self, caller: Caller, req: InferenceRequest) -> dict[str, Any]:
         """``/v1/inference`` on an LLM: ``inputs`` are prompts, ``parameters`` are SamplingParams fields."""
         served = self._resolve(caller, req.model_id)
-        allowed = set(SamplingParams.__dataclass_fields__) - {"n", "speculation"}
-        unknown = sorted(set(req.parameters) - allowed)
-        if unknown:
-            raise ValidationError(
-                f"parameters: unknown field '{unknown[0]}' (allowed: {', '.join(sorted(allowed))})",
-                param=f"parameters.{unknown[0]}",
-            )
+        _check_parameters(req.parameters)
         if not all(isinstance(p, str) or (isinstance(p, list) and p) for p in req.inputs):
             raise ValidationError("inputs: each input must be a prompt string or a list of token ids", param="inputs")
         try:
@@ -393,7 +480,7 @@ class CompletionService:
     async def completions(self, caller: Caller, req: CompletionRequest) -> dict[str, Any] | AsyncIterator[bytes]:
         served = self._resolve(caller, req.model)
         params = self._params(req, req.max_tokens, req.logprobs)
-        prompts, meter = await self._admit(caller, served, req.prompts(), params)
+        prompts, meter = await self._admit(caller, served, req.prompts(), params, req.user)
         if req.stream:
             return await self._completion_stream(served, caller, prompts, params, req, meter)
         final = await self._collect(served, caller, prompts, params, meter)

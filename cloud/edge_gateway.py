@@ -29,11 +29,13 @@ from pydantic import ValidationError as PydanticValidationError
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
 
+from cloud.budget_watch import BudgetAlerts
 from cloud.responses import respond
 from shared.artifacts import load_public_key, public_path, public_pem
-from shared.budgets import PriceBook
+from shared.budgets import PriceBook, remaining
 from shared.devices import authenticate_device, enroll, ingest
 from shared.edge_protocol import (
+    Allowance,
     DesiredModel,
     EnrollRequest,
     EnrollResponse,
@@ -43,10 +45,11 @@ from shared.edge_protocol import (
     UsageItem,
 )
 from shared.errors import AuthenticationError, ValidationError
+from shared.http import StreamingOperation, error_responses
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
-from shared.pricing import Tokens, cost
+from shared.pricing import Tokens, cost, period_of
 from shared.settings import CoreSettings
-from shared.storage.models import Device, Tenant
+from shared.storage.models import BudgetAlert, BudgetPeriod, Device, Tenant
 
 logger = logging.getLogger(__name__)
 DEVICE_BEARER: list[dict[str, list[str]]] = [{"DeviceAuth": []}]
@@ -80,7 +83,7 @@ def signing_public_keys() -> list[str]:
     return [public_pem(load_public_key(path)).decode()] if path.is_file() else []
 
 
-@post("/v1/edge/enroll", status_code=200, sync_to_thread=True)
+@post("/v1/edge/enroll", status_code=200, sync_to_thread=True, responses=error_responses(400, 401, 413))
 def enroll_device(state: State, data: EnrollRequest) -> EnrollResponse:
     """Exchange a one-time enrollment token for a device credential and the artifact-signing keys."""
     with Session(state.engine) as session:
@@ -122,7 +125,30 @@ def _rater(state: State) -> Callable[[UsageItem], tuple[int | None, Decimal | No
     return rate
 
 
-def _sync(state: State, caller: DeviceCaller, data: SyncRequest) -> SyncResponse:
+def _allowance(state: State, tenant_id: int) -> tuple[Allowance | None, list[BudgetAlert]]:
+    """The tenant's remaining allowance now, and the budget alerts the synced spend fired."""
+    period = period_of(datetime.now(UTC))
+    with Session(state.engine) as session:
+        tenant = session.get(Tenant, tenant_id)
+        if tenant is None:
+            return None, []
+        if tenant.monthly_budget is None:
+            return Allowance(remaining=None, currency=tenant.currency, period=period), []
+        budget = tenant.monthly_budget
+        left = remaining(session, tenant_id, budget)
+        row = session.get(BudgetPeriod, (tenant_id, period))
+        spent = row.spent if row is not None else Decimal(0)
+        allowance = Allowance(remaining=left, currency=tenant.currency, period=period)
+    alerts: BudgetAlerts | None = state.get("budget_alerts")
+    fired: list[BudgetAlert] = []
+    try:
+        fired = alerts.check(tenant_id, period, spent, budget) if alerts is not None else []
+    except Exception:  # the synced records are stored: an alert that failed is retried at the next sync
+        logger.exception("recording budget alerts for tenant %s failed", tenant_id)
+    return allowance, fired
+
+
+def _sync(state: State, caller: DeviceCaller, data: SyncRequest) -> tuple[SyncResponse, list[BudgetAlert]]:
     for attempt in (1, 2):
         try:
             with Session(state.engine) as session:
@@ -143,22 +169,43 @@ def _sync(state: State, caller: DeviceCaller, data: SyncRequest) -> SyncResponse
                 raise
     releases: DesiredState | None = state.get("releases")
     desired = releases.desired(caller.device) if releases is not None else []
-    return SyncResponse(
+    allowance, fired = _allowance(state, caller.device.tenant_id)
+    answer = SyncResponse(
         accepted=accepted,
         duplicates=duplicates,
         desired=desired,
         config={"sync_interval_s": state.edge_sync_interval_s},
         server_time=time.time(),
+        allowance=allowance,
     )
+    return answer, fired
 
 
-@post("/v1/edge/sync", dependencies=DEVICE, status_code=200, security=DEVICE_BEARER)
+@post(
+    "/v1/edge/sync",
+    dependencies=DEVICE,
+    status_code=200,
+    security=DEVICE_BEARER,
+    responses=error_responses(400, 401, 413),
+)
 async def sync(state: State, device: DeviceCaller, data: SyncRequest) -> SyncResponse:
-    """Heartbeat and outbox batch up (idempotent by record id); the device's desired state down."""
-    return await asyncio.to_thread(_sync, state, device, data)
+    """Heartbeat and outbox batch up (idempotent by record id); the device's desired state and its tenant's
+    remaining allowance down."""
+    answer, fired = await asyncio.to_thread(_sync, state, device, data)
+    alerts: BudgetAlerts | None = state.get("budget_alerts")
+    if fired and alerts is not None and alerts.notify is not None:
+        alerts.notify()
+    return answer
 
 
-@post("/v1/edge/escalate", dependencies=DEVICE, status_code=200, security=DEVICE_BEARER)
+@post(
+    "/v1/edge/escalate",
+    dependencies=DEVICE,
+    status_code=200,
+    security=DEVICE_BEARER,
+    responses=error_responses(400, 401, 403, 404, 413, 429),
+    operation_class=StreamingOperation,
+)
 async def escalate(state: State, device: DeviceCaller, data: EscalateRequest) -> Response[Any]:
     """A request the device chose not to answer locally, served by the cloud and billed to its tenant."""
     from cloud.completions import Caller  # imports the engine (torch); the rest of this module does not

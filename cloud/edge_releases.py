@@ -38,12 +38,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import click
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-from litestar import Request, Response, get
+from litestar import Response, get
 from litestar.datastructures import State
+from litestar.openapi.spec import OpenAPIFormat, OpenAPIMediaType, OpenAPIResponse, OpenAPIType, Operation, Schema
+from litestar.params import HeaderParameter
 from litestar.response import Stream
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
@@ -61,6 +63,7 @@ from shared.artifacts import (
 )
 from shared.edge_protocol import DesiredModel
 from shared.errors import ArtifactVerificationError, ConflictError, NotFoundError
+from shared.http import error_responses
 from shared.rollouts import FINAL, edge_version, load_plans, plans_for
 from shared.settings import CoreSettings
 from shared.storage.models import Device
@@ -361,18 +364,44 @@ def range_response(served: ServedFile, range_header: str | None, if_range: str |
     return Stream(_read(served.path, start, length), status_code=status, media_type=served.media_type, headers=headers)
 
 
+@dataclass
+class _ArtifactOperation(Operation):
+    """200 carries the manifest (JSON) or a file's bytes, 206 part of a file: not the JSON Litestar assumes."""
+
+    def __post_init__(self) -> None:
+        binary = Schema(type=OpenAPIType.STRING, format=OpenAPIFormat.BINARY)
+        file = {"application/octet-stream": OpenAPIMediaType(schema=binary)}
+        whole = {"application/json": OpenAPIMediaType(schema=Schema()), **file}
+        self.responses = {
+            **(self.responses or {}),
+            "200": OpenAPIResponse(description="The manifest (JSON) or the whole file", content=whole),
+            "206": OpenAPIResponse(description="The part of a file the Range header asked for", content=file),
+        }
+
+
 @get(
     "/v1/edge/artifacts/{name:str}/{version:str}/{path:path}",
     dependencies=DEVICE,
     security=DEVICE_BEARER,
+    responses=error_responses(400, 401, 404, 416),
+    operation_class=_ArtifactOperation,
 )
 async def download_artifact(
-    request: Request[Any, Any, Any], state: State, device: DeviceCaller, name: str, version: str, path: str
+    state: State,
+    device: DeviceCaller,
+    name: str,
+    version: str,
+    path: str,
+    range_header: Annotated[str | None, HeaderParameter(name="range", description="bytes=FIRST-LAST")] = None,
+    if_range: Annotated[str | None, HeaderParameter(name="if-range", description="the partial copy's ETag")] = None,
 ) -> Response[Any]:
-    """A published artifact's manifest or one of its files, for enrolled devices; supports ``Range: bytes=``."""
+    """A published artifact's manifest or one of its files, for enrolled devices; files support ``Range: bytes=``."""
     store: ReleaseStore = state.releases
-    served = await asyncio.to_thread(store.locate, name, version, path.lstrip("/"))
-    return range_response(served, request.headers.get("range"), request.headers.get("if-range"))
+    path = path.lstrip("/")
+    served = await asyncio.to_thread(store.locate, name, version, path)
+    if path == MANIFEST_FILE:
+        range_header = None  # a small JSON document, always sent whole: a byte range of it would not be JSON
+    return range_response(served, range_header, if_range)
 
 
 ARTIFACT_ROUTES = [download_artifact]

@@ -23,6 +23,7 @@ from cloud.jobs import INFERENCE, MAX_LIST_LIMIT, JobSettings, JobStore, aware, 
 from cloud.tensor_models import unknown_model
 from cloud.webhooks import WebhookStore, validate_webhook_url
 from shared.errors import PermissionDeniedError, ValidationError
+from shared.http import error_responses
 from shared.storage.models import Job
 
 ASYNC_PREFERENCE = "respond-async"
@@ -114,7 +115,7 @@ async def submit_if_async(
     return Response(job_json(stored), status_code=202, headers=headers)
 
 
-@get("/v1/jobs", sync_to_thread=True)
+@get("/v1/jobs", sync_to_thread=True, responses=error_responses(400, 401))
 def list_jobs(
     state: State, caller: Caller, limit: int = Parameter(default=20, ge=1, le=MAX_LIST_LIMIT)
 ) -> dict[str, Any]:
@@ -123,14 +124,14 @@ def list_jobs(
     return {"object": "list", "data": [job_json(j) for j in store.recent(caller.tenant.id or 0, limit)]}
 
 
-@get("/v1/jobs/{job_id:str}", sync_to_thread=True)
+@get("/v1/jobs/{job_id:str}", sync_to_thread=True, responses=error_responses(400, 401, 404))
 def get_job(state: State, caller: Caller, job_id: str) -> dict[str, Any]:
     """One job: its status, and its result (the synchronous call's JSON) or its error (OpenAI shape)."""
     store: JobStore = state.jobs
     return job_json(store.get(caller.tenant.id or 0, job_id))
 
 
-@get("/v1/jobs/{job_id:str}/deliveries", sync_to_thread=True)
+@get("/v1/jobs/{job_id:str}/deliveries", sync_to_thread=True, responses=error_responses(400, 401, 404))
 def list_deliveries(state: State, caller: Caller, job_id: str) -> dict[str, Any]:
     """The job's webhook delivery and every attempt at it."""
     store: JobStore = state.jobs
@@ -163,7 +164,7 @@ def list_deliveries(state: State, caller: Caller, job_id: str) -> dict[str, Any]
     }
 
 
-@post("/v1/webhook-secret", status_code=201, sync_to_thread=True)
+@post("/v1/webhook-secret", status_code=201, sync_to_thread=True, responses=error_responses(401))
 def rotate_webhook_secret(state: State, caller: Caller) -> dict[str, Any]:
     """A new webhook secret, returned only here; webhooks are signed with it from now on."""
     webhooks: WebhookStore = state.webhooks

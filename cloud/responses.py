@@ -18,6 +18,8 @@ def respond(caller: Caller, result: dict[str, Any] | AsyncIterator[bytes]) -> Re
     headers = {"x-tierline-usage-id": caller.request_id, "x-tierline-tier": "cloud"}
     if caller.escalation_reason:
         headers["x-tierline-escalation-reason"] = caller.escalation_reason
+    if caller.model_version:
+        headers["x-tierline-model-version"] = caller.model_version
     if isinstance(result, dict):
         return Response(result, headers=headers)
     return Stream(result, media_type="text/event-stream", headers={**headers, **SSE_HEADERS})

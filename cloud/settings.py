@@ -21,6 +21,13 @@ class CloudSettings(BaseSettings):
     speculation: Literal["draft", "ngram", "off"] = Field("draft", description="speculative decoding of lm-cloud")
     num_threads: int | None = Field(None, ge=1, description="torch threads (default: all cores)")
     request_timeout_s: float = Field(300.0, gt=0, description="server-side deadline per request")
+    budget_lease_margin_s: float = Field(
+        60.0, gt=0, description="a budget reservation's lease outlasts the request deadline by this much"
+    )
+    canary_refresh_s: float = Field(5.0, gt=0, description="how often rollout plans are re-read for canary routing")
+    budget_sweep_interval_s: float = Field(
+        30.0, gt=0, description="how often reservations of dead processes (lease expired) are released"
+    )
     max_body_bytes: int = Field(4 << 20, ge=1024, description="largest accepted request body")
     tenant_requests_per_minute: int = Field(0, ge=0, description="default per-tenant request rate; 0 = unlimited")
     tenant_tokens_per_minute: int = Field(0, ge=0, description="default per-tenant token rate; 0 = unlimited")

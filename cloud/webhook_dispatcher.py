@@ -16,6 +16,7 @@ import httpx
 from cloud.jobs import JobSettings, job_json
 from cloud.webhooks import (
     DELIVERY_HEADER,
+    EVENT_HEADER,
     SIGNATURE_HEADER,
     TIMESTAMP_HEADER,
     ClaimedDelivery,
@@ -32,8 +33,9 @@ CLAIM_MARGIN_S = 30.0
 
 
 def webhook_body(claimed: ClaimedDelivery) -> bytes:
-    """The exact bytes POSTed and signed: the job's JSON, compact."""
-    return json.dumps(job_json(claimed.job), separators=(",", ":"), sort_keys=True).encode()
+    """The exact bytes POSTed and signed: the job's JSON (or the tenant event's), compact."""
+    body = job_json(claimed.job) if claimed.job is not None else (claimed.payload or {})
+    return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
 
 
 class WebhookDispatcher:
@@ -121,6 +123,7 @@ class WebhookDispatcher:
                 "user-agent": "tierline-webhooks/1",
                 SIGNATURE_HEADER: sign(claimed.secret, body),
                 DELIVERY_HEADER: claimed.id,
+                EVENT_HEADER: claimed.event,
                 TIMESTAMP_HEADER: str(int(time.time())),
             }
             try:
@@ -144,6 +147,5 @@ class WebhookDispatcher:
         if retry_in_s is not None:
             asyncio.get_running_loop().call_later(retry_in_s, self._wake.set)
         elif not is_ok:
-            logger.warning(
-                "webhook delivery %s for job %s failed after %d attempts", claimed.id, claimed.job.id, claimed.attempt
-            )
+            subject = f"job {claimed.job.id}" if claimed.job is not None else claimed.event
+            logger.warning("webhook delivery %s (%s) failed after %d attempts", claimed.id, subject, claimed.attempt)

@@ -1,9 +1,12 @@
-"""Webhooks for finished jobs: URL rules, signing, retry delays, and the delivery records (``WebhookStore``).
+"""Webhooks: URL rules, signing, retry delays, and the delivery records (``WebhookStore``).
 
-Each delivery POSTs the job's JSON with ``x-tierline-signature: sha256=<hex HMAC-SHA256 of the raw body,
-keyed with the tenant's webhook secret>``, ``x-tierline-delivery`` (the same id on every retry of one
-delivery) and ``x-tierline-timestamp`` (Unix seconds of the attempt). A non-2xx answer, a timeout or a
-refused connection is retried after an exponentially growing, jittered delay, up to a maximum number of
+Two kinds of event are delivered: a finished job (``job.completed``, to the job's ``webhook_url``) and
+tenant events such as ``budget.threshold`` (to the tenant's webhook URL, ``PUT /v1/webhook``). Each delivery
+POSTs the event's JSON (a job's is the job) with ``x-tierline-event`` (the event type),
+``x-tierline-signature: sha256=<hex HMAC-SHA256 of the raw body, keyed with the tenant's webhook secret>``,
+``x-tierline-delivery`` (the same id on every retry of one delivery) and ``x-tierline-timestamp`` (Unix
+seconds of the attempt). A non-2xx answer, a timeout or a refused connection is retried after an
+exponentially growing, jittered delay, up to a maximum number of
 attempts; every attempt is recorded. The secret is kept readable (signing needs it) and never logged.
 """
 
@@ -25,11 +28,13 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from shared.errors import ValidationError
-from shared.storage.models import Job, WebhookAttempt, WebhookDelivery, WebhookSecret, utcnow
+from shared.storage.models import Job, Tenant, WebhookAttempt, WebhookDelivery, WebhookSecret, utcnow
 
 SIGNATURE_HEADER = "x-tierline-signature"
 DELIVERY_HEADER = "x-tierline-delivery"
 TIMESTAMP_HEADER = "x-tierline-timestamp"
+EVENT_HEADER = "x-tierline-event"
+JOB_COMPLETED = "job.completed"
 SECRET_PREFIX = "whsec_"  # noqa: S105 (a prefix, not a secret)
 MAX_URL_LENGTH = 2048
 MAX_DELAY_S = 3600.0
@@ -102,13 +107,15 @@ def validate_webhook_url(value: Any, *, allow_private: bool) -> str:
 
 @dataclass(slots=True)
 class ClaimedDelivery:
-    """A delivery taken for one attempt, with what that attempt sends."""
+    """A delivery taken for one attempt, with what that attempt sends: the job, or a tenant event's payload."""
 
     id: str
     url: str
     attempt: int
-    job: Job
+    job: Job | None
     secret: str | None
+    event: str = JOB_COMPLETED
+    payload: dict[str, Any] | None = None
 
 
 class WebhookStore:
@@ -132,6 +139,49 @@ class WebhookStore:
     def has_secret(self, tenant_id: int) -> bool:
         with Session(self.engine) as session:
             return session.get(WebhookSecret, tenant_id) is not None
+
+    def tenant_url(self, tenant_id: int) -> str | None:
+        with Session(self.engine) as session:
+            tenant = session.get(Tenant, tenant_id)
+            return tenant.webhook_url if tenant is not None else None
+
+    def set_tenant_url(self, tenant_id: int, url: str | None) -> None:
+        """Where the tenant's events are POSTed from now on (None: nowhere)."""
+        with Session(self.engine) as session:
+            session.execute(update(Tenant).where(col(Tenant.id) == tenant_id).values(webhook_url=url))
+            session.commit()
+
+    @staticmethod
+    def enqueue_event(session: Session, tenant_id: int, url: str, event: str, payload: dict[str, Any]) -> str:
+        """Queue a tenant event for delivery, in the caller's transaction; its delivery id."""
+        delivery_id = new_delivery_id()
+        session.add(
+            WebhookDelivery(id=delivery_id, job_id=None, tenant_id=tenant_id, event=event, payload=payload, url=url)
+        )
+        return delivery_id
+
+    def events(
+        self, tenant_id: int, event: str | None, limit: int
+    ) -> list[tuple[WebhookDelivery, list[WebhookAttempt]]]:
+        """The tenant's latest event deliveries (not jobs'), newest first, each with its attempts."""
+        with Session(self.engine) as session:
+            stmt = select(WebhookDelivery).where(
+                WebhookDelivery.tenant_id == tenant_id, col(WebhookDelivery.job_id).is_(None)
+            )
+            if event is not None:
+                stmt = stmt.where(WebhookDelivery.event == event)
+            deliveries = list(session.exec(stmt.order_by(col(WebhookDelivery.created_at).desc()).limit(limit)))
+            attempts: dict[str, list[WebhookAttempt]] = {d.id: [] for d in deliveries}
+            if deliveries:
+                rows = session.exec(
+                    select(WebhookAttempt)
+                    .where(col(WebhookAttempt.delivery_id).in_(list(attempts)))
+                    .order_by(col(WebhookAttempt.attempt), col(WebhookAttempt.id))
+                )
+                for row in rows:
+                    attempts[row.delivery_id].append(row)
+            session.expunge_all()
+            return [(d, attempts[d.id]) for d in deliveries]
 
     def due(self, limit: int) -> list[tuple[str, int]]:
         """``(delivery id, attempts so far)`` of pending deliveries whose next attempt is due."""
@@ -163,12 +213,23 @@ class WebhookStore:
             if taken.rowcount != 1:
                 return None
             delivery = session.get(WebhookDelivery, delivery_id)
-            job = session.get(Job, delivery.job_id) if delivery is not None else None
-            if delivery is None or job is None:
+            if delivery is None:
                 return None
+            job = session.get(Job, delivery.job_id) if delivery.job_id is not None else None
+            if delivery.job_id is not None:
+                if job is None:
+                    return None
+                session.expunge(job)
             secret = session.get(WebhookSecret, delivery.tenant_id)
-            session.expunge(job)
-            return ClaimedDelivery(delivery.id, delivery.url, attempts + 1, job, secret.secret if secret else None)
+            return ClaimedDelivery(
+                delivery.id,
+                delivery.url,
+                attempts + 1,
+                job,
+                secret.secret if secret else None,
+                delivery.event,
+                delivery.payload,
+            )
 
     def record(
         self,

@@ -17,7 +17,7 @@ from typing import Any
 from edge_agent.cloud_link import CloudLink, CloudUnavailableError
 from edge_agent.outbox import Outbox
 from edge_agent.tiering import Served
-from shared.edge_protocol import MAX_BATCH, DesiredModel, EventItem, SyncRequest, SyncResponse, UsageItem
+from shared.edge_protocol import MAX_BATCH, Allowance, DesiredModel, EventItem, SyncRequest, SyncResponse, UsageItem
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +136,7 @@ class Agent:
         self.interval_s = interval_s
         self.on_desired: Callable[[list[DesiredModel]], None] | None = None
         self.on_outcome: Callable[[str, str | None, bool], None] | None = None  # model id, version, ok
+        self.on_allowance: Callable[[Allowance | None], None] | None = None
         self.last_sync: SyncResponse | None = None
         self.synced_records = 0
 
@@ -196,6 +197,8 @@ class Agent:
         await asyncio.to_thread(self.outbox.ack, [r.id for r in records])
         self.synced_records += len(records)
         self.last_sync = answer
+        if self.on_allowance is not None:
+            self.on_allowance(answer.allowance)
         if answer.desired and self.on_desired is not None:
             self.on_desired(answer.desired)
         if "sync_interval_s" in answer.config:

@@ -19,6 +19,7 @@ from litestar.di import Provide
 from litestar.response import Stream
 
 from edge_agent.agent import Agent, AgentStats
+from edge_agent.allowance import AllowanceGuard
 from edge_agent.cloud_link import CircuitBreaker, CloudLink, Credentials
 from edge_agent.model_store import ModelStore
 from edge_agent.models import EDGE_ARTIFACTS, PREFIX, ServedModels
@@ -130,6 +131,7 @@ def agent_status(state: State, _auth: None) -> dict[str, Any]:
     """The agent's own state: enrollment, cloud link, outbox, per-version stats."""
     agent: Agent = state.agent
     link: CloudLink | None = state.link
+    tiering: Tiering = state.tiering
     return {
         "pid": os.getpid(),
         "enrolled": link is not None,
@@ -137,6 +139,7 @@ def agent_status(state: State, _auth: None) -> dict[str, Any]:
         "cloud_breaker": link.breaker.state if link is not None else None,
         "outbox": agent.outbox.stats(),
         "synced_records": agent.synced_records,
+        "allowance": tiering.allowance.allowance.model_dump(mode="json") if tiering.allowance.allowance else None,
         "models": agent.stats.snapshot(),
     }
 
@@ -170,7 +173,9 @@ def create_app(settings: EdgeSettings) -> Litestar:
         updates = Updates(served, agent, settings, creds, keys, home) if creds is not None else None
         app.state.agent = agent
         app.state.link = link
-        app.state.tiering = Tiering(served.lms, link, policies, agent.record, served.classifiers)
+        guard = AllowanceGuard(settings.on_quota_exhausted)
+        agent.on_allowance = guard.update
+        app.state.tiering = Tiering(served.lms, link, policies, agent.record, served.classifiers, allowance=guard)
         syncing = asyncio.create_task(agent.run(), name="edge-sync") if link is not None else None
         try:
             yield

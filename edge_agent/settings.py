@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -31,6 +32,11 @@ class EdgeSettings(BaseSettings):
         64 << 20, ge=1 << 16, description="outbox bound; telemetry then events may be dropped, usage never"
     )
     shutdown_sync_s: float = Field(5.0, ge=0, description="time given to a last sync when the agent stops")
+    on_quota_exhausted: Literal["refuse", "escalate"] = Field(
+        "refuse",
+        description="when the tenant's allowance (told at sync) is used up: refuse with 429 insufficient_quota, "
+        "or send every request to the cloud, which enforces the budget itself",
+    )
     max_artifact_bytes: int = Field(1 << 30, ge=1 << 10, description="largest model artifact an update may download")
     update_max_bytes_per_s: float | None = Field(
         None, gt=0, description="bandwidth cap for model downloads (None: unlimited)"

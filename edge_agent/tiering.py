@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from edge_agent import serving
+from edge_agent.allowance import QUOTA_REASON, AllowanceGuard
 from edge_agent.cloud_link import CloudLink, CloudUnavailableError
 from edge_agent.generation import LocalStep
 from edge_agent.tensors import LocalClassifier, classifier_confidence
@@ -102,6 +103,7 @@ class Tiering:
     on_served: Callable[[Served], None]
     classifiers: dict[str, LocalClassifier] = field(default_factory=dict)
     cloud_models: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_CLOUD_MODELS))
+    allowance: AllowanceGuard = field(default_factory=AllowanceGuard)
 
     def policy(self, model: str) -> EdgePolicy:
         return self.policies.get(model) or self.policies.get(family(model)) or EdgePolicy(model=family(model))
@@ -148,6 +150,8 @@ class Tiering:
             if mode == "cloud-only":
                 raise ServiceUnavailableError("this device is not enrolled with a cloud (tierline edge enroll)")
             mode = "local-only"
+        if self.allowance.must_escalate(can_escalate=self.link is not None):
+            return await self._cloud(endpoint, req, request_id, QUOTA_REASON, fallback=None)
         if mode == "cloud-only":
             return await self._cloud(endpoint, req, request_id, "client-asked", fallback=None)
         if mode == "cloud-first":
@@ -187,6 +191,10 @@ class Tiering:
             if mode == "cloud-only":
                 raise ServiceUnavailableError("this device is not enrolled with a cloud (tierline edge enroll)")
             mode = "local-only"
+        if self.allowance.must_escalate(can_escalate=self.link is not None):
+            local = self.classifiers.get(req.model_id)
+            inputs = local.rows(req.inputs).tolist() if local is not None else req.inputs
+            return await self._infer_cloud(req, inputs, request_id, QUOTA_REASON)
         model = self.classifiers.get(req.model_id)
         if model is None:
             if mode == "local-only":

@@ -4,23 +4,38 @@ A reservation is one conditional UPDATE, ``spent + reserved + amount <= budget``
 at a time) and PostgreSQL (the row is re-checked under its lock) both apply atomically. So the committed
 total (settled plus reserved) never exceeds the budget, however many requests race; a request's actual cost
 is at most what it reserved, so settled spend never exceeds it either.
+
+Each reservation is also a ``budget_reservation`` row, written in the same transaction, with a lease
+(``expires_at``). Settling deletes the row and releases its amount; a process that dies mid-request never
+settles, so its row outlives the lease and ``reclaim_expired`` (the cloud's sweeper, and ``reserve`` itself
+when a tenant's budget looks full) deletes it and gives the amount back. Whoever deletes the row releases the
+amount, so a reservation is released exactly once, even when a late settle races the sweeper.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import time
+import uuid
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
-from sqlalchemy import update
+from sqlalchemy import delete, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
 from shared.errors import ApplicationError
 from shared.pricing import PriceLike, Tokens, cost, period_of, price_for
-from shared.storage.models import BudgetPeriod, Price
+from shared.storage.models import BudgetPeriod, BudgetReservation, Price
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LEASE_S = 600.0
+ALERT_THRESHOLDS = (80, 100)
 
 
 class BudgetExceededError(ApplicationError):
@@ -33,9 +48,11 @@ class BudgetExceededError(ApplicationError):
 
 @dataclass(frozen=True, slots=True)
 class Reservation:
+    id: str
     tenant_id: int
     period: str
     amount: Decimal
+    budget: Decimal
 
 
 def _ensure_row(engine: Engine, tenant_id: int, period: str) -> None:
@@ -49,12 +66,12 @@ def _ensure_row(engine: Engine, tenant_id: int, period: str) -> None:
             session.rollback()
 
 
-def reserve(
-    engine: Engine, tenant_id: int, budget: Decimal, amount: Decimal, at: datetime | None = None
-) -> Reservation:
-    """Reserve ``amount`` of the tenant's monthly ``budget`` or raise ``BudgetExceededError``."""
-    period = period_of(at or datetime.now(UTC))
-    _ensure_row(engine, tenant_id, period)
+def _try_reserve(
+    engine: Engine, tenant_id: int, period: str, budget: Decimal, amount: Decimal, lease_s: float
+) -> str | None:
+    """The new reservation's id, or None when the budget cannot cover ``amount``."""
+    reservation_id = uuid.uuid4().hex
+    now = datetime.now(UTC)
     with Session(engine) as session:
         result = session.execute(
             update(BudgetPeriod)
@@ -65,28 +82,107 @@ def reserve(
             )
             .values(reserved=col(BudgetPeriod.reserved) + amount)
         )
+        if result.rowcount != 1:  # type: ignore[attr-defined]
+            session.rollback()
+            return None
+        session.add(
+            BudgetReservation(
+                id=reservation_id,
+                tenant_id=tenant_id,
+                period=period,
+                amount=amount,
+                created_at=now,
+                expires_at=now + timedelta(seconds=lease_s),
+            )
+        )
         session.commit()
-    if result.rowcount != 1:  # type: ignore[attr-defined]
+    return reservation_id
+
+
+def reserve(
+    engine: Engine,
+    tenant_id: int,
+    budget: Decimal,
+    amount: Decimal,
+    at: datetime | None = None,
+    lease_s: float = DEFAULT_LEASE_S,
+) -> Reservation:
+    """Reserve ``amount`` of the tenant's monthly ``budget`` for at most ``lease_s`` seconds, or raise
+    ``BudgetExceededError``.
+
+    The lease must outlast the request (the cloud uses its request deadline plus a margin): a reservation still
+    open when its lease expires is taken for a dead process's and released.
+    """
+    period = period_of(at or datetime.now(UTC))
+    _ensure_row(engine, tenant_id, period)
+    reservation_id = _try_reserve(engine, tenant_id, period, budget, amount, lease_s)
+    if reservation_id is None and reclaim_expired(engine, tenant_id=tenant_id) > 0:
+        reservation_id = _try_reserve(engine, tenant_id, period, budget, amount, lease_s)
+    if reservation_id is None:
         raise BudgetExceededError(
             f"the tenant's monthly budget ({budget}) cannot cover this request's worst case ({amount}); "
             "lower max_tokens or raise the budget"
         )
-    return Reservation(tenant_id, period, amount)
+    return Reservation(reservation_id, tenant_id, period, amount, budget)
 
 
-def settle(engine: Engine, reservation: Reservation, actual: Decimal) -> None:
-    """Release the reservation and add what the request really cost (never more than it reserved)."""
+def settle(engine: Engine, reservation: Reservation, actual: Decimal) -> Decimal:
+    """Release the reservation and add what the request really cost (never more than it reserved).
+
+    Returns the period's settled spend after this request. A reservation the sweeper already released (its
+    lease ran out first) only adds the cost.
+    """
     actual = min(actual, reservation.amount)
     with Session(engine) as session:
-        session.execute(
+        deleted = session.execute(delete(BudgetReservation).where(col(BudgetReservation.id) == reservation.id))
+        is_held = deleted.rowcount == 1  # type: ignore[attr-defined]
+        values = {"spent": col(BudgetPeriod.spent) + actual}
+        if is_held:
+            values["reserved"] = col(BudgetPeriod.reserved) - reservation.amount
+        spent = session.execute(
             update(BudgetPeriod)
             .where(col(BudgetPeriod.tenant_id) == reservation.tenant_id, col(BudgetPeriod.period) == reservation.period)
-            .values(
-                reserved=col(BudgetPeriod.reserved) - reservation.amount,
-                spent=col(BudgetPeriod.spent) + actual,
-            )
-        )
+            .values(**values)
+            .returning(col(BudgetPeriod.spent))
+        ).scalar_one()
         session.commit()
+    return Decimal(spent)
+
+
+def reclaim_expired(
+    engine: Engine, *, tenant_id: int | None = None, now: datetime | None = None, limit: int = 1000
+) -> int:
+    """Release reservations whose lease has run out (their process died before settling); how many were."""
+    now = now or datetime.now(UTC)
+    stmt = select(BudgetReservation).where(col(BudgetReservation.expires_at) < now)
+    if tenant_id is not None:
+        stmt = stmt.where(col(BudgetReservation.tenant_id) == tenant_id)
+    released = 0
+    with Session(engine) as session:
+        expired = [(r.id, r.tenant_id, r.period, r.amount) for r in session.exec(stmt.limit(limit))]
+        session.rollback()
+        for reservation_id, owner, period, amount in expired:
+            deleted = session.execute(delete(BudgetReservation).where(col(BudgetReservation.id) == reservation_id))
+            if deleted.rowcount != 1:  # type: ignore[attr-defined]
+                continue  # settled (or reclaimed) meanwhile: released already
+            session.execute(
+                update(BudgetPeriod)
+                .where(col(BudgetPeriod.tenant_id) == owner, col(BudgetPeriod.period) == period)
+                .values(reserved=col(BudgetPeriod.reserved) - amount)
+            )
+            session.commit()
+            released += 1
+            logger.warning(
+                "released budget reservation %s of tenant %s (%s): its lease ran out", reservation_id, owner, amount
+            )
+    return released
+
+
+def thresholds_reached(spent: Decimal, budget: Decimal) -> list[int]:
+    """The alert thresholds (percent of the budget) that ``spent`` has reached."""
+    if budget <= 0:
+        return list(ALERT_THRESHOLDS)
+    return [t for t in ALERT_THRESHOLDS if spent * 100 >= budget * t]
 
 
 def add_spend(session: Session, tenant_id: int, at: datetime, amount: Decimal) -> None:
@@ -111,22 +207,52 @@ def remaining(session: Session, tenant_id: int, budget: Decimal, at: datetime | 
 
 
 class PriceBook:
-    """The price table in memory, re-read every ``ttl_s`` (prices change rarely; the hot path must not query)."""
+    """The price table in memory, re-read every ``ttl_s`` (prices change rarely; the hot path must not query).
+
+    In a server, ``start()`` loads it and keeps it fresh from a background task (the query runs in a worker
+    thread), so ``lookup`` never touches the database on the event loop. Without ``start()`` (the CLI, worker
+    threads), ``lookup`` re-reads a stale table itself.
+    """
 
     def __init__(self, engine: Engine, ttl_s: float = 30.0) -> None:
         self.engine = engine
         self.ttl_s = ttl_s
         self._prices: list[Price] = []
         self._loaded_at = float("-inf")
+        self._task: asyncio.Task[None] | None = None
 
     def refresh(self) -> None:
         with Session(self.engine) as session:
-            self._prices = list(session.exec(select(Price)))
+            prices = list(session.exec(select(Price)))
             session.expunge_all()
+        self._prices = prices  # one assignment: readers see the old table or the new one
         self._loaded_at = time.monotonic()
 
+    async def start(self) -> None:
+        """Load now, then refresh every ``ttl_s`` in the background until ``close()``."""
+        try:
+            await asyncio.to_thread(self.refresh)
+        except Exception:  # the database may come up after the cloud; the background task keeps trying
+            logger.exception("reading the price book failed; requests are not rated until it loads")
+        self._task = asyncio.create_task(self._run(), name="price-book")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl_s)
+            try:
+                await asyncio.to_thread(self.refresh)
+            except Exception:
+                logger.exception("reading the price book failed; the previous prices stay in use")
+
     def lookup(self, model: str, version: int | None, tier: str, at: datetime | None = None) -> PriceLike | None:
-        if time.monotonic() - self._loaded_at > self.ttl_s:
+        if self._task is None and time.monotonic() - self._loaded_at > self.ttl_s:
             self.refresh()
         return price_for(self._prices, model, version, tier, at or datetime.now(UTC))
 

@@ -6,6 +6,7 @@ the device (uuid4 hex) and are the cloud's primary keys: re-sending a batch neve
 
 from __future__ import annotations
 
+from decimal import Decimal
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -70,16 +71,36 @@ class DesiredModel(_Strict):
     manifest_url: str = Field(description="relative to the cloud's base URL")
 
 
+class Allowance(_Strict):
+    """What the device's tenant may still spend this month, as of the sync (records just synced included)."""
+
+    remaining: Decimal | None = Field(
+        description="budget minus settled spend minus open reservations, never below 0; null: no budget (unlimited)"
+    )
+    currency: str = Field(max_length=3)
+    period: str = Field(description="YYYY-MM (UTC)")
+
+    @property
+    def is_exhausted(self) -> bool:
+        return self.remaining is not None and self.remaining <= 0
+
+
 class SyncResponse(_Strict):
     accepted: int = Field(description="records new to the cloud")
     duplicates: int = Field(description="records the cloud already had (a retried batch)")
     desired: list[DesiredModel] = Field(default_factory=list)
     config: dict[str, Any] = Field(default_factory=dict)
     server_time: float
+    allowance: Allowance | None = Field(None, description="the tenant's remaining allowance (absent: unknown)")
 
 
 class EscalateRequest(_Strict):
     endpoint: Literal["chat.completions", "completions", "inference"]
-    reason: str = Field(max_length=32, description="why the device escalated (policy signal or pre-signal)")
+    reason: str = Field(
+        max_length=32,
+        pattern=r"^(?:[!-~](?:[ -~]*[!-~])?)?$",
+        description="why the device escalated (policy signal or pre-signal); printable ASCII without leading or "
+        "trailing spaces, as it is echoed in the x-tierline-escalation-reason response header",
+    )
     request_id: str | None = Field(None, max_length=64, description="the device's record id, reused for metering")
     body: dict[str, Any] = Field(description="the OpenAI request body, as the client sent it")

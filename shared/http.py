@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
 from litestar import Request, Response, get
 from litestar.exceptions import HTTPException
+from litestar.openapi.datastructures import ResponseSpec
+from litestar.openapi.spec import OpenAPIMediaType, OpenAPIResponse, OpenAPIType, Operation, Schema
 from litestar.status_codes import HTTP_500_INTERNAL_SERVER_ERROR
 from litestar.types import ExceptionHandlersMap
+from pydantic import BaseModel
 
 from shared.errors import ApplicationError, RateLimitError
 
@@ -25,6 +30,41 @@ _HTTP_TYPES = {
     422: "invalid_request_error",
     429: "rate_limit_error",
 }
+
+
+SSE_MEDIA_TYPE = "text/event-stream"
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """What every error response carries: the OpenAI error shape."""
+
+    error: ErrorDetail
+
+
+def error_responses(*status_codes: int) -> dict[int, ResponseSpec]:
+    """OpenAPI ``responses`` for a route's errors, each in the OpenAI shape (replaces Litestar's default 400)."""
+    return {
+        code: ResponseSpec(ErrorBody, description=HTTPStatus(code).phrase, generate_examples=False)
+        for code in status_codes
+    }
+
+
+@dataclass
+class StreamingOperation(Operation):
+    """An operation whose 200 is JSON, or server-sent events when the request asked for ``stream: true``."""
+
+    def __post_init__(self) -> None:
+        ok = (self.responses or {}).get("200")
+        if isinstance(ok, OpenAPIResponse):
+            events = OpenAPIMediaType(schema=Schema(type=OpenAPIType.STRING))
+            ok.content = {**(ok.content or {}), SSE_MEDIA_TYPE: events}
 
 
 def application_error_handler(_: Request[Any, Any, Any], exc: ApplicationError) -> Response[dict[str, Any]]:

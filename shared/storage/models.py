@@ -50,6 +50,9 @@ class Tenant(SQLModel, table=True):
     requests_per_minute: int | None = Field(default=None, description="None: the cloud's default")
     tokens_per_minute: int | None = None
     max_concurrent: int | None = None
+    webhook_url: str | None = Field(
+        default=None, max_length=2048, description="where tenant events (budget.threshold) are POSTed"
+    )
     created_at: datetime = _ts()
 
 
@@ -288,7 +291,8 @@ class WebhookSecret(SQLModel, table=True):
 
 
 class WebhookDelivery(SQLModel, table=True):
-    """One job's result on its way to the job's webhook URL; its id is sent with every attempt.
+    """One event on its way to a webhook URL: a job's result to the job's URL, or a tenant event (a budget
+    threshold) to the tenant's URL. Its id is sent with every attempt.
 
     ``available_at`` is when the next attempt is due (and, while one is in flight, when its claim lapses).
     """
@@ -297,8 +301,12 @@ class WebhookDelivery(SQLModel, table=True):
     __table_args__ = (Index("ix_webhook_delivery_status_available", "status", "available_at"),)
 
     id: str = Field(primary_key=True, max_length=64)
-    job_id: str = Field(foreign_key="job.id", unique=True)
+    job_id: str | None = Field(default=None, foreign_key="job.id", unique=True, description="None: a tenant event")
     tenant_id: int = Field(foreign_key="tenant.id", index=True)
+    event: str = Field(default="job.completed", max_length=32, description="job.completed | budget.threshold")
+    payload: dict[str, Any] | None = Field(
+        default=None, sa_column=Column(JSON, nullable=True), description="the event's body (a job's is its JSON)"
+    )
     url: str = Field(max_length=2048)
     status: str = Field(default="pending", max_length=16, description="pending | delivered | failed")
     attempts: int = 0
@@ -350,7 +358,21 @@ class BudgetPeriod(SQLModel, table=True):
     tenant_id: int = Field(foreign_key="tenant.id", primary_key=True)
     period: str = Field(primary_key=True, max_length=7, description="YYYY-MM (UTC)")
     spent: Decimal = Field(default=Decimal(0), sa_type=MONEY)
-    reserved: Decimal = Field(default=Decimal(0), sa_type=MONEY)
+    reserved: Decimal = Field(default=Decimal(0), sa_type=MONEY, description="sum of the period's open reservations")
+
+
+class BudgetReservation(SQLModel, table=True):
+    """One request's hold on its tenant's budget, counted in ``BudgetPeriod.reserved`` until it is settled or,
+    when the process holding it died, until its lease expires and the sweeper gives it back."""
+
+    __tablename__ = "budget_reservation"
+
+    id: str = Field(primary_key=True, max_length=32)
+    tenant_id: int = Field(foreign_key="tenant.id", index=True)
+    period: str = Field(max_length=7)
+    amount: Decimal = Field(sa_type=MONEY)
+    created_at: datetime = _ts()
+    expires_at: datetime = _ts(index=True)
 
 
 class Rollout(SQLModel, table=True):

@@ -3,6 +3,9 @@
 First the reservation primitive under 50 racing threads, then the real cloud API under 50 concurrent
 clients: every answered request is rated with the price in force, the settled spend equals the sum of the
 usage records' costs, it never exceeds the budget, and refused requests get OpenAI's 429 insufficient_quota.
+
+Reservations are leased: one held by a process that died (a real one, killed before it settled) is released
+once its lease runs out, and a settle racing the sweeper releases each reservation exactly once.
 """
 
 from __future__ import annotations
@@ -10,17 +13,20 @@ from __future__ import annotations
 import asyncio
 import random
 import subprocess
+import sys
 import threading
+import time
 from decimal import Decimal
 from pathlib import Path
 
 import httpx
 import pytest
 from sqlalchemy import create_engine
+from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from shared.budgets import BudgetExceededError, reserve, settle
-from shared.storage.models import BudgetPeriod, Tenant, UsageRecord
+from shared.budgets import BudgetExceededError, reclaim_expired, reserve, settle
+from shared.storage.models import BudgetPeriod, BudgetReservation, Tenant, UsageRecord
 from tests.conftest import REPO, base_env, free_port, run_server, seed_data_dir, tierline_cmd
 
 pytestmark = pytest.mark.integration
@@ -65,6 +71,93 @@ def test_fifty_racing_reservations_never_commit_more_than_the_budget(migrated_db
     assert len(outcomes) == 50
     assert row.reserved == 0 and row.spent == spent <= budget
     assert any(a is None for a in outcomes) and any(a is not None for a in outcomes)
+
+
+def _engine(url: str) -> Engine:
+    if "postgresql" in url:
+        return create_engine(url, pool_size=20, max_overflow=40)
+    return create_engine(url, connect_args={"timeout": 30})
+
+
+def _tenant(engine: Engine, name: str, budget: Decimal) -> int:
+    with Session(engine) as s:
+        tenant = Tenant(name=name, monthly_budget=budget)
+        s.add(tenant)
+        s.commit()
+        return tenant.id or 0
+
+
+def _period(engine: Engine, tenant_id: int) -> BudgetPeriod:
+    with Session(engine) as s:
+        return s.exec(select(BudgetPeriod).where(BudgetPeriod.tenant_id == tenant_id)).one()
+
+
+DIE_HOLDING = """
+import os, sys
+from decimal import Decimal
+from sqlalchemy import create_engine
+from shared.budgets import reserve
+reserve(create_engine(sys.argv[1]), int(sys.argv[2]), Decimal("1.00"), Decimal("0.60"), lease_s=float(sys.argv[3]))
+os._exit(9)  # dies mid-request: no settle, no cleanup
+"""
+
+
+def test_a_reservation_held_by_a_process_that_died_is_released_when_its_lease_runs_out(migrated_db: str) -> None:
+    engine = _engine(migrated_db)
+    tenant_id = _tenant(engine, "crashy", Decimal("1.00"))
+    lease_s = 2.0
+    died = subprocess.run(
+        [sys.executable, "-c", DIE_HOLDING, migrated_db, str(tenant_id), str(lease_s)], cwd=REPO, check=False
+    )
+    assert died.returncode == 9
+    assert _period(engine, tenant_id).reserved == Decimal("0.60")
+    # While the lease runs, the dead process's hold counts: 0.60 + 0.50 would exceed the budget.
+    with pytest.raises(BudgetExceededError):
+        reserve(engine, tenant_id, Decimal("1.00"), Decimal("0.50"))
+    assert reclaim_expired(engine) == 0
+    time.sleep(lease_s + 0.2)
+    # Once it has run out, the next reservation that does not fit releases it first, and fits.
+    held = reserve(engine, tenant_id, Decimal("1.00"), Decimal("0.50"))
+    assert _period(engine, tenant_id).reserved == Decimal("0.50")
+    assert settle(engine, held, Decimal("0.40")) == Decimal("0.40")
+    row = _period(engine, tenant_id)
+    with Session(engine) as s:
+        left = s.exec(select(BudgetReservation)).all()
+    engine.dispose()
+    assert (row.spent, row.reserved, left) == (Decimal("0.40"), Decimal(0), [])
+
+
+def test_settles_racing_the_sweeper_release_every_reservation_exactly_once(migrated_db: str) -> None:
+    """Leases that run out while their requests are still settling: each amount is given back once, by the
+    settle or by the sweeper, and each cost is counted once."""
+    engine = _engine(migrated_db)
+    tenant_id = _tenant(engine, "sweepy", Decimal("10.00"))
+    held = [reserve(engine, tenant_id, Decimal("10.00"), Decimal("0.10"), lease_s=0.0) for _ in range(40)]
+    start = threading.Barrier(41)
+    errors: list[BaseException] = []
+
+    def settle_one(i: int) -> None:
+        start.wait()
+        try:
+            settle(engine, held[i], Decimal("0.05"))
+        except BaseException as exc:
+            errors.append(exc)
+
+    def sweep() -> None:
+        start.wait()
+        for _ in range(5):
+            reclaim_expired(engine)
+
+    threads = [threading.Thread(target=settle_one, args=(i,)) for i in range(40)]
+    threads.append(threading.Thread(target=sweep))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    row = _period(engine, tenant_id)
+    engine.dispose()
+    assert not errors
+    assert row.reserved == 0 and row.spent == Decimal("2.00")
 
 
 def test_the_cloud_api_refuses_what_the_budget_cannot_cover(

@@ -1,0 +1,134 @@
+"""Budget upkeep in the cloud process: threshold alerts after spend is settled, and the sweeper that releases
+reservations whose process died.
+
+Alerts: when a tenant's settled spend in a month reaches 80% and then 100% of its monthly budget, a
+``budget_alert`` record is written (its unique key on tenant, period and threshold makes each fire once per
+period, even when replicas settle concurrently) and, in the same transaction, a signed ``budget.threshold``
+webhook delivery is queued for the tenant's webhook URL when it has one (``cloud.webhooks``: retried, logged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from decimal import Decimal
+from typing import Any
+
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Session
+
+from cloud.webhooks import WebhookStore
+from shared.budgets import reclaim_expired, thresholds_reached
+from shared.storage.models import BudgetAlert, Tenant
+
+logger = logging.getLogger(__name__)
+
+BUDGET_THRESHOLD = "budget.threshold"
+
+
+def alert_payload(alert: BudgetAlert, tenant: Tenant) -> dict[str, Any]:
+    """The ``budget.threshold`` event's body."""
+    return {
+        "id": f"balert_{alert.id}",
+        "type": BUDGET_THRESHOLD,
+        "created": int(alert.fired_at.timestamp()),
+        "data": {
+            "tenant": tenant.name,
+            "period": alert.period,
+            "threshold": alert.threshold,
+            "spent": str(alert.spent),
+            "budget": str(alert.budget),
+            "currency": tenant.currency,
+        },
+    }
+
+
+class BudgetAlerts:
+    """Fires each threshold once per tenant and period. Thresholds already fired are remembered in memory, so
+    the common case (nothing new reached) costs no query."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.notify: Callable[[], None] | None = None  # wakes the webhook dispatcher (set by the app)
+        self._fired: set[tuple[int, str, int]] = set()
+
+    def check(self, tenant_id: int, period: str, spent: Decimal, budget: Decimal) -> list[BudgetAlert]:
+        """Record the thresholds ``spent`` reached that had not fired yet; the alerts this call fired. Synchronous
+        (SQL): call it from a worker thread."""
+        fired: list[BudgetAlert] = []
+        for threshold in thresholds_reached(spent, budget):
+            key = (tenant_id, period, threshold)
+            if key in self._fired:
+                continue
+            alert = self._record(tenant_id, period, threshold, spent, budget)
+            self._fired.add(key)
+            if alert is not None:
+                fired.append(alert)
+        return fired
+
+    def _record(
+        self, tenant_id: int, period: str, threshold: int, spent: Decimal, budget: Decimal
+    ) -> BudgetAlert | None:
+        with Session(self.engine, expire_on_commit=False) as session:
+            tenant = session.get(Tenant, tenant_id)
+            if tenant is None:
+                return None
+            alert = BudgetAlert(tenant_id=tenant_id, period=period, threshold=threshold, spent=spent, budget=budget)
+            session.add(alert)
+            try:
+                session.flush()
+            except IntegrityError:  # another request or replica fired it first
+                session.rollback()
+                return None
+            if tenant.webhook_url:
+                WebhookStore.enqueue_event(
+                    session, tenant_id, tenant.webhook_url, BUDGET_THRESHOLD, alert_payload(alert, tenant)
+                )
+            session.commit()
+        logger.info("tenant %s reached %d%% of its %s budget for %s", tenant_id, threshold, budget, period)
+        return alert
+
+    async def after_settle(self, tenant_id: int, period: str, spent: Decimal, budget: Decimal) -> None:
+        """``check`` off the event loop (only when a threshold may be new), then wake the dispatcher."""
+        if all((tenant_id, period, t) in self._fired for t in thresholds_reached(spent, budget)):
+            return
+        try:
+            fired = await asyncio.to_thread(self.check, tenant_id, period, spent, budget)
+        except Exception:  # an alert is never worth a request's usage record; the next settle tries again
+            logger.exception("recording budget alerts for tenant %s failed", tenant_id)
+            return
+        if fired and self.notify is not None:
+            self.notify()
+
+
+class ReservationSweeper:
+    """Every ``interval_s``, releases budget reservations whose lease expired (``shared.budgets``)."""
+
+    def __init__(self, engine: Engine, interval_s: float) -> None:
+        self.engine = engine
+        self.interval_s = interval_s
+        self.num_released = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="budget-sweeper")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                self.num_released += await asyncio.to_thread(reclaim_expired, self.engine)
+            except Exception:
+                logger.exception("releasing expired budget reservations failed; trying again")
+            await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))

@@ -1,0 +1,139 @@
+"""The caller's tenant: its budget this month, its webhook URL for tenant events, and their delivery log.
+
+- ``GET /v1/budget``: the monthly budget, settled spend, open reservations, what remains, and the alerts fired.
+- ``GET /v1/webhook`` / ``PUT /v1/webhook`` ``{"url": ...}``: where tenant events (``budget.threshold``) are
+  POSTed, signed with the tenant's webhook secret (``POST /v1/webhook-secret``); ``{"url": null}`` stops them.
+- ``GET /v1/webhook-deliveries?event=&limit=``: the latest tenant event deliveries with every attempt.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from decimal import Decimal
+from typing import Any
+
+from litestar import get, put
+from litestar.datastructures import State
+from litestar.params import Parameter
+from pydantic import BaseModel, ConfigDict, Field
+from sqlmodel import Session, col, select
+
+from cloud.completions import Caller
+from cloud.jobs import MAX_LIST_LIMIT, JobSettings, aware
+from cloud.webhooks import MAX_URL_LENGTH, WebhookStore, validate_webhook_url
+from shared.budgets import remaining
+from shared.http import error_responses
+from shared.pricing import period_of
+from shared.storage.models import BudgetAlert, BudgetPeriod, Tenant
+
+
+class WebhookEndpoint(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str | None = Field(max_length=MAX_URL_LENGTH, description="http(s) URL; null: send no tenant events")
+
+
+def _endpoint_json(state: State, tenant_id: int) -> dict[str, Any]:
+    webhooks: WebhookStore = state.webhooks
+    return {
+        "object": "webhook",
+        "url": webhooks.tenant_url(tenant_id),
+        "has_secret": webhooks.has_secret(tenant_id),
+        "events": ["budget.threshold"],
+    }
+
+
+@get("/v1/webhook", sync_to_thread=True, responses=error_responses(401))
+def get_webhook(state: State, caller: Caller) -> dict[str, Any]:
+    """The tenant's webhook URL for tenant events, and whether a signing secret is set."""
+    return _endpoint_json(state, caller.tenant.id or 0)
+
+
+@put("/v1/webhook", sync_to_thread=True, responses=error_responses(400, 401, 413))
+def set_webhook(state: State, caller: Caller, data: WebhookEndpoint) -> dict[str, Any]:
+    """Set (or, with ``null``, clear) the tenant's webhook URL. Events are only sent once a secret exists."""
+    settings: JobSettings = state.job_settings
+    url = data.url
+    if url is not None:
+        url = validate_webhook_url(url, allow_private=settings.webhook_allow_private_networks)
+    webhooks: WebhookStore = state.webhooks
+    webhooks.set_tenant_url(caller.tenant.id or 0, url)
+    return _endpoint_json(state, caller.tenant.id or 0)
+
+
+@get("/v1/webhook-deliveries", sync_to_thread=True, responses=error_responses(400, 401))
+def list_event_deliveries(
+    state: State,
+    caller: Caller,
+    event: str | None = Parameter(default=None, max_length=32, description="only this event type"),
+    limit: int = Parameter(default=20, ge=1, le=MAX_LIST_LIMIT),
+) -> dict[str, Any]:
+    """The tenant's latest event deliveries (jobs' are under ``/v1/jobs/{id}/deliveries``), newest first."""
+    webhooks: WebhookStore = state.webhooks
+    return {
+        "object": "list",
+        "data": [
+            {
+                "object": "webhook_delivery",
+                "id": d.id,
+                "event": d.event,
+                "url": d.url,
+                "status": d.status,
+                "attempts": d.attempts,
+                "created_at": int(aware(d.created_at).timestamp()),
+                "payload": d.payload,
+                "attempt_log": [
+                    {
+                        "attempt": a.attempt,
+                        "status_code": a.status_code,
+                        "error": a.error,
+                        "duration_ms": a.duration_ms,
+                        "at": aware(a.at).timestamp(),
+                    }
+                    for a in attempts
+                ],
+            }
+            for d, attempts in webhooks.events(caller.tenant.id or 0, event, limit)
+        ],
+    }
+
+
+@get("/v1/budget", sync_to_thread=True, responses=error_responses(401))
+def get_budget(state: State, caller: Caller) -> dict[str, Any]:
+    """This month's budget for the caller's tenant: spend, reservations, what remains, and the alerts fired."""
+    tenant_id = caller.tenant.id or 0
+    period = period_of(datetime.now(UTC))
+    with Session(state.engine) as session:
+        tenant = session.get(Tenant, tenant_id)
+        budget = tenant.monthly_budget if tenant is not None else None
+        row = session.get(BudgetPeriod, (tenant_id, period))
+        alerts = session.exec(
+            select(BudgetAlert)
+            .where(BudgetAlert.tenant_id == tenant_id, BudgetAlert.period == period)
+            .order_by(col(BudgetAlert.threshold))
+        ).all()
+        left = remaining(session, tenant_id, budget) if budget is not None else None
+    return {
+        "object": "budget",
+        "period": period,
+        "currency": tenant.currency if tenant is not None else "USD",
+        "budget": _money(budget),
+        "spent": _money(row.spent if row is not None else Decimal(0)),
+        "reserved": _money(row.reserved if row is not None else Decimal(0)),
+        "remaining": _money(left),
+        "alerts": [
+            {"threshold": a.threshold, "spent": _money(a.spent), "fired_at": int(aware(a.fired_at).timestamp())}
+            for a in alerts
+        ],
+    }
+
+
+MONEY_PLACES = Decimal("0.000001")  # the database's scale (NUMERIC(18, 6))
+
+
+def _money(value: Decimal | None) -> str | None:
+    """Money as a decimal string at the database's scale (exact; a JSON number would be a float)."""
+    return None if value is None else str((value + 0).quantize(MONEY_PLACES))  # + 0: no "-0"
+
+
+TENANT_ROUTES = [get_webhook, set_webhook, list_event_deliveries, get_budget]
