@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -128,37 +129,44 @@ def base_env(data_dir: Path, **extra: str) -> dict[str, str]:
 
 @contextmanager
 def run_server(args: list[str], env: dict[str, str], port: int, timeout: float = 60.0) -> Iterator[str]:
-    """Start ``tierline <args>`` on ``port``, wait for /healthz, yield the base URL, then SIGTERM it."""
-    proc = subprocess.Popen(
-        tierline_cmd(*args, "--host", "127.0.0.1", "--port", str(port)),
-        env=env,
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                out = proc.stdout.read().decode() if proc.stdout else ""
-                raise AssertionError(f"server exited with {proc.returncode}:\n{out}")
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"server on {url} did not become healthy")
-            time.sleep(0.1)
-        yield url
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if proc.stdout:
-            proc.stdout.close()
+    """Start ``tierline <args>`` on ``port``, wait for /healthz, yield the base URL, then SIGTERM it.
+
+    The server's output goes to a temporary file, never to an unread pipe: a server that logs more than a pipe
+    holds would block on its next write and hang the test instead of failing it.
+    """
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(
+            tierline_cmd(*args, "--host", "127.0.0.1", "--port", str(port)),
+            env=env,
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+        def output() -> str:
+            log.seek(0)
+            return log.read()[-20000:].decode(errors="replace")
+
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                if proc.poll() is not None:
+                    raise AssertionError(f"server exited with {proc.returncode}:\n{output()}")
+                try:
+                    if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"server on {url} did not become healthy:\n{output()}")
+                time.sleep(0.1)
+            yield url
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()

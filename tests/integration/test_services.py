@@ -85,9 +85,11 @@ def test_console_overview_renders(data_dir: Path, db_url: str) -> None:
     upgrade(db_url)
     env = base_env(data_dir, TIERLINE_DATABASE_URL=db_url)
     with run_server(["console", "serve"], env, free_port()) as url:
-        r = httpx.get(url + "/")
+        home = httpx.get(url + "/")
+        assert home.status_code == 303 and home.headers["location"].startswith("/login")
+        r = httpx.get(url + "/login")
         assert r.status_code == 200
-        assert "tierline console" in r.text and "tenants" in r.text
+        assert "tierline" in r.text and 'name="password"' in r.text
 
 
 def test_console_create_admin_stores_an_argon2id_hash(data_dir: Path, db_url: str) -> None:
