@@ -8,10 +8,12 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 from jinja2 import Environment, FileSystemLoader
-from litestar import Litestar
+from litestar import Litestar, Request, Response
 from litestar.datastructures import State
+from litestar.exceptions import HTTPException
 from litestar.plugins.jinja import JinjaTemplateEngine
 from litestar.static_files import create_static_files_router
 from litestar.template.config import TemplateConfig
@@ -21,10 +23,10 @@ from console.api import API_ROUTER, OPENAPI_CONFIG
 from console.auth import ConsoleAuth, ConsoleAuthSettings, security_headers
 from console.billing_api import BILLING_ROUTER
 from console.pages import LOGIN_ROUTER, PAGES_ROUTER
-from console.pages.common import aware
+from console.pages.common import aware, http_error_page
 from console.registry_api import REGISTRY_ROUTER, derive_jobs
 from console.rollout_controller import rollout_controller
-from shared.http import EXCEPTION_HANDLERS, healthz
+from shared.http import EXCEPTION_HANDLERS, healthz, http_error_handler
 from shared.logs import request_id_middleware
 from shared.settings import SecretSettings
 from shared.storage.session import get_engine
@@ -32,6 +34,7 @@ from shared.storage.session import get_engine
 HERE = Path(__file__).resolve().parent
 TEMPLATES = HERE / "templates"
 STATIC = HERE / "static"
+JSON_PREFIXES = ("/api", "/schema", "/healthz")
 
 
 def _when(ts: datetime | None) -> str:
@@ -75,6 +78,13 @@ def template_engine() -> Environment:
     return env
 
 
+def routing_error(request: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
+    """An unknown URL or method: a page for the browser, the JSON error shape under ``/api`` and ``/schema``."""
+    if request.url.path.startswith(JSON_PREFIXES):
+        return http_error_handler(request, exc)
+    return http_error_page(request, exc)
+
+
 def create_app(engine: Engine | None = None, auth_settings: ConsoleAuthSettings | None = None) -> Litestar:
     secret = SecretSettings()  # refuses a placeholder secret outside dev mode
     return Litestar(
@@ -88,7 +98,7 @@ def create_app(engine: Engine | None = None, auth_settings: ConsoleAuthSettings 
             BILLING_ROUTER,
             create_static_files_router("/static", directories=[STATIC], include_in_schema=False),
         ],
-        exception_handlers=EXCEPTION_HANDLERS,
+        exception_handlers={**EXCEPTION_HANDLERS, HTTPException: routing_error},
         lifespan=[rollout_controller, derive_jobs],
         middleware=[security_headers, request_id_middleware],
         openapi_config=OPENAPI_CONFIG,

@@ -238,6 +238,10 @@ async def _submitted_csrf(connection: ASGIConnection[Any, Any, Any, Any]) -> str
     token = connection.headers.get(CSRF_HEADER)
     if token:
         return token
+    if connection.headers.get("content-type", "").lower().startswith("multipart/"):
+        # An upload is streamed to the artifact store by its handler, never buffered here: its token travels
+        # in the header (the upload forms send it through htmx).
+        return None
     form = await Request(connection.scope, connection.receive).form()  # parsed once, cached for the handler
     value = form.get(CSRF_FIELD)
     return value if isinstance(value, str) else None

@@ -10,7 +10,19 @@ from litestar import Router
 from litestar.plugins.htmx import HTMXRequest
 
 from console.auth import require_console_user
-from console.pages import audit, billing, fleet, keys, login, models, overview, rollouts, tenants
+from console.pages import (
+    audit,
+    billing,
+    fleet,
+    invoice_actions,
+    keys,
+    login,
+    model_uploads,
+    models,
+    overview,
+    rollouts,
+    tenants,
+)
 from console.pages.common import PAGE_EXCEPTION_HANDLERS
 
 PAGES_ROUTER = Router(
@@ -22,7 +34,9 @@ PAGES_ROUTER = Router(
         *fleet.HANDLERS,
         *rollouts.HANDLERS,
         *models.HANDLERS,
+        *model_uploads.HANDLERS,
         *billing.HANDLERS,
+        *invoice_actions.HANDLERS,
         *audit.HANDLERS,
     ],
     guards=[require_console_user],

@@ -113,6 +113,15 @@ def billing(
 @get("/billing/invoices/{invoice_id:int}", sync_to_thread=True)
 def invoice_detail(request: Request[Any, Any, Any], state: State, invoice_id: int) -> Template:
     """An invoice with its lines and credit notes."""
+    return invoice_page(request, state, invoice_id)
+
+
+def invoice_page(
+    request: Request[Any, Any, Any], state: State, invoice_id: int, status_code: int = 200, **extra: Any
+) -> Template:
+    """The invoice page; ``extra`` carries the credit note form's values and errors when it comes back."""
+    extra.setdefault("credit_form", {})
+    extra.setdefault("credit_errors", {})
     with Session(state.engine) as session:
         invoice = session.get(Invoice, invoice_id)
         if invoice is None:
@@ -124,7 +133,17 @@ def invoice_detail(request: Request[Any, Any, Any], state: State, invoice_id: in
         credits = list(
             session.exec(select(CreditNote).where(CreditNote.invoice_id == invoice_id).order_by(col(CreditNote.id)))
         )
-    return render(request, "invoice.html.j2", invoice=invoice, tenant=tenant, lines=lines, credit_notes=credits)
+    return render(
+        request,
+        "invoice.html.j2",
+        status_code,
+        invoice=invoice,
+        tenant=tenant,
+        lines=lines,
+        credit_notes=credits,
+        credit_left=invoice.total - invoice.credits,
+        **extra,
+    )
 
 
 @get("/billing/invoices/{invoice_id:int}/csv", sync_to_thread=True)

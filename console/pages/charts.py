@@ -147,3 +147,75 @@ def check_bars(checks: Sequence[Mapping[str, Any]], width: int = 300) -> list[Ch
             )
         )
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class CurveChart:
+    """Routed quality against the share answered on the edge: a line, reference lines and the chosen point."""
+
+    width: int
+    height: int
+    line: str  # SVG polyline points "x,y x,y ..."
+    x_ticks: list[tuple[float, str]]
+    y_ticks: list[tuple[float, str]]
+    cloud_y: float | None  # cloud-only quality, the reference the policy must stay near
+    marker: tuple[float, float] | None  # the chosen threshold's point
+    marker_title: str
+    plot_left: int
+    plot_right: int
+    plot_bottom: int
+
+
+def quality_curve_chart(
+    points: Sequence[Mapping[str, Any]],
+    *,
+    edge_share: float | None,
+    quality: float | None,
+    cloud_only_quality: float | None,
+    threshold: float | None,
+    width: int = 520,
+    height: int = 240,
+) -> CurveChart | None:
+    """The curve a calibration recorded (``calibration["curve"]``: edge_share, quality per threshold), with the
+    point the policy chose; None when there are no usable points."""
+    xy = [(_number(p.get("edge_share")), _number(p.get("quality"))) for p in points]
+    clean = sorted((x, y) for x, y in xy if x is not None and y is not None)
+    if not clean:
+        return None
+    ys = [y for _, y in clean] + [v for v in (quality, cloud_only_quality) if v is not None]
+    low = math.floor(min(ys) * 20) / 20  # the quality axis in steps of 0.05 around the data
+    high = max(low + 0.05, math.ceil(max(ys) * 20) / 20)
+    left, bottom, top, right = 44, height - 24, 8, width - 20
+
+    def sx(x: float) -> float:
+        return round(left + (right - left) * min(max(x, 0.0), 1.0), 2)
+
+    def sy(y: float) -> float:
+        return round(bottom - (bottom - top) * (y - low) / (high - low), 2)
+
+    num_y = max(1, round((high - low) / 0.05))
+    step = 0.05 * math.ceil(num_y / 5)
+    y_ticks = []
+    value = low
+    while value <= high + 1e-9:
+        y_ticks.append((sy(value), f"{value:.2f}"))
+        value += step
+    marker = None
+    title = ""
+    if edge_share is not None and quality is not None:
+        marker = (sx(edge_share), sy(quality))
+        chosen = f"threshold {threshold:.4g}: " if threshold is not None else ""
+        title = f"{chosen}{100 * edge_share:.1f} % on the edge, quality {quality:.3f}"
+    return CurveChart(
+        width=width,
+        height=height,
+        line=" ".join(f"{sx(x)},{sy(y)}" for x, y in clean),
+        x_ticks=[(sx(f), f"{round(100 * f)} %") for f in (0.0, 0.25, 0.5, 0.75, 1.0)],
+        y_ticks=y_ticks,
+        cloud_y=sy(cloud_only_quality) if cloud_only_quality is not None else None,
+        marker=marker,
+        marker_title=title,
+        plot_left=left,
+        plot_right=right,
+        plot_bottom=bottom,
+    )

@@ -1,4 +1,5 @@
-"""Models: the registry's models, versions with their lineage, artifacts with hashes, and aliases (read only)."""
+"""Models: the registry's models, versions with their lineage, artifacts with hashes, aliases, and the calibrated
+escalation curves; registering a version, moving aliases, status changes (uploads and derive: ``model_uploads``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from sqlalchemy import func, or_
 from sqlmodel import Session, col, select
 
 from console.auth import session_user
+from console.pages import escalation
 from console.pages.common import (
     Form,
     errors_of,
@@ -28,12 +30,14 @@ from shared.storage.models import Model, ModelAlias, ModelArtifact, ModelVersion
 
 
 @get("/models", sync_to_thread=True)
-def models_list(request: Request[Any, Any, Any], state: State, q: str = "", page: int = 1) -> Template:
-    """Models by name with their number of versions and their aliases."""
-    return _list(request, state, q.strip()[:128], page)
+def models_list(
+    request: Request[Any, Any, Any], state: State, q: str = "", page: int = 1, upload: str = ""
+) -> Template:
+    """Models by name with their number of versions and their aliases; ``upload``: open the upload form for it."""
+    return list_page(request, state, q.strip()[:128], page, upload_form={"name": upload[:128]} if upload else {})
 
 
-def _list(
+def list_page(
     request: Request[Any, Any, Any], state: State, q: str, page: int, status_code: int = 200, **extra: Any
 ) -> Template:
     query = select(Model).order_by(Model.name)
@@ -62,8 +66,11 @@ def _list(
             .order_by(ModelAlias.name)
         ):
             aliases.setdefault(alias.model_id, []).append((alias.name, number))
-    extra.setdefault("form", {"kind": registry.KINDS[0]})
+    extra.setdefault("form", {})
     extra.setdefault("errors", {})
+    extra.setdefault("upload_form", {})
+    extra.setdefault("upload_errors", {})
+    directory = escalation.policy_dir()
     return render(
         request,
         "models.html.j2",
@@ -74,6 +81,9 @@ def _list(
         counts=counts,
         aliases=aliases,
         kinds=registry.KINDS,
+        formats=[(t, f) for t in registry.TARGETS for f in registry.FORMATS[t]],
+        policies=escalation.all_policies(directory),
+        policy_dir=directory,
         **extra,
     )
 
@@ -109,11 +119,11 @@ def version_register(request: Request[Any, Any, Any], state: State, data: Form) 
     except ApplicationError as exc:
         if exc.param == "version":
             exc.param = "derived_from"
-        return _list(request, state, "", 1, status_code=400, form=data, errors=errors_of(exc))
+        return list_page(request, state, "", 1, status_code=400, form=data, errors=errors_of(exc))
     return see_other(f"/models/{name}#v{number}")
 
 
-def _detail(request: Request[Any, Any, Any], state: State, name: str, **extra: Any) -> Template:
+def detail_page(request: Request[Any, Any, Any], state: State, name: str, **extra: Any) -> Template:
     with Session(state.engine) as session:
         model = session.exec(select(Model).where(Model.name == name)).first()
         if model is None:
@@ -155,7 +165,20 @@ def _detail(request: Request[Any, Any, Any], state: State, name: str, **extra: A
     }
     extra.setdefault("form", {})
     extra.setdefault("errors", {})
+    extra.setdefault("derive_errors", {})
     status_code = extra.pop("status_code", 200)
+    # A cloud causal-lm checkpoint (hf-safetensors, ready) can be derived into edge artifacts.
+    derivable = {
+        v.id
+        for v in versions
+        if model.kind == "causal-lm"
+        and v.status != "retired"
+        and any(
+            a.target == "cloud" and a.format == "hf-safetensors" and a.status == "ready"
+            for a in artifacts.get(v.id or 0, [])
+        )
+    }
+    is_pending = any(a.status == "pending" for rows in artifacts.values() for a in rows)
     return render(
         request,
         "model.html.j2",
@@ -166,6 +189,9 @@ def _detail(request: Request[Any, Any, Any], state: State, name: str, **extra: A
         aliases=aliases,
         lineage=lineage,
         next_statuses={v.id: [s for s in registry.STATUSES if registry.can_move_status(v.status, s)] for v in versions},
+        derivable=derivable,
+        is_pending=is_pending,
+        policy=escalation.policy_for(escalation.policy_dir(), model.name),
         **extra,
     )
 
@@ -173,7 +199,7 @@ def _detail(request: Request[Any, Any, Any], state: State, name: str, **extra: A
 @get("/models/{name:str}", sync_to_thread=True)
 def model_detail(request: Request[Any, Any, Any], state: State, name: str) -> Template:
     """One model: versions (newest first) with status, tags, lineage and artifacts; aliases."""
-    return _detail(request, state, name)
+    return detail_page(request, state, name)
 
 
 @post("/models/{name:str}/aliases", sync_to_thread=True)
@@ -191,7 +217,7 @@ def alias_move(request: Request[Any, Any, Any], state: State, name: str, data: F
     except ApplicationError as exc:
         if exc.status_code == 404 and exc.param != "version":
             raise
-        return _detail(request, state, name, status_code=400, form=data, errors=errors_of(exc))
+        return detail_page(request, state, name, status_code=400, form=data, errors=errors_of(exc))
     return see_other(f"/models/{name}")
 
 

@@ -1,10 +1,11 @@
 """The console in a real browser: Debian's headless Chromium driven by Playwright (never a browser download).
 
 ``tierline console create-admin`` and ``tierline console serve`` run as processes on a fresh SQLite database; the
-browser signs in, creates a tenant and an API key (seen once, copied), searches tenants as it types (HTMX), creates
-two versions of a model, a rollout of them and watches its live part refresh, opens billing, and looks at a
-tenant at phone width. No page may log a console error or a Content-Security-Policy violation. A screenshot of
-each page is saved under ``$TIERLINE_TEST_ARTIFACTS`` (default: the test's temporary directory).
+browser signs in, creates a tenant and an API key (seen once, copied), searches tenants as it types (HTMX), uploads
+two versions of a model through the upload form, creates a rollout of them and starts it (pending → running, its
+live part refreshing), opens billing, and looks at a tenant at phone width. No page may log a console error or a
+Content-Security-Policy violation. A screenshot of each page is saved under ``$TIERLINE_TEST_ARTIFACTS_DIR``
+(default ``<repo>/test-artifacts/console/``).
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ from __future__ import annotations
 import os
 import subprocess
 import uuid
+from datetime import UTC, datetime
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, tierline_cmd
@@ -26,11 +30,63 @@ CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-backg
 PASSWORD = "a long browser password"
 
 
-def _artifacts(tmp_path: Path) -> Path:
-    root = Path(os.environ.get("TIERLINE_TEST_ARTIFACTS", tmp_path))
-    out = root / "console-browser"
+def _artifacts() -> Path:
+    out = Path(os.environ.get("TIERLINE_TEST_ARTIFACTS_DIR") or REPO / "test-artifacts" / "console")
     out.mkdir(parents=True, exist_ok=True)
     return out
+
+
+def _calibrated_policy(directory: Path) -> None:
+    """A policy as ``tierline edge calibrate`` writes it, with its quality-vs-edge-share curve."""
+    from edge_agent.calibrate import curve_points
+    from shared.escalation import EdgePolicy, save_policy
+
+    rng = np.random.default_rng(0)
+    confidence = rng.normal(size=400)
+    edge_good = (rng.random(400) < 1 / (1 + np.exp(-2 * confidence))).astype(float)  # confident: more often right
+    cloud_good = (rng.random(400) < 0.85).astype(float)
+    curve = curve_points(confidence, edge_good, cloud_good)
+    chosen = curve[len(curve) // 3]
+    calibration = {
+        "curve": curve,
+        "edge_share": chosen["edge_share"],
+        "quality": chosen["quality"],
+        "cloud_only_quality": float(cloud_good.mean()),
+        "max_quality_loss": 0.05,
+        "num_items": 400,
+        "calibrated_at": "2026-11-30T12:00:00+00:00",
+    }
+    threshold = chosen["threshold"] if chosen["threshold"] is not None else 0.0
+    save_policy(directory, EdgePolicy(model="tierline/tiny-chat", threshold=threshold, calibration=calibration))
+
+
+def _january_usage(db_url: str, tenant: str) -> None:
+    """Two cloud requests of ``tenant`` in January 2026 (2.00 USD), to invoice."""
+    from sqlmodel import select
+
+    from shared.storage.engine import make_engine
+    from shared.storage.models import Tenant, UsageRecord
+    from shared.storage.session import session_scope
+
+    engine = make_engine(db_url)
+    try:
+        with session_scope(engine) as session:
+            tenant_id = session.exec(select(Tenant.id).where(Tenant.name == tenant)).one()
+            for _ in range(2):
+                session.add(
+                    UsageRecord(
+                        id=uuid.uuid4().hex,
+                        tenant_id=tenant_id or 0,
+                        model="tiny-chat",
+                        tier="cloud",
+                        prompt_tokens=100,
+                        completion_tokens=10,
+                        cost=Decimal("1.00"),
+                        occurred_at=datetime(2026, 1, 15, tzinfo=UTC),
+                    )
+                )
+    finally:
+        engine.dispose()
 
 
 @pytest.mark.skipif(
@@ -38,7 +94,7 @@ def _artifacts(tmp_path: Path) -> Path:
 )
 def test_console_in_headless_chromium(tmp_path: Path) -> None:
     sync_api = pytest.importorskip("playwright.sync_api", reason="needs Playwright for Python")
-    shots = _artifacts(tmp_path)
+    shots = _artifacts()
     db_url = migrated_sqlite(tmp_path)
     env = base_env(tmp_path, TIERLINE_DATABASE_URL=db_url)
     subprocess.run(
@@ -51,6 +107,7 @@ def test_console_in_headless_chromium(tmp_path: Path) -> None:
         text=True,
         timeout=60,
     )
+    _calibrated_policy(tmp_path / "edge" / "policies")  # where `tierline up`'s agent keeps them
     tenant = f"browser-{uuid.uuid4().hex[:6]}"
     problems: list[str] = []
 
@@ -118,20 +175,44 @@ def test_console_in_headless_chromium(tmp_path: Path) -> None:
             assert page.evaluate("window.__stay") == marker  # the same document: a partial swap
             shot("05-tenant-search")
 
-            # Two versions of a model, the second derived from the first.
-            for label in ("base", "int8"):
-                page.goto("/models")
-                page.click("summary:has-text('Register a version')")
-                page.fill("#f-name", "tiny-chat")
-                page.fill("#f-label", label)
-                if label == "int8":
-                    page.fill("#f-derived_from", "1")
-                page.click("button:has-text('Register version')")
-                page.wait_for_url("**/models/tiny-chat#v*")
-            assert "derived from" in page.content()
-            shot("06-model-versions")
+            # Two versions of a model, each uploaded through the form (multipart, through htmx).
+            page.goto("/models")
+            # A bad name comes back under its field (htmx swaps the 400's form in; the rest of the page stays).
+            page.click("summary:has-text('Upload a version')")
+            page.fill("#u-name", "no spaces allowed")
+            page.set_input_files(
+                "#u-file", files=[{"name": "model.onnx", "mimeType": "application/octet-stream", "buffer": b"x"}]
+            )
+            page.click("button:has-text('Upload version')")
+            page.wait_for_selector("#u-e-name")
+            assert page.input_value("#u-name") == "no spaces allowed"
+            # Chromium reports the deliberate 400 itself; nothing else may show up.
+            problems[:] = [p for p in problems if "status of 400" not in p]
+            page.goto("/models")
+            for number in (1, 2):
+                page.click("summary:has-text('Upload a version')")
+                page.fill("#u-name", "tiny-chat")
+                page.fill("#u-label", f"build-{number}")
+                page.set_input_files(
+                    "#u-file",
+                    files=[
+                        {"name": "model.onnx", "mimeType": "application/octet-stream", "buffer": bytes([number]) * 4096}
+                    ],
+                )
+                if number == 1:
+                    shot("06-model-upload-form")
+                with page.expect_navigation(url=f"**/models/tiny-chat#v{number}"):
+                    page.click("button:has-text('Upload version')")
+                if number == 1:
+                    page.goto("/models")
+            assert page.locator("article.version").count() == 2 and "upload by console:ops" in page.content()
+            assert page.locator("code.hash").first.inner_text() != ""
+            # The calibrated escalation curve of tierline/tiny-chat: quality against edge share, the chosen point.
+            assert page.locator("#escalation svg.curve polyline").count() == 1
+            assert page.locator("#escalation svg.curve circle.chosen").count() == 1
+            shot("07-model-versions")
 
-            # Rollouts: the page opens, a rollout is created, its live part polls every 5 s.
+            # Rollouts: create one of the two versions, start it now, watch its live part poll every 5 s.
             page.click("text=Rollouts")
             assert "No rollouts yet" in page.content()
             page.click("text=New rollout")
@@ -140,26 +221,55 @@ def test_console_in_headless_chromium(tmp_path: Path) -> None:
             page.fill("#f-candidate_version", "2")
             page.click("button:has-text('Create rollout')")
             page.wait_for_url("**/rollouts/*")
+            assert page.locator("#rollout-live .status").first.inner_text() == "pending"
+            page.click("button:has-text('Start now')")
+            page.wait_for_selector("#rollout-live .status.s-running")
             with page.expect_response(lambda r: r.url.endswith("/live"), timeout=9000) as polled:
                 pass
             assert polled.value.status == 200
-            shot("07-rollout")
+            assert page.locator("#rollout-live .status").first.inner_text() == "running"
+            shot("08-rollout-running")
+
+            # Billing: finalize the tenant's January, credit part of it, then void it (after confirming).
+            _january_usage(db_url, tenant)
+            page.goto("/billing")
+            shot("09-billing")
+            page.goto(f"/billing/finalize?tenant={tenant}&month=2026-01")
+            page.click("button:has-text('Finalize 2026-01')")
+            page.wait_for_url("**/billing/invoices/*")
+            page.fill("#f-amount", "9")
+            page.fill("#f-reason", "goodwill")
+            page.click("button:has-text('Issue credit note')")
+            page.wait_for_selector("#e-amount:has-text('more than what is left')")  # a plain form: a 400 page
+            problems[:] = [p for p in problems if "status of 400" not in p]
+            page.fill("#f-amount", "0.50")
+            page.click("button:has-text('Issue credit note')")
+            page.wait_for_selector("#credit-notes li:has-text('0.50 USD — goodwill')")
+            shot("10-invoice-credited")
+            page.click("text=Void…")
+            page.fill("#reason", "billed twice")
+            page.click("button:has-text('Void invoice')")
+            page.wait_for_selector(".status.s-void")
+            assert "billed twice" in page.content()
 
             for path, name in (
-                ("/fleet", "08-fleet"),
-                ("/billing", "09-billing"),
-                ("/audit", "10-audit"),
+                ("/fleet", "11-fleet"),
+                ("/billing", "12-billing"),
+                ("/audit", "13-audit"),
             ):
                 assert page.goto(path).status == 200
                 shot(name)
-            assert "tenant.create" in page.content() and "api_key.create" in page.content()
+            audit = page.content()
+            actions = ("tenant.create", "api_key.create", "model.artifact.add", "rollout.resume", "invoice.void")
+            assert all(a in audit for a in actions), audit
 
             # Phone width: still readable (tables stack), nothing wider than the screen.
             page.set_viewport_size({"width": 390, "height": 844})
-            page.goto(f"/tenants/{tenant}")
-            overflow: Any = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
-            assert overflow <= 0, f"page is {overflow}px wider than a phone"
-            shot("11-tenant-phone")
+            for path, name in ((f"/tenants/{tenant}", "14-tenant-phone"), ("/models/tiny-chat", "15-model-phone")):
+                page.goto(path)
+                overflow: Any = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+                assert overflow <= 0, f"{path} is {overflow}px wider than a phone"
+                shot(name)
         finally:
             browser.close()
 

@@ -29,6 +29,7 @@ class Console:
 
     url: str
     engine: Engine
+    data_dir: Path
 
     def browser(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, follow_redirects=False, timeout=30)
@@ -71,16 +72,16 @@ def errors_in(html: str) -> list[str]:
 
 
 @contextmanager
-def console_server(tmp: Path, backend: str) -> Iterator[Console]:
-    """``tierline console serve`` on a fresh, migrated SQLite file or PostgreSQL schema."""
+def console_server(tmp: Path, backend: str, **settings: str) -> Iterator[Console]:
+    """``tierline console serve`` on a fresh, migrated SQLite file or PostgreSQL schema (``settings``: more env)."""
     with _database(tmp, backend) as url:
         upgrade(url)
         engine = make_engine(url)
-        env = base_env(tmp, TIERLINE_DATABASE_URL=url, TIERLINE_SECRET_KEY="test-" + uuid.uuid4().hex)
+        env = base_env(tmp, TIERLINE_DATABASE_URL=url, TIERLINE_SECRET_KEY="test-" + uuid.uuid4().hex, **settings)
         port = free_port()
         try:
             with run_server(["console", "serve"], env, port) as base:
-                yield Console(base, engine)
+                yield Console(base, engine, tmp)
         finally:
             engine.dispose()
 

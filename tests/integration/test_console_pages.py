@@ -3,7 +3,9 @@ PostgreSQL: tenants, API keys, fleet, rollouts, overview numbers, models, billin
 
 from __future__ import annotations
 
+import hashlib
 import re
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from shared import devices
 from shared.storage.models import (
@@ -39,10 +41,18 @@ from tests.integration.console_support import Console, console_server, csrf_of, 
 
 pytestmark = pytest.mark.integration
 
+UPLOAD_CAP = 1 << 20  # the console's artifact size limit in these tests
+
 
 @pytest.fixture(scope="module", params=DB_BACKENDS)
 def console(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Console]:
-    with console_server(Path(tmp_path_factory.mktemp("console")), request.param) as running:
+    tmp = Path(tmp_path_factory.mktemp("console"))
+    with console_server(
+        tmp,
+        request.param,
+        TIERLINE_MAX_ARTIFACT_BYTES=str(UPLOAD_CAP),
+        TIERLINE_REGISTRY_DERIVE_TFLITE="false",  # ONNX and INT8 only: a TFLite conversion takes seconds
+    ) as running:
         yield running
 
 
@@ -671,3 +681,286 @@ def test_unknown_pages_and_bad_parameters_are_4xx(console: Console, admin: httpx
     assert admin.get("/tenants?page=notanumber").status_code == 400
     assert admin.get("/tenants?page=-3").status_code == 200  # clamped to the first page
     assert admin.get("/rollouts/1/explode").status_code == 404
+
+
+# --- models: upload, derive, the escalation curve ----------------------------------------------------------------
+
+
+def upload(
+    client: httpx.Client,
+    files: list[tuple[str, bytes]],
+    form: dict[str, str] | None = None,
+    *,
+    token: str | None = "",
+    htmx: bool = True,
+    **fields: str,
+) -> httpx.Response:
+    """Post the models page's upload form as htmx does: multipart, the CSRF token in the X-CSRF-Token header."""
+    headers = {"HX-Request": "true"} if htmx else {}
+    if token is not None:
+        headers["X-CSRF-Token"] = token or csrf_of(client.get("/models").text)
+    parts = [("file", (name, body, "application/octet-stream")) for name, body in files]
+    return client.post("/model-uploads", data={**(form or {}), **fields}, files=parts, headers=headers)
+
+
+def artifacts_of(console: Console, name: str, number: int) -> list[ModelArtifact]:
+    with Session(console.engine) as session:
+        return list(
+            session.exec(
+                select(ModelArtifact)
+                .join(ModelVersion, col(ModelVersion.id) == ModelArtifact.version_id)
+                .join(Model, col(Model.id) == ModelVersion.model_id)
+                .where(Model.name == name, ModelVersion.number == number)
+                .order_by(col(ModelArtifact.id))
+            )
+        )
+
+
+def test_upload_a_version_from_the_models_page(console: Console, admin: httpx.Client) -> None:
+    name = unique("uploaded")
+    body = b"\x08\x01" + uuid.uuid4().bytes * 64  # stands in for an ONNX file
+    resp = upload(admin, [("model.onnx", body)], name=name, kind="tensor", tags="ci, small", alias="stable")
+    assert resp.status_code == 200 and resp.headers["hx-redirect"] == f"/models/{name}#v1", resp.text
+    (artifact,) = artifacts_of(console, name, 1)
+    assert (artifact.target, artifact.format, artifact.status) == ("cloud", "onnx", "ready")
+    assert artifact.manifest["files"] == [
+        {"path": "model.onnx", "sha256": hashlib.sha256(body).hexdigest(), "size": len(body)}
+    ]
+    page = admin.get(f"/models/{name}").text
+    assert artifact.sha256 in page and "stable" in page and "upload by console:admin-" in page
+    assert f'href="/models?upload={name}#upload"' in page
+    assert f'id="u-name" name="name" type="text" value="{name}"' in admin.get(f"/models?upload={name}").text
+    with Session(console.engine) as session:
+        actions = set(session.exec(select(AuditLog.action).where(col(AuditLog.target).startswith(f"model/{name}"))))
+    assert {"model.create", "model.version.register", "model.artifact.add", "model.alias.move"} <= actions
+    # Without htmx (a script posting the form) the answer is a redirect; empty fields are left out.
+    resp = upload(admin, [("model.onnx", body)], htmx=False, name=name, label="", alias="", format="")
+    assert resp.status_code == 303 and resp.headers["location"] == f"/models/{name}#v2"
+
+
+def test_upload_form_errors_come_back_inline(console: Console, admin: httpx.Client) -> None:
+    name = unique("bad-upload")
+    cases = [
+        ({"name": "no spaces please"}, [("model.onnx", b"x")], "u-e-name"),
+        ({"name": name}, [("", b"")], "u-e-file"),  # the file input left empty
+        ({"name": name}, [("weights.bin", b"x")], "u-e-format"),
+        ({"name": name, "format": "tflite", "kind": "tensor"}, [("a.tflite", b"x")], ""),  # tflite: an edge format
+        ({"name": name, "label": "bad label!"}, [("model.onnx", b"x")], "u-e-label"),
+    ]
+    for fields, files, error_id in cases:
+        resp = upload(admin, files, fields)
+        if not error_id:
+            assert resp.status_code == 200, resp.text
+            continue
+        assert resp.status_code == 400, (fields, resp.text)
+        assert f'id="{error_id}"' in resp.text and 'id="upload-form"' in resp.text, (fields, errors_in(resp.text))
+        assert fields["name"] in resp.text  # what was typed comes back
+    # Past the size limit: 413 with the reason under the file field, nothing kept.
+    resp = upload(admin, [("model.onnx", b"\0" * (UPLOAD_CAP + 1))], name=name)
+    assert resp.status_code == 413 and 'id="u-e-file"' in resp.text and "TIERLINE_MAX_ARTIFACT_BYTES" in resp.text
+    announced = upload(admin, [("model.onnx", b"\0" * (UPLOAD_CAP + (2 << 20)))], name=name)
+    assert announced.status_code == 413 and 'id="u-e-file"' in announced.text
+    with Session(console.engine) as session:
+        assert len(artifacts_of(console, name, 2)) == 0 and session.exec(select(Model).where(Model.name == name)).one()
+    staging = list((console.data_dir / "artifacts").rglob("*.part"))
+    assert staging == [], staging
+
+
+def test_upload_needs_an_admin_and_the_csrf_header(console: Console, admin: httpx.Client) -> None:
+    name = unique("refused-upload")
+    files = [("model.onnx", b"onnx")]
+    resp = upload(admin, files, token=None, name=name)
+    assert resp.status_code == 403 and "CSRF" in resp.text
+    # A token in the body is not read: the body is streamed to the store, never parsed before the guard.
+    token = csrf_of(admin.get("/models").text)
+    resp = upload(admin, files, token=None, name=name, _csrf=token)
+    assert resp.status_code == 403
+    with console.signed_in("viewer") as viewer:
+        resp = upload(viewer, files, name=name)
+        assert resp.status_code == 403 and "only an admin" in resp.text
+        assert "Upload a version" not in viewer.get("/models").text
+    with Session(console.engine) as session:
+        assert session.exec(select(Model).where(Model.name == name)).first() is None
+
+
+def test_derive_edge_artifacts_from_an_uploaded_checkpoint(
+    console: Console, admin: httpx.Client, tmp_path: Path
+) -> None:
+    from tests.integration.test_registry import make_checkpoint
+
+    name = unique("edge-lm")
+    ckpt = make_checkpoint(tmp_path / "lm")
+    files = [(p.name, p.read_bytes()) for p in sorted(ckpt.iterdir())]
+    assert upload(admin, files, name=name, kind="causal-lm").status_code == 200
+    page = admin.get(f"/models/{name}").text
+    assert "Derive edge artifacts" in page and 'hx-trigger="every' not in page
+
+    token = csrf_of(page)
+    resp = admin.post(f"/models/{name}/versions/1/derive", data={"_csrf": token})
+    assert resp.status_code == 303 and resp.headers["location"] == f"/models/{name}#v2"
+    page = admin.get(f"/models/{name}").text
+    assert {a.format: a.status for a in artifacts_of(console, name, 2)} == {"onnx": "pending", "onnx-int8": "pending"}
+    # While the job runs (seconds: export, quantize, compare), the section polls itself.
+    assert 'hx-trigger="every 2s"' in page and "Deriving edge artifacts" in page
+    deadline = time.monotonic() + 90
+    while any(a.status == "pending" for a in artifacts_of(console, name, 2)):
+        assert time.monotonic() < deadline, "the derive job did not finish"
+        time.sleep(0.2)
+    statuses = {a.format: a.status for a in artifacts_of(console, name, 2)}
+    assert statuses == {"onnx": "ready", "onnx-int8": "ready"}
+    # The polled section (htmx asks for the page and keeps #versions) now stops polling.
+    page = admin.get(f"/models/{name}", headers={"HX-Request": "true"}).text
+    assert 'hx-trigger="every' not in page and "derived from <strong>v1</strong>" in page
+    assert "agreement with fp32" in page
+
+    # Only a cloud checkpoint derives: the derived version refuses, inline.
+    resp = admin.post(f"/models/{name}/versions/2/derive", data={"_csrf": token})
+    assert resp.status_code == 400 and 'id="derive-error-2"' in resp.text and "hf-safetensors" in resp.text
+    assert admin.post(f"/models/{name}/versions/9/derive", data={"_csrf": token}).status_code == 404
+    assert admin.post("/models/no-such-model/versions/1/derive", data={"_csrf": token}).status_code == 404
+    assert admin.post(f"/models/{name}/versions/1/derive", data={}).status_code == 403  # no CSRF token
+    with console.signed_in("viewer") as viewer:
+        resp = viewer.post(f"/models/{name}/versions/1/derive", data={"_csrf": csrf_of(viewer.get("/").text)})
+        assert resp.status_code == 403
+        assert "Derive edge artifacts" not in viewer.get(f"/models/{name}").text
+    assert len(artifacts_of(console, name, 3)) == 0  # nothing refused started a job
+
+
+def test_calibrated_escalation_curve(console: Console, admin: httpx.Client) -> None:
+    from shared.escalation import EdgePolicy, save_policy
+
+    policies = console.data_dir / "edge" / "policies"  # where `tierline up`'s agent keeps them
+    if not any(policies.glob("*.json")):
+        page = admin.get("/models").text
+        assert "No calibrated escalation policy" in page and "tierline edge calibrate" in page
+    name = unique("curved")
+    curve = [
+        {"threshold": None, "edge_share": 0.0, "quality": 0.80},
+        {"threshold": -0.5, "edge_share": 0.4, "quality": 0.79},
+        {"threshold": -1.5, "edge_share": 0.7, "quality": 0.74},
+        {"threshold": -3.0, "edge_share": 1.0, "quality": 0.60},
+    ]
+    calibration = {
+        "curve": curve,
+        "edge_share": 0.4,
+        "quality": 0.79,
+        "cloud_only_quality": 0.80,
+        "max_quality_loss": 0.01,
+        "num_items": 500,
+        "calibrated_at": "2026-11-30T12:00:00+00:00",
+    }
+    save_policy(policies, EdgePolicy(model=f"tierline/{name}", threshold=-0.5, calibration=calibration))
+    (policies / "broken.json").write_text("{not json")
+    page = admin.get("/models").text
+    assert f"tierline/{name}" in page and "40.0 %" in page and "-0.5" in page
+    svg = re.search(rf'id="policy-tierline__{name}".*?</svg>', page, re.S)
+    assert svg and "<polyline" in svg.group(0) and '<circle class="chosen"' in svg.group(0)
+    assert len(re.search(r'points="([^"]+)"', svg.group(0)).group(1).split()) == 4  # type: ignore[union-attr]
+    assert "cannot read edge policy" in page  # a broken file is named, the page still works
+    # The model's own page shows its curve (the policy names it under the tierline/ namespace).
+    with session_scope(console.engine) as session:
+        from shared import registry
+
+        registry.ensure_model(session, name, "causal-lm", actor="test")
+    assert 'class="chosen"' in admin.get(f"/models/{name}").text
+    (policies / "broken.json").unlink()
+
+
+# --- billing: void and credit notes ------------------------------------------------------------------------------
+
+
+def finalized_invoice(console: Console, admin: httpx.Client) -> int:
+    """A tenant's January invoice of 2.00 USD, finalized through the console; returns its id."""
+    tenant = make_tenant(console)
+    with session_scope(console.engine) as session:
+        session.add(
+            UsageRecord(
+                id=uuid.uuid4().hex,
+                tenant_id=tenant.id or 0,
+                model=unique("m"),
+                tier="cloud",
+                prompt_tokens=10,
+                completion_tokens=1,
+                cost=Decimal("2.00"),
+                occurred_at=datetime(2026, 1, 10, tzinfo=UTC),
+            )
+        )
+    resp = post_form(admin, "/billing/finalize", {"tenant": tenant.name, "month": "2026-01"}, page="/billing")
+    assert resp.status_code == 303, resp.text
+    return int(resp.headers["location"].rsplit("/", 1)[-1])
+
+
+def test_issue_credit_notes_on_an_invoice(console: Console, admin: httpx.Client) -> None:
+    invoice_id = finalized_invoice(console, admin)
+    path = f"/billing/invoices/{invoice_id}"
+    page = admin.get(path).text
+    assert "Issue credit note" in page and "at most 2.00 USD" in page
+    for fields, error in (
+        ({"amount": "", "reason": "x"}, "amount is required"),
+        ({"amount": "abc", "reason": "goodwill"}, "is not an amount"),
+        ({"amount": "0.001", "reason": "goodwill"}, "at most 2 decimals"),
+        ({"amount": "5", "reason": "goodwill"}, "more than what is left"),
+        ({"amount": "1", "reason": " "}, "say why"),
+    ):
+        resp = post_form(admin, f"{path}/credit-notes", fields, page=path)
+        assert resp.status_code == 400, fields
+        assert any(error in e for e in errors_in(resp.text)), (fields, errors_in(resp.text))
+        assert f'value="{fields["amount"]}"' in resp.text  # what was typed comes back
+    resp = post_form(admin, f"{path}/credit-notes", {"amount": "0.75", "reason": "outage on the 3rd"}, page=path)
+    assert resp.status_code == 303
+    page = admin.get(path).text
+    assert re.search(r"CN-202601-\d+: 0.75 USD — outage on the 3rd", page) and "at most 1.25 USD" in page
+    assert re.search(r"Due after credits</dt><dd>1.25 USD", page)
+    with Session(console.engine) as session:
+        row = session.exec(
+            select(AuditLog).where(AuditLog.action == "invoice.credit").order_by(col(AuditLog.id).desc())
+        )
+        audit = row.first()
+    assert audit and audit.actor.startswith("console:admin-") and audit.after and audit.after["amount"] == "0.75"
+    # Refused: without a CSRF token, and to a viewer.
+    assert admin.post(f"{path}/credit-notes", data={"amount": "0.25", "reason": "x"}).status_code == 403
+    with console.signed_in("viewer") as viewer:
+        assert "Issue credit note" not in viewer.get(path).text
+        token = csrf_of(viewer.get("/").text)
+        resp = viewer.post(f"{path}/credit-notes", data={"_csrf": token, "amount": "0.25", "reason": "x"})
+        assert resp.status_code == 403
+    with Session(console.engine) as session:
+        assert session.get(Invoice, invoice_id).credits == Decimal("0.75")  # type: ignore[union-attr]
+
+
+def test_void_an_invoice_after_confirming(console: Console, admin: httpx.Client) -> None:
+    invoice_id = finalized_invoice(console, admin)
+    path = f"/billing/invoices/{invoice_id}"
+    assert "Void…" in admin.get(path).text
+    confirm = admin.get(f"{path}/void")
+    assert confirm.status_code == 200 and "This cannot be undone" in confirm.text
+    assert admin.post(f"{path}/void", data={"reason": "wrong prices"}).status_code == 403  # no CSRF token
+    with console.signed_in("viewer") as viewer:
+        token = csrf_of(viewer.get("/").text)
+        assert viewer.post(f"{path}/void", data={"_csrf": token, "reason": "x"}).status_code == 403
+    resp = post_form(admin, f"{path}/void", {"reason": ""}, page=f"{path}/void")
+    assert resp.status_code == 400 and 'id="e-reason"' in resp.text and "say why" in resp.text
+    resp = post_form(admin, f"{path}/void", {"reason": "priced with the wrong book"}, page=f"{path}/void")
+    assert resp.status_code == 303
+    page = admin.get(path).text
+    assert "priced with the wrong book" in page and "Void…" not in page and "Issue credit note" not in page
+    with Session(console.engine) as session:
+        invoice = session.get(Invoice, invoice_id)
+        assert invoice is not None and invoice.status == "void"
+        assert session.exec(select(UsageRecord).where(UsageRecord.invoice_id == invoice_id)).first() is None
+        assert session.exec(select(AuditLog).where(AuditLog.action == "invoice.void")).first()
+    again = post_form(admin, f"{path}/void", {"reason": "twice"}, page=path)
+    assert again.status_code == 409 and "only a finalized invoice" in again.text
+    assert admin.get("/billing/invoices/999999/void").status_code == 404
+
+
+def test_unknown_urls_get_a_page_and_the_api_keeps_json(console: Console, admin: httpx.Client) -> None:
+    for path in ("/no-such-page", "/models/x/y/z/w"):
+        resp = admin.get(path)
+        assert resp.status_code == 404 and resp.headers["content-type"].startswith("text/html"), path
+        assert "Not found" in resp.text and 'href="/"' in resp.text
+    resp = admin.put("/tenants")
+    assert resp.status_code == 405 and resp.headers["content-type"].startswith("text/html")
+    api = admin.get("/api/no-such-thing")
+    assert api.status_code == 404 and api.json()["error"]["type"]
+    assert admin.get("/schema/openapi.json").headers["content-type"].startswith("application/")
