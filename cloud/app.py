@@ -34,13 +34,15 @@ from cloud.jobs import CHAT, COMPLETIONS, INFERENCE, JobSettings, JobStore
 from cloud.jwt_auth import JwtVerifier, looks_like_jwt
 from cloud.limits import RateLimiter
 from cloud.metering import UsageWriter
-from cloud.models_catalog import ServedModel, find, load_catalog
+from cloud.models_catalog import ServedModel, find, load_catalog, registry_catalog
 from cloud.observability import Metrics
+from cloud.registry_models import CACHE_DIR, RegistryModels
 from cloud.responses import respond
 from cloud.settings import CloudSettings
 from cloud.tenant_routes import TENANT_ROUTES
 from cloud.tensor_models import TensorPool, unknown_model
 from cloud.webhooks import WebhookStore
+from shared.artifact_store import store_from_settings
 from shared.budgets import PriceBook
 from shared.errors import AuthenticationError, PermissionDeniedError, ServiceUnavailableError
 from shared.http import EXCEPTION_HANDLERS, StreamingOperation, error_responses, healthz
@@ -55,6 +57,12 @@ from shared.tenancy import authenticate
 
 def _model_json(m: ServedModel) -> dict[str, Any]:
     return {"id": m.id, "object": "model", "created": m.created, "owned_by": "tierline"}
+
+
+def _catalog(state: State) -> list[ServedModel]:
+    """The zoo's models, then the registry models served by name."""
+    pool: EnginePool | None = state.get("pool")
+    return [*state.catalog, *(registry_catalog(pool.registry) if pool is not None else [])]
 
 
 def require_caller(request: Request[Any, Any, Any], state: State) -> Caller:
@@ -113,7 +121,7 @@ def metrics(state: State) -> Response[bytes]:
 
 @get("/v1/models", dependencies=CALLER, sync_to_thread=False, security=BEARER, responses=error_responses(401))
 def list_models(state: State, caller: Caller) -> dict[str, Any]:
-    return {"object": "list", "data": [_model_json(m) for m in state.catalog]}
+    return {"object": "list", "data": [_model_json(m) for m in _catalog(state)]}
 
 
 @get(
@@ -124,7 +132,7 @@ def list_models(state: State, caller: Caller) -> dict[str, Any]:
     responses=error_responses(400, 401, 404),
 )
 def get_model(state: State, caller: Caller, model_id: str) -> dict[str, Any]:
-    return _model_json(find(state.catalog, model_id.lstrip("/")))
+    return _model_json(find(_catalog(state), model_id.lstrip("/")))
 
 
 async def _idempotent(
@@ -249,6 +257,9 @@ def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Li
         sweeper = ReservationSweeper(db, settings.budget_sweep_interval_s)
         await sweeper.start()
         canary = CanaryRouter(db, settings.canary_refresh_s)
+        if settings.registry_models.strip():  # loaded in the refresh's worker thread, at start-up and later
+            registry = RegistryModels(db, pool, settings, store_from_settings(), core.data_dir / CACHE_DIR)
+            canary.listeners.append(registry.sync)
         await canary.start()
         app.state.service = CompletionService(
             pool,

@@ -1,10 +1,14 @@
-"""Canary routing on the cloud: which rollout arm a request falls in, from rollout plans kept in memory.
+"""Canary routing on the cloud: which version serves a request and which rollout arm it counts in, from rollout
+plans kept in memory.
 
 The plans (``shared.rollouts.load_plans(session, "cloud")``) are reloaded every ``ttl_s`` by a background
 task in a worker thread, so routing a request is a pure function call (``shared.rollouts.resolve_cloud_arm``,
-sticky by tenant and the request's subject). The cloud serves one version of each model; a request is counted
-in an arm (its usage record's ``rollout_arm``) only when that arm's version is the one served, so a rollout's
-analysis never sees answers from a version it did not pick.
+sticky by tenant and the request's subject). After each reload the router hands the plans to its listeners in
+that same worker thread (``cloud.registry_models`` loads the versions a new rollout needs there).
+
+- A zoo model carries no version: a request is counted in an arm (its usage record's ``rollout_arm``) only when
+  that arm's version is the one served (``canary_arm``), which for a zoo model never happens.
+- A registry model has one engine per loaded version: the arm's version serves the request (``route_registry``).
 """
 
 from __future__ import annotations
@@ -12,14 +16,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Final
 
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from shared.rollouts import RolloutPlan, load_plans, resolve_cloud_arm
+from shared.rollouts import RolloutPlan, load_plans, plans_for, resolve_cloud_arm
+
+if TYPE_CHECKING:  # the engines (torch) load only where requests are served
+    from cloud.engines import RegistryEntry
 
 logger = logging.getLogger(__name__)
+
+FINISHED: Final = ("promoted", "rolled_back", "aborted")
+ROUTING: Final = ("pending", "running", "paused")
 
 
 class CanaryRouter:
@@ -28,10 +39,20 @@ class CanaryRouter:
         self.ttl_s = ttl_s
         self._plans: list[RolloutPlan] = []
         self._task: asyncio.Task[None] | None = None
+        self.listeners: list[Callable[[list[RolloutPlan]], None]] = []
+
+    @property
+    def plans(self) -> list[RolloutPlan]:
+        return self._plans
 
     def refresh(self) -> None:
         with Session(self.engine) as session:
             self._plans = load_plans(session, "cloud")
+        for listener in self.listeners:
+            try:
+                listener(self._plans)
+            except Exception:
+                logger.exception("acting on the new rollout plans failed; will try again at the next refresh")
 
     async def start(self) -> None:
         try:
@@ -59,6 +80,10 @@ class CanaryRouter:
         """The arm to stamp on the request's usage record (see ``canary_arm``)."""
         return canary_arm(self._plans, model, served_version, tenant_id, subject) if self._plans else None
 
+    def route(self, entry: RegistryEntry, tenant_id: int, subject: str | None) -> tuple[int | None, str | None]:
+        """The version of a registry model that serves the request, and its arm (see ``route_registry``)."""
+        return route_registry(self._plans, entry, tenant_id, subject)
+
 
 def canary_arm(
     plans: Sequence[RolloutPlan], model: str, served_version: str | None, tenant_id: int, subject: str | None
@@ -69,3 +94,70 @@ def canary_arm(
     if route is None or route.arm is None or served_version is None or route.version != served_version:
         return None
     return str(route.arm)
+
+
+def _number(version: str) -> int | None:
+    return int(version) if version.isascii() and version.isdigit() else None
+
+
+def governing_plan(plans: Sequence[RolloutPlan], entry: RegistryEntry, tenant_id: int) -> RolloutPlan | None:
+    """The rollout that decides a tenant's requests for ``entry``'s model, or None: the default version serves.
+
+    A finished rollout keeps deciding (a promoted candidate serves everyone) until the ``stable`` alias is
+    moved after it finished: the later decision wins.
+    """
+    plan = plans_for(plans, entry.name, tenant_id)
+    if plan is None:
+        return None
+    if (
+        plan.status in FINISHED
+        and plan.finished_at is not None
+        and entry.stable_moved_at is not None
+        and entry.stable_moved_at > plan.finished_at
+    ):
+        return None
+    return plan
+
+
+def route_registry(
+    plans: Sequence[RolloutPlan], entry: RegistryEntry, tenant_id: int, subject: str | None
+) -> tuple[int | None, str | None]:
+    """(version that serves the request, arm to stamp on its usage record) for a request to a registry model.
+
+    Outside a rollout: the default version, no arm. In a running or paused rollout whose two versions are both
+    loaded: the sticky arm's version, stamped with the arm. While one of them is still loading (a rollout created
+    after start-up): the baseline, counted in no arm. Pending, rolled back, aborted: the baseline; promoted: the
+    candidate; no arm either way. A version that is not loaded falls back to the baseline, then the default.
+    """
+    plan = governing_plan(plans, entry, tenant_id)
+    if plan is None:
+        return entry.default, None
+    loaded: Mapping[int, object] = entry.versions
+    baseline, candidate = _number(plan.baseline_version), _number(plan.candidate_version)
+    fallback = baseline if baseline in loaded else entry.default
+    route = resolve_cloud_arm([plan], model=entry.name, tenant_id=tenant_id, subject=subject)
+    if route is None:
+        return entry.default, None
+    if route.arm is not None and (baseline not in loaded or candidate not in loaded):
+        return fallback, None
+    version = _number(route.version)
+    if version not in loaded:
+        return fallback, None
+    return version, str(route.arm) if route.arm is not None else None
+
+
+def routed_versions(plans: Sequence[RolloutPlan], entry: RegistryEntry) -> set[int]:
+    """The versions of ``entry``'s model that rollouts may route requests to (for any tenant): both arms of a
+    pending, running or paused rollout; the version a finished rollout still serves."""
+    needed: set[int] = set()
+    for plan in plans:
+        if plan.model.removeprefix("tierline/") != entry.name:
+            continue
+        if plan.status in ROUTING:
+            versions = {plan.baseline_version, plan.candidate_version}
+        elif governing_plan([plan], entry, plan.tenant_id or 0) is None:
+            continue
+        else:
+            versions = {plan.candidate_version if plan.status == "promoted" else plan.baseline_version}
+        needed.update(n for n in map(_number, versions) if n is not None)
+    return needed

@@ -22,7 +22,7 @@ from cloud.budget_watch import BudgetAlerts
 from cloud.canary import CanaryRouter
 from cloud.engine.outputs import RequestOutput
 from cloud.engine.sampling_params import SamplingParams
-from cloud.engines import EnginePool, ServedLM
+from cloud.engines import EnginePool, ServedLM, split_model
 from cloud.limits import RateLimiter, Reservation
 from cloud.metering import UsageWriter
 from cloud.observability import Metrics
@@ -70,6 +70,7 @@ class Caller:
     escalation_reason: str | None = None
     subject: str | None = None  # x-tierline-subject: whom canary routing keeps sticky (else the request's user)
     model_version: str | None = None  # the version that serves the request (x-tierline-model-version)
+    rollout_arm: str | None = None  # the rollout arm routing put a registry model's request in
 
 
 @dataclass(slots=True)
@@ -132,7 +133,6 @@ class CompletionService:
         served: ServedLM,
         prompts: list[str | list[int]],
         params: SamplingParams,
-        user: str | None = None,
     ) -> tuple[list[str | list[int]], _Meter]:
         """Tokenize, reserve prompt + max_tokens against the rate limits and the budget, and start the meter."""
         ids = self._checked_prompts(served, prompts, params.max_tokens)
@@ -143,10 +143,7 @@ class CompletionService:
             reserved += len(p) + max_new * params.n
             prompt_worst += len(p) * params.n
             completion_worst += max_new * params.n
-        meter = _Meter()
-        if self.canary is not None:
-            subject = caller.subject or user
-            meter.rollout_arm = self.canary.arm(served.model_id, caller.model_version, caller.tenant.id or 0, subject)
+        meter = _Meter(rollout_arm=caller.rollout_arm)
         meter.reservation = await self.limiter.acquire(caller.tenant, caller.key, reserved)
         budget = caller.tenant.monthly_budget
         if budget is not None:
@@ -202,11 +199,26 @@ class CompletionService:
         return ids
 
     # -- shared -------------------------------------------------------------------------------------------------
-    def _resolve(self, caller: Caller, model: str) -> ServedLM:
+    def _resolve(self, caller: Caller, model: str, user: str | None = None) -> ServedLM:
+        """The engine that serves ``model`` for this caller.
+
+        A registry model's bare name is routed: the version of the rollout arm the caller's tenant and subject
+        (``x-tierline-subject``, else ``user``) fall in, else its default version; ``NAME@REF`` pins a version
+        (number or alias) and bypasses routing. An API key limited to ``NAME`` may use every version of it.
+        """
+        name, ref = split_model(model)
         allowed = caller.key.allowed_models if caller.key is not None else None
-        if allowed and model not in allowed:
+        if allowed and model not in allowed and name not in allowed:
             raise PermissionDeniedError(f"this API key may not use model '{model}'", param="model")
-        return self.pool.get(model)
+        entry = self.pool.registry.get(name)
+        if entry is None or ref is not None or self.canary is None:
+            return self.pool.get(model)
+        number, arm = self.canary.route(entry, caller.tenant.id or 0, caller.subject or user)
+        served = entry.versions.get(number) if number is not None else None
+        if served is None:
+            return self.pool.get(model)
+        caller.rollout_arm = arm
+        return served
 
     @staticmethod
     def _params(
@@ -350,9 +362,9 @@ class CompletionService:
         return served.engine.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
     async def chat(self, caller: Caller, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[bytes]:
-        served = self._resolve(caller, req.model)
+        served = self._resolve(caller, req.model, req.user)
         params = self._params(req, req.max_new_tokens, req.num_logprobs)
-        (prompt,), meter = await self._admit(caller, served, [self._chat_prompt(served, req)], params, req.user)
+        (prompt,), meter = await self._admit(caller, served, [self._chat_prompt(served, req)], params)
         if req.stream:
             return await self._chat_stream(served, caller, prompt, params, req, meter)
         final = (await self._collect(served, caller, [prompt], params, meter))[0]
@@ -478,9 +490,9 @@ class CompletionService:
 
     # -- completions --------------------------------------------------------------------------------------------
     async def completions(self, caller: Caller, req: CompletionRequest) -> dict[str, Any] | AsyncIterator[bytes]:
-        served = self._resolve(caller, req.model)
+        served = self._resolve(caller, req.model, req.user)
         params = self._params(req, req.max_tokens, req.logprobs)
-        prompts, meter = await self._admit(caller, served, req.prompts(), params, req.user)
+        prompts, meter = await self._admit(caller, served, req.prompts(), params)
         if req.stream:
             return await self._completion_stream(served, caller, prompts, params, req, meter)
         final = await self._collect(served, caller, prompts, params, meter)

@@ -43,6 +43,7 @@ from shared.edge_protocol import (
     SyncRequest,
     SyncResponse,
     UsageItem,
+    version_number,
 )
 from shared.errors import AuthenticationError, ValidationError
 from shared.http import StreamingOperation, error_responses
@@ -112,7 +113,7 @@ def _rater(state: State) -> Callable[[UsageItem], tuple[int | None, Decimal | No
         prices = state.prices = PriceBook(state.engine)
 
     def rate(u: UsageItem) -> tuple[int | None, Decimal | None]:
-        version = int(u.model_version) if u.model_version and u.model_version.isdigit() else None
+        version = version_number(u.model_version)
         try:
             at = datetime.fromtimestamp(u.occurred_at, UTC)
         except (OverflowError, OSError, ValueError):

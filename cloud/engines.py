@@ -1,9 +1,18 @@
-"""The LLM engines this cloud process serves: one ``AsyncLLMEngine`` per causal LM of the zoo."""
+"""The LLM engines this cloud process serves: one ``AsyncLLMEngine`` per causal LM of the zoo, and one per loaded
+version of each registry model the cloud is told to serve (``TIERLINE_CLOUD_REGISTRY_MODELS``, see
+``cloud.registry_models``).
+
+Model ids on the wire: a zoo model by its id (``tierline/lm-cloud``); a registry model by its name (``tiny-lm``:
+whichever version routing picks), or pinned to a version with ``NAME@REF`` where REF is a version number or an
+alias (``tiny-lm@2``, ``tiny-lm@stable``).
+"""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 from cloud.engine.async_engine import AsyncLLMEngine
@@ -16,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 # model id → (artifact, draft artifact for speculative decoding)
 ZOO_LMS = {"tierline/lm-cloud": ("lm-cloud", "lm-edge"), "tierline/lm-edge": ("lm-edge", None)}
+PIN_SEPARATOR = "@"
 
 
 @dataclass(slots=True)
@@ -26,11 +36,88 @@ class ServedLM:
     max_model_len: int
 
 
+@dataclass(frozen=True, slots=True)
+class RegistryEntry:
+    """What the cloud knows of one registry model: its loaded versions and where its aliases point.
+
+    ``default`` is the version a request for the bare name gets outside a rollout: ``stable`` when it is loaded,
+    else the highest ``active`` loaded version. ``stable_moved_at`` lets a later alias move override a finished
+    rollout (see ``cloud.canary.route_registry``).
+    """
+
+    name: str
+    versions: Mapping[int, ServedLM] = field(default_factory=dict)
+    aliases: Mapping[str, int] = field(default_factory=dict)
+    default: int | None = None
+    stable_moved_at: datetime | None = None
+    created: int = 0
+    sha256: str = ""
+
+
+def split_model(model: str) -> tuple[str, str | None]:
+    """``tiny-lm@2`` → (``tiny-lm``, ``2``); a name without a pin → (name, None)."""
+    name, sep, ref = model.partition(PIN_SEPARATOR)
+    return (name, ref) if sep else (model, None)
+
+
+def engine_config(model_dir: Path, settings: CloudSettings, draft_dir: Path | None = None) -> EngineConfig:
+    return EngineConfig(
+        model_dir=model_dir,
+        draft_model_dir=draft_dir,
+        device=settings.device,
+        kv_cache_bytes=settings.kv_cache_mb << 20,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=max(settings.max_num_batched_tokens, settings.max_num_seqs),
+        max_num_queued_requests=settings.max_num_queued_requests,
+        speculation="ngram" if settings.speculation == "ngram" else None,
+        num_threads=settings.num_threads,
+    )
+
+
+class ServedEngines(Mapping[str, ServedLM]):
+    """Model id → engine. Iterating yields each engine once (zoo ids, and ``NAME@N`` per registry version);
+    looking up also resolves a registry model's bare name (its default version) and ``NAME@ALIAS``."""
+
+    def __init__(self, zoo: Mapping[str, ServedLM], registry: Mapping[str, RegistryEntry]) -> None:
+        self._zoo = zoo
+        self._registry = registry
+
+    def __getitem__(self, model_id: str) -> ServedLM:
+        served = self._zoo.get(model_id)
+        if served is not None:
+            return served
+        name, ref = split_model(model_id)
+        entry = self._registry.get(name)
+        if entry is None:
+            raise KeyError(model_id)
+        number = (
+            entry.default if ref is None else int(ref) if ref.isascii() and ref.isdigit() else entry.aliases.get(ref)
+        )
+        if number is None or number not in entry.versions:
+            raise KeyError(model_id)
+        return entry.versions[number]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._zoo
+        for name, entry in self._registry.items():
+            for number in sorted(entry.versions):
+                yield f"{name}{PIN_SEPARATOR}{number}"
+
+    def __len__(self) -> int:
+        return len(self._zoo) + sum(len(e.versions) for e in self._registry.values())
+
+
 class EnginePool:
-    """Loads the engines at start-up and resolves a request's model id to one of them."""
+    """Loads the engines and resolves a request's model id to one of them.
+
+    Registry entries are replaced whole (``set_registry``), never mutated, so the event loop reads a consistent
+    snapshot while a worker thread loads a new version.
+    """
 
     def __init__(self, engines: dict[str, ServedLM]) -> None:
-        self.engines = engines
+        self._zoo = engines
+        self.registry: Mapping[str, RegistryEntry] = {}
+        self.engines: Mapping[str, ServedLM] = ServedEngines(self._zoo, self.registry)
 
     @classmethod
     def from_zoo(cls, zoo_root: Path, settings: CloudSettings) -> EnginePool:
@@ -43,25 +130,31 @@ class EnginePool:
             draft_dir = layout.artifact_dir(draft) if draft and settings.speculation == "draft" else None
             if draft_dir is not None and not (draft_dir / "config.json").is_file():
                 draft_dir = None
-            config = EngineConfig(
-                model_dir=model_dir,
-                draft_model_dir=draft_dir,
-                device=settings.device,
-                kv_cache_bytes=settings.kv_cache_mb << 20,
-                max_num_seqs=settings.max_num_seqs,
-                max_num_batched_tokens=max(settings.max_num_batched_tokens, settings.max_num_seqs),
-                max_num_queued_requests=settings.max_num_queued_requests,
-                speculation="ngram" if settings.speculation == "ngram" else None,
-                num_threads=settings.num_threads,
-            )
-            engine = AsyncLLMEngine.from_config(config, name=name)
+            engine = AsyncLLMEngine.from_config(engine_config(model_dir, settings, draft_dir), name=name)
             engines[model_id] = ServedLM(model_id, None, engine, engine.engine.max_model_len)
             logger.info("serving %s from %s", model_id, model_dir)
         return cls(engines)
 
+    def set_registry(self, registry: Mapping[str, RegistryEntry]) -> None:
+        self.registry = registry
+        self.engines = ServedEngines(self._zoo, registry)
+
     def get(self, model_id: str) -> ServedLM:
         served = self.engines.get(model_id)
         if served is None:
+            name, ref = split_model(model_id)
+            if name in self.registry:
+                if ref is None:
+                    raise NotFoundError(
+                        f"The model '{name}' has no stable or active version loaded",
+                        param="model",
+                        code="model_not_found",
+                    )
+                raise NotFoundError(
+                    f"The model '{name}' has no version or alias '{ref}' loaded on this cloud",
+                    param="model",
+                    code="model_not_found",
+                )
             raise NotFoundError(f"The model '{model_id}' does not exist", param="model", code="model_not_found")
         return served
 

@@ -18,6 +18,7 @@ from litestar.datastructures import State
 from litestar.params import Parameter
 
 from cloud.completions import Caller
+from cloud.engines import split_model
 from cloud.idempotency import MAX_KEY_LENGTH, IdempotencyMismatchError
 from cloud.jobs import INFERENCE, MAX_LIST_LIMIT, JobSettings, JobStore, aware, job_json, new_job_id
 from cloud.tensor_models import unknown_model
@@ -43,7 +44,7 @@ def _check_model(state: State, caller: Caller, endpoint: str, model: str) -> Non
     else:
         state.pool.get(model)
     allowed = caller.key.allowed_models if caller.key is not None else None
-    if allowed and model not in allowed:
+    if allowed and model not in allowed and split_model(model)[0] not in allowed:  # a key for NAME may use NAME@REF
         param = "model_id" if endpoint == INFERENCE else "model"
         raise PermissionDeniedError(f"this API key may not use model '{model}'", param=param)
 

@@ -1,12 +1,17 @@
-"""The models the cloud serves, read from the built zoo (the registry takes over in issue 7)."""
+"""The models the cloud lists: those of the built zoo, and the registry models it serves by name."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shared.errors import NotFoundError
 from shared.zoo.registry import ZooLayout
+
+if TYPE_CHECKING:  # the engines (torch) load only where requests are served
+    from cloud.engines import RegistryEntry
 
 CLOUD_ARTIFACTS = ("lm-cloud", "lm-edge", "digits-large", "digits-small")
 
@@ -34,7 +39,16 @@ def load_catalog(zoo_root: Path) -> list[ServedModel]:
     return served
 
 
-def find(catalog: list[ServedModel], model_id: str) -> ServedModel:
+def registry_catalog(entries: Mapping[str, RegistryEntry]) -> list[ServedModel]:
+    """Registry models that have a version to serve by name (``stable``, else the highest active one)."""
+    return [
+        ServedModel(id=e.name, kind="causal-lm", sha256=e.sha256, created=e.created)
+        for e in sorted(entries.values(), key=lambda e: e.name)
+        if e.default is not None
+    ]
+
+
+def find(catalog: Iterable[ServedModel], model_id: str) -> ServedModel:
     for m in catalog:
         if m.id == model_id:
             return m

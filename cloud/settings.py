@@ -24,6 +24,10 @@ class CloudSettings(BaseSettings):
     budget_lease_margin_s: float = Field(
         60.0, gt=0, description="a budget reservation's lease outlasts the request deadline by this much"
     )
+    registry_models: str = Field(
+        "",
+        description="registry models to serve, comma-separated, or 'all' (every causal-lm model); empty: none",
+    )
     canary_refresh_s: float = Field(5.0, gt=0, description="how often rollout plans are re-read for canary routing")
     budget_sweep_interval_s: float = Field(
         30.0, gt=0, description="how often reservations of dead processes (lease expired) are released"

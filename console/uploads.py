@@ -94,7 +94,7 @@ async def receive_upload(
     if content_type != "multipart/form-data" or not boundary:
         raise ValidationError("send the artifact as multipart/form-data with one or more 'file' parts", param="file")
     announced = request.headers.get("content-length", "")
-    if announced.isdigit() and int(announced) > store.max_bytes + FRAMING_SLACK_BYTES:
+    if announced.isascii() and announced.isdigit() and int(announced) > store.max_bytes + FRAMING_SLACK_BYTES:
         raise too_large(store, int(announced))
     total = 0
     part: MultipartSegment | None = None

@@ -18,7 +18,7 @@ from typing import Any
 from sqlalchemy import update
 from sqlmodel import Session, col, select
 
-from shared.edge_protocol import EventItem, UsageItem
+from shared.edge_protocol import EventItem, UsageItem, version_number
 from shared.errors import AuthenticationError, ValidationError
 from shared.ledger import NewUsage, ingest_usage
 from shared.rollouts import load_plans, usage_arm
@@ -155,7 +155,7 @@ def ingest(
             tenant_id=device.tenant_id,
             device_id=device.id,
             model=u.model,
-            model_version=int(u.model_version) if u.model_version and u.model_version.isdigit() else None,
+            model_version=version_number(u.model_version),
             tier=u.tier,
             prompt_tokens=u.prompt_tokens,
             completion_tokens=u.completion_tokens,

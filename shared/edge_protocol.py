@@ -104,3 +104,11 @@ class EscalateRequest(_Strict):
     )
     request_id: str | None = Field(None, max_length=64, description="the device's record id, reused for metering")
     body: dict[str, Any] = Field(description="the OpenAI request body, as the client sent it")
+
+
+def version_number(version: str | None) -> int | None:
+    """A cloud version number from an agent's version string; edge versions are names (``tiny-2``): ``None``.
+
+    ASCII digits only: ``str.isdigit`` also accepts characters such as ``²`` that ``int`` refuses.
+    """
+    return int(version) if version and version.isascii() and version.isdigit() else None

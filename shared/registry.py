@@ -377,7 +377,7 @@ def aliases_of(session: Session, model: Model) -> dict[str, int]:
 def resolve(session: Session, name: str, ref: str) -> ModelVersion:
     """A version by number (``3``) or alias (``stable``)."""
     model = get_model(session, name)
-    if ref.isdigit():
+    if ref.isascii() and ref.isdigit():
         return get_version(session, model, int(ref))
     number = aliases_of(session, model).get(ref)
     if number is None:

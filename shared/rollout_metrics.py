@@ -16,6 +16,7 @@ from sqlalchemy.sql.elements import ColumnElement
 from sqlmodel import Session, col, select
 
 from shared.assignment import BASELINE, CANDIDATE, EXCLUDED, Arm
+from shared.edge_protocol import version_number
 from shared.rollout_analysis import ArmStats, Window
 from shared.rollout_plans import model_names
 from shared.storage.models import Device, DeviceEvent, Rollout, RolloutPin, Tenant, UsageRecord
@@ -54,7 +55,7 @@ def collect_windows(session: Session, rollout: Rollout, since: datetime, now: da
 def _cloud_arm_condition(rollout: Rollout, which: Arm) -> ColumnElement[bool]:
     stamped = col(UsageRecord.rollout_arm) == which
     version = rollout.candidate_version if which == CANDIDATE else rollout.baseline_version
-    if not (rollout.baseline_version.isdigit() and rollout.candidate_version.isdigit()):
+    if version_number(rollout.baseline_version) is None or version_number(rollout.candidate_version) is None:
         return stamped
     # Records the cloud stamped with a version but no arm count by version.
     by_version = and_(col(UsageRecord.rollout_arm).is_(None), col(UsageRecord.model_version) == int(version))
@@ -251,8 +252,9 @@ def candidate_usage(session: Session, rollout: Rollout, until: datetime) -> dict
         col(UsageRecord.occurred_at) >= rollout.created_at,
         col(UsageRecord.occurred_at) <= until,
     ]
-    if rollout.candidate_version.isdigit():  # cloud versions are numbers; edge records carry the artifact's name
-        where.append(col(UsageRecord.model_version) == int(rollout.candidate_version))
+    candidate = version_number(rollout.candidate_version)
+    if candidate is not None:  # cloud versions are numbers; edge records carry the artifact's name
+        where.append(col(UsageRecord.model_version) == candidate)
     if rollout.tenant_id is not None:
         where.append(col(UsageRecord.tenant_id) == rollout.tenant_id)
     rows = session.execute(

@@ -1,0 +1,230 @@
+"""Registry models on the cloud (``TIERLINE_CLOUD_REGISTRY_MODELS``): the versions routing needs, materialised
+from the artifact store into a cache under the data dir and served by one engine each.
+
+Which versions: the one ``stable`` points at (else the highest ``active`` one), served for the bare model name,
+and every version a cloud-scope rollout of the model may route to (``cloud.canary.routed_versions``). ``sync``
+runs at start-up and after every plan refresh, in a worker thread: a version a new rollout (or a moved ``stable``)
+needs is loaded there, and the pool's registry snapshot is replaced once it is ready. A version no longer needed
+(a finished rollout's other arm, a former ``stable``) leaves the snapshot at once and its engine is shut down once
+it is idle and two refresh intervals have passed, so a request that picked it just before still finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Final
+
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, col, select
+
+from cloud.canary import routed_versions
+from cloud.engine.async_engine import AsyncLLMEngine
+from cloud.engines import EnginePool, RegistryEntry, ServedLM, engine_config
+from cloud.settings import CloudSettings
+from shared.artifact_store import ArtifactStore
+from shared.artifacts import Manifest, verify_files
+from shared.errors import ArtifactVerificationError
+from shared.registry import artifacts_of, get_model, get_version, list_models, list_versions
+from shared.registry_artifacts import materialize
+from shared.rollouts import RolloutPlan
+from shared.storage.models import ModelAlias, ModelArtifact, ModelVersion
+
+logger = logging.getLogger(__name__)
+
+ALL: Final = "all"
+STABLE: Final = "stable"
+CACHE_DIR: Final = "cloud-models"
+
+
+def parse_names(value: str) -> frozenset[str] | None:
+    """``TIERLINE_CLOUD_REGISTRY_MODELS``: None for ``all``, else the listed names (empty: the feature is off)."""
+    names = frozenset(n.strip() for n in value.split(",") if n.strip())
+    return None if ALL in names else names
+
+
+def _aware(ts: datetime) -> datetime:
+    return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
+
+
+@dataclass(slots=True)
+class _ModelState:
+    """One registry model as last read from the database (plain values, no session attached)."""
+
+    name: str
+    aliases: dict[str, int] = field(default_factory=dict)
+    stable_moved_at: datetime | None = None
+    statuses: dict[int, str] = field(default_factory=dict)
+    created: dict[int, int] = field(default_factory=dict)
+
+
+class RegistryModels:
+    """Keeps ``pool.registry`` in step with the registry and the rollout plans."""
+
+    def __init__(
+        self, db: Engine, pool: EnginePool, settings: CloudSettings, store: ArtifactStore, cache_dir: Path
+    ) -> None:
+        self.db = db
+        self.pool = pool
+        self.settings = settings
+        self.store = store
+        self.cache_dir = cache_dir
+        self.names = parse_names(settings.registry_models)
+        self._lock = threading.Lock()  # start-up and refreshes never load the same version twice
+        self._sha256: dict[tuple[str, int], str] = {}
+        self._failed: dict[tuple[str, int], str] = {}  # version → artifact sha256 that failed to load
+        self._missing_reported: set[str] = set()
+        self._retired: dict[tuple[str, int], tuple[float, ServedLM]] = {}  # left the snapshot at (monotonic)
+
+    def sync(self, plans: list[RolloutPlan]) -> None:
+        """Read the registry, load the versions now needed, then publish the new snapshot to the pool."""
+        with self._lock:
+            states = self._read()
+            entries = dict(self.pool.registry)
+            for state in states:
+                entry = entries.get(state.name) or RegistryEntry(state.name)
+                needed = routed_versions(plans, RegistryEntry(state.name, stable_moved_at=state.stable_moved_at))
+                wanted = self._default(state, state.statuses)
+                if wanted is not None:
+                    needed.add(wanted)
+                versions = dict(entry.versions)
+                for number in sorted(needed - set(versions)):
+                    if number in state.statuses:
+                        served = self._revive(state.name, number) or self._load(state.name, number)
+                        if served is not None:
+                            versions[number] = served
+                default = self._default(state, versions)
+                for number in sorted(set(versions) - needed - {default}):
+                    logger.info("%s version %s is no longer needed; it is unloaded once idle", state.name, number)
+                    self._retired[(state.name, number)] = (time.monotonic(), versions.pop(number))
+                entries[state.name] = RegistryEntry(
+                    name=state.name,
+                    versions=versions,
+                    aliases={a: n for a, n in state.aliases.items() if n in versions},
+                    default=default,
+                    stable_moved_at=state.stable_moved_at,
+                    created=state.created.get(default, 0) if default is not None else 0,
+                    sha256=self._sha256.get((state.name, default), "") if default is not None else "",
+                )
+            self.pool.set_registry(entries)
+            self._shut_down_idle()
+
+    def _revive(self, name: str, number: int) -> ServedLM | None:
+        """A version needed again before its engine was shut down serves again as it is."""
+        retired = self._retired.pop((name, number), None)
+        return retired[1] if retired is not None else None
+
+    def _shut_down_idle(self) -> None:
+        grace_s = 2 * self.settings.canary_refresh_s
+        now = time.monotonic()
+        for key, (since, served) in list(self._retired.items()):
+            scheduler = served.engine.engine.scheduler
+            if now - since >= grace_s and not scheduler.running and not scheduler.waiting:
+                del self._retired[key]
+                served.engine.shutdown()
+                logger.info("unloaded %s version %s", *key)
+
+    @staticmethod
+    def _default(state: _ModelState, present: Iterable[int]) -> int | None:
+        """Of the versions ``present``: ``stable``'s, else the highest ``active`` one."""
+        numbers = set(present)
+        stable = state.aliases.get(STABLE)
+        if stable is not None and stable in numbers:
+            return stable
+        return max((n for n in numbers if state.statuses.get(n) == "active"), default=None)
+
+    def _read(self) -> list[_ModelState]:
+        with Session(self.db) as session:
+            models = [
+                m
+                for m in list_models(session)
+                if m.kind == "causal-lm" and (self.names is None or m.name in self.names)
+            ]
+            for name in sorted((self.names or frozenset()) - {m.name for m in models} - self._missing_reported):
+                logger.warning("registry model %r (TIERLINE_CLOUD_REGISTRY_MODELS) is not a causal-lm model", name)
+                self._missing_reported.add(name)
+            states = []
+            for model in models:
+                state = _ModelState(model.name)
+                for v in list_versions(session, model):
+                    state.statuses[v.number] = v.status
+                    state.created[v.number] = int(_aware(v.created_at).timestamp()) if v.created_at else 0
+                rows = session.exec(
+                    select(ModelAlias.name, ModelVersion.number, ModelAlias.updated_at)
+                    .join(ModelVersion, col(ModelVersion.id) == col(ModelAlias.version_id))
+                    .where(ModelAlias.model_id == model.id)
+                )
+                for alias, number, moved_at in rows:
+                    state.aliases[alias] = number
+                    if alias == STABLE:
+                        state.stable_moved_at = _aware(moved_at)
+                states.append(state)
+            return states
+
+    def cloud_artifact(self, name: str, number: int) -> ModelArtifact | None:
+        """The version's newest ready ``cloud``/``hf-safetensors`` artifact, detached from its session."""
+        with Session(self.db) as session:
+            version = get_version(session, get_model(session, name), number)
+            found = [
+                a
+                for a in artifacts_of(session, [version.id or 0])[version.id or 0]
+                if a.target == "cloud" and a.format == "hf-safetensors" and a.status == "ready"
+            ]
+            session.expunge_all()
+        return found[-1] if found else None
+
+    def _load(self, name: str, number: int) -> ServedLM | None:
+        """Materialise and start version ``number`` of ``name``; None (logged) when it cannot be served."""
+        artifact = self.cloud_artifact(name, number)
+        if artifact is None:
+            if (name, number) not in self._failed:
+                logger.error("%s version %s has no ready cloud hf-safetensors artifact; not served", name, number)
+                self._failed[(name, number)] = ""
+            return None
+        if self._failed.get((name, number)) == artifact.sha256:  # tried already: not again every refresh
+            return None
+        try:
+            model_dir = self.materialize(name, number, artifact)
+            engine = AsyncLLMEngine.from_config(engine_config(model_dir, self.settings), name=f"{name}@{number}")
+        except Exception:
+            logger.exception("loading %s version %s failed; it is not served", name, number)
+            self._failed[(name, number)] = artifact.sha256
+            return None
+        self._sha256[(name, number)] = artifact.sha256
+        logger.info("serving %s version %s from %s", name, number, model_dir)
+        return ServedLM(name, number, engine, engine.engine.max_model_len)
+
+    def materialize(self, name: str, number: int, artifact: ModelArtifact) -> Path:
+        """The version's checkpoint under the cache dir, every file checked against its sha256 (a cached copy is
+        checked again; a corrupt one is fetched anew)."""
+        manifest = Manifest.from_json(json.dumps({**artifact.manifest, "signature": None}))
+        if manifest.sha256 != artifact.sha256:
+            raise ArtifactVerificationError(f"{name} version {number}: manifest does not match the artifact's sha256")
+        parent = self.cache_dir / name
+        dest = parent / f"{number}-{artifact.sha256[:16]}"
+        if dest.is_dir():
+            try:
+                verify_files(manifest, dest)
+                return dest
+            except ArtifactVerificationError as exc:
+                logger.warning("cached %s version %s is damaged (%s); fetching it again", name, number, exc)
+                shutil.rmtree(dest)
+        parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=parent, prefix=".partial-"))
+        try:
+            materialize(self.store, artifact, staging)
+            try:
+                staging.rename(dest)
+            except OSError:  # another process put it in place meanwhile
+                verify_files(manifest, dest)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return dest
