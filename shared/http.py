@@ -63,7 +63,16 @@ class StreamingOperation(Operation):
     def __post_init__(self) -> None:
         ok = (self.responses or {}).get("200")
         if isinstance(ok, OpenAPIResponse):
-            events = OpenAPIMediaType(schema=Schema(type=OpenAPIType.STRING))
+            # The schema of one event (as OpenAPI tools read text/event-stream): its data is a JSON chunk, and
+            # the last event's is ``[DONE]``.
+            text = Schema(type=OpenAPIType.STRING)
+            event = Schema(
+                type=OpenAPIType.OBJECT,
+                properties={"data": text, "event": text, "id": text},
+                required=["data"],
+                description="one server-sent event: `data` is a JSON chunk of the response; the last is [DONE]",
+            )
+            events = OpenAPIMediaType(schema=event)
             ok.content = {**(ok.content or {}), SSE_MEDIA_TYPE: events}
 
 

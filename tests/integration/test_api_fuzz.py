@@ -337,3 +337,30 @@ def test_what_the_fuzzer_found_gets_a_clear_4xx_or_a_declared_answer(
     assert set(chat_op["200"]["content"]) == {"application/json", "text/event-stream"}
     error = chat_op["401"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
     assert set(raw["components"]["schemas"][error]["properties"]) == {"error"}
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"model": LLMS[0], "prompt": ["a", "b"], "max_tokens": 3, "n": 2, "stream": True}),
+        (
+            "/v1/chat/completions",
+            {
+                "model": LLMS[1],
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 3,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        ),
+    ],
+)
+def test_streamed_answers_are_events_the_schema_declares(
+    api_schema: BaseSchema, fuzz_api: dict[str, str], path: str, body: dict[str, Any]
+) -> None:
+    """A stream, sent on purpose rather than left to the generator: every event must match the schema."""
+    case = api_schema[path]["POST"].Case(body=body, headers={"Authorization": f"Bearer {fuzz_api['key']}"})
+    response = case.call_and_validate(base_url=fuzz_api["url"], checks=CHECKS, timeout=60)
+    assert response.status_code == 200
+    assert response.headers["content-type"][0].startswith("text/event-stream")
+    assert response.text.rstrip().endswith("data: [DONE]")
