@@ -9,6 +9,8 @@ that same worker thread (``cloud.registry_models`` loads the versions a new roll
 - A zoo model carries no version: a request is counted in an arm (its usage record's ``rollout_arm``) only when
   that arm's version is the one served (``canary_arm``), which for a zoo model never happens.
 - A registry model has one engine per loaded version: the arm's version serves the request (``route_registry``).
+- At a rollout's shadow step a sample of the baseline's requests is mirrored to the candidate (``cloud.shadow``;
+  ``shadow`` picks them, the router's ``mirror`` runs them and is closed with it).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from typing import TYPE_CHECKING, Final
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
+from cloud.shadow import ShadowMirror, shadow_target
+from shared.edge_protocol import version_number
 from shared.rollouts import RolloutPlan, load_plans, plans_for, resolve_cloud_arm
 
 if TYPE_CHECKING:  # the engines (torch) load only where requests are served
@@ -40,6 +44,7 @@ class CanaryRouter:
         self._plans: list[RolloutPlan] = []
         self._task: asyncio.Task[None] | None = None
         self.listeners: list[Callable[[list[RolloutPlan]], None]] = []
+        self.mirror = ShadowMirror(engine)
 
     @property
     def plans(self) -> list[RolloutPlan]:
@@ -62,6 +67,7 @@ class CanaryRouter:
         self._task = asyncio.create_task(self._run(), name="canary-plans")
 
     async def close(self) -> None:
+        await self.mirror.close()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -84,6 +90,10 @@ class CanaryRouter:
         """The version of a registry model that serves the request, and its arm (see ``route_registry``)."""
         return route_registry(self._plans, entry, tenant_id, subject)
 
+    def shadow(self, entry: RegistryEntry, tenant_id: int, served_version: int | None) -> tuple[int, int] | None:
+        """(rollout id, candidate version) when this request is sampled for its rollout's shadow step."""
+        return shadow_target(self._plans, entry, tenant_id, served_version) if self._plans else None
+
 
 def canary_arm(
     plans: Sequence[RolloutPlan], model: str, served_version: str | None, tenant_id: int, subject: str | None
@@ -94,10 +104,6 @@ def canary_arm(
     if route is None or route.arm is None or served_version is None or route.version != served_version:
         return None
     return str(route.arm)
-
-
-def _number(version: str) -> int | None:
-    return int(version) if version.isascii() and version.isdigit() else None
 
 
 def governing_plan(plans: Sequence[RolloutPlan], entry: RegistryEntry, tenant_id: int) -> RolloutPlan | None:
@@ -133,14 +139,14 @@ def route_registry(
     if plan is None:
         return entry.default, None
     loaded: Mapping[int, object] = entry.versions
-    baseline, candidate = _number(plan.baseline_version), _number(plan.candidate_version)
+    baseline, candidate = version_number(plan.baseline_version), version_number(plan.candidate_version)
     fallback = baseline if baseline in loaded else entry.default
     route = resolve_cloud_arm([plan], model=entry.name, tenant_id=tenant_id, subject=subject)
     if route is None:
         return entry.default, None
     if route.arm is not None and (baseline not in loaded or candidate not in loaded):
         return fallback, None
-    version = _number(route.version)
+    version = version_number(route.version)
     if version not in loaded:
         return fallback, None
     return version, str(route.arm) if route.arm is not None else None
@@ -159,5 +165,5 @@ def routed_versions(plans: Sequence[RolloutPlan], entry: RegistryEntry) -> set[i
             continue
         else:
             versions = {plan.candidate_version if plan.status == "promoted" else plan.baseline_version}
-        needed.update(n for n in map(_number, versions) if n is not None)
+        needed.update(n for n in map(version_number, versions) if n is not None)
     return needed

@@ -26,6 +26,7 @@ from cloud.engines import EnginePool, ServedLM, split_model
 from cloud.limits import RateLimiter, Reservation
 from cloud.metering import UsageWriter
 from cloud.observability import Metrics
+from cloud.shadow import Mirror
 from shared.budgets import PriceBook
 from shared.budgets import Reservation as BudgetReservation
 from shared.budgets import reserve as reserve_budget
@@ -71,6 +72,7 @@ class Caller:
     subject: str | None = None  # x-tierline-subject: whom canary routing keeps sticky (else the request's user)
     model_version: str | None = None  # the version that serves the request (x-tierline-model-version)
     rollout_arm: str | None = None  # the rollout arm routing put a registry model's request in
+    shadow: tuple[int, ServedLM] | None = None  # (rollout id, candidate) to mirror the answer to, when sampled
 
 
 @dataclass(slots=True)
@@ -218,7 +220,24 @@ class CompletionService:
         if served is None:
             return self.pool.get(model)
         caller.rollout_arm = arm
+        target = self.canary.shadow(entry, caller.tenant.id or 0, number)
+        candidate = entry.versions.get(target[1]) if target is not None else None
+        if target is not None and candidate is not None:
+            caller.shadow = (target[0], candidate)
         return served
+
+    def _mirror(
+        self, caller: Caller, prompts: list[str | list[int]], params: SamplingParams, final: dict[int, list[int]]
+    ) -> None:
+        """Hand a sampled request's complete answer to the shadow mirror: plain greedy requests only (one prompt,
+        one choice, no penalties), since the mirror replays the prompt greedily and compares token by token."""
+        if caller.shadow is None or self.canary is None or len(prompts) != 1 or params.n != 1:
+            return
+        prompt, baseline = prompts[0], final.get(0)
+        if not params.is_greedy or params.has_penalties or not isinstance(prompt, list) or not baseline:
+            return
+        rollout_id, candidate = caller.shadow
+        self.canary.mirror.submit(Mirror(rollout_id, candidate, list(prompt), list(baseline)))
 
     @staticmethod
     def _params(
@@ -338,6 +357,10 @@ class CompletionService:
             raise
         finally:
             await self._settle(caller, served, meter, status)
+        if caller.shadow is not None:
+            self._mirror(
+                caller, prompts, params, {i: list(o.outputs[0].token_ids) for i, o in final.items() if o.outputs}
+            )
         return final
 
     async def _first(
@@ -411,18 +434,22 @@ class CompletionService:
 
         async def body() -> AsyncIterator[bytes]:
             status = "abandoned"
+            done: dict[int, list[int]] = {}
             try:
                 async with asyncio.timeout(self.request_timeout_s):
                     for choice in prologue:
                         yield sse({**base, "choices": [choice]})
                     async for i, out in _chain(first, updates):
                         meter.update(out)
+                        if out.finished and out.outputs:
+                            done[i] = list(out.outputs[0].token_ids)
                         for choice in render(i, out):
                             yield sse({**base, "choices": [choice]})
                     if include_usage:
                         yield sse({**base, "choices": [], "usage": meter.usage()})
                     yield SSE_DONE
                     status = "ok"
+                    self._mirror(caller, prompts, params, done)
             except TimeoutError:
                 status = "deadline"
                 err = DeadlineExceededError(f"the request ran past the {self.request_timeout_s:.0f}s deadline")

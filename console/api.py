@@ -120,6 +120,10 @@ class RolloutCreate(_Body):
     min_samples: int = Field(100, description="least requests per arm before a step is judged")
     checks: dict[str, Any] | None = Field(None, description="metric -> {factor, slack} or null, over the defaults")
     tenant: str | None = Field(None, description="limit the rollout to one tenant's traffic and devices")
+    shadow_sample: float = Field(
+        0.0, description="percent of baseline cloud requests mirrored to the candidate at a shadow step 0 (0: none)"
+    )
+    shadow_min_agreement: float = Field(0.9, description="least mean token agreement for the shadow step to pass")
 
 
 class RolloutAction(_Body):

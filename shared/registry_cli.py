@@ -291,6 +291,21 @@ def _summary(r: Any) -> str:
     "--checks", callback=_checks, default=None, help='JSON overrides, e.g. \'{"error_rate": {"factor": 1.5}}\''
 )
 @click.option("--tenant", default=None, help="limit the rollout to one tenant's traffic and devices")
+@click.option(
+    "--shadow-sample",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="percent of baseline cloud requests mirrored to the candidate at a shadow step 0 before any user "
+    "sees it (0: no shadow step; cloud scope only)",
+)
+@click.option(
+    "--shadow-min-agreement",
+    type=float,
+    default=0.9,
+    show_default=True,
+    help="least mean token agreement (0-1) of the shadow samples for the shadow step to pass; below it rolls back",
+)
 def rollouts_create(
     model: str,
     baseline: str,
@@ -302,6 +317,8 @@ def rollouts_create(
     min_samples: int,
     checks: dict[str, Any] | None,
     tenant: str | None,
+    shadow_sample: float,
+    shadow_min_agreement: float,
 ) -> None:
     """Create a rollout of CANDIDATE against BASELINE; the controller starts it at its next pass."""
     from shared.rollouts import RolloutSpec, create_rollout
@@ -318,10 +335,14 @@ def rollouts_create(
         min_samples=min_samples,
         checks=checks,
         tenant=tenant,
+        shadow_sample=shadow_sample,
+        shadow_min_agreement=shadow_min_agreement,
     )
     with session_scope() as session:
         r = create_rollout(session, spec, actor=_actor())
         weights = ", ".join(f"{w:g}%" for w in r.steps)
+        if r.shadow_sample > 0:
+            weights += f"; step 0 is a shadow step mirroring {r.shadow_sample:g}% of baseline requests"
         click.echo(
             f"created rollout {r.id}: {r.model} {r.baseline_version} -> {r.candidate_version} ({r.scope}; "
             f"steps {weights}); pending until the controller's next pass"

@@ -191,3 +191,55 @@ def analyse(
     if next_weight is None or next_weight >= 100:
         return Decision("promote", f"every step passed: {passed}", metrics)
     return Decision("advance", f"step passed: {passed}", metrics)
+
+
+@dataclass(frozen=True, slots=True)
+class ShadowStats:
+    """The shadow step's mirrored samples over a window: how many, and their mean token agreement."""
+
+    samples: int = 0
+    mean_agreement: float | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"samples": self.samples}
+        if self.mean_agreement is not None:
+            out["mean_agreement"] = round(self.mean_agreement, 6)
+        return out
+
+
+def token_agreement(baseline: Sequence[int], candidate: Sequence[int]) -> float | None:
+    """The share of the baseline's generated positions where the candidate produced the same token (a shorter
+    candidate disagrees on the positions it lacks); None for an empty baseline (nothing to compare)."""
+    if not baseline:
+        return None
+    matches = sum(1 for b, c in zip(baseline, candidate, strict=False) if b == c)
+    return matches / len(baseline)
+
+
+def analyse_shadow(
+    stats: ShadowStats,
+    *,
+    min_agreement: float,
+    min_samples: int,
+    min_step_s: float,
+    step_elapsed_s: float,
+    next_weight: float | None,
+) -> Decision:
+    """Judge the shadow step (step 0, weight 0): ``wait`` until ``min_samples`` mirrored samples, then
+    ``rollback`` when their mean agreement is below ``min_agreement``; once the step has also run ``min_step_s``,
+    ``advance`` to the first real step (``promote`` when that step is 100 %). No samples is never a pass."""
+    assert min_samples >= 1, "min_samples is validated at creation"
+    metrics: dict[str, Any] = {
+        "step_elapsed_s": round(step_elapsed_s, 3),
+        "shadow": {**stats.as_json(), "min_agreement": min_agreement},
+    }
+    if stats.samples < min_samples or stats.mean_agreement is None:
+        return Decision("wait", f"waiting for data: shadow {stats.samples}/{min_samples} samples", metrics)
+    agreement = f"shadow mean token agreement {stats.mean_agreement:.4g} over {stats.samples} samples"
+    if stats.mean_agreement < min_agreement - 1e-12:
+        return Decision("rollback", f"check failed: {agreement} is below {min_agreement:g}", metrics)
+    if step_elapsed_s < min_step_s:
+        return Decision("wait", f"{agreement} passes; step has run {step_elapsed_s:.0f}s of {min_step_s:g}s", metrics)
+    if next_weight is None or next_weight >= 100:
+        return Decision("promote", f"every step passed: {agreement} ≥ {min_agreement:g}", metrics)
+    return Decision("advance", f"shadow step passed: {agreement} ≥ {min_agreement:g}", metrics)

@@ -17,9 +17,17 @@ from sqlmodel import Session, col, select
 
 from shared.assignment import BASELINE, CANDIDATE, EXCLUDED, Arm
 from shared.edge_protocol import version_number
-from shared.rollout_analysis import ArmStats, Window
+from shared.rollout_analysis import ArmStats, ShadowStats, Window
 from shared.rollout_plans import model_names
-from shared.storage.models import Device, DeviceEvent, Rollout, RolloutPin, Tenant, UsageRecord
+from shared.storage.models import (
+    Device,
+    DeviceEvent,
+    Rollout,
+    RolloutPin,
+    RolloutShadowSample,
+    Tenant,
+    UsageRecord,
+)
 
 TELEMETRY_LOOKBACK: Final = timedelta(minutes=15)  # how far back a device's last sample before a window is sought
 
@@ -291,3 +299,15 @@ def candidate_usage(session: Session, rollout: Rollout, until: datetime) -> dict
         "cost": str(total_cost),
         "by_tenant": by_tenant,
     }
+
+
+def shadow_stats(session: Session, rollout_id: int, since: datetime, now: datetime) -> ShadowStats:
+    """The shadow step's mirrored samples of a rollout recorded in ``[since, now]``: count and mean agreement."""
+    count, mean = session.execute(
+        sa_select(func.count(), func.avg(col(RolloutShadowSample.agreement))).where(
+            col(RolloutShadowSample.rollout_id) == rollout_id,
+            col(RolloutShadowSample.at) >= since,
+            col(RolloutShadowSample.at) <= now,
+        )
+    ).one()
+    return ShadowStats(samples=int(count), mean_agreement=float(mean) if mean is not None else None)

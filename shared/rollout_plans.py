@@ -40,6 +40,13 @@ class RolloutPlan:
     device_pins: Mapping[str, str]
     tenant_pins: Mapping[int, str]
     finished_at: datetime | None
+    step_index: int = 0
+    shadow_sample: float = 0.0  # percent of baseline requests mirrored to the candidate at the shadow step
+
+    @property
+    def shadowing(self) -> bool:
+        """At the shadow step: running step 0 at weight 0 with a sample to mirror (users get the baseline)."""
+        return self.shadow_sample > 0 and self.step_index == 0 and self.status == "running" and self.weight == 0
 
     def version(self, which: Arm) -> str:
         return self.candidate_version if which == CANDIDATE else self.baseline_version
@@ -102,6 +109,8 @@ def load_plans(session: Session, target: Source) -> list[RolloutPlan]:
                 if p.rollout_id == r.id and p.kind == "tenant" and p.key in tenant_ids
             },
             finished_at=_aware(r.finished_at) if r.finished_at is not None else None,
+            step_index=r.step_index,
+            shadow_sample=r.shadow_sample,
         )
         for r in rollouts
     ]

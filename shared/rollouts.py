@@ -50,13 +50,16 @@ from shared.rollout_analysis import Action as Action
 from shared.rollout_analysis import ArmStats as ArmStats
 from shared.rollout_analysis import CheckResult as CheckResult
 from shared.rollout_analysis import Decision as Decision
+from shared.rollout_analysis import ShadowStats as ShadowStats
 from shared.rollout_analysis import Source as Source
 from shared.rollout_analysis import Window as Window
 from shared.rollout_analysis import analyse as analyse
+from shared.rollout_analysis import analyse_shadow as analyse_shadow
 from shared.rollout_analysis import check as check
 from shared.rollout_metrics import TELEMETRY_LOOKBACK as TELEMETRY_LOOKBACK
 from shared.rollout_metrics import candidate_usage as candidate_usage
 from shared.rollout_metrics import collect_windows as collect_windows
+from shared.rollout_metrics import shadow_stats as shadow_stats
 from shared.rollout_plans import MODEL_PREFIX as MODEL_PREFIX
 from shared.rollout_plans import CloudRoute as CloudRoute
 from shared.rollout_plans import RolloutPlan as RolloutPlan
@@ -107,6 +110,8 @@ class RolloutSpec:
     min_samples: int = 100
     checks: dict[str, Any] | None = None
     tenant: str | None = None
+    shadow_sample: float = 0.0
+    shadow_min_agreement: float = 0.9
 
 
 def validate_spec(spec: RolloutSpec) -> RolloutSpec:
@@ -145,6 +150,15 @@ def validate_spec(spec: RolloutSpec) -> RolloutSpec:
         raise ValidationError("min_step_s must be a non-negative number of seconds", param="min_step_s")
     if isinstance(spec.min_samples, bool) or not isinstance(spec.min_samples, int) or spec.min_samples < 1:
         raise ValidationError("min_samples must be a whole number ≥ 1 (no data is never a pass)", param="min_samples")
+    for name in ("shadow_sample", "shadow_min_agreement"):
+        value = getattr(spec, name)
+        high = 100.0 if name == "shadow_sample" else 1.0
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= high:
+            raise ValidationError(f"{name} must be a number in [0, {high:g}]", param=name)
+    if spec.shadow_sample > 0:
+        if spec.scope != "cloud":
+            raise ValidationError("a shadow step mirrors cloud requests: it needs scope cloud", param="shadow_sample")
+        clean.insert(0, 0.0)  # step 0, the shadow step: weight 0, a sample of baseline requests mirrored
     return RolloutSpec(
         model=spec.model,
         baseline_version=spec.baseline_version,
@@ -156,6 +170,8 @@ def validate_spec(spec: RolloutSpec) -> RolloutSpec:
         min_samples=spec.min_samples,
         checks=validate_checks(spec.checks),
         tenant=spec.tenant,
+        shadow_sample=float(spec.shadow_sample),
+        shadow_min_agreement=float(spec.shadow_min_agreement),
     )
 
 
@@ -216,6 +232,8 @@ def create_rollout(session: Session, spec: RolloutSpec, *, actor: str) -> Rollou
         min_step_s=spec.min_step_s,
         min_samples=spec.min_samples,
         checks=spec.checks,
+        shadow_sample=spec.shadow_sample,
+        shadow_min_agreement=spec.shadow_min_agreement,
         created_by=actor,
         created_at=now,
         updated_at=now,
@@ -273,6 +291,8 @@ def rollout_json(r: Rollout) -> dict[str, Any]:
         "min_step_s": r.min_step_s,
         "min_samples": r.min_samples,
         "checks": r.checks,
+        "shadow_sample": r.shadow_sample,
+        "shadow_min_agreement": r.shadow_min_agreement,
         "last_analysis": r.last_analysis,
         "created_by": r.created_by,
         "created_at": ts(r.created_at),
@@ -458,6 +478,11 @@ def set_pin(session: Session, rollout_id: int, kind: str, key: str, value: str, 
     return pin
 
 
+def in_shadow_step(rollout: Rollout) -> bool:
+    """Whether the rollout is at its shadow step (step 0 at weight 0, a sample of baseline requests mirrored)."""
+    return rollout.shadow_sample > 0 and rollout.step_index == 0 and rollout.status in ("running", "paused")
+
+
 # --- the controller pass --------------------------------------------------------------------------------------
 
 
@@ -508,16 +533,27 @@ def _evaluate(engine: Engine, rollout_id: int, now: datetime, actor: str) -> Pas
         decision: Decision | None = None
         if rollout.status == "running":
             since = _aware(rollout.step_started_at or rollout.created_at)
+            elapsed = max(0.0, (now - since).total_seconds())
             steps = rollout.steps
             nxt = steps[rollout.step_index + 1] if rollout.step_index + 1 < len(steps) else None
-            decision = analyse(
-                collect_windows(read, rollout, since, now),
-                checks=rollout.checks,
-                min_samples=rollout.min_samples,
-                min_step_s=rollout.min_step_s,
-                step_elapsed_s=max(0.0, (now - since).total_seconds()),
-                next_weight=nxt,
-            )
+            if in_shadow_step(rollout):
+                decision = analyse_shadow(
+                    shadow_stats(read, rollout_id, since, now),
+                    min_agreement=rollout.shadow_min_agreement,
+                    min_samples=rollout.min_samples,
+                    min_step_s=rollout.min_step_s,
+                    step_elapsed_s=elapsed,
+                    next_weight=nxt,
+                )
+            else:
+                decision = analyse(
+                    collect_windows(read, rollout, since, now),
+                    checks=rollout.checks,
+                    min_samples=rollout.min_samples,
+                    min_step_s=rollout.min_step_s,
+                    step_elapsed_s=elapsed,
+                    next_weight=nxt,
+                )
         read.expunge(rollout)
     with Session(engine, expire_on_commit=False) as write:
         if decision is None:

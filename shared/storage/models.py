@@ -411,6 +411,23 @@ class Rollout(SQLModel, table=True):
     updated_at: datetime = _ts()
     step_started_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
     finished_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    shadow_sample: float = Field(
+        default=0.0, description="percent of baseline cloud requests mirrored at step 0 (0: no shadow step)"
+    )
+    shadow_min_agreement: float = Field(default=0.9, description="least mean token agreement to leave the shadow step")
+
+
+class RolloutShadowSample(SQLModel, table=True):
+    """One mirrored request of a rollout's shadow step: the candidate's greedy tokens against the baseline's."""
+
+    __tablename__ = "rollout_shadow_sample"
+
+    id: int | None = Field(default=None, primary_key=True)
+    rollout_id: int = Field(foreign_key="rollout.id", index=True)
+    at: datetime = _ts()
+    positions: int = Field(description="tokens the baseline generated")
+    matches: int = Field(description="positions where the candidate's token equals the baseline's")
+    agreement: float = Field(description="matches / positions")
 
 
 class RolloutEvent(SQLModel, table=True):
