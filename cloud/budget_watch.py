@@ -10,9 +10,7 @@ webhook delivery is queued for the tenant's webhook URL when it has one (``cloud
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import time
 from collections.abc import Callable
 from decimal import Decimal
 from typing import Any
@@ -23,6 +21,7 @@ from sqlmodel import Session
 
 from cloud.webhooks import WebhookStore
 from shared.budgets import reclaim_expired, thresholds_reached
+from shared.periodic import Periodic
 from shared.storage.models import BudgetAlert, Tenant
 
 logger = logging.getLogger(__name__)
@@ -112,23 +111,13 @@ class ReservationSweeper:
         self.engine = engine
         self.interval_s = interval_s
         self.num_released = 0
-        self._task: asyncio.Task[None] | None = None
+        self._sweeper = Periodic("releasing expired budget reservations", lambda: self.sweep(), interval_s)
+
+    def sweep(self) -> None:
+        self.num_released += reclaim_expired(self.engine)
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="budget-sweeper")
+        await self._sweeper.start(wait_for_first=False)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-
-    async def _run(self) -> None:
-        while True:
-            started = time.monotonic()
-            try:
-                self.num_released += await asyncio.to_thread(reclaim_expired, self.engine)
-            except Exception:
-                logger.exception("releasing expired budget reservations failed; trying again")
-            await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+        await self._sweeper.close()

@@ -15,8 +15,6 @@ that same worker thread (``cloud.registry_models`` loads the versions a new roll
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Final
@@ -26,6 +24,7 @@ from sqlmodel import Session
 
 from cloud.shadow import ShadowMirror, shadow_target
 from shared.edge_protocol import version_number
+from shared.periodic import Periodic
 from shared.rollouts import RolloutPlan, load_plans, plans_for, resolve_cloud_arm
 
 if TYPE_CHECKING:  # the engines (torch) load only where requests are served
@@ -42,7 +41,7 @@ class CanaryRouter:
         self.engine = engine
         self.ttl_s = ttl_s
         self._plans: list[RolloutPlan] = []
-        self._task: asyncio.Task[None] | None = None
+        self._refresher = Periodic("reading rollout plans", lambda: self.refresh(), ttl_s)
         self.listeners: list[Callable[[list[RolloutPlan]], None]] = []
         self.mirror = ShadowMirror(engine)
 
@@ -60,27 +59,11 @@ class CanaryRouter:
                 logger.exception("acting on the new rollout plans failed; will try again at the next refresh")
 
     async def start(self) -> None:
-        try:
-            await asyncio.to_thread(self.refresh)
-        except Exception:
-            logger.exception("reading rollout plans failed; requests are served without canary routing")
-        self._task = asyncio.create_task(self._run(), name="canary-plans")
+        await self._refresher.start()
 
     async def close(self) -> None:
         await self.mirror.close()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.ttl_s)
-            try:
-                await asyncio.to_thread(self.refresh)
-            except Exception:
-                logger.exception("reading rollout plans failed; the previous plans stay in use")
+        await self._refresher.close()
 
     def arm(self, model: str, served_version: str | None, tenant_id: int, subject: str | None) -> str | None:
         """The arm to stamp on the request's usage record (see ``canary_arm``)."""

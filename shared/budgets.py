@@ -14,8 +14,6 @@ amount, so a reservation is released exactly once, even when a late settle races
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -29,6 +27,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
 from shared.errors import ApplicationError
+from shared.periodic import Periodic
 from shared.pricing import PriceLike, Tokens, cost, period_of, price_for
 from shared.storage.models import BudgetPeriod, BudgetReservation, Price
 
@@ -219,7 +218,7 @@ class PriceBook:
         self.ttl_s = ttl_s
         self._prices: list[Price] = []
         self._loaded_at = float("-inf")
-        self._task: asyncio.Task[None] | None = None
+        self._refresher = Periodic("reading the price book", lambda: self.refresh(), ttl_s)
 
     def refresh(self) -> None:
         with Session(self.engine) as session:
@@ -230,29 +229,13 @@ class PriceBook:
 
     async def start(self) -> None:
         """Load now, then refresh every ``ttl_s`` in the background until ``close()``."""
-        try:
-            await asyncio.to_thread(self.refresh)
-        except Exception:  # the database may come up after the cloud; the background task keeps trying
-            logger.exception("reading the price book failed; requests are not rated until it loads")
-        self._task = asyncio.create_task(self._run(), name="price-book")
+        await self._refresher.start()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.ttl_s)
-            try:
-                await asyncio.to_thread(self.refresh)
-            except Exception:
-                logger.exception("reading the price book failed; the previous prices stay in use")
+        await self._refresher.close()
 
     def lookup(self, model: str, version: int | None, tier: str, at: datetime | None = None) -> PriceLike | None:
-        if self._task is None and time.monotonic() - self._loaded_at > self.ttl_s:
+        if not self._refresher.is_running and time.monotonic() - self._loaded_at > self.ttl_s:
             self.refresh()
         return price_for(self._prices, model, version, tier, at or datetime.now(UTC))
 
