@@ -128,24 +128,35 @@ def base_env(data_dir: Path, **extra: str) -> dict[str, str]:
 
 
 @contextmanager
-def run_server(args: list[str], env: dict[str, str], port: int, timeout: float = 60.0) -> Iterator[str]:
-    """Start ``tierline <args>`` on ``port``, wait for /healthz, yield the base URL, then SIGTERM it.
+def server_process(
+    args: list[str],
+    env: dict[str, str],
+    port: int,
+    *,
+    ready_path: str = "/healthz",
+    timeout: float = 60.0,
+    stop_timeout: float = 20.0,
+    log: Path | None = None,
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Start ``tierline <args>`` on ``port``, wait until ``ready_path`` answers 200, yield the process, then SIGTERM
+    it (unless the test stopped it already).
 
-    The server's output goes to a temporary file, never to an unread pipe: a server that logs more than a pipe
-    holds would block on its next write and hang the test instead of failing it.
+    The server's output goes to ``log`` (or a temporary file), never to an unread pipe: a server that logs more
+    than a pipe holds would block on its next write and hang the test instead of failing it.
     """
-    with tempfile.TemporaryFile() as log:
+    with log.open("w+b") if log is not None else tempfile.TemporaryFile() as out:
         proc = subprocess.Popen(
             tierline_cmd(*args, "--host", "127.0.0.1", "--port", str(port)),
             env=env,
             cwd=REPO,
-            stdout=log,
+            stdout=out,
             stderr=subprocess.STDOUT,
         )
 
         def output() -> str:
-            log.seek(0)
-            return log.read()[-20000:].decode(errors="replace")
+            out.flush()
+            out.seek(0)
+            return out.read()[-20000:].decode(errors="replace")
 
         url = f"http://127.0.0.1:{port}"
         try:
@@ -154,19 +165,26 @@ def run_server(args: list[str], env: dict[str, str], port: int, timeout: float =
                 if proc.poll() is not None:
                     raise AssertionError(f"server exited with {proc.returncode}:\n{output()}")
                 try:
-                    if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                    if httpx.get(f"{url}{ready_path}", timeout=1).status_code == 200:
                         break
                 except httpx.HTTPError:
                     pass
                 if time.monotonic() > deadline:
-                    raise AssertionError(f"server on {url} did not become healthy:\n{output()}")
+                    raise AssertionError(f"server on {url} did not become ready:\n{output()}")
                 time.sleep(0.1)
-            yield url
+            yield proc
         finally:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
                 try:
-                    proc.wait(timeout=20)
+                    proc.wait(timeout=stop_timeout)
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+
+
+@contextmanager
+def run_server(args: list[str], env: dict[str, str], port: int, timeout: float = 60.0) -> Iterator[str]:
+    """``server_process`` until /healthz answers; yields the base URL."""
+    with server_process(args, env, port, timeout=timeout):
+        yield f"http://127.0.0.1:{port}"

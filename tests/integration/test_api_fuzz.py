@@ -19,9 +19,6 @@ of the wrong type are left as generated, so schema-violating cases still reach t
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -48,7 +45,7 @@ from sqlmodel import Session
 from shared.devices import create_enrollment_token
 from shared.storage.engine import make_engine
 from shared.tenancy import create_api_key, create_tenant
-from tests.conftest import REPO, base_env, free_port, migrated_sqlite, seed_data_dir, tierline_cmd
+from tests.conftest import base_env, free_port, migrated_sqlite, seed_data_dir, server_process
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -67,38 +64,10 @@ ESCALATED = {"chat.completions": "/v1/chat/completions", "completions": "/v1/com
 
 @contextmanager
 def _logged_server(env: dict[str, str], log: Path) -> Iterator[str]:
-    """``tierline cloud serve`` until ready, its output in ``log``: a 5xx's traceback can be long, and a pipe
-    nobody reads would fill up and stall the server."""
+    """``tierline cloud serve`` until ready, its output in ``log`` (a failure report quotes its end)."""
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            tierline_cmd("cloud", "serve", "--host", "127.0.0.1", "--port", str(port)),
-            env=env,
-            cwd=REPO,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"cloud exited with {proc.returncode}:\n{log.read_text()[-4000:]}"
-            try:
-                if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "cloud did not become ready"
-            time.sleep(0.1)
-        yield url
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with server_process(["cloud", "serve"], env, port, ready_path="/readyz", timeout=120, stop_timeout=30, log=log):
+        yield f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from cloud.webhooks import is_valid_signature
 from shared.storage.engine import make_engine
 from shared.storage.models import Job, UsageRecord, WebhookDelivery, utcnow
 from shared.tenancy import create_api_key, create_tenant
-from tests.conftest import REPO, base_env, free_port, migrated_sqlite, seed_data_dir, tierline_cmd
+from tests.conftest import base_env, free_port, migrated_sqlite, seed_data_dir, server_process
 
 pytestmark = pytest.mark.integration
 MODEL = "tierline/lm-cloud"
@@ -108,33 +108,8 @@ def _tenant_keys(db_url: str, *names: str) -> list[str]:
 @contextmanager
 def cloud_process(env: dict[str, str], port: int) -> Iterator[subprocess.Popen[bytes]]:
     """``tierline cloud serve`` until ready; SIGTERM at the end unless the test stopped it already."""
-    proc = subprocess.Popen(
-        tierline_cmd("cloud", "serve", "--host", "127.0.0.1", "--port", str(port)),
-        env=env,
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"cloud exited with {proc.returncode}"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "cloud did not become ready"
-            time.sleep(0.1)
+    with server_process(["cloud", "serve"], env, port, ready_path="/readyz", timeout=120, stop_timeout=60) as proc:
         yield proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 @pytest.fixture(scope="module")
