@@ -22,7 +22,7 @@ from cloud.engines import split_model
 from cloud.idempotency import MAX_KEY_LENGTH, IdempotencyMismatchError
 from cloud.jobs import INFERENCE, MAX_LIST_LIMIT, JobSettings, JobStore, aware, job_json, new_job_id
 from cloud.tensor_models import unknown_model
-from cloud.webhooks import WebhookStore, validate_webhook_url
+from cloud.webhooks import WebhookStore, attempt_json, validate_webhook_url
 from shared.errors import PermissionDeniedError, ValidationError
 from shared.http import error_responses
 from shared.storage.models import Job
@@ -151,16 +151,7 @@ def list_deliveries(state: State, caller: Caller, job_id: str) -> dict[str, Any]
             "next_attempt_at": int(aware(delivery.available_at).timestamp()) if delivery.status == "pending" else None,
         },
         "data": [
-            {
-                "object": "webhook_delivery_attempt",
-                "delivery_id": a.delivery_id,
-                "attempt": a.attempt,
-                "status_code": a.status_code,
-                "error": a.error,
-                "duration_ms": a.duration_ms,
-                "at": aware(a.at).timestamp(),
-            }
-            for a in attempts
+            {"object": "webhook_delivery_attempt", "delivery_id": a.delivery_id, **attempt_json(a)} for a in attempts
         ],
     }
 

@@ -20,7 +20,7 @@ from sqlmodel import Session, col, select
 
 from cloud.completions import Caller
 from cloud.jobs import MAX_LIST_LIMIT, JobSettings, aware
-from cloud.webhooks import MAX_URL_LENGTH, WebhookStore, validate_webhook_url
+from cloud.webhooks import MAX_URL_LENGTH, WebhookStore, attempt_json, validate_webhook_url
 from shared.budgets import remaining
 from shared.http import error_responses
 from shared.pricing import period_of
@@ -82,16 +82,7 @@ def list_event_deliveries(
                 "attempts": d.attempts,
                 "created_at": int(aware(d.created_at).timestamp()),
                 "payload": d.payload,
-                "attempt_log": [
-                    {
-                        "attempt": a.attempt,
-                        "status_code": a.status_code,
-                        "error": a.error,
-                        "duration_ms": a.duration_ms,
-                        "at": aware(a.at).timestamp(),
-                    }
-                    for a in attempts
-                ],
+                "attempt_log": [attempt_json(a) for a in attempts],
             }
             for d, attempts in webhooks.events(caller.tenant.id or 0, event, limit)
         ],

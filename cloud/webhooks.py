@@ -27,6 +27,7 @@ from sqlalchemy import update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
+from cloud.jobs import aware
 from shared.errors import ValidationError
 from shared.storage.models import Job, Tenant, WebhookAttempt, WebhookDelivery, WebhookSecret, utcnow
 
@@ -103,6 +104,17 @@ def validate_webhook_url(value: Any, *, allow_private: bool) -> str:
     if not allow_private and _is_private_literal(host):
         raise ValidationError("webhook_url: must be a public address", param="webhook_url")
     return value
+
+
+def attempt_json(a: WebhookAttempt) -> dict[str, Any]:
+    """One delivery attempt as the API shows it (a job's delivery log and the tenant's event log)."""
+    return {
+        "attempt": a.attempt,
+        "status_code": a.status_code,
+        "error": a.error,
+        "duration_ms": a.duration_ms,
+        "at": aware(a.at).timestamp(),
+    }
 
 
 @dataclass(slots=True)
