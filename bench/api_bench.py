@@ -1,15 +1,21 @@
-"""``bench api``: many concurrent streaming clients against a real cloud server, beside the engine alone.
+"""``bench api``: many concurrent streaming clients against a real cloud server, beside the engine's own latency.
 
 The server runs as its own process on a temporary data dir (SQLite, the built zoo), with a tenant and key
-made through the CLI. Clients stream chat completions for ``duration_s``; the same request mix is then run
-on an in-process engine with the same concurrency, and the API's overhead is the difference of the two
-median latencies. The same comparison one request at a time (``sequential_*``) shows the API's own cost per
-request apart from CPU contention between the server, its engine and the load generator.
+made through the CLI. Clients stream chat completions for ``duration_s``. The server's usage record of each
+request holds the engine's own latency for it (hand-over to the engine until its last token, ``engine_ms``),
+so the API's overhead is measured on the same requests in the same run: the clients' p50 latency minus the
+engine's p50 for those requests. The same comparison one request at a time (``sequential_*``) shows the API's
+own cost per request without load.
+
+``isolated_*`` replays the request mix on an in-process engine that has the host to itself (no HTTP server, no
+clients). On a small host the difference to that is mostly CPU contention: the server's and the clients' work
+takes cores from the engine's steps, which the same-run comparison counts as engine time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -23,6 +29,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from bench.sse_client import Connection, ProtocolError
 from cloud.engine.async_engine import AsyncLLMEngine
 from cloud.engine.config import EngineConfig
 from cloud.engine.sampling_params import SamplingParams
@@ -37,49 +44,56 @@ def _pct(values: list[float], q: float) -> float:
 async def _clients(
     url: str, key: str, model: str, duration_s: float, concurrency: int, max_tokens: int
 ) -> dict[str, Any]:
-    latencies: list[float] = []
+    """``concurrency`` clients, each on its own keep-alive connection, streaming chat completions back to back."""
+    latencies: dict[str, float] = {}  # by request id (the usage record's id)
     ttfts: list[float] = []
     errors: dict[str, int] = {}
     deadline = time.monotonic() + duration_s
-    headers = {"Authorization": f"Bearer {key}"}
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120, limits=limits) as client:
+    connections = [Connection(url, {"Authorization": f"Bearer {key}"}) for _ in range(concurrency)]
 
-        async def one_client(i: int) -> None:
-            n = 0
-            while time.monotonic() < deadline:
-                body = {
-                    "model": model,
-                    "messages": [{"role": "user", "content": PROMPTS[(i + n) % len(PROMPTS)]}],
-                    "max_tokens": max_tokens,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                    "stream": True,
-                }
-                n += 1
-                started = time.monotonic()
-                first = None
-                try:
-                    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-                        if r.status_code != 200:
-                            errors[str(r.status_code)] = errors.get(str(r.status_code), 0) + 1
-                            await r.aread()
-                            continue
-                        async for line in r.aiter_lines():
-                            is_text = '"content":"' in line and '"content":""' not in line
-                            if first is None and line.startswith("data: ") and is_text:
-                                first = time.monotonic()
-                except httpx.HTTPError as exc:
-                    errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
-                    continue
-                latencies.append(time.monotonic() - started)
-                if first is not None:
-                    ttfts.append(first - started)
+    async def one_client(i: int) -> None:
+        conn, n = connections[i], 0
+        while time.monotonic() < deadline:
+            body = {
+                "model": model,
+                "messages": [{"role": "user", "content": PROMPTS[(i + n) % len(PROMPTS)]}],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            n += 1
+            started = time.monotonic()
+            try:
+                r = await conn.request("/v1/chat/completions", body)
+            except (OSError, asyncio.IncompleteReadError, ProtocolError) as exc:
+                errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
+                continue
+            done = time.monotonic()
+            events = [(at, line[6:]) for at, line in r.lines if line.startswith(b"data: ")]
+            if r.status != 200 or not events or events[-1][1] != b"[DONE]":
+                kind = str(r.status) if r.status != 200 else "incomplete stream"
+                errors[kind] = errors.get(kind, 0) + 1
+                continue
+            rid = json.loads(events[0][1])["id"].removeprefix("chatcmpl-")
+            latencies[rid] = done - started
+            first = next((at for at, e in events if b'"content":"' in e and b'"content":""' not in e), None)
+            if first is not None:
+                ttfts.append(first - started)
 
-        started = time.monotonic()
+    started = time.monotonic()
+    try:
         await asyncio.gather(*(one_client(i) for i in range(concurrency)))
-        elapsed = time.monotonic() - started
-    return {"latencies": latencies, "ttfts": ttfts, "errors": errors, "seconds": elapsed}
+    finally:
+        await asyncio.gather(*(c.close() for c in connections))
+    elapsed = time.monotonic() - started
+    return {
+        "latencies": latencies,
+        "ttfts": ttfts,
+        "errors": errors,
+        "seconds": elapsed,
+        "connections_opened": sum(c.connects for c in connections),
+    }
 
 
 async def _engine_alone(
@@ -163,35 +177,54 @@ def run_api_bench(
             one_by_one = asyncio.run(_clients(url, key, model, min(5.0, duration_s / 3), 1, max_tokens))
         finally:
             server.terminate()
-            server.wait(timeout=60)
+            server.wait(timeout=60)  # a graceful stop writes every usage record still queued
+        engine_ms = _engine_latencies(d / "tierline.db")
     artifacts = zoo_root / "artifacts"
     name = model.split("/", 1)[1]
     draft = artifacts / "lm-edge" if name == "lm-cloud" else None
-    alone = asyncio.run(
-        _engine_alone(artifacts / name, draft, max(concurrency, len(api["latencies"])), concurrency, max_tokens)
-    )
-    alone_one_by_one = asyncio.run(_engine_alone(artifacts / name, draft, len(one_by_one["latencies"]), 1, max_tokens))
-    api_p50 = _pct(api["latencies"], 50)
-    engine_p50 = _pct(alone, 50)
-    return {
+    n_api, n_one = len(api["latencies"]), len(one_by_one["latencies"])
+    alone = asyncio.run(_engine_alone(artifacts / name, draft, max(concurrency, n_api), concurrency, max_tokens))
+    alone_one_by_one = asyncio.run(_engine_alone(artifacts / name, draft, n_one, 1, max_tokens))
+    result: dict[str, Any] = {
         "model": model,
         "concurrency": concurrency,
         "duration_s": duration_s,
         "max_tokens": max_tokens,
-        "requests": len(api["latencies"]),
-        "requests_per_s": round(len(api["latencies"]) / api["seconds"], 2),
+        "requests": n_api,
+        "requests_per_s": round(n_api / api["seconds"], 2),
         "errors": sum(api["errors"].values()),
         "errors_by_kind": api["errors"],
+        "connections_opened": api["connections_opened"],
         "ttft_p50_ms": _pct(api["ttfts"], 50),
         "ttft_p99_ms": _pct(api["ttfts"], 99),
-        "latency_p50_ms": api_p50,
-        "engine_latency_p50_ms": engine_p50,
-        "overhead_p50_ms": round(api_p50 - engine_p50, 2),
-        # One request at a time: what the API adds per request when it does not compete for CPU with dozens of
-        # concurrent streams and their client (on a small host most of overhead_p50_ms is that contention).
-        "sequential_latency_p50_ms": _pct(one_by_one["latencies"], 50),
-        "sequential_engine_latency_p50_ms": _pct(alone_one_by_one, 50),
-        "sequential_overhead_p50_ms": round(_pct(one_by_one["latencies"], 50) - _pct(alone_one_by_one, 50), 2),
+    }
+    for prefix, run, isolated in (("", api, alone), ("sequential_", one_by_one, alone_one_by_one)):
+        result.update({f"{prefix}{k}": v for k, v in _overhead(run["latencies"], engine_ms, isolated).items()})
+    return result
+
+
+def _engine_latencies(db: Path) -> dict[str, float]:
+    """The engine's own latency of each request the server metered, by request id, in seconds."""
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        rows = conn.execute("SELECT id, engine_ms FROM usage_record WHERE engine_ms IS NOT NULL").fetchall()
+    return {rid: ms / 1000 for rid, ms in rows}
+
+
+def _overhead(client: dict[str, float], engine: dict[str, float], isolated: list[float]) -> dict[str, Any]:
+    """The API's p50 latency minus the engine's p50 for the same requests, and the same against ``isolated``."""
+    same = [rid for rid in client if rid in engine]
+    api = [client[rid] for rid in same]
+    own = [engine[rid] for rid in same]
+    return {
+        "latency_p50_ms": _pct(api, 50),
+        "engine_latency_p50_ms": _pct(own, 50),
+        "overhead_p50_ms": round(_pct(api, 50) - _pct(own, 50), 2),
+        "overhead_per_request_p50_ms": _pct([a - e for a, e in zip(api, own, strict=True)], 50),
+        "matched_requests": len(same),
+        "isolated_engine_latency_p50_ms": _pct(isolated, 50),
+        "isolated_overhead_p50_ms": round(_pct(api, 50) - _pct(isolated, 50), 2),
     }
 
 

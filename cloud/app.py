@@ -21,6 +21,7 @@ from litestar.openapi.spec import Components, SecurityScheme
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
+from cloud.auth_cache import AuthCache
 from cloud.budget_watch import BudgetAlerts, ReservationSweeper
 from cloud.canary import CanaryRouter
 from cloud.completions import Caller, CompletionService
@@ -50,9 +51,9 @@ from shared.logs import request_id_middleware, server_request_id
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
 from shared.settings import CoreSettings
 from shared.storage.migrate import is_up_to_date
-from shared.storage.models import Tenant
+from shared.storage.models import ApiKey, Tenant
 from shared.storage.session import get_engine
-from shared.tenancy import authenticate
+from shared.tenancy import KEY_PREFIX, authenticate, hash_api_key
 
 
 def _model_json(m: ServedModel) -> dict[str, Any]:
@@ -65,12 +66,7 @@ def _catalog(state: State) -> list[ServedModel]:
     return [*state.catalog, *(registry_catalog(pool.registry) if pool is not None else [])]
 
 
-def require_caller(request: Request[Any, Any, Any], state: State) -> Caller:
-    header = request.headers.get("authorization", "")
-    scheme, _, secret = header.partition(" ")
-    if scheme.lower() != "bearer" or not secret.strip():
-        raise AuthenticationError("missing bearer API key (Authorization: Bearer tl-...)")
-    secret = secret.strip()
+def _lookup(state: State, secret: str) -> tuple[Tenant, ApiKey | None]:
     verifier: JwtVerifier | None = state.get("jwt")
     with Session(state.engine) as session:
         if verifier is not None and looks_like_jwt(secret):
@@ -82,11 +78,30 @@ def require_caller(request: Request[Any, Any, Any], state: State) -> Caller:
         else:
             tenant, key = authenticate(session, secret)
         session.expunge_all()
+    return tenant, key
+
+
+async def require_caller(request: Request[Any, Any, Any], state: State) -> Caller:
+    header = request.headers.get("authorization", "")
+    scheme, _, secret = header.partition(" ")
+    if scheme.lower() != "bearer" or not secret.strip():
+        raise AuthenticationError("missing bearer API key (Authorization: Bearer tl-...)")
+    secret = secret.strip()
+    cache: AuthCache = state.auth_cache
+    digest = hash_api_key(secret) if secret.startswith(KEY_PREFIX) else None
+    hit = cache.get(digest) if digest is not None else None
+    key: ApiKey | None
+    if hit is not None:
+        tenant, key = hit
+    else:
+        tenant, key = await asyncio.to_thread(_lookup, state, secret)
+        if digest is not None and key is not None:
+            cache.put(digest, tenant, key)
     subject = request.headers.get("x-tierline-subject")
     return Caller(tenant=tenant, key=key, request_id=server_request_id(), subject=subject[:256] if subject else None)
 
 
-CALLER = {"caller": Provide(require_caller, sync_to_thread=True)}
+CALLER = {"caller": Provide(require_caller)}
 BEARER: list[dict[str, list[str]]] = [{"BearerAuth": []}]
 INFERENCE_RESPONSES = {
     202: ResponseSpec(
@@ -308,6 +323,7 @@ def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Li
                 "metrics": observed,
                 "idempotency": IdempotencyStore(db),
                 "jwt": verifier,
+                "auth_cache": AuthCache(settings.auth_cache_s),
                 "edge_sync_interval_s": settings.edge_sync_interval_s,
                 "releases": ReleaseStore(core.data_dir / RELEASES_DIR),
                 "jobs": JobStore(db),

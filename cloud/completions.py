@@ -31,7 +31,7 @@ from shared.budgets import PriceBook
 from shared.budgets import Reservation as BudgetReservation
 from shared.budgets import reserve as reserve_budget
 from shared.budgets import settle as settle_budget
-from shared.errors import DeadlineExceededError, PermissionDeniedError, ValidationError
+from shared.errors import DeadlineExceededError, PermissionDeniedError, ServiceUnavailableError, ValidationError
 from shared.openai_responses import SSE_DONE, chat_logprob, completion_logprobs, sse
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
 from shared.pricing import Tokens
@@ -83,6 +83,7 @@ class _Meter:
     completion_tokens: int = 0
     cached_tokens: int = 0
     first_token_at: float | None = None
+    engine_s: float | None = None  # the engine's own latency: the slowest of the request's engine requests
     by_request: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     reservation: Reservation | None = None
     budget: BudgetReservation | None = None
@@ -96,6 +97,8 @@ class _Meter:
         self.cached_tokens = sum(v[2] for v in self.by_request.values())
         if self.first_token_at is None and u.completion_tokens:
             self.first_token_at = time.monotonic()
+        if out.engine_s is not None:
+            self.engine_s = max(self.engine_s or 0.0, out.engine_s)
 
     def usage(self) -> dict[str, Any]:
         return {
@@ -175,7 +178,7 @@ class CompletionService:
         A request's prompts run as one engine request each, started together: a prompt the engine refused on
         admission would leave its siblings cancelled half-admitted. Refused here, none of them starts.
         """
-        engine = served.engine.engine
+        engine = served.engine
         limit = served.max_model_len
         ids: list[str | list[int]] = []
         for prompt in prompts:
@@ -271,7 +274,13 @@ class CompletionService:
         now = time.monotonic()
         ttft_s = (meter.first_token_at - caller.started) if meter.first_token_at else None
         self.metrics.observe_request(
-            served.model_id, served.version, meter.prompt_tokens, meter.completion_tokens, now - caller.started, ttft_s
+            served.model_id,
+            served.version,
+            meter.prompt_tokens,
+            meter.completion_tokens,
+            now - caller.started,
+            ttft_s,
+            meter.engine_s,
         )
         self.usage.submit(
             UsageRecord(
@@ -292,6 +301,7 @@ class CompletionService:
                 status=status,
                 latency_ms=round((now - caller.started) * 1000, 2),
                 ttft_ms=round((meter.first_token_at - caller.started) * 1000, 2) if meter.first_token_at else None,
+                engine_ms=round(meter.engine_s * 1000, 2) if meter.engine_s is not None else None,
             )
         )
 
@@ -382,7 +392,7 @@ class CompletionService:
     # -- chat ---------------------------------------------------------------------------------------------------
     def _chat_prompt(self, served: ServedLM, req: ChatCompletionRequest) -> str:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        return served.engine.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return served.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
     async def chat(self, caller: Caller, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[bytes]:
         served = self._resolve(caller, req.model, req.user)
@@ -391,7 +401,7 @@ class CompletionService:
         if req.stream:
             return await self._chat_stream(served, caller, prompt, params, req, meter)
         final = (await self._collect(served, caller, [prompt], params, meter))[0]
-        tok = served.engine.engine.tokenizer
+        tok = served.engine.tokenizer
         choices = []
         for c in final.outputs:
             choice: dict[str, Any] = {
@@ -437,23 +447,30 @@ class CompletionService:
             done: dict[int, list[int]] = {}
             try:
                 async with asyncio.timeout(self.request_timeout_s):
-                    for choice in prologue:
-                        yield sse({**base, "choices": [choice]})
+                    # One write per engine update, however many events it makes (the prologue goes with the
+                    # first, usage and [DONE] with the last): each write is a send() on the socket.
+                    events = [sse({**base, "choices": [choice]}) for choice in prologue]
                     async for i, out in _chain(first, updates):
                         meter.update(out)
                         if out.finished and out.outputs:
                             done[i] = list(out.outputs[0].token_ids)
-                        for choice in render(i, out):
-                            yield sse({**base, "choices": [choice]})
+                        events.extend(sse({**base, "choices": [choice]}) for choice in render(i, out))
+                        if len(done) < len(prompts) and events:
+                            yield b"".join(events)
+                            events.clear()
                     if include_usage:
-                        yield sse({**base, "choices": [], "usage": meter.usage()})
-                    yield SSE_DONE
+                        events.append(sse({**base, "choices": [], "usage": meter.usage()}))
+                    events.append(SSE_DONE)
+                    yield b"".join(events)
                     status = "ok"
                     self._mirror(caller, prompts, params, done)
             except TimeoutError:
                 status = "deadline"
                 err = DeadlineExceededError(f"the request ran past the {self.request_timeout_s:.0f}s deadline")
                 yield sse(err.to_openai())
+            except ServiceUnavailableError as exc:  # the engine failed or stopped mid-stream: say so, in the stream
+                status = "error"
+                yield sse(exc.to_openai())
             finally:
                 await updates.aclose()
                 await self._settle(caller, served, meter, status)
@@ -469,7 +486,7 @@ class CompletionService:
         req: ChatCompletionRequest,
         meter: _Meter,
     ) -> AsyncIterator[bytes]:
-        tok = served.engine.engine.tokenizer
+        tok = served.engine.tokenizer
         base = {"id": f"chatcmpl-{caller.request_id}", "object": "chat.completion.chunk", "created": int(time.time())}
         base["model"] = served.model_id
         prologue = [
@@ -523,7 +540,7 @@ class CompletionService:
         if req.stream:
             return await self._completion_stream(served, caller, prompts, params, req, meter)
         final = await self._collect(served, caller, prompts, params, meter)
-        tok = served.engine.engine.tokenizer
+        tok = served.engine.tokenizer
         choices = []
         for i in range(len(prompts)):
             out = final[i]
@@ -557,7 +574,7 @@ class CompletionService:
         req: CompletionRequest,
         meter: _Meter,
     ) -> AsyncIterator[bytes]:
-        tok = served.engine.engine.tokenizer
+        tok = served.engine.tokenizer
         base = {"id": f"cmpl-{caller.request_id}", "object": "text_completion", "created": int(time.time())}
         base["model"] = served.model_id
 

@@ -1,4 +1,4 @@
-"""The LLM engines this cloud process serves: one ``AsyncLLMEngine`` per causal LM of the zoo, and one per loaded
+"""The LLM engines this cloud process serves: one engine (``start_engine``) per causal LM of the zoo, and one per loaded
 version of each registry model the cloud is told to serve (``TIERLINE_CLOUD_REGISTRY_MODELS``, see
 ``cloud.registry_models``).
 
@@ -10,12 +10,13 @@ alias (``tiny-lm@2``, ``tiny-lm@stable``).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from cloud.engine.async_engine import AsyncLLMEngine
+from cloud.engine.async_engine import AsyncLLMEngine, EngineClient
 from cloud.engine.config import EngineConfig
 from cloud.settings import CloudSettings
 from shared.errors import NotFoundError
@@ -32,7 +33,7 @@ PIN_SEPARATOR = "@"
 class ServedLM:
     model_id: str
     version: int | None
-    engine: AsyncLLMEngine
+    engine: EngineClient
     max_model_len: int
 
 
@@ -61,6 +62,11 @@ def split_model(model: str) -> tuple[str, str | None]:
 
 
 def engine_config(model_dir: Path, settings: CloudSettings, draft_dir: Path | None = None) -> EngineConfig:
+    threads = settings.num_threads
+    if threads is None and settings.engine_process and settings.device == "cpu":
+        # A CPU engine in its own process leaves one core to the API process: with every core in torch's pool,
+        # the HTTP loop waited for the engine's threads (313 vs 536 requests/s on 2 cores, bench/api_bench.py).
+        threads = max(1, len(os.sched_getaffinity(0)) - 1)
     return EngineConfig(
         model_dir=model_dir,
         draft_model_dir=draft_dir,
@@ -70,8 +76,19 @@ def engine_config(model_dir: Path, settings: CloudSettings, draft_dir: Path | No
         max_num_batched_tokens=max(settings.max_num_batched_tokens, settings.max_num_seqs),
         max_num_queued_requests=settings.max_num_queued_requests,
         speculation="ngram" if settings.speculation == "ngram" else None,
-        num_threads=settings.num_threads,
+        num_threads=threads,
     )
+
+
+def start_engine(config: EngineConfig, name: str, settings: CloudSettings) -> EngineClient:
+    """An engine for ``config``: its step loop in a child process (``settings.engine_process``, the default), whose
+    model is still loading when this returns (``wait_ready``), else on a thread of this process, loaded."""
+    if settings.engine_process:
+        from cloud.engine.process import EngineProcess
+        from shared.settings import CoreSettings
+
+        return EngineProcess(config, name, CoreSettings().log_level)
+    return AsyncLLMEngine.from_config(config, name=name)
 
 
 class ServedEngines(Mapping[str, ServedLM]):
@@ -122,7 +139,7 @@ class EnginePool:
     @classmethod
     def from_zoo(cls, zoo_root: Path, settings: CloudSettings) -> EnginePool:
         layout = ZooLayout(zoo_root)
-        engines: dict[str, ServedLM] = {}
+        started: dict[str, EngineClient] = {}
         for model_id, (name, draft) in ZOO_LMS.items():
             model_dir = layout.artifact_dir(name)
             if not (model_dir / "config.json").is_file():
@@ -130,9 +147,17 @@ class EnginePool:
             draft_dir = layout.artifact_dir(draft) if draft and settings.speculation == "draft" else None
             if draft_dir is not None and not (draft_dir / "config.json").is_file():
                 draft_dir = None
-            engine = AsyncLLMEngine.from_config(engine_config(model_dir, settings, draft_dir), name=name)
-            engines[model_id] = ServedLM(model_id, None, engine, engine.engine.max_model_len)
-            logger.info("serving %s from %s", model_id, model_dir)
+            started[model_id] = start_engine(engine_config(model_dir, settings, draft_dir), name, settings)
+        engines: dict[str, ServedLM] = {}
+        try:
+            for model_id, engine in started.items():  # the children load in parallel
+                engine.wait_ready()
+                engines[model_id] = ServedLM(model_id, None, engine, engine.max_model_len)
+                logger.info("serving %s (%s)", model_id, engine.name)
+        except BaseException:
+            for engine in started.values():
+                engine.shutdown()
+            raise
         return cls(engines)
 
     def set_registry(self, registry: Mapping[str, RegistryEntry]) -> None:

@@ -59,16 +59,15 @@ class _EngineCollector(Collector):
             ),
         }
         for served in self.pool.engines.values():
-            engine = served.engine.engine
+            snap = served.engine.snapshot()
             values = [served.model_id, str(served.version or ""), "cloud"]
-            scheduler, bm = engine.scheduler, engine.block_manager
-            families["running"].add_metric(values, len(scheduler.running))
-            families["waiting"].add_metric(values, len(scheduler.waiting))
-            families["kv"].add_metric(values, bm.usage())
-            families["prefix"].add_metric(values, bm.prefix_cache_hit_rate())
-            for method, proposed in dict(engine.stats.spec_proposed).items():
+            families["running"].add_metric(values, snap.running)
+            families["waiting"].add_metric(values, snap.waiting)
+            families["kv"].add_metric(values, snap.kv_usage)
+            families["prefix"].add_metric(values, snap.prefix_hit_rate)
+            for method, proposed in snap.spec_proposed.items():
                 if proposed:
-                    accepted = engine.stats.spec_accepted.get(method, 0)
+                    accepted = snap.spec_accepted.get(method, 0)
                     families["spec"].add_metric([*values, method], accepted / proposed)
         yield from families.values()
 
@@ -103,6 +102,14 @@ class Metrics:
             buckets=TOKEN_BUCKETS,
             registry=self.registry,
         )
+        self.engine_latency = Histogram(
+            "tierline_engine_latency_seconds",
+            "The engine's own latency of inference requests (hand-over to last token); "
+            "tierline_request_latency_seconds minus this is the API's overhead",
+            model_labels,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.tokens = Counter(
             "tierline_tokens", "Tokens in and out", [*model_labels, "direction"], registry=self.registry
         )
@@ -111,10 +118,19 @@ class Metrics:
         self.registry.register(_EngineCollector(pool))
 
     def observe_request(
-        self, model: str, version: int | None, prompt: int, completion: int, latency_s: float, ttft_s: float | None
+        self,
+        model: str,
+        version: int | None,
+        prompt: int,
+        completion: int,
+        latency_s: float,
+        ttft_s: float | None,
+        engine_s: float | None = None,
     ) -> None:
         labels = (model, str(version or ""), "cloud")
         self.latency.labels(*labels).observe(latency_s)
+        if engine_s is not None:
+            self.engine_latency.labels(*labels).observe(engine_s)
         if ttft_s is not None:
             self.ttft.labels(*labels).observe(ttft_s)
             if completion > 1:

@@ -27,8 +27,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from cloud.canary import routed_versions
-from cloud.engine.async_engine import AsyncLLMEngine
-from cloud.engines import EnginePool, RegistryEntry, ServedLM, engine_config
+from cloud.engines import EnginePool, RegistryEntry, ServedLM, engine_config, start_engine
 from cloud.settings import CloudSettings
 from shared.artifact_store import ArtifactStore
 from shared.artifacts import Manifest, verify_files
@@ -126,8 +125,7 @@ class RegistryModels:
         grace_s = 2 * self.settings.canary_refresh_s
         now = time.monotonic()
         for key, (since, served) in list(self._retired.items()):
-            scheduler = served.engine.engine.scheduler
-            if now - since >= grace_s and not scheduler.running and not scheduler.waiting:
+            if now - since >= grace_s and served.engine.snapshot().idle:
                 del self._retired[key]
                 served.engine.shutdown()
                 logger.info("unloaded %s version %s", *key)
@@ -193,14 +191,15 @@ class RegistryModels:
             return None
         try:
             model_dir = self.materialize(name, number, artifact)
-            engine = AsyncLLMEngine.from_config(engine_config(model_dir, self.settings), name=f"{name}@{number}")
+            engine = start_engine(engine_config(model_dir, self.settings), f"{name}@{number}", self.settings)
+            engine.wait_ready()
         except Exception:
             logger.exception("loading %s version %s failed; it is not served", name, number)
             self._failed[(name, number)] = artifact.sha256
             return None
         self._sha256[(name, number)] = artifact.sha256
         logger.info("serving %s version %s from %s", name, number, model_dir)
-        return ServedLM(name, number, engine, engine.engine.max_model_len)
+        return ServedLM(name, number, engine, engine.max_model_len)
 
     def materialize(self, name: str, number: int, artifact: ModelArtifact) -> Path:
         """The version's checkpoint under the cache dir, every file checked against its sha256 (a cached copy is

@@ -19,7 +19,12 @@ class CloudSettings(BaseSettings):
     max_num_batched_tokens: int = Field(1024, ge=1, description="token budget per engine step")
     max_num_queued_requests: int = Field(1024, ge=1, description="waiting requests before 429 overloaded")
     speculation: Literal["draft", "ngram", "off"] = Field("draft", description="speculative decoding of lm-cloud")
-    num_threads: int | None = Field(None, ge=1, description="torch threads (default: all cores)")
+    num_threads: int | None = Field(
+        None, ge=1, description="torch threads per engine (default: all cores but one with engine_process, else all)"
+    )
+    engine_process: bool = Field(
+        True, description="run each engine's step loop in a process of its own (false: a thread of the API process)"
+    )
     request_timeout_s: float = Field(300.0, gt=0, description="server-side deadline per request")
     budget_lease_margin_s: float = Field(
         60.0, gt=0, description="a budget reservation's lease outlasts the request deadline by this much"
@@ -39,6 +44,12 @@ class CloudSettings(BaseSettings):
     key_requests_per_minute: int = Field(0, ge=0, description="default per-key request rate; 0 = unlimited")
     key_tokens_per_minute: int = Field(0, ge=0, description="default per-key token rate; 0 = unlimited")
     key_max_concurrent: int = Field(0, ge=0, description="default per-key in-flight requests; 0 = unlimited")
+    auth_cache_s: float = Field(
+        1.0,
+        ge=0,
+        description="how long a verified API key is trusted without a database read: a key revoked or a tenant "
+        "disabled elsewhere stops working within this; 0: read on every request",
+    )
     jwt_issuer: str | None = Field(None, description="accept JWT bearer tokens from this issuer (iss)")
     jwt_public_key_file: Path | None = Field(None, description="the issuer's public key (PEM)")
     jwt_jwks_file: Path | None = Field(None, description="the issuer's JWKS (JSON file)")

@@ -1,5 +1,8 @@
 """``AsyncLLMEngine``: the step loop on its own thread, per-request async streams for the event loop.
 
+``EngineClient`` is what the API sees of an engine; ``cloud.engine.process.EngineProcess`` is the same client with
+the step loop in a process of its own.
+
 Requests are handed to the engine thread through a command queue; acceptance (or the validation error /
 ``QueueFull``) comes back before the stream starts, so an API can still answer 4xx / 429. Each update is
 pushed to the request's ``asyncio.Queue`` with ``call_soon_threadsafe``. Leaving the ``async for`` early
@@ -15,17 +18,46 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
+import time
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from cloud.engine.config import EngineConfig
 from cloud.engine.llm_engine import LLMEngine
 from cloud.engine.outputs import RequestOutput
 from cloud.engine.sampling_params import SamplingParams
+from cloud.engine.tokenizer import ChatTokenizer
 from shared.errors import ServiceUnavailableError
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """The engine's load, for metrics and for unloading idle engines."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_hit_rate: float = 0.0
+    spec_proposed: Mapping[str, int] = field(default_factory=dict)
+    spec_accepted: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def idle(self) -> bool:
+        return not self.running and not self.waiting
+
+
+def snapshot_of(engine: LLMEngine) -> EngineSnapshot:
+    return EngineSnapshot(
+        running=len(engine.scheduler.running),
+        waiting=len(engine.scheduler.waiting),
+        kv_usage=engine.block_manager.usage(),
+        prefix_hit_rate=engine.block_manager.prefix_cache_hit_rate(),
+        spec_proposed=dict(engine.stats.spec_proposed),
+        spec_accepted=dict(engine.stats.spec_accepted),
+    )
 
 
 @dataclass(slots=True)
@@ -38,40 +70,41 @@ class _Stream:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
-class AsyncLLMEngine:
-    """Wraps one ``LLMEngine``; ``generate`` is safe to call from any number of coroutines."""
+class EngineClient:
+    """What the API uses of an engine, wherever its step loop runs: per-request async streams (``generate``),
+    the tokenizer and limits for validating before admission, and a load snapshot.
 
-    def __init__(self, engine: LLMEngine, name: str = "engine") -> None:
-        self.engine = engine
+    Subclasses run the loop (``AsyncLLMEngine``: a thread of this process; ``EngineProcess``: a process of its own)
+    and implement ``_submit`` (hand a command to the loop; a future of its result) and ``shutdown``. The loop hands
+    updates back through ``_deliver``.
+    """
+
+    tokenizer: ChatTokenizer
+    max_model_len: int
+
+    def __init__(self, name: str) -> None:
         self.name = name
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name=f"tierline-{name}", daemon=True)
-        self._thread.start()
 
-    @classmethod
-    def from_config(cls, config: EngineConfig, name: str | None = None) -> AsyncLLMEngine:
-        return cls(LLMEngine(config), name or config.model_dir.name)
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until the engine can take requests (a loop in this process is ready once constructed)."""
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        raise NotImplementedError
+
+    def snapshot(self) -> EngineSnapshot:
+        raise NotImplementedError
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        raise NotImplementedError
+
+    def _submit(self, op: str, *args: Any) -> concurrent.futures.Future[Any]:
+        """Run ``op`` (add, abort, metrics) on the engine's loop with ``args``."""
+        raise NotImplementedError
 
     # -- event-loop side ----------------------------------------------------------------------------------------
-    def _call(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
-        if self._closed:
-            raise ServiceUnavailableError(f"engine {self.name} is shut down")
-        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-        def run() -> None:
-            try:
-                fut.set_result(fn())
-            except BaseException as exc:
-                fut.set_exception(exc)
-
-        self._commands.put(run)
-        self._wake.set()
-        return fut
-
     async def generate(
         self,
         prompt: str | list[int],
@@ -82,15 +115,12 @@ class AsyncLLMEngine:
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream updates for one request; the last one has ``finished`` set and the final usage."""
         rid = request_id or f"{self.name}-{next(self._ids)}"
+        arrival = time.monotonic()  # the hand-over: the wait for the engine's loop to take it counts as engine time
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[rid] = stream
-
-        def add() -> None:
-            self.engine.add_request(rid, prompt, params, priority=priority, cache_salt=cache_salt)
-
         finished = False
         try:
-            await asyncio.wrap_future(self._call(add))
+            await asyncio.wrap_future(self._submit("add", rid, prompt, params, priority, cache_salt, arrival))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -102,14 +132,91 @@ class AsyncLLMEngine:
         finally:
             self._streams.pop(rid, None)
             if not finished and not self._closed:
-                self._call(lambda: self.engine.abort_request(rid))
+                self._submit("abort", rid)
 
     async def abort(self, request_id: str) -> None:
-        await asyncio.wrap_future(self._call(lambda: self.engine.abort_request(request_id)))
+        await asyncio.wrap_future(self._submit("abort", request_id))
 
     async def metrics(self) -> dict[str, Any]:
-        result: dict[str, Any] = await asyncio.wrap_future(self._call(self.engine.metrics))
+        result: dict[str, Any] = await asyncio.wrap_future(self._submit("metrics"))
         return result
+
+    # -- loop side ----------------------------------------------------------------------------------------------
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """One wake-up per event loop per step (not one per request): fewer cross-thread hops under load."""
+        by_loop: dict[
+            asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[RequestOutput | BaseException], RequestOutput]]
+        ]
+        by_loop = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody is listening any more
+                loop.call_soon_threadsafe(_put_all, items)
+
+    def _fail_streams(self, exc: BaseException, request_ids: Iterable[str] | None = None) -> None:
+        """Fail the given streams (default: all) with ``exc``."""
+        ids = list(self._streams) if request_ids is None else request_ids
+        for rid in ids:
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.put(exc)
+
+
+def run_command(engine: LLMEngine, op: str, args: tuple[Any, ...]) -> Any:
+    """One command on the engine's own loop."""
+    if op == "add":
+        rid, prompt, params, priority, cache_salt, arrival = args
+        engine.add_request(rid, prompt, params, priority=priority, cache_salt=cache_salt, arrival_time=arrival)
+        return None
+    if op == "abort":
+        engine.abort_request(args[0])
+        return None
+    if op == "metrics":
+        return engine.metrics()
+    raise ValueError(f"unknown engine command {op!r}")
+
+
+class AsyncLLMEngine(EngineClient):
+    """Wraps one ``LLMEngine`` whose step loop runs on a thread of this process; ``generate`` is safe to call
+    from any number of coroutines."""
+
+    def __init__(self, engine: LLMEngine, name: str = "engine") -> None:
+        super().__init__(name)
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"tierline-{name}", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, name: str | None = None) -> AsyncLLMEngine:
+        return cls(LLMEngine(config), name or config.model_dir.name)
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        return self.engine.encode_prompt(prompt)
+
+    def snapshot(self) -> EngineSnapshot:
+        return snapshot_of(self.engine)
+
+    def _submit(self, op: str, *args: Any) -> concurrent.futures.Future[Any]:
+        if self._closed:
+            raise ServiceUnavailableError(f"engine {self.name} is shut down")
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(run_command(self.engine, op, args))
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+        self._commands.put(run)
+        self._wake.set()
+        return fut
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop thread; requests still in flight get ServiceUnavailableError."""
@@ -140,25 +247,10 @@ class AsyncLLMEngine:
             self._deliver(outputs)
         self._fail_all(ServiceUnavailableError(f"engine {self.name} is shut down"))
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """One wake-up per event loop per step (not one per request): fewer cross-thread hops under load."""
-        by_loop: dict[
-            asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[RequestOutput | BaseException], RequestOutput]]
-        ]
-        by_loop = {}
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
-        for loop, items in by_loop.items():
-            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody is listening any more
-                loop.call_soon_threadsafe(_put_all, items)
-
     def _fail_all(self, exc: BaseException) -> None:
         for rid in list(self.engine._requests):
             self.engine.abort_request(rid)
-        for stream in list(self._streams.values()):
-            stream.put(exc)
+        self._fail_streams(exc)
 
 
 def _put_all(items: list[tuple[asyncio.Queue[RequestOutput | BaseException], RequestOutput]]) -> None:

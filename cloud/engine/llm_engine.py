@@ -49,6 +49,15 @@ class EngineStats:
     spec_accepted: dict[str, int] = field(default_factory=dict)
 
 
+def encode_prompt(tokenizer: ChatTokenizer, vocab_size: int, prompt: str | list[int]) -> list[int]:
+    """A prompt's token ids: a string encoded, a list of ids checked against the vocabulary."""
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    if not prompt or not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt):
+        raise ValidationError(f"prompt: token ids must be integers in [0, {vocab_size})", param="prompt")
+    return list(prompt)
+
+
 def available_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
@@ -137,13 +146,7 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        if not prompt or not all(isinstance(t, int) and 0 <= t < self.model_config.vocab_size for t in prompt):
-            raise ValidationError(
-                f"prompt: token ids must be integers in [0, {self.model_config.vocab_size})", param="prompt"
-            )
-        return list(prompt)
+        return encode_prompt(self.tokenizer, self.model_config.vocab_size, prompt)
 
     def add_request(
         self,
@@ -264,7 +267,12 @@ class LLMEngine:
         if out.scheduled:
             self._run(out, touched)
         self.stats.num_steps += 1
-        return [self._output(req) for req in touched.values()]
+        outputs = [self._output(req) for req in touched.values()]
+        now = time.monotonic()  # the step hands its updates back now: a finished request's engine latency ends here
+        for output, req in zip(outputs, touched.values(), strict=True):
+            if output.finished:
+                output.engine_s = now - req.arrival_time
+        return outputs
 
     def _run(self, out: SchedulerOutput, touched: dict[str, _Request]) -> None:
         drafts: list[Sequence] = []

@@ -42,6 +42,9 @@ class RequestOutput:
     finished: bool
     usage: Usage
     ttft_s: float | None = None
+    # On the final update: seconds from the request's hand-over to the engine (its arrival) to this update — the
+    # engine's own latency for the request, queueing inside the engine included.
+    engine_s: float | None = None
 
     @property
     def text(self) -> str:

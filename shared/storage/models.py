@@ -160,6 +160,9 @@ class UsageRecord(SQLModel, table=True):
     status: str = Field(default="ok", max_length=16, description="ok | abandoned | error")
     latency_ms: float | None = None
     ttft_ms: float | None = None
+    engine_ms: float | None = Field(
+        default=None, description="the engine's own latency (hand-over to last token); latency_ms minus it: the API's"
+    )
     rollout_arm: str | None = Field(default=None, max_length=16)
     escalation_reason: str | None = Field(default=None, max_length=32, description="why an edge request went up")
     price_id: int | None = Field(default=None, description="the price it was rated with; None: no price (flagged)")

@@ -43,3 +43,17 @@ def test_tensor_bench_batches_and_agrees_with_unbatched(tiny_zoo: Path) -> None:
     r = run_tensor_bench(tiny_zoo, num_requests=200, concurrency=16)
     assert r["max_abs_diff_batched_vs_unbatched"] == 0.0
     assert r["mean_batch_size"] > 1 and r["batched_requests_per_s"] > 0
+
+
+def test_api_bench_streams_over_its_own_connections_and_matches_every_request(
+    tiny_zoo: Path, session_data_dir: Path
+) -> None:
+    from bench.api_bench import run_api_bench
+
+    r = run_api_bench(tiny_zoo, session_data_dir, duration_s=2.0, concurrency=4, max_tokens=4)
+    assert r["errors"] == 0, r["errors_by_kind"]
+    assert r["requests"] > 0 and r["connections_opened"] == 4  # keep-alive: one connection per client, reused
+    # Every request the clients saw is matched to the server's record of the engine's own latency for it.
+    assert r["matched_requests"] == r["requests"] and r["sequential_matched_requests"] > 0
+    assert 0 < r["engine_latency_p50_ms"] <= r["latency_p50_ms"]
+    assert r["ttft_p50_ms"] > 0 and r["isolated_engine_latency_p50_ms"] > 0

@@ -63,6 +63,8 @@ def test_budget_thresholds_fire_once_each_as_signed_webhooks(
         TIERLINE_CLOUD_JOB_POLL_S="0.2",
         TIERLINE_CLOUD_WEBHOOK_ALLOW_PRIVATE_NETWORKS="true",
         TIERLINE_CLOUD_BUDGET_SWEEP_INTERVAL_S="0.3",
+        # The test sets the budget in the database under the running cloud: no cached tenant row (1 s by default).
+        TIERLINE_CLOUD_AUTH_CACHE_S="0",
     )
     _cli(env, "tenants", "create", "watched")
     _cli(env, "tenants", "create", "other")

@@ -1,0 +1,280 @@
+"""``EngineProcess``: an engine whose step loop runs in a process of its own (the API keeps its event loop).
+
+Why: in one process the engine's step loop and the HTTP event loop share one interpreter lock, so under load
+every request's parsing, auth and server-sent events wait for the engine's Python work and slow it down in turn.
+With the loop in a child process (as vLLM's engine core and SGLang's scheduler run), the API process only
+tokenizes, validates and frames events.
+
+Protocol (pickled tuples, ``multiprocessing`` connection framing), one pipe each way:
+  parent → child  ``(op, call_id, *args)``: ``add``, ``abort``, ``metrics`` (see ``run_command``); ``("stop",)``
+  child → parent  ``("ready", info, error)`` once; ``("result", call_id, ok, value)`` per command with an id;
+                  ``("out", outputs, snapshot)`` per step; ``("fail", request_ids, message)`` when a step fails.
+The parent reads its end without blocking, on the event loop (``loop.add_reader``), framing included.
+The child leaves when told to stop or when the pipe closes (the API process is gone); the parent fails every
+open stream with ``ServiceUnavailableError`` when the child is gone. Times (``arrival``) are ``time.monotonic``,
+one clock for every process on the host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import struct
+from multiprocessing.connection import Connection
+from typing import Any
+
+from cloud.engine.async_engine import EngineClient, EngineSnapshot, run_command, snapshot_of
+from cloud.engine.config import EngineConfig
+from cloud.engine.llm_engine import encode_prompt
+from cloud.engine.outputs import RequestOutput
+from cloud.engine.tokenizer import ChatTokenizer
+from shared.errors import ConfigurationError, ServiceUnavailableError
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 600.0  # loading a large model on a slow disk
+
+
+class EngineProcess(EngineClient):
+    """An ``EngineClient`` backed by a child process running the ``LLMEngine``.
+
+    The constructor starts the child; ``wait_ready`` blocks until the model is loaded (several engines can load
+    in parallel: construct them all, then wait for each). Updates are read on the event loop that uses the engine
+    (``loop.add_reader`` on the pipe): no reader thread, so no hand-over of the interpreter lock per message —
+    with a thread, messages queued behind the busy event loop and the last token of one request in ten reached
+    the API ~90 ms after the engine produced it.
+    """
+
+    def __init__(self, config: EngineConfig, name: str | None = None, log_level: str = "INFO") -> None:
+        super().__init__(name or config.model_dir.name)
+        self.tokenizer = ChatTokenizer(config.model_dir)  # before the child: a missing model fails here, at once
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that runs threads and torch
+        commands_in, self._commands = ctx.Pipe(duplex=False)
+        self._updates, updates_out = ctx.Pipe(duplex=False)
+        self._process = ctx.Process(
+            target=_child_main,
+            args=(config, commands_in, updates_out, self.name, log_level),
+            name=f"tierline-engine-{self.name}",
+            daemon=True,
+        )
+        self._process.start()
+        self.pid: int = self._process.pid or 0
+        commands_in.close()
+        updates_out.close()
+        self._buffer = bytearray()
+        self._calls = itertools.count()
+        self._pending: dict[int, concurrent.futures.Future[Any]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._snapshot = EngineSnapshot()
+        self._vocab_size = 0
+        self._ready = False
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, name: str | None = None, log_level: str = "INFO") -> EngineProcess:
+        engine = cls(config, name, log_level)
+        engine.wait_ready()
+        return engine
+
+    def wait_ready(self, timeout: float | None = START_TIMEOUT_S) -> None:
+        """Block until the child has loaded the model; raise what stopped it (the child is gone then)."""
+        if self._ready:
+            return
+        try:
+            if not self._updates.poll(timeout):
+                raise ConfigurationError(f"engine {self.name} did not load in {timeout:.0f}s")
+            _, info, error = self._updates.recv()
+        except (EOFError, OSError):
+            error = ConfigurationError(f"engine {self.name} exited while loading (code {self._process.exitcode})")
+        if error is not None:
+            self.shutdown(timeout=5)
+            raise error
+        self.max_model_len = int(info["max_model_len"])
+        self._vocab_size = int(info["vocab_size"])
+        self._ready = True
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        return encode_prompt(self.tokenizer, self._vocab_size, prompt)
+
+    def snapshot(self) -> EngineSnapshot:
+        """As of the child's last step (each step's update carries one)."""
+        return self._snapshot
+
+    def _submit(self, op: str, *args: Any) -> concurrent.futures.Future[Any]:
+        if self._closed:
+            raise ServiceUnavailableError(f"engine {self.name} is shut down")
+        self._attach()
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        call_id = next(self._calls)
+        self._pending[call_id] = fut
+        try:
+            self._commands.send((op, call_id, *args))
+        except (OSError, ValueError):
+            self._pending.pop(call_id, None)
+            raise ServiceUnavailableError(f"engine {self.name} is not running") from None
+        return fut
+
+    def _attach(self) -> None:
+        """Read the pipe on the running event loop (once; again on a new loop when the old one has stopped)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is loop or (self._loop is not None and self._loop.is_running()):
+            return
+        self._loop = loop
+        os.set_blocking(self._updates.fileno(), False)
+        loop.add_reader(self._updates.fileno(), self._on_readable)
+
+    def _detach(self) -> None:
+        loop, self._loop = self._loop, None
+        if loop is None or loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop or not loop.is_running():
+            loop.remove_reader(self._updates.fileno())
+        else:
+            loop.call_soon_threadsafe(loop.remove_reader, self._updates.fileno())
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the child; requests still in flight get ServiceUnavailableError."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(OSError, ValueError):
+            self._commands.send(("stop",))
+        self._process.join(timeout)
+        if self._process.is_alive():
+            logger.warning("engine %s did not stop in %.0fs; terminating it", self.name, timeout)
+            self._process.terminate()
+            self._process.join(5)
+        self._gone(ServiceUnavailableError(f"engine {self.name} is shut down"))
+
+    # -- event-loop side: the child's messages --------------------------------------------------------------------
+    def _on_readable(self) -> None:
+        try:
+            for msg in self._read_messages():
+                kind = msg[0]
+                if kind == "out":
+                    self._snapshot = msg[2]
+                    self._deliver_here(msg[1])
+                elif kind == "result":
+                    fut = self._pending.pop(msg[1], None)
+                    if fut is not None and not fut.done():
+                        if msg[2]:
+                            fut.set_result(msg[3])
+                        else:
+                            fut.set_exception(msg[3])
+                elif kind == "fail":
+                    self._fail_streams(ServiceUnavailableError(msg[2]), msg[1])
+        except (EOFError, OSError):
+            if not self._closed:
+                logger.exception("engine %s process exited; failing the requests in flight", self.name)
+                self._closed = True
+            self._gone(ServiceUnavailableError(f"engine {self.name} process exited"))
+
+    def _read_messages(self) -> list[Any]:
+        """Every whole message readable now (the pipe is non-blocking); EOFError once the child is gone."""
+        fd = self._updates.fileno()
+        while True:
+            try:
+                data = os.read(fd, 1 << 20)
+            except BlockingIOError:
+                break
+            if not data:
+                raise EOFError
+            self._buffer += data
+            if len(data) < 1 << 20:
+                break
+        messages, buf, at = [], self._buffer, 0
+        while len(buf) - at >= 4:
+            (size,) = struct.unpack_from("!i", buf, at)
+            start = at + 4
+            if size == -1:  # a frame over 2 GiB: 8 more bytes of length
+                if len(buf) - start < 8:
+                    break
+                (size,) = struct.unpack_from("!Q", buf, start)
+                start += 8
+            if len(buf) - start < size:
+                break
+            messages.append(pickle.loads(buf[start : start + size]))  # noqa: S301 (our own child, our own pipe)
+            at = start + size
+        del buf[:at]
+        return messages
+
+    def _deliver_here(self, outputs: list[RequestOutput]) -> None:
+        """Straight into the queues of streams on this loop; other loops' streams through ``_deliver``."""
+        elsewhere = []
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if stream.loop is self._loop:
+                stream.queue.put_nowait(out)
+            else:
+                elsewhere.append(out)
+        if elsewhere:
+            self._deliver(elsewhere)
+
+    def _gone(self, exc: ServiceUnavailableError) -> None:
+        """The child is gone: stop reading, fail what waits on it, close the pipe."""
+        self._detach()
+        for fut in list(self._pending.values()):
+            if not fut.done():
+                fut.set_exception(exc)
+        self._pending.clear()
+        self._fail_streams(exc)
+        self._commands.close()
+        self._updates.close()
+
+
+def _child_main(config: EngineConfig, commands: Connection, updates: Connection, name: str, log_level: str) -> None:
+    """The child: load the engine, then commands and steps until told to stop or the parent is gone."""
+    from cloud.engine.llm_engine import LLMEngine
+    from shared.logs import configure
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent stops us in order
+    configure(log_level, os.environ.get("TIERLINE_LOG_FORMAT", "text"))
+    try:
+        engine = LLMEngine(config)
+    except BaseException as exc:  # sent whole: the parent raises it from wait_ready
+        updates.send(("ready", None, exc))
+        return
+    updates.send(("ready", {"max_model_len": engine.max_model_len, "vocab_size": engine.model_config.vocab_size}, None))
+    try:
+        while True:
+            busy = engine.has_unfinished_requests()
+            if commands.poll(0 if busy else 1.0):
+                while True:
+                    msg = commands.recv()
+                    if msg[0] == "stop":
+                        return
+                    op, call_id, *args = msg
+                    try:
+                        value, ok = run_command(engine, op, tuple(args)), True
+                    except Exception as exc:
+                        value, ok = exc, False
+                    if call_id is not None:
+                        updates.send(("result", call_id, ok, value))
+                    if not commands.poll(0):
+                        break
+            if not engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as exc:
+                logger.exception("engine %s step failed; failing the requests in flight", name)
+                failed = list(engine._requests)
+                for rid in failed:
+                    engine.abort_request(rid)
+                updates.send(("fail", failed, f"engine {name} failed: {type(exc).__name__}"))
+                continue
+            updates.send(("out", outputs, snapshot_of(engine)))
+    except (EOFError, OSError):
+        return  # the API process is gone

@@ -1,0 +1,147 @@
+"""The engine in a process of its own (``EngineProcess``): the same answers as the engine in this process, errors
+of the same types, and a clear ServiceUnavailableError — never a hang — when the child dies or is shut down."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from cloud.engine import AsyncLLMEngine, EngineConfig, SamplingParams
+from cloud.engine.async_engine import EngineClient
+from cloud.engine.process import EngineProcess
+from cloud.engine.scheduler import QueueFull
+from shared.errors import ConfigurationError, ServiceUnavailableError, ValidationError
+from shared.zoo.registry import ZooLayout
+
+pytestmark = pytest.mark.integration
+PROMPTS = ["def main(argv):\n", "import os\n\n\nclass Config:\n    ", "    for i in range(len(", "# Copyright"]
+KV = 16 << 20
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def lm_dir(tiny_zoo: Path) -> Path:
+    return ZooLayout(tiny_zoo).artifact_dir("lm-cloud")
+
+
+async def _collect(engine: EngineClient, prompt: str, max_tokens: int = 16) -> tuple[list[int], str, float | None]:
+    parts, last = [], None
+    async for out in engine.generate(prompt, greedy(max_tokens)):
+        parts.append(out.outputs[0].delta_text)
+        last = out
+    assert last is not None and last.finished
+    assert "".join(parts) == last.text
+    return last.token_ids, last.text, last.engine_s
+
+
+def test_a_child_process_engine_answers_as_the_in_process_engine(lm_dir: Path) -> None:
+    async def main() -> None:
+        child = EngineProcess.from_config(EngineConfig(lm_dir, kv_cache_bytes=KV), name="child")
+        local = AsyncLLMEngine.from_config(EngineConfig(lm_dir, kv_cache_bytes=KV), name="local")
+        try:
+            assert child.pid != os.getpid() and child.max_model_len == local.max_model_len
+            assert child.encode_prompt(PROMPTS[0]) == local.encode_prompt(PROMPTS[0])
+            theirs = await asyncio.gather(*(_collect(child, p) for p in PROMPTS))
+            ours = await asyncio.gather(*(_collect(local, p) for p in PROMPTS))
+            assert [t[:2] for t in theirs] == [o[:2] for o in ours]
+            assert all(t[2] is not None and t[2] > 0 for t in theirs)  # the engine's own latency, per request
+
+            # Errors keep their type across the process boundary (the API maps them to 400 / 429).
+            with pytest.raises(ValidationError, match="maximum context length"):
+                async for _ in child.generate("x", SamplingParams(max_tokens=10**6)):
+                    pass
+            with pytest.raises(ValidationError, match="token ids"):
+                async for _ in child.generate([10**9], greedy(2)):
+                    pass
+
+            # Leaving a stream early aborts the request in the child; its load drops back to idle.
+            stream = child.generate(PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True))
+            async for _ in stream:
+                break
+            await stream.aclose()
+            for _ in range(100):
+                metrics = await child.metrics()
+                if metrics["num_running"] == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert metrics["num_running"] == 0 and metrics["kv_cache_usage"] == 0.0
+            await _collect(child, PROMPTS[1], 2)  # a step after the abort brings a fresh snapshot
+            assert child.snapshot().idle
+        finally:
+            child.shutdown()
+            local.shutdown()
+
+    asyncio.run(main())
+
+
+def test_the_child_queue_bound_answers_queue_full(lm_dir: Path) -> None:
+    async def main() -> None:
+        cfg = EngineConfig(lm_dir, kv_cache_bytes=KV, max_num_seqs=1, max_num_queued_requests=1)
+        child = EngineProcess.from_config(cfg)
+        try:
+            long = SamplingParams(max_tokens=200, ignore_eos=True)
+            first = child.generate(PROMPTS[0], long)
+            await first.__anext__()
+            second = child.generate(PROMPTS[1], long)
+            waiting = asyncio.ensure_future(second.__anext__())  # admitted, queued behind the first
+            for _ in range(100):
+                if child.snapshot().waiting or waiting.done():
+                    break
+                await asyncio.sleep(0.02)
+            with pytest.raises(QueueFull) as exc:
+                async for _ in child.generate(PROMPTS[2], long):
+                    pass
+            assert exc.value.status_code == 429
+            waiting.cancel()
+            await first.aclose()
+        finally:
+            child.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_killed_child_fails_open_streams_and_later_calls_with_service_unavailable(lm_dir: Path) -> None:
+    async def main() -> None:
+        child = EngineProcess.from_config(EngineConfig(lm_dir, kv_cache_bytes=KV))
+        try:
+            stream = child.generate(PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True))
+            await stream.__anext__()
+            os.kill(child.pid, signal.SIGKILL)
+            with pytest.raises(ServiceUnavailableError, match="exited"):
+                async with asyncio.timeout(30):
+                    async for _ in stream:
+                        pass
+            with pytest.raises(ServiceUnavailableError):
+                async for _ in child.generate(PROMPTS[1], greedy(2)):
+                    pass
+        finally:
+            child.shutdown()
+
+    asyncio.run(main())
+
+
+def test_shutdown_fails_streams_in_flight(lm_dir: Path) -> None:
+    async def main() -> None:
+        child = EngineProcess.from_config(EngineConfig(lm_dir, kv_cache_bytes=KV))
+        stream = child.generate(PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True))
+        await stream.__anext__()
+        child.shutdown()
+        with pytest.raises(ServiceUnavailableError, match="shut down"):
+            async with asyncio.timeout(30):
+                async for _ in stream:
+                    pass
+        assert not child._process.is_alive()
+
+    asyncio.run(main())
+
+
+def test_a_model_that_cannot_load_is_reported_by_wait_ready(tmp_path: Path) -> None:
+    with pytest.raises((ConfigurationError, FileNotFoundError, OSError, ValueError)):
+        EngineProcess.from_config(EngineConfig(tmp_path / "no-such-model", kv_cache_bytes=KV))
