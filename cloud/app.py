@@ -154,7 +154,7 @@ async def _idempotent(
     request: Request[Any, Any, Any],
     state: State,
     caller: Caller,
-    body: Any,
+    body: Callable[[], dict[str, Any]],
     is_stream: bool,
     call: Callable[[], Awaitable[dict[str, Any] | AsyncIterator[bytes]]],
 ) -> Response[Any]:
@@ -164,7 +164,7 @@ async def _idempotent(
         return respond(caller, await call())
     store: IdempotencyStore = state.idempotency
     tenant_id = caller.tenant.id or 0
-    stored = await asyncio.to_thread(store.claim, tenant_id, key, request_hash(body), is_stream)
+    stored = await asyncio.to_thread(store.claim, tenant_id, key, request_hash(body()), is_stream)
     caller.request_id = usage_id(tenant_id, key)
     if stored is not None:
         replay = {"x-tierline-usage-id": caller.request_id, "x-tierline-idempotent-replay": "true"}
@@ -191,7 +191,7 @@ async def chat_completions(
     request: Request[Any, Any, Any], state: State, caller: Caller, data: ChatCompletionRequest
 ) -> Response[Any]:
     """OpenAI chat completions, with ``stream: true`` as server-sent events (``"async": true``: a job, 202)."""
-    body = data.model_dump(mode="json", exclude_unset=True)
+    body = partial(data.model_dump, mode="json", exclude_unset=True)  # dumped only for a job or an idempotent call
     if (job := await submit_if_async(request, state, caller, CHAT, data.model, body, data.stream)) is not None:
         return job
     return await _idempotent(request, state, caller, body, data.stream, partial(state.service.chat, caller, data))
@@ -209,7 +209,7 @@ async def completions(
     request: Request[Any, Any, Any], state: State, caller: Caller, data: CompletionRequest
 ) -> Response[Any]:
     """OpenAI (legacy) completions, with ``stream: true`` as server-sent events (``"async": true``: a job, 202)."""
-    body = data.model_dump(mode="json", exclude_unset=True)
+    body = partial(data.model_dump, mode="json", exclude_unset=True)  # dumped only for a job or an idempotent call
     if (job := await submit_if_async(request, state, caller, COMPLETIONS, data.model, body, data.stream)) is not None:
         return job
     call = partial(state.service.completions, caller, data)
@@ -221,7 +221,7 @@ async def inference(
     request: Request[Any, Any, Any], state: State, caller: Caller, data: InferenceRequest
 ) -> Response[Any]:
     """Generic inference: prompts for an LLM, rows of numbers for a tensor model (concurrent calls batch)."""
-    body = data.model_dump(mode="json", exclude_unset=True)
+    body = partial(data.model_dump, mode="json", exclude_unset=True)  # dumped only for a job or an idempotent call
     if (job := await submit_if_async(request, state, caller, INFERENCE, data.model_id, body, False)) is not None:
         return job
     tensor = state.tensors.get(data.model_id)

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from litestar import Request, Response, get, post
@@ -55,13 +56,13 @@ async def submit_if_async(
     caller: Caller,
     endpoint: str,
     model: str,
-    body: dict[str, Any],
+    body: Callable[[], dict[str, Any]],
     is_stream: bool,
 ) -> Response[Any] | None:
     """Queue the request as a job when the client asked for async (202); None for a synchronous request.
 
     ``async`` and ``webhook_url`` are read from the raw body: the request schemas ignore fields they do not
-    know, so ``body`` (the validated request) is stored without them.
+    know, so ``body()`` (the validated request, dumped only for a job) is stored without them.
     """
     raw = await request.json()
     fields = raw if isinstance(raw, dict) else {}
@@ -88,6 +89,7 @@ async def submit_if_async(
                 param="webhook_url",
             )
     _check_model(state, caller, endpoint, model)
+    validated = body()
     key = request.headers.get("idempotency-key")
     if key is not None and not 0 < len(key) <= MAX_KEY_LENGTH:
         raise ValidationError(f"Idempotency-Key must be 1 to {MAX_KEY_LENGTH} characters", param="Idempotency-Key")
@@ -97,7 +99,7 @@ async def submit_if_async(
         api_key_id=caller.key.id if caller.key is not None else None,
         endpoint=endpoint,
         model=model,
-        request=body,
+        request=validated,
         webhook_url=webhook_url,
     )
     store: JobStore = state.jobs
@@ -108,7 +110,7 @@ async def submit_if_async(
     if is_new:
         state.job_worker.notify()
     else:
-        if (stored.endpoint, stored.request, stored.webhook_url) != (endpoint, body, webhook_url):
+        if (stored.endpoint, stored.request, stored.webhook_url) != (endpoint, validated, webhook_url):
             raise IdempotencyMismatchError(
                 "this Idempotency-Key was used with a different request body", param="Idempotency-Key"
             )

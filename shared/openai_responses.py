@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import msgspec
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -22,9 +23,13 @@ class Decoder(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
+_encode = msgspec.json.Encoder().encode
+
+
 def sse(payload: dict[str, Any]) -> bytes:
-    """One server-sent event in the OpenAI framing."""
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+    """One server-sent event in the OpenAI framing (compact JSON, UTF-8; msgspec: several times json.dumps's
+    speed, on the path of every streamed token)."""
+    return b"data: " + _encode(payload) + b"\n\n"
 
 
 def token_text(tokenizer: Decoder, token_id: int) -> str:

@@ -355,7 +355,8 @@ def test_jobs_survive_sigterm_and_a_crash_and_each_is_billed_once(
     (key,) = _tenant_keys(db_url, "acme")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    body = {"model": MODEL, "prompt": "import sys\n", "max_tokens": 64, "ignore_eos": True, "async": True}
+    # Long enough that a job is seen running: at 64 tokens each, all six ran between two polls of the test.
+    body = {"model": MODEL, "prompt": "import sys\n", "max_tokens": 224, "ignore_eos": True, "async": True}
 
     with cloud_process(env, port) as first:
         ids = [httpx.post(f"{url}/v1/completions", json=body, headers=_auth(key)).json()["id"] for _ in range(6)]
@@ -383,7 +384,7 @@ def test_jobs_survive_sigterm_and_a_crash_and_each_is_billed_once(
     assert sorted(r.id for r in rows) == sorted(ids)  # exactly one usage record per job
     by_id = {r.id: r for r in rows}
     for job in jobs:
-        assert by_id[job["id"]].completion_tokens == job["result"]["usage"]["completion_tokens"] == 64
+        assert by_id[job["id"]].completion_tokens == job["result"]["usage"]["completion_tokens"] == 224
 
 
 # -- the job store on each database ----------------------------------------------------------------------------
