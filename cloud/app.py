@@ -125,6 +125,9 @@ def readyz(state: State) -> dict[str, Any]:
     pool: EnginePool | None = state.get("pool")
     if pool is None:
         raise ServiceUnavailableError("models are still loading")
+    dead = sorted(model_id for model_id, served in pool.engines.items() if not served.engine.alive)
+    if dead:
+        raise ServiceUnavailableError(f"engine not running: {', '.join(dead)}")
     return {"status": "ready", "models": sorted(pool.engines)}
 
 

@@ -88,6 +88,11 @@ class EngineClient:
         self._ids = itertools.count()
         self._closed = False
 
+    @property
+    def alive(self) -> bool:
+        """The step loop runs (readiness: a dead engine makes the API process not ready)."""
+        raise NotImplementedError
+
     def wait_ready(self, timeout: float | None = None) -> None:
         """Block until the engine can take requests (a loop in this process is ready once constructed)."""
 
@@ -196,6 +201,10 @@ class AsyncLLMEngine(EngineClient):
     @classmethod
     def from_config(cls, config: EngineConfig, name: str | None = None) -> AsyncLLMEngine:
         return cls(LLMEngine(config), name or config.model_dir.name)
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed and self._thread.is_alive()
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         return self.engine.encode_prompt(prompt)

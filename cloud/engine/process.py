@@ -99,6 +99,10 @@ class EngineProcess(EngineClient):
         self._vocab_size = int(info["vocab_size"])
         self._ready = True
 
+    @property
+    def alive(self) -> bool:
+        return not self._closed and self._process.is_alive()
+
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         return encode_prompt(self.tokenizer, self._vocab_size, prompt)
 
@@ -151,8 +155,8 @@ class EngineProcess(EngineClient):
             self._commands.send(("stop",))
         self._process.join(timeout)
         if self._process.is_alive():
-            logger.warning("engine %s did not stop in %.0fs; terminating it", self.name, timeout)
-            self._process.terminate()
+            logger.warning("engine %s did not stop in %.0fs; killing it", self.name, timeout)
+            self._process.kill()
             self._process.join(5)
         self._gone(ServiceUnavailableError(f"engine {self.name} is shut down"))
 
@@ -239,7 +243,10 @@ def _child_main(config: EngineConfig, commands: Connection, updates: Connection,
     from cloud.engine.llm_engine import LLMEngine
     from shared.logs import configure
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent stops us in order
+    # Ctrl-C reaches the whole process group, and systemd's SIGTERM the whole cgroup: the parent drains its streams
+    # first and then stops us (or we see the pipe close when it is gone).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure(log_level, os.environ.get("TIERLINE_LOG_FORMAT", "text"))
     try:
         engine = LLMEngine(config)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -18,7 +20,16 @@ from sqlalchemy import create_engine
 from sqlmodel import Session, select
 
 from shared.storage.models import Tenant, UsageRecord
-from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, seed_data_dir, tierline_cmd
+from tests.conftest import (
+    REPO,
+    base_env,
+    free_port,
+    migrated_sqlite,
+    run_server,
+    seed_data_dir,
+    server_process,
+    tierline_cmd,
+)
 
 pytestmark = pytest.mark.integration
 MODEL = "tierline/lm-cloud"
@@ -321,3 +332,57 @@ def test_a_reused_request_id_is_billed_for_every_request(cloud_api: dict[str, st
     # Errors carry the request id too, for correlation with the server's logs.
     bad = httpx.post(f"{cloud_api['url']}/v1/completions", json={"model": MODEL}, headers=headers)
     assert bad.status_code == 400 and bad.headers["x-request-id"] == "same-id-twice"
+
+
+def _engine_processes(pid: int) -> list[int]:
+    """The server's engine children (multiprocessing's spawned processes; not its resource tracker)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.append(int(child))
+    return found
+
+
+def test_an_engine_that_dies_mid_stream_ends_the_stream_with_an_error_and_the_cloud_is_not_ready(
+    tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_data_dir: Path
+) -> None:
+    data = seed_data_dir(tmp_path_factory.mktemp("engine-dies"), tiny_zoo, session_data_dir)
+    db_url = migrated_sqlite(data)
+    env = base_env(
+        data,
+        TIERLINE_DATABASE_URL=db_url,
+        TIERLINE_CLOUD_ZOO_PRESET="tiny",
+        TIERLINE_CLOUD_KV_CACHE_MB="16",
+        TIERLINE_CLOUD_USAGE_FLUSH_MS="50",
+        TIERLINE_CLOUD_SPECULATION="off",
+    )
+    run = lambda *a: subprocess.run(tierline_cmd(*a), env=env, cwd=REPO, capture_output=True, text=True, check=True)  # noqa: E731
+    run("tenants", "create", "acme")
+    key = run("keys", "create", "--tenant", "acme").stdout.strip()
+    port = free_port()
+    url, headers = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {key}"}
+    with server_process(["cloud", "serve"], env, port, ready_path="/readyz", timeout=120) as server:
+        engines = _engine_processes(server.pid)
+        assert len(engines) == 2  # lm-cloud and lm-edge, each stepping in a process of its own
+        body = {"model": MODEL, "prompt": "import sys\n", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        events: list[str] = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=60) as r:
+            assert r.status_code == 200
+            usage_id = r.headers["x-tierline-usage-id"]
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line.removeprefix("data: "))
+                    if len(events) == 2:
+                        for pid in engines:
+                            os.kill(pid, signal.SIGKILL)
+        # The stream ends with an OpenAI-shaped error event (no [DONE]), not a connection cut mid-chunk.
+        error = json.loads(events[-1])["error"]
+        assert error["code"] == "unavailable" and "exited" in error["message"], events[-1]
+        assert "[DONE]" not in events
+        later = httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, headers=headers, timeout=60)
+        assert later.status_code == 503 and later.json()["error"]["code"] == "unavailable"
+        ready = httpx.get(f"{url}/readyz")
+        assert ready.status_code == 503 and "engine not running" in ready.json()["error"]["message"]
+    (row,) = usage_rows(db_url, usage_id)
+    assert row.status == "error" and 0 < row.completion_tokens < 200  # billed for what was generated

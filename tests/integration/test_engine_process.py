@@ -127,11 +127,14 @@ def test_a_killed_child_fails_open_streams_and_later_calls_with_service_unavaila
     asyncio.run(main())
 
 
-def test_shutdown_fails_streams_in_flight(lm_dir: Path) -> None:
+def test_sigterm_leaves_the_child_to_its_parent_and_shutdown_fails_streams_in_flight(lm_dir: Path) -> None:
     async def main() -> None:
         child = EngineProcess.from_config(EngineConfig(lm_dir, kv_cache_bytes=KV))
         stream = child.generate(PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True))
         await stream.__anext__()
+        os.kill(child.pid, signal.SIGTERM)  # systemd signals the whole cgroup: the child waits for its parent
+        for _ in range(3):
+            await stream.__anext__()
         child.shutdown()
         with pytest.raises(ServiceUnavailableError, match="shut down"):
             async with asyncio.timeout(30):
