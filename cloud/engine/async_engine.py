@@ -11,6 +11,7 @@ pushed to the request's ``asyncio.Queue`` with ``call_soon_threadsafe``. Leaving
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import concurrent.futures
 import contextlib
@@ -70,7 +71,7 @@ class _Stream:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
-class EngineClient:
+class EngineClient(abc.ABC):
     """What the API uses of an engine, wherever its step loop runs: per-request async streams (``generate``),
     the tokenizer and limits for validating before admission, and a load snapshot.
 
@@ -89,25 +90,27 @@ class EngineClient:
         self._closed = False
 
     @property
+    @abc.abstractmethod
     def alive(self) -> bool:
         """The step loop runs (readiness: a dead engine makes the API process not ready)."""
-        raise NotImplementedError
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """Block until the engine can take requests (a loop in this process is ready once constructed)."""
+        return
 
+    @abc.abstractmethod
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        raise NotImplementedError
+        """A prompt's token ids, checked as the engine would (ValidationError otherwise)."""
 
-    def snapshot(self) -> EngineSnapshot:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def snapshot(self) -> EngineSnapshot: ...
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def shutdown(self, timeout: float = 10.0) -> None: ...
 
+    @abc.abstractmethod
     def _submit(self, op: str, *args: Any) -> concurrent.futures.Future[Any]:
         """Run ``op`` (add, abort, metrics) on the engine's loop with ``args``."""
-        raise NotImplementedError
 
     # -- event-loop side ----------------------------------------------------------------------------------------
     async def generate(
@@ -257,8 +260,7 @@ class AsyncLLMEngine(EngineClient):
         self._fail_all(ServiceUnavailableError(f"engine {self.name} is shut down"))
 
     def _fail_all(self, exc: BaseException) -> None:
-        for rid in list(self.engine._requests):
-            self.engine.abort_request(rid)
+        self.engine.abort_all()
         self._fail_streams(exc)
 
 

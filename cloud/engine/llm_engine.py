@@ -214,6 +214,13 @@ class LLMEngine:
             self.scheduler.finish(seq, FinishReason.ABORT)
             self.sampler.release(seq)
 
+    def abort_all(self) -> list[str]:
+        """Abort every request in flight (after a failed step); their ids."""
+        ids = list(self._requests)
+        for rid in ids:
+            self.abort_request(rid)
+        return ids
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 

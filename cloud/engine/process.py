@@ -277,10 +277,7 @@ def _child_main(config: EngineConfig, commands: Connection, updates: Connection,
                 outputs = engine.step()
             except Exception as exc:
                 logger.exception("engine %s step failed; failing the requests in flight", name)
-                failed = list(engine._requests)
-                for rid in failed:
-                    engine.abort_request(rid)
-                updates.send(("fail", failed, f"engine {name} failed: {type(exc).__name__}"))
+                updates.send(("fail", engine.abort_all(), f"engine {name} failed: {type(exc).__name__}"))
                 continue
             updates.send(("out", outputs, snapshot_of(engine)))
     except (EOFError, OSError):
