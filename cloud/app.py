@@ -7,6 +7,7 @@ Controllers stay thin: they parse and validate the body, resolve the caller, and
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
@@ -290,6 +291,11 @@ def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Li
             budget_lease_s=settings.request_timeout_s + settings.budget_lease_margin_s,
             canary=canary,
         )
+        # Start-up made ~280k objects (torch, transformers, the app) that live as long as the process; a full
+        # collection walked them all in ~125 ms, a stall every few seconds under load (p99 latency 270 → 147 ms
+        # at 64 streams with them frozen out of the collector's reach).
+        gc.collect()
+        gc.freeze()
         try:
             async with running_jobs(app.state, app.state.service, tensors, usage) as worker:
                 app.state.budget_alerts.notify = worker.dispatcher.notify

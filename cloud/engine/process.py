@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import gc
 import itertools
 import logging
 import multiprocessing
@@ -253,6 +254,8 @@ def _child_main(config: EngineConfig, commands: Connection, updates: Connection,
     except BaseException as exc:  # sent whole: the parent raises it from wait_ready
         updates.send(("ready", None, exc))
         return
+    gc.collect()
+    gc.freeze()  # the model and libraries stay for the process's life: the collector need not walk them every pass
     updates.send(("ready", {"max_model_len": engine.max_model_len, "vocab_size": engine.model_config.vocab_size}, None))
     try:
         while True:
