@@ -134,18 +134,25 @@ class EngineProcess(EngineClient):
         os.set_blocking(self._updates.fileno(), False)
         loop.add_reader(self._updates.fileno(), self._on_readable)
 
-    def _detach(self) -> None:
+    def _detach_and_close(self) -> None:
+        """Stop reading the updates pipe and close both pipes — on the reading loop's thread when it runs
+        elsewhere, so that the descriptor is never closed (and its number reused) while that loop still polls it."""
         loop, self._loop = self._loop, None
-        if loop is None or loop.is_closed():
-            return
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is loop or not loop.is_running():
+        if loop is not None and not loop.is_closed() and loop.is_running():
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is not loop:
+                loop.call_soon_threadsafe(self._remove_and_close, loop)
+                return
+        self._remove_and_close(loop)
+
+    def _remove_and_close(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        if loop is not None and not loop.is_closed() and not self._updates.closed:
             loop.remove_reader(self._updates.fileno())
-        else:
-            loop.call_soon_threadsafe(loop.remove_reader, self._updates.fileno())
+        self._commands.close()
+        self._updates.close()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the child; requests still in flight get ServiceUnavailableError."""
@@ -228,15 +235,13 @@ class EngineProcess(EngineClient):
             self._deliver(elsewhere)
 
     def _gone(self, exc: ServiceUnavailableError) -> None:
-        """The child is gone: stop reading, fail what waits on it, close the pipe."""
-        self._detach()
+        """The child is gone: fail what waits on it, stop reading, close the pipes."""
         for fut in list(self._pending.values()):
             if not fut.done():
                 fut.set_exception(exc)
         self._pending.clear()
         self._fail_streams(exc)
-        self._commands.close()
-        self._updates.close()
+        self._detach_and_close()
 
 
 def _child_main(config: EngineConfig, commands: Connection, updates: Connection, name: str, log_level: str) -> None:
