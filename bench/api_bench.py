@@ -24,8 +24,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import numpy as np
@@ -35,7 +36,19 @@ from cloud.engine.async_engine import AsyncLLMEngine
 from cloud.engine.config import EngineConfig
 from cloud.engine.sampling_params import SamplingParams
 
+T = TypeVar("T")
 PROMPTS = ("def parse(line):\n", "import os\n\n\nclass ", "    for key, value in ", "# Copyright", "return ")
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` on uvloop where it is installed (as the server runs): the clients take less CPU from the
+    server they measure on a shared host."""
+    try:
+        import uvloop
+    except ImportError:  # Windows
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -67,7 +80,7 @@ async def _clients(
             started = time.monotonic()
             try:
                 r = await conn.request("/v1/chat/completions", body)
-            except (OSError, asyncio.IncompleteReadError, ProtocolError) as exc:
+            except (OSError, ProtocolError) as exc:
                 errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
                 continue
             done = time.monotonic()
@@ -179,8 +192,10 @@ def run_api_bench(
             gc.collect()
             gc.freeze()
             try:
-                api = asyncio.run(_clients(url, key, model, duration_s, concurrency, max_tokens))
-                one_by_one = asyncio.run(_clients(url, key, model, min(5.0, duration_s / 3), 1, max_tokens))
+                server_cpu, client_cpu = _cpu_seconds(server.pid), time.process_time()
+                api = _run(_clients(url, key, model, duration_s, concurrency, max_tokens))
+                cpu = [round(_cpu_seconds(server.pid) - server_cpu, 2), round(time.process_time() - client_cpu, 2)]
+                one_by_one = _run(_clients(url, key, model, min(5.0, duration_s / 3), 1, max_tokens))
             finally:
                 gc.unfreeze()
         finally:
@@ -191,8 +206,8 @@ def run_api_bench(
     name = model.split("/", 1)[1]
     draft = artifacts / "lm-edge" if name == "lm-cloud" else None
     n_api, n_one = len(api["latencies"]), len(one_by_one["latencies"])
-    alone = asyncio.run(_engine_alone(artifacts / name, draft, max(concurrency, n_api), concurrency, max_tokens))
-    alone_one_by_one = asyncio.run(_engine_alone(artifacts / name, draft, n_one, 1, max_tokens))
+    alone = _run(_engine_alone(artifacts / name, draft, max(concurrency, n_api), concurrency, max_tokens))
+    alone_one_by_one = _run(_engine_alone(artifacts / name, draft, n_one, 1, max_tokens))
     result: dict[str, Any] = {
         "model": model,
         "concurrency": concurrency,
@@ -205,10 +220,25 @@ def run_api_bench(
         "connections_opened": api["connections_opened"],
         "ttft_p50_ms": _pct(api["ttfts"], 50),
         "ttft_p99_ms": _pct(api["ttfts"], 99),
+        # CPU seconds during the load: the server (API process and engine children) and these clients. On a host
+        # where they share the cores, the clients' CPU is taken from the server.
+        "cpu_s": {"server": cpu[0], "clients": cpu[1], "host_cores": os.cpu_count()},
     }
     for prefix, run, isolated in (("", api, alone), ("sequential_", one_by_one, alone_one_by_one)):
         result.update({f"{prefix}{k}": v for k, v in _overhead(run["latencies"], engine_ms, isolated).items()})
     return result
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) of ``pid`` and its children so far, from /proc (0.0 where there is none)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    total = 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(stat.parent.name) == pid or int(fields[1]) == pid:  # fields[1]: the parent's pid
+                total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
 
 
 def _engine_latencies(db: Path) -> dict[str, float]:
