@@ -35,7 +35,7 @@ from shared.errors import DeadlineExceededError, PermissionDeniedError, ServiceU
 from shared.openai_responses import SSE_DONE, chat_logprob, completion_logprobs, sse
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
 from shared.pricing import Tokens
-from shared.storage.models import ApiKey, Tenant, UsageRecord
+from shared.storage.models import ApiKey, Tenant
 
 # ``/v1/inference`` parameters: the SamplingParams fields a request may set, and the JSON types each takes. They are
 # checked here, strictly (no bool for a number, no "1" for 1), because a wrong type that SamplingParams lets through
@@ -283,26 +283,24 @@ class CompletionService:
             meter.engine_s,
         )
         self.usage.submit(
-            UsageRecord(
-                id=caller.request_id,
-                tenant_id=caller.tenant.id or 0,
-                api_key_id=caller.key.id if caller.key is not None else None,
-                device_id=caller.device_id,
-                escalation_reason=caller.escalation_reason,
-                price_id=price_id,
-                cost=cost,
-                model=served.model_id,
-                model_version=served.version,
-                rollout_arm=meter.rollout_arm,
-                tier="cloud",
-                prompt_tokens=meter.prompt_tokens,
-                completion_tokens=meter.completion_tokens,
-                cached_prompt_tokens=meter.cached_tokens,
-                status=status,
-                latency_ms=round((now - caller.started) * 1000, 2),
-                ttft_ms=round((meter.first_token_at - caller.started) * 1000, 2) if meter.first_token_at else None,
-                engine_ms=round(meter.engine_s * 1000, 2) if meter.engine_s is not None else None,
-            )
+            caller.request_id,
+            caller.tenant.id or 0,
+            served.model_id,
+            "cloud",
+            api_key_id=caller.key.id if caller.key is not None else None,
+            device_id=caller.device_id,
+            escalation_reason=caller.escalation_reason,
+            price_id=price_id,
+            cost=cost,
+            model_version=served.version,
+            rollout_arm=meter.rollout_arm,
+            prompt_tokens=meter.prompt_tokens,
+            completion_tokens=meter.completion_tokens,
+            cached_prompt_tokens=meter.cached_tokens,
+            status=status,
+            latency_ms=round((now - caller.started) * 1000, 2),
+            ttft_ms=round(ttft_s * 1000, 2) if ttft_s is not None else None,
+            engine_ms=round(meter.engine_s * 1000, 2) if meter.engine_s is not None else None,
         )
 
     async def _merged(
