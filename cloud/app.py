@@ -94,10 +94,10 @@ async def require_caller(request: Request[Any, Any, Any], state: State) -> Calle
     key: ApiKey | None
     if hit is not None:
         tenant, key = hit
+    elif digest is not None:
+        tenant, key = await cache.load(digest, partial(asyncio.to_thread, _lookup, state, secret))
     else:
         tenant, key = await asyncio.to_thread(_lookup, state, secret)
-        if digest is not None and key is not None:
-            cache.put(digest, tenant, key)
     subject = request.headers.get("x-tierline-subject")
     return Caller(tenant=tenant, key=key, request_id=server_request_id(), subject=subject[:256] if subject else None)
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from cloud.auth_cache import AuthCache
+from shared.errors import AuthenticationError
 from shared.storage.models import ApiKey, Tenant
 
 
@@ -45,3 +47,34 @@ def test_ttl_zero_disables_the_cache_and_size_is_bounded() -> None:
     for i in range(10):
         small.put(f"d{i}", *_pair())
     assert len(small._entries) <= 4 and small.get("d9") is not None
+
+
+def test_misses_for_one_key_share_one_lookup_and_its_error() -> None:
+    """A burst of requests arriving as an entry expires reads the database once, not once per request."""
+
+    async def main() -> None:
+        cache = AuthCache(ttl_s=60.0)
+        calls = []
+
+        async def lookup() -> tuple[Tenant, ApiKey | None]:
+            calls.append(1)
+            await asyncio.sleep(0.05)
+            return _pair()
+
+        answers = await asyncio.gather(*(cache.load("d", lookup) for _ in range(20)))
+        assert len(calls) == 1 and all(a == answers[0] for a in answers)
+        assert cache.get("d") == answers[0]  # and it is cached for the next requests
+
+        async def refused() -> tuple[Tenant, ApiKey | None]:
+            calls.append(1)
+            await asyncio.sleep(0.01)
+            raise AuthenticationError("invalid API key")
+
+        results = await asyncio.gather(*(cache.load("bad", refused) for _ in range(5)), return_exceptions=True)
+        assert len(calls) == 2 and all(isinstance(r, AuthenticationError) for r in results)
+        assert cache.get("bad") is None
+        with pytest.raises(AuthenticationError):  # an error is not remembered: the next request asks again
+            await cache.load("bad", refused)
+        assert len(calls) == 3
+
+    asyncio.run(main())
