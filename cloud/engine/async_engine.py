@@ -65,6 +65,7 @@ def snapshot_of(engine: LLMEngine) -> EngineSnapshot:
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput | BaseException]
+    last: RequestOutput | None = None  # the latest update (EngineProcess applies the next one's changes to it)
 
     def put(self, item: RequestOutput | BaseException) -> None:
         with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody is listening any more

@@ -4,6 +4,7 @@ of the same types, and a clear ServiceUnavailableError — never a hang — when
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 
 from cloud.engine import AsyncLLMEngine, EngineConfig, SamplingParams
 from cloud.engine.async_engine import EngineClient
+from cloud.engine.outputs import RequestOutput
 from cloud.engine.process import EngineProcess
 from cloud.engine.scheduler import QueueFull
 from shared.errors import ConfigurationError, ServiceUnavailableError, ValidationError
@@ -74,6 +76,43 @@ def test_a_child_process_engine_answers_as_the_in_process_engine(lm_dir: Path) -
             assert metrics["num_running"] == 0 and metrics["kv_cache_usage"] == 0.0
             await _collect(child, PROMPTS[1], 2)  # a step after the abort brings a fresh snapshot
             assert child.snapshot().idle
+        finally:
+            child.shutdown()
+            local.shutdown()
+
+    asyncio.run(main())
+
+
+def _update(out: RequestOutput) -> tuple[object, ...]:
+    """Everything an update says except the two timings."""
+    return (
+        out.request_id,
+        out.prompt_token_ids,
+        out.finished,
+        out.usage,
+        [dataclasses.astuple(c) for c in out.outputs],
+    )
+
+
+def test_every_update_crosses_the_pipe_as_the_in_process_engine_makes_it(lm_dir: Path) -> None:
+    """Between a request's first and last update only the changes cross the pipe; what the API gets is the same."""
+    cases = [
+        (PROMPTS[0], greedy(12)),
+        (PROMPTS[1], SamplingParams(n=2, temperature=0.9, seed=7, max_tokens=20, logprobs=2, ignore_eos=True)),
+        (PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=40, stop=[")", "\n"])),
+    ]
+
+    async def updates(engine: EngineClient, prompt: str, params: SamplingParams) -> list[tuple[object, ...]]:
+        return [_update(out) async for out in engine.generate(prompt, params, request_id="r")]
+
+    async def main() -> None:
+        child = EngineProcess.from_config(EngineConfig(lm_dir, kv_cache_bytes=KV), name="child")
+        local = AsyncLLMEngine.from_config(EngineConfig(lm_dir, kv_cache_bytes=KV), name="local")
+        try:
+            for prompt, params in cases:
+                theirs = await updates(child, prompt, params)
+                ours = await updates(local, prompt, params)
+                assert len(ours) > 2 and theirs == ours
         finally:
             child.shutdown()
             local.shutdown()
