@@ -6,7 +6,8 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from litestar import Response
-from litestar.response import Stream
+
+from shared.http import EventStream
 
 if TYPE_CHECKING:  # the engine (torch) loads only where requests are served, not for CLI commands
     from cloud.completions import Caller
@@ -22,4 +23,4 @@ def respond(caller: Caller, result: dict[str, Any] | AsyncIterator[bytes]) -> Re
         headers["x-tierline-model-version"] = caller.model_version
     if isinstance(result, dict):
         return Response(result, headers=headers)
-    return Stream(result, media_type="text/event-stream", headers={**headers, **SSE_HEADERS})
+    return EventStream(result, media_type="text/event-stream", headers={**headers, **SSE_HEADERS})

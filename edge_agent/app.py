@@ -16,7 +16,6 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from litestar import Litestar, Request, Response, get, post
 from litestar.datastructures import State
 from litestar.di import Provide
-from litestar.response import Stream
 
 from edge_agent.agent import Agent, AgentStats
 from edge_agent.allowance import AllowanceGuard
@@ -31,7 +30,7 @@ from shared.artifacts import load_public_key, public_path
 from shared.edge_protocol import DesiredModel
 from shared.errors import AuthenticationError, ConfigurationError
 from shared.escalation import EdgePolicy, load_policy
-from shared.http import EXCEPTION_HANDLERS, healthz
+from shared.http import EXCEPTION_HANDLERS, EventStream, healthz
 from shared.logs import request_id_middleware
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
 from shared.settings import CoreSettings
@@ -90,7 +89,7 @@ def _respond(answer: Answer) -> Response[Any]:
     if isinstance(answer.body, dict):
         return Response(answer.body, status_code=answer.status_code, headers=answer.headers)
     headers = {**answer.headers, "Cache-Control": "no-cache"}
-    return Stream(answer.body, media_type="text/event-stream", headers=headers)
+    return EventStream(answer.body, media_type="text/event-stream", headers=headers)
 
 
 @post("/v1/chat/completions", dependencies=LOCAL_AUTH, status_code=200)
