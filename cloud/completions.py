@@ -448,7 +448,9 @@ class CompletionService:
                     # One write per engine update, however many events it makes (the prologue goes with the
                     # first, usage and [DONE] with the last): each write is a send() on the socket.
                     events = [sse({**base, "choices": [choice]}) for choice in prologue]
-                    async for i, out in _chain(first, updates):
+                    item = first
+                    while item is not None:  # the first update, then the rest (no generator layer per update)
+                        i, out = item
                         meter.update(out)
                         if out.finished and out.outputs:
                             done[i] = list(out.outputs[0].token_ids)
@@ -456,6 +458,7 @@ class CompletionService:
                         if len(done) < len(prompts) and events:
                             yield b"".join(events)
                             events.clear()
+                        item = await anext(updates, None)
                     if include_usage:
                         events.append(sse({**base, "choices": [], "usage": meter.usage()}))
                     events.append(SSE_DONE)
@@ -589,12 +592,3 @@ class CompletionService:
             ]
 
         return await self._stream(served, caller, prompts, params, meter, base, [], render, req.include_usage)
-
-
-async def _chain(
-    first: tuple[int, RequestOutput] | None, rest: AsyncIterator[tuple[int, RequestOutput]]
-) -> AsyncIterator[tuple[int, RequestOutput]]:
-    if first is not None:
-        yield first
-    async for item in rest:
-        yield item

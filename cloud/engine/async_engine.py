@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,6 +113,10 @@ class EngineClient(abc.ABC):
     def _submit(self, op: str, *args: Any) -> concurrent.futures.Future[Any]:
         """Run ``op`` (add, abort, metrics) on the engine's loop with ``args``."""
 
+    def _call(self, op: str, *args: Any) -> Awaitable[Any]:
+        """``_submit``, awaitable on the running event loop."""
+        return asyncio.wrap_future(self._submit(op, *args))
+
     # -- event-loop side ----------------------------------------------------------------------------------------
     async def generate(
         self,
@@ -129,7 +133,7 @@ class EngineClient(abc.ABC):
         self._streams[rid] = stream
         finished = False
         try:
-            await asyncio.wrap_future(self._submit("add", rid, prompt, params, priority, cache_salt, arrival))
+            await self._call("add", rid, prompt, params, priority, cache_salt, arrival)
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -144,10 +148,10 @@ class EngineClient(abc.ABC):
                 self._submit("abort", rid)
 
     async def abort(self, request_id: str) -> None:
-        await asyncio.wrap_future(self._submit("abort", request_id))
+        await self._call("abort", request_id)
 
     async def metrics(self) -> dict[str, Any]:
-        result: dict[str, Any] = await asyncio.wrap_future(self._submit("metrics"))
+        result: dict[str, Any] = await self._call("metrics")
         return result
 
     # -- loop side ----------------------------------------------------------------------------------------------

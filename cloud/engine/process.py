@@ -31,6 +31,7 @@ import os
 import pickle
 import signal
 import struct
+from collections.abc import Awaitable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -75,7 +76,7 @@ class EngineProcess(EngineClient):
         updates_out.close()
         self._buffer = bytearray()
         self._calls = itertools.count()
-        self._pending: dict[int, concurrent.futures.Future[Any]] = {}
+        self._pending: dict[int, asyncio.Future[Any] | concurrent.futures.Future[Any]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._snapshot = EngineSnapshot()
         self._vocab_size = 0
@@ -116,10 +117,27 @@ class EngineProcess(EngineClient):
         return self._snapshot
 
     def _submit(self, op: str, *args: Any) -> concurrent.futures.Future[Any]:
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._send(op, fut, args)
+        return fut
+
+    def _call(self, op: str, *args: Any) -> Awaitable[Any]:
+        """On the loop that reads the pipe: an asyncio future the reader resolves in place (~1.4 µs), not a thread's
+        future handed over through the loop's self-pipe (~9.4 µs and one more wake-up of the loop per request)."""
         if self._closed:
             raise ServiceUnavailableError(f"engine {self.name} is shut down")
         self._attach()
-        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            return super()._call(op, *args)
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._send(op, fut, args)
+        return fut
+
+    def _send(self, op: str, fut: asyncio.Future[Any] | concurrent.futures.Future[Any], args: tuple[Any, ...]) -> None:
+        if self._closed:
+            raise ServiceUnavailableError(f"engine {self.name} is shut down")
+        self._attach()
         call_id = next(self._calls)
         self._pending[call_id] = fut
         try:
@@ -127,7 +145,6 @@ class EngineProcess(EngineClient):
         except (OSError, ValueError):
             self._pending.pop(call_id, None)
             raise ServiceUnavailableError(f"engine {self.name} is not running") from None
-        return fut
 
     def _attach(self) -> None:
         """Read the pipe on the running event loop (once; again on a new loop when the old one has stopped)."""
@@ -252,11 +269,19 @@ class EngineProcess(EngineClient):
     def _gone(self, exc: ServiceUnavailableError) -> None:
         """The child is gone: fail what waits on it, stop reading, close the pipes."""
         for fut in list(self._pending.values()):
-            if not fut.done():
+            if isinstance(fut, asyncio.Future):  # its loop's own: set there (this may be another thread)
+                with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits any more
+                    fut.get_loop().call_soon_threadsafe(_fail, fut, exc)
+            elif not fut.done():
                 fut.set_exception(exc)
         self._pending.clear()
         self._fail_streams(exc)
         self._detach_and_close()
+
+
+def _fail(fut: asyncio.Future[Any], exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
 
 
 # (request_id, prompt_tokens, completion_tokens, cached_tokens, ttft_s, choices); a choice:
