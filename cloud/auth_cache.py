@@ -35,15 +35,19 @@ class AuthCache:
     ) -> tuple[Tenant, ApiKey | None]:
         """``lookup()``'s answer for ``digest``, shared by every caller that asks while it runs; cached when it
         names a key. Its error (an invalid key) is every waiting caller's error."""
+
+        async def lookup_and_cache() -> tuple[Tenant, ApiKey | None]:
+            tenant, key = await lookup()
+            if key is not None:
+                self.put(digest, tenant, key)
+            return tenant, key
+
         loading = self._loading.get(digest)
         if loading is None:
-            loading = asyncio.ensure_future(lookup())
+            loading = asyncio.ensure_future(lookup_and_cache())
             self._loading[digest] = loading
             loading.add_done_callback(lambda _: self._loading.pop(digest, None))
-        tenant, key = await asyncio.shield(loading)  # one caller leaving does not cancel the others' lookup
-        if key is not None:
-            self.put(digest, tenant, key)
-        return tenant, key
+        return await asyncio.shield(loading)  # one caller leaving does not cancel the others' lookup
 
     def get(self, digest: str) -> tuple[Tenant, ApiKey] | None:
         entry = self._entries.get(digest)

@@ -117,6 +117,7 @@ class EngineProcess(EngineClient):
         return self._snapshot
 
     def _submit(self, op: str, *args: Any) -> concurrent.futures.Future[Any]:
+        self._attach()
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._send(op, fut, args)
         return fut
@@ -124,8 +125,6 @@ class EngineProcess(EngineClient):
     def _call(self, op: str, *args: Any) -> Awaitable[Any]:
         """On the loop that reads the pipe: an asyncio future the reader resolves in place (~1.4 µs), not a thread's
         future handed over through the loop's self-pipe (~9.4 µs and one more wake-up of the loop per request)."""
-        if self._closed:
-            raise ServiceUnavailableError(f"engine {self.name} is shut down")
         self._attach()
         loop = asyncio.get_running_loop()
         if loop is not self._loop:
@@ -135,9 +134,6 @@ class EngineProcess(EngineClient):
         return fut
 
     def _send(self, op: str, fut: asyncio.Future[Any] | concurrent.futures.Future[Any], args: tuple[Any, ...]) -> None:
-        if self._closed:
-            raise ServiceUnavailableError(f"engine {self.name} is shut down")
-        self._attach()
         call_id = next(self._calls)
         self._pending[call_id] = fut
         try:
@@ -148,6 +144,8 @@ class EngineProcess(EngineClient):
 
     def _attach(self) -> None:
         """Read the pipe on the running event loop (once; again on a new loop when the old one has stopped)."""
+        if self._closed:
+            raise ServiceUnavailableError(f"engine {self.name} is shut down")
         loop = asyncio.get_running_loop()
         if self._loop is loop or (self._loop is not None and self._loop.is_running()):
             return
@@ -249,15 +247,10 @@ class EngineProcess(EngineClient):
         """
         elsewhere = []
         for update in sorted(updates, key=_unfinished):
-            if isinstance(update, RequestOutput):
-                out, stream = update, self._streams.get(update.request_id)
-            else:
-                stream = self._streams.get(update[0])
-                if stream is None:
-                    continue
-                out = _apply(stream.last, update)
+            stream = self._streams.get(update.request_id if isinstance(update, RequestOutput) else update[0])
             if stream is None:
                 continue
+            out = update if isinstance(update, RequestOutput) else _apply(stream.last, update)
             stream.last = out
             if stream.loop is self._loop:
                 stream.queue.put_nowait(out)
