@@ -113,7 +113,7 @@ def build_zoo(
         say(f"taking the committed {preset.name} weights (pinned sha256)")
         src = committed_weights(preset)
         check_pinned_hashes(src)
-        for role in ("edge", "cloud"):
+        for role in ("edge", "cloud", "draft"):
             shutil.copytree(src / f"lm-{role}", arts / f"lm-{role}")
         training = json.loads((src / "training.json").read_text())
     else:
@@ -122,7 +122,7 @@ def build_zoo(
         say(f"training the {preset.name} tokenizer and LMs")
         train_dir = work / "train"
         training = train_preset(preset, train_dir)
-        for role in ("edge", "cloud"):
+        for role in ("edge", "cloud", "draft"):
             shutil.move(str(train_dir / f"lm-{role}"), arts / f"lm-{role}")
         shutil.rmtree(train_dir)
     report["training"] = training
@@ -192,6 +192,15 @@ def _artifact_metadata(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "format": "hf-safetensors",
             "role": "cloud",
             "held_out_loss": training["cloud"]["held_out_loss"],
+        },
+        "lm-draft": {
+            "kind": "causal-lm",
+            "format": "hf-safetensors",
+            "role": "draft",
+            "derived_from": "lm-edge",
+            "distilled_from": "lm-cloud",
+            "held_out_loss": training["draft"]["held_out_loss"],
+            "top1_agreement_with_cloud": training["draft"]["top1_agreement_with_cloud"],
         },
         "lm-edge-onnx": {"kind": "causal-lm", "format": "onnx", "role": "edge", "derived_from": "lm-edge"},
         "lm-edge-onnx-int8": {

@@ -94,10 +94,11 @@ def verify(directory: Path, key_files: tuple[Path, ...]) -> None:
 @click.option("--preset", type=click.Choice(PRESET_NAMES), default="demo", show_default=True)
 @click.option(
     "--role",
-    type=click.Choice(["all", "tokenizer", "edge", "cloud"]),
+    type=click.Choice(["all", "tokenizer", "edge", "cloud", "draft"]),
     default="all",
     show_default=True,
-    help="train one part (edge and cloud may run as two processes after the tokenizer)",
+    help="train one part (edge and cloud may run as two processes after the tokenizer; the draft, distilled "
+    "from both, after them)",
 )
 @click.option(
     "--out",

@@ -64,6 +64,8 @@ class Preset:
     cloud: LMShape
     edge_training: LMTraining
     cloud_training: LMTraining
+    # The cloud model's speculative draft: the edge LM distilled towards the cloud LM's next-token distribution.
+    draft_training: LMTraining
     max_train_files: int | None
     include_test_tree: bool
     num_eval_windows: int
@@ -83,6 +85,9 @@ TINY = Preset(
     cloud=LMShape(hidden_size=128, num_layers=5, num_heads=4, num_kv_heads=2, intermediate_size=352),
     edge_training=LMTraining(num_steps=60, batch_size=8, seq_len=128, learning_rate=3e-3, warmup_steps=10),
     cloud_training=LMTraining(num_steps=60, batch_size=8, seq_len=128, learning_rate=2e-3, warmup_steps=10),
+    draft_training=LMTraining(
+        num_steps=20, batch_size=8, seq_len=128, learning_rate=1e-3, warmup_steps=5, weight_decay=0.0
+    ),
     max_train_files=120,
     include_test_tree=False,
     num_eval_windows=16,
@@ -100,6 +105,9 @@ DEMO = Preset(
     cloud=LMShape(hidden_size=256, num_layers=9, num_heads=4, num_kv_heads=2, intermediate_size=768),
     edge_training=LMTraining(num_steps=2000, batch_size=16, seq_len=256, learning_rate=3e-3, warmup_steps=100),
     cloud_training=LMTraining(num_steps=2200, batch_size=16, seq_len=256, learning_rate=2.5e-3, warmup_steps=100),
+    draft_training=LMTraining(
+        num_steps=1000, batch_size=16, seq_len=256, learning_rate=1e-3, warmup_steps=20, weight_decay=0.0
+    ),
     max_train_files=None,
     include_test_tree=True,
     num_eval_windows=128,

@@ -8,22 +8,36 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer
 
 from shared.zoo.corpus import SourceFile, iter_stdlib_files, split_corpus
 from shared.zoo.presets import Preset
 from shared.zoo.tokenizer import save_tokenizer, train_tokenizer
-from shared.zoo.train_lm import ProgressFn, encode_documents, save_lm, train_lm
+from shared.zoo.train_lm import ProgressFn, distill_lm, encode_documents, save_lm, train_lm
 
 logger = logging.getLogger(__name__)
 
 TRAINING_REPORT = "training.json"
-ROLES = ("edge", "cloud")
+# The draft comes last: it is the edge LM distilled towards the cloud LM.
+ROLES = ("edge", "cloud", "draft")
 
 
 def _corpus(preset: Preset) -> tuple[list[SourceFile], list[SourceFile]]:
     return split_corpus(iter_stdlib_files(include_tests=preset.include_test_tree), preset.max_train_files)
+
+
+def _streams(preset: Preset, tok_dir: Path) -> tuple[list[SourceFile], list[SourceFile], np.ndarray, np.ndarray]:
+    """The corpus split, and each side as one token stream."""
+    tokenizer = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    train_files, held_out = _corpus(preset)
+    return (
+        train_files,
+        held_out,
+        encode_documents(tokenizer, [f.text for f in train_files]),
+        encode_documents(tokenizer, [f.text for f in held_out]),
+    )
 
 
 def train_tokenizer_for(preset: Preset, out_dir: Path) -> Path:
@@ -39,17 +53,18 @@ def train_tokenizer_for(preset: Preset, out_dir: Path) -> Path:
 def train_role(
     preset: Preset, role: str, out_dir: Path, dtype: torch.dtype = torch.float32, progress: ProgressFn | None = None
 ) -> dict[str, Any]:
-    """Train the ``edge`` or ``cloud`` LM with the tokenizer in ``out_dir/tokenizer``; save ``out_dir/lm-<role>``."""
+    """Train the ``edge`` or ``cloud`` LM with the tokenizer in ``out_dir/tokenizer``, or distill the ``draft``
+    from the two; save ``out_dir/lm-<role>``."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}")
+    if role == "draft":
+        return _distill_draft(preset, out_dir, dtype, progress)
     shape, cfg, seed_offset = (
         (preset.edge, preset.edge_training, 1) if role == "edge" else (preset.cloud, preset.cloud_training, 2)
     )
     tok_dir = out_dir / "tokenizer"
+    train_files, held_out, train_stream, held_out_stream = _streams(preset, tok_dir)
     tokenizer = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
-    train_files, held_out = _corpus(preset)
-    train_stream = encode_documents(tokenizer, [f.text for f in train_files])
-    held_out_stream = encode_documents(tokenizer, [f.text for f in held_out])
     model, result = train_lm(
         preset, shape, cfg, tokenizer, train_stream, held_out_stream, preset.seed + seed_offset, progress=progress
     )
@@ -72,6 +87,38 @@ def train_role(
     return report
 
 
+def _distill_draft(preset: Preset, out_dir: Path, dtype: torch.dtype, progress: ProgressFn | None) -> dict[str, Any]:
+    """The cloud LM's draft for speculative decoding: the edge LM, trained further on the cloud LM's
+    next-token distribution, so that the cloud LM accepts more of what it proposes."""
+    from transformers import LlamaForCausalLM
+
+    for role in ("edge", "cloud"):
+        if not (out_dir / f"lm-{role}" / "config.json").is_file():
+            raise FileNotFoundError(f"{out_dir / f'lm-{role}'}: train the {role} LM before distilling the draft")
+    tok_dir = out_dir / "tokenizer"
+    _, _, train_stream, held_out_stream = _streams(preset, tok_dir)
+    student = LlamaForCausalLM.from_pretrained(out_dir / "lm-edge", dtype=torch.float32)
+    teacher = LlamaForCausalLM.from_pretrained(out_dir / "lm-cloud", dtype=torch.float32)
+    model, result = distill_lm(
+        preset, student, teacher, preset.draft_training, train_stream, held_out_stream, preset.seed + 3, progress
+    )
+    save_lm(model, tok_dir, out_dir / "lm-draft", dtype)
+    report = {
+        "distilled_from": "lm-cloud",
+        "initialised_from": "lm-edge",
+        "held_out_loss": round(result.held_out_loss, 4),
+        "top1_agreement_with_cloud_before": round(result.agreement_before, 4),
+        "top1_agreement_with_cloud": round(result.agreement_after, 4),
+        "final_train_kl_ema": round(result.train_kl, 4),
+        "num_params": sum(p.numel() for p in model.parameters()),
+        "num_tokens_seen": result.num_tokens_seen,
+        "train_seconds": round(result.seconds, 1),
+        "torch_threads": torch.get_num_threads(),
+    }
+    (out_dir / "training-draft.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
 def write_training_report(preset: Preset, out_dir: Path) -> dict[str, Any]:
     """Merge the per-role reports into ``training.json``."""
     report: dict[str, Any] = {"preset": preset.name, "seed": preset.seed}
@@ -90,7 +137,7 @@ def train_preset(
     dtype: torch.dtype = torch.float32,
     progress: dict[str, ProgressFn] | None = None,
 ) -> dict[str, Any]:
-    """Tokenizer, edge LM and cloud LM in one go; deterministic for a given preset and thread count."""
+    """Tokenizer, edge LM, cloud LM and the draft in one go; deterministic for a given preset and thread count."""
     started = time.monotonic()
     train_tokenizer_for(preset, out_dir)
     for role in ROLES:

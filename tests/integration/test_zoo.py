@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from edge_agent.runtime.lm import load_causal_lm
 from shared.zoo.build import build_zoo
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.integration
 EXPECTED_ARTIFACTS = {
     "lm-edge",
     "lm-cloud",
+    "lm-draft",
     "lm-edge-onnx",
     "lm-edge-onnx-int8",
     "lm-edge-tflite",
@@ -42,6 +44,8 @@ def test_build_writes_every_artifact_with_a_signed_manifest(tiny_zoo: Path) -> N
     assert onnx.derived_from is not None and onnx.derived_from["name"] == "lm-edge-onnx"
     assert onnx.derived_from["sha256"] == layout.manifest("lm-edge-onnx").sha256
     assert onnx.format == "onnx-int8" and onnx.signature and onnx.signature["alg"] == "ed25519"
+    draft = layout.manifest("lm-draft")
+    assert draft.derived_from is not None and draft.derived_from["sha256"] == layout.manifest("lm-edge").sha256
 
 
 def test_second_build_is_cached(tiny_zoo: Path, session_data_dir: Path) -> None:
@@ -61,10 +65,31 @@ def test_compute_ratio_between_cloud_and_edge() -> None:
         assert ratio >= 6.0, preset.name
 
 
-def test_transformers_loads_both_lms(tiny_zoo: Path) -> None:
+def test_the_distilled_draft_agrees_with_the_cloud_lm_more_often_than_the_edge_lm(tiny_zoo: Path) -> None:
+    """The draft is the edge LM trained on the cloud LM's distribution: on held-out text its most likely next
+    token is the cloud LM's more often than the edge LM's is (what speculative decoding's acceptance rides on)."""
+    from transformers import AutoModelForCausalLM
+
+    from shared.zoo.corpus import held_out_files
+    from shared.zoo.train_lm import top1_agreement
+
+    tok = Tokenizer.from_file(str(tiny_zoo / "artifacts" / "lm-cloud" / "tokenizer.json"))
+    stream = np.asarray([i for f in held_out_files()[:8] for i in tok.encode(f.text).ids], dtype=np.int32)
+    lm = {
+        role: AutoModelForCausalLM.from_pretrained(tiny_zoo / "artifacts" / f"lm-{role}", dtype=torch.float32)
+        for role in ("edge", "cloud", "draft")
+    }
+    edge = top1_agreement(lm["edge"], lm["cloud"], stream, 64, 32)
+    draft = top1_agreement(lm["draft"], lm["cloud"], stream, 64, 32)
+    assert draft > edge + 0.01, (edge, draft)
+    report = ZooLayout(tiny_zoo).report()["training"]["draft"]
+    assert report["top1_agreement_with_cloud"] > report["top1_agreement_with_cloud_before"]
+
+
+def test_transformers_loads_every_lm(tiny_zoo: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    for role in ("edge", "cloud"):
+    for role in ("edge", "cloud", "draft"):
         path = tiny_zoo / "artifacts" / f"lm-{role}"
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(path)
