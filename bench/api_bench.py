@@ -204,7 +204,7 @@ def run_api_bench(
         engine_ms = _engine_latencies(d / "tierline.db")
     artifacts = zoo_root / "artifacts"
     name = model.split("/", 1)[1]
-    draft = artifacts / "lm-edge" if name == "lm-cloud" else None
+    draft = artifacts / "lm-draft" if name == "lm-cloud" else None
     n_api, n_one = len(api["latencies"]), len(one_by_one["latencies"])
     alone = _run(_engine_alone(artifacts / name, draft, max(concurrency, n_api), concurrency, max_tokens))
     alone_one_by_one = _run(_engine_alone(artifacts / name, draft, n_one, 1, max_tokens))

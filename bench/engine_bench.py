@@ -3,8 +3,9 @@
 - ``engine``: many requests with mixed prompt/output lengths arriving at once; this engine beside
   transformers ``generate`` one request at a time and in padded static batches, plus this engine's bare
   batched forward as the ceiling.
-- ``spec``: batch-1 greedy with and without speculation (draft model, n-gram) beside transformers assisted
-  generation with the same draft; and speculation on vs off at 16 concurrent requests.
+- ``spec``: batch-1 greedy with and without speculation (the distilled draft model, the edge LM as it is,
+  n-gram) beside transformers assisted generation with the same draft; and speculation on vs off at 16
+  concurrent requests.
 - ``prefix``: time to first token for requests sharing a long system prompt, with and without prefix caching.
 """
 
@@ -237,7 +238,7 @@ def _greedy_batch1(engine: LLMEngine, prompts: list[list[int]], num_tokens: int)
 
 
 def bench_spec(zoo_root: Path, num_prompts: int = 8, num_tokens: int = 96, seed: int = 1) -> dict[str, Any]:
-    target, draft = _lm(zoo_root, "lm-cloud"), _lm(zoo_root, "lm-edge")
+    target, draft = _lm(zoo_root, "lm-cloud"), _lm(zoo_root, "lm-draft")
     plain = LLMEngine(EngineConfig(target, kv_cache_bytes=KV_BYTES))
     prompts = [p for p, _ in _workload(_corpus_ids(plain), num_prompts, (64, 192), (1, 1), seed, plain.max_model_len)]
     total = num_prompts * num_tokens
@@ -248,6 +249,12 @@ def bench_spec(zoo_root: Path, num_prompts: int = 8, num_tokens: int = 96, seed:
     spec_out, t_spec = _greedy_batch1(spec_engine, prompts, num_tokens)
     accepted = spec_engine.stats.spec_accepted.get("draft", 0)
     proposed = spec_engine.stats.spec_proposed.get("draft", 0)
+    # The same with the edge LM as it is, before distillation towards the target, as the draft.
+    edge_engine = LLMEngine(EngineConfig(target, draft_model_dir=_lm(zoo_root, "lm-edge"), kv_cache_bytes=KV_BYTES))
+    _greedy_batch1(edge_engine, prompts[:1], 8)
+    edge_out, t_edge = _greedy_batch1(edge_engine, prompts, num_tokens)
+    edge_stats = edge_engine.stats
+    del edge_engine
     ngram_engine = LLMEngine(EngineConfig(target, speculation="ngram", kv_cache_bytes=KV_BYTES))
     ngram_out, t_ngram = _greedy_batch1(ngram_engine, prompts, num_tokens)
     # 16 concurrent requests: speculation on vs off on the same engine.
@@ -268,8 +275,14 @@ def bench_spec(zoo_root: Path, num_prompts: int = 8, num_tokens: int = 96, seed:
             3,
         ),
         "speedup": round(t_plain / t_spec, 2),
+        # The undistilled edge LM as the draft: what distillation adds.
+        "edge_draft_tokens_per_s": round(total / t_edge, 1),
+        "edge_draft_acceptance_rate": round(
+            edge_stats.spec_accepted.get("draft", 0) / max(1, edge_stats.spec_proposed.get("draft", 0)), 3
+        ),
+        "edge_draft_speedup": round(t_plain / t_edge, 2),
         "ngram_speedup": round(t_plain / t_ngram, 2),
-        "outputs_identical": spec_out == base and ngram_out == base,
+        "outputs_identical": spec_out == base and ngram_out == base and edge_out == base,
         "spec_speedup_at_16": round(on16["tokens_per_s"] / off16["tokens_per_s"], 2),
         "spec_tokens_per_s_at_16": round(on16["tokens_per_s"], 1),
         "plain_tokens_per_s_at_16": round(off16["tokens_per_s"], 1),

@@ -25,7 +25,7 @@ from shared.zoo.registry import ZooLayout
 logger = logging.getLogger(__name__)
 
 # model id → (artifact, draft artifact for speculative decoding)
-ZOO_LMS = {"tierline/lm-cloud": ("lm-cloud", "lm-edge"), "tierline/lm-edge": ("lm-edge", None)}
+ZOO_LMS = {"tierline/lm-cloud": ("lm-cloud", "lm-draft"), "tierline/lm-edge": ("lm-edge", None)}
 PIN_SEPARATOR = "@"
 
 

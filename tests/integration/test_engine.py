@@ -26,7 +26,7 @@ KV = 16 << 20
 @pytest.fixture(scope="module")
 def lm_dirs(tiny_zoo: Path) -> tuple[Path, Path]:
     layout = ZooLayout(tiny_zoo)
-    return layout.artifact_dir("lm-cloud"), layout.artifact_dir("lm-edge")
+    return layout.artifact_dir("lm-cloud"), layout.artifact_dir("lm-draft")
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ def test_cuda_speculative_greedy_is_identical_to_plain(tiny_zoo: Path) -> None:
     plain = LLM(layout.artifact_dir("lm-cloud"), device="cuda", dtype="float32", kv_cache_bytes=16 << 20)
     spec = LLM(
         layout.artifact_dir("lm-cloud"),
-        draft_model_dir=layout.artifact_dir("lm-edge"),
+        draft_model_dir=layout.artifact_dir("lm-draft"),
         device="cuda",
         dtype="float32",
         kv_cache_bytes=16 << 20,
