@@ -79,7 +79,10 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype, max_po
         raise ConfigurationError(f"{model_dir}: checkpoint lacks {len(missing)} tensors, e.g. {missing[0]}")
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    if device.type == "cpu":
+        model.transpose_linear_weights()
+    return model
 
 
 def _map_name(name: str, qkv_sizes: list[int], intermediate: int) -> tuple[str | None, int, int | None]:

@@ -10,6 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from cloud.engine.loader import load_model
+from cloud.engine.model import TransposedLinear
 from cloud.engine.model_runner import Feed, ModelRunner
 from shared.errors import ConfigurationError
 
@@ -114,6 +115,24 @@ def test_sharded_checkpoint_loads_like_a_single_file(tmp_path: Path) -> None:
     got = _runner(path).execute([Feed(list(range(4)), ids[0].tolist(), 0, 12)])
     with torch.no_grad():
         torch.testing.assert_close(got, hf(ids).logits[0], atol=ATOL, rtol=0)
+
+
+def test_on_cpu_projections_are_held_transposed_and_a_tied_embedding_is_held_once(tmp_path: Path) -> None:
+    """CPU decoding multiplies by [in, out] weights; the tied embedding is a view of the LM head's tensor, so the
+    model holds as many weight bytes as the checkpoint (the logits tests above check the numbers)."""
+    hf, path = _save(tmp_path, "qwen2-tied-bias")
+    model = load_model(path, torch.device("cpu"), torch.float32, 16)
+    assert isinstance(model.lm_head, TransposedLinear)
+    head = model.lm_head.weight_t
+    assert head.shape == (SMALL["hidden_size"], SMALL["vocab_size"]) and head.is_contiguous()
+    assert model.embed_tokens.weight.untyped_storage().data_ptr() == head.untyped_storage().data_ptr()
+    torch.testing.assert_close(model.embed_tokens.weight, hf.model.embed_tokens.weight, atol=0, rtol=0)
+
+    def weight_bytes(m: torch.nn.Module) -> int:
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in m.parameters()}
+        return sum(storages.values())
+
+    assert weight_bytes(model) == weight_bytes(hf)
 
 
 def test_unsupported_or_broken_checkpoints_are_named(tmp_path: Path) -> None:
