@@ -68,7 +68,7 @@ def test_compute_ratio_between_cloud_and_edge() -> None:
 def test_the_distilled_draft_agrees_with_the_cloud_lm_more_often_than_the_edge_lm(tiny_zoo: Path) -> None:
     """The draft is the edge LM trained on the cloud LM's distribution: on held-out text its most likely next
     token is the cloud LM's more often than the edge LM's is (what speculative decoding's acceptance rides on)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import LlamaForCausalLM
 
     from shared.zoo.corpus import held_out_files
     from shared.zoo.train_lm import top1_agreement
@@ -76,7 +76,7 @@ def test_the_distilled_draft_agrees_with_the_cloud_lm_more_often_than_the_edge_l
     tok = Tokenizer.from_file(str(tiny_zoo / "artifacts" / "lm-cloud" / "tokenizer.json"))
     stream = np.asarray([i for f in held_out_files()[:8] for i in tok.encode(f.text).ids], dtype=np.int32)
     lm = {
-        role: AutoModelForCausalLM.from_pretrained(tiny_zoo / "artifacts" / f"lm-{role}", dtype=torch.float32)
+        role: LlamaForCausalLM.from_pretrained(tiny_zoo / "artifacts" / f"lm-{role}", dtype=torch.float32)
         for role in ("edge", "cloud", "draft")
     }
     edge = top1_agreement(lm["edge"], lm["cloud"], stream, 64, 32)
