@@ -112,6 +112,36 @@ def _optimizer(model: torch.nn.Module, cfg: LMTraining) -> torch.optim.AdamW:
     )
 
 
+def _fit(
+    model: torch.nn.Module,
+    cfg: LMTraining,
+    train_stream: np.ndarray,
+    rng: np.random.Generator,
+    loss_of: Callable[[torch.Tensor], torch.Tensor],
+    progress: ProgressFn | None,
+) -> tuple[float, float]:
+    """``cfg.num_steps`` AdamW steps on random windows of ``train_stream`` (cosine schedule, clipped
+    gradients); returns the loss's moving average at the end and the seconds taken."""
+    model.train()
+    optimizer = _optimizer(model, cfg)
+    started = time.monotonic()
+    max_start = len(train_stream) - cfg.seq_len - 1
+    ema = float("nan")
+    for step in range(cfg.num_steps):
+        for group in optimizer.param_groups:
+            group["lr"] = _lr_at(step, cfg)
+        loss = loss_of(_windows(train_stream, rng.integers(0, max_start, cfg.batch_size), cfg.seq_len))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        value = float(loss.detach())
+        ema = value if math.isnan(ema) else 0.95 * ema + 0.05 * value
+        if progress is not None:
+            progress(step + 1, cfg.num_steps, ema)
+    return ema, time.monotonic() - started
+
+
 @torch.no_grad()
 def top1_agreement(
     student: LlamaForCausalLM, teacher: LlamaForCausalLM, stream: np.ndarray, seq_len: int, num_windows: int
@@ -146,29 +176,15 @@ def distill_lm(
     rng = np.random.default_rng(seed)
     teacher.eval()
     before = top1_agreement(student, teacher, held_out_stream, cfg.seq_len, preset.num_eval_windows)
-    student.train()
-    optimizer = _optimizer(student, cfg)
-    started = time.monotonic()
-    max_start = len(train_stream) - cfg.seq_len - 1
-    ema = float("nan")
-    for step in range(cfg.num_steps):
-        for group in optimizer.param_groups:
-            group["lr"] = _lr_at(step, cfg)
-        ids = _windows(train_stream, rng.integers(0, max_start, cfg.batch_size), cfg.seq_len)
+
+    def kl_to_teacher(ids: torch.Tensor) -> torch.Tensor:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             with torch.no_grad():
                 target = F.log_softmax(teacher(input_ids=ids).logits.float(), dim=-1)
             guess = F.log_softmax(student(input_ids=ids).logits.float(), dim=-1)
-        loss = F.kl_div(guess, target, log_target=True, reduction="sum") / ids.numel()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
-        optimizer.step()
-        value = float(loss.detach())
-        ema = value if math.isnan(ema) else 0.95 * ema + 0.05 * value
-        if progress is not None:
-            progress(step + 1, cfg.num_steps, ema)
-    seconds = time.monotonic() - started
+        return F.kl_div(guess, target, log_target=True, reduction="sum") / ids.numel()
+
+    ema, seconds = _fit(student, cfg, train_stream, rng, kl_to_teacher, progress)
     result = DistillResult(
         held_out_loss=evaluate_loss(student, held_out_stream, cfg.seq_len, preset.num_eval_windows),
         agreement_before=before,
@@ -196,26 +212,12 @@ def train_lm(
     rng = np.random.default_rng(seed)
     config = llama_config(preset, shape, tokenizer)
     model = LlamaForCausalLM(config)
-    model.train()
-    optimizer = _optimizer(model, cfg)
-    started = time.monotonic()
-    max_start = len(train_stream) - cfg.seq_len - 1
-    ema_loss = float("nan")
-    for step in range(cfg.num_steps):
-        for group in optimizer.param_groups:
-            group["lr"] = _lr_at(step, cfg)
-        ids = _windows(train_stream, rng.integers(0, max_start, cfg.batch_size), cfg.seq_len)
+
+    def next_token_loss(ids: torch.Tensor) -> torch.Tensor:
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        value = float(loss.detach())
-        ema_loss = value if math.isnan(ema_loss) else 0.95 * ema_loss + 0.05 * value
-        if progress is not None:
-            progress(step + 1, cfg.num_steps, ema_loss)
-    seconds = time.monotonic() - started
+            return cast(torch.Tensor, model(input_ids=ids, labels=ids).loss)
+
+    ema_loss, seconds = _fit(model, cfg, train_stream, rng, next_token_loss, progress)
     held_out = evaluate_loss(model, held_out_stream, cfg.seq_len, preset.num_eval_windows)
     result = TrainResult(
         held_out_loss=held_out,
