@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +26,20 @@ def _emit(result: dict[str, Any], as_json: bool) -> None:
 
 
 def _zoo_root(preset: str, zoo_dir: Path | None) -> Path:
-    """The built zoo preset (building it first when missing: the benchmarks need its artifacts)."""
-    from shared.artifacts import load_or_create_signing_key
-    from shared.settings import CoreSettings
-    from shared.zoo.build import build_zoo
-    from shared.zoo.presets import get_preset
+    """The built zoo preset (building it first when missing: the benchmarks need its artifacts).
 
-    core = CoreSettings()
-    base = zoo_dir or core.zoo_dir
-    build_zoo(get_preset(preset), base, load_or_create_signing_key(core.signing_key_path))
+    A build runs in a child process (its output on stderr), so that it leaves nothing in this one: the peak
+    RSS a benchmark reports is its own, not a model training's or an export's.
+    """
+    from shared.settings import CoreSettings
+    from shared.zoo.build import is_built
+    from shared.zoo.presets import get_preset
+    from shared.zoo.registry import ZooLayout
+
+    base = zoo_dir or CoreSettings().zoo_dir
+    if not is_built(ZooLayout(base / preset), get_preset(preset)):
+        cmd = [sys.executable, "-m", "shared.cli", "zoo", "build", "--preset", preset, "--out", str(base)]
+        subprocess.run(cmd, check=True, stdout=sys.stderr)
     return base / preset
 
 
