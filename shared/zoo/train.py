@@ -28,9 +28,8 @@ def _corpus(preset: Preset) -> tuple[list[SourceFile], list[SourceFile]]:
     return split_corpus(iter_stdlib_files(include_tests=preset.include_test_tree), preset.max_train_files)
 
 
-def _streams(preset: Preset, tok_dir: Path) -> tuple[list[SourceFile], list[SourceFile], np.ndarray, np.ndarray]:
+def _streams(preset: Preset, tokenizer: Tokenizer) -> tuple[list[SourceFile], list[SourceFile], np.ndarray, np.ndarray]:
     """The corpus split, and each side as one token stream."""
-    tokenizer = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
     train_files, held_out = _corpus(preset)
     return (
         train_files,
@@ -63,8 +62,8 @@ def train_role(
         (preset.edge, preset.edge_training, 1) if role == "edge" else (preset.cloud, preset.cloud_training, 2)
     )
     tok_dir = out_dir / "tokenizer"
-    train_files, held_out, train_stream, held_out_stream = _streams(preset, tok_dir)
     tokenizer = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    train_files, held_out, train_stream, held_out_stream = _streams(preset, tokenizer)
     model, result = train_lm(
         preset, shape, cfg, tokenizer, train_stream, held_out_stream, preset.seed + seed_offset, progress=progress
     )
@@ -96,7 +95,7 @@ def _distill_draft(preset: Preset, out_dir: Path, dtype: torch.dtype, progress: 
         if not (out_dir / f"lm-{role}" / "config.json").is_file():
             raise FileNotFoundError(f"{out_dir / f'lm-{role}'}: train the {role} LM before distilling the draft")
     tok_dir = out_dir / "tokenizer"
-    _, _, train_stream, held_out_stream = _streams(preset, tok_dir)
+    _, _, train_stream, held_out_stream = _streams(preset, Tokenizer.from_file(str(tok_dir / "tokenizer.json")))
     student = LlamaForCausalLM.from_pretrained(out_dir / "lm-edge", dtype=torch.float32)
     teacher = LlamaForCausalLM.from_pretrained(out_dir / "lm-cloud", dtype=torch.float32)
     model, result = distill_lm(
