@@ -14,7 +14,7 @@ import pytest
 from cloud.engine import AsyncLLMEngine, EngineConfig, SamplingParams
 from cloud.engine.async_engine import EngineClient
 from cloud.engine.outputs import RequestOutput
-from cloud.engine.process import EngineProcess
+from cloud.engine.process import DELIVER_SLICE, EngineProcess
 from cloud.engine.scheduler import QueueFull
 from shared.errors import ConfigurationError, ServiceUnavailableError, ValidationError
 from shared.zoo.registry import ZooLayout
@@ -118,6 +118,40 @@ def test_every_update_crosses_the_pipe_as_the_in_process_engine_makes_it(lm_dir:
             local.shutdown()
 
     asyncio.run(main())
+
+
+def test_many_streams_get_every_update_in_order_when_steps_are_delivered_in_slices(lm_dir: Path) -> None:
+    """More streams than one delivery slice: every stream still gets each of its updates once, in order, and the
+    changes it is given add up to its final answer (a delta applied out of order would not)."""
+    assert DELIVER_SLICE < 40
+
+    async def stream(engine: EngineClient, i: int) -> None:
+        params = greedy(5 + i % 7)
+        ids: list[int] = []
+        text, updates = "", 0
+        async for out in engine.generate(f"{PROMPTS[i % len(PROMPTS)]}{i}", params, request_id=f"s{i}"):
+            (c,) = out.outputs
+            assert c.token_ids == ids + c.delta_token_ids, f"stream {i}: update {updates} out of order"
+            ids, text, updates = c.token_ids, text + c.delta_text, updates + 1
+            if out.finished:
+                assert text == c.text and len(ids) == params.max_tokens == out.usage.completion_tokens
+                finished.append(i)
+            else:
+                assert i not in finished, f"stream {i}: an update after its last"
+        assert i in finished
+
+    finished: list[int] = []
+
+    async def main() -> None:
+        child = EngineProcess.from_config(EngineConfig(lm_dir, kv_cache_bytes=KV), name="child")
+        try:
+            await asyncio.gather(*(stream(child, i) for i in range(40)))
+            await asyncio.gather(*(stream(child, i) for i in range(40, 60)))  # a second wave on the same loop
+        finally:
+            child.shutdown()
+
+    asyncio.run(main())
+    assert sorted(finished) == list(range(60))
 
 
 def test_the_child_queue_bound_answers_queue_full(lm_dir: Path) -> None:
