@@ -23,7 +23,7 @@ import torch
 
 from cloud.engine.config import EngineConfig
 from cloud.engine.llm_engine import LLMEngine
-from cloud.engine.model_runner import Feed
+from cloud.engine.model_runner import Feed, ModelRunner
 from cloud.engine.sampling_params import SamplingParams
 from shared.zoo.corpus import held_out_files
 from shared.zoo.registry import ZooLayout
@@ -237,6 +237,37 @@ def _greedy_batch1(engine: LLMEngine, prompts: list[list[int]], num_tokens: int)
     return outputs, time.perf_counter() - started
 
 
+def _forward_ms(runner: ModelRunner, num_tokens: int, context: int = 128, repeats: int = 40) -> float:
+    """Best time of one forward feeding ``num_tokens`` tokens of one sequence after ``context`` cached ones."""
+    table = list(range(-(-(context + num_tokens) // runner.block_size)))
+    runner.execute([Feed(table, [1] * context, 0, 1)])
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        runner.execute([Feed(table, [1] * num_tokens, context, num_tokens)])
+        best = min(best, time.perf_counter() - started)
+    return best * 1000
+
+
+def _speculation_costs(engine: LLMEngine) -> dict[str, Any]:
+    """What a round of draft speculation costs here, in forwards of the bare model: the target's at one token
+    and at k + 1 (one verification of k proposals), and the draft's at one token. Speculation pays when a
+    verification costs about one plain forward (the weights stream from memory either way); where the forward is
+    compute-bound instead, its cost grows with the tokens verified and caps the speedup."""
+    assert engine.draft_runner is not None
+    k = engine.config.num_speculative_tokens
+    plain = _forward_ms(engine.runner, 1)
+    verify = _forward_ms(engine.runner, k + 1)
+    draft = _forward_ms(engine.draft_runner, 1)
+    return {
+        "target_forward_ms": round(plain, 3),
+        f"target_verify_{k + 1}_tokens_ms": round(verify, 3),
+        "draft_forward_ms": round(draft, 3),
+        "verify_cost_ratio": round(verify / plain, 2),
+        "draft_cost_ratio": round(draft / plain, 3),
+    }
+
+
 def bench_spec(zoo_root: Path, num_prompts: int = 8, num_tokens: int = 96, seed: int = 1) -> dict[str, Any]:
     target, draft = _lm(zoo_root, "lm-cloud"), _lm(zoo_root, "lm-draft")
     plain = LLMEngine(EngineConfig(target, kv_cache_bytes=KV_BYTES))
@@ -275,6 +306,8 @@ def bench_spec(zoo_root: Path, num_prompts: int = 8, num_tokens: int = 96, seed:
             3,
         ),
         "speedup": round(t_plain / t_spec, 2),
+        "plain_step_ms": round(t_plain / total * 1000, 3),  # the engine's whole step, forward and the rest
+        **_speculation_costs(spec_engine),
         # The undistilled edge LM as the draft: what distillation adds.
         "edge_draft_tokens_per_s": round(total / t_edge, 1),
         "edge_draft_acceptance_rate": round(

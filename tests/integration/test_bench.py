@@ -35,6 +35,11 @@ def test_spec_and_prefix_benches_report_their_keys(tiny_zoo: Path) -> None:
     for key in ("plain_tokens_per_s", "spec_tokens_per_s", "ngram_tokens_per_s", "hf_assisted_tokens_per_s"):
         assert spec[key] > 0, key
     assert 0 <= spec["acceptance_rate"] <= 1 and spec["spec_speedup_at_16"] > 0
+    # The cost of a speculation round in forwards: the verification's and the draft's, each against a plain one.
+    assert spec["target_verify_5_tokens_ms"] > 0 and spec["draft_forward_ms"] > 0
+    ratio = spec["target_verify_5_tokens_ms"] / spec["target_forward_ms"]
+    assert abs(spec["verify_cost_ratio"] - ratio) < 0.01
+    assert spec["plain_step_ms"] > 0
     prefix = bench_prefix(tiny_zoo, num_requests=2, system_tokens=64)
     assert prefix["prefix_cache_hit_rate"] > 0.5 and prefix["ttft_speedup"] > 0
 
