@@ -117,8 +117,8 @@ def run_engine_workload(
     }
 
 
-def raw_forward_tokens_per_s(engine: LLMEngine, batch: int, context: int, steps: int = 20) -> float:
-    """The bare model runner decoding ``batch`` sequences at ``context`` tokens: the ceiling for the engine."""
+def raw_forward_seconds(engine: LLMEngine, batch: int, context: int, steps: int = 20) -> float:
+    """Seconds per decode step of the bare model runner with ``batch`` sequences at ``context`` tokens."""
     runner = engine.runner
     bs = engine.config.block_size
     per_seq = -(-(context + steps) // bs)
@@ -129,7 +129,44 @@ def raw_forward_tokens_per_s(engine: LLMEngine, batch: int, context: int, steps:
     started = time.perf_counter()
     for s in range(steps):
         runner.execute([Feed(t, [1], context + s, 1) for t in tables])
-    return batch * steps / (time.perf_counter() - started)
+    return (time.perf_counter() - started) / steps
+
+
+def raw_forward_tokens_per_s(engine: LLMEngine, batch: int, context: int, steps: int = 20) -> float:
+    """The bare model runner decoding ``batch`` sequences at ``context`` tokens: the ceiling for the engine."""
+    return batch / raw_forward_seconds(engine, batch, context, steps)
+
+
+def forward_only_seconds(engine: LLMEngine, work: list[tuple[list[int], int]], context: int) -> float:
+    """The bare model runner doing this workload's forward work and nothing else: the prompts prefilled whole in
+    steps of up to the engine's token budget, then one decode step per further generated token at the batch of
+    requests still generating (at most ``max_num_seqs``; a step's time measured at batch sizes 1, 2, 4, ... and
+    interpolated). What an engine with no scheduling, sampling or detokenization cost would take."""
+    runner, cfg = engine.runner, engine.config
+    per_seq = -(-max(len(p) for p, _ in work) // cfg.block_size)
+    prefill = 0.0
+    step: list[list[int]] = []
+    for prompt in [p for p, _ in work] + [[]]:
+        if step and (not prompt or sum(map(len, step)) + len(prompt) > cfg.max_num_batched_tokens):
+            feeds = [Feed(list(range(i * per_seq, (i + 1) * per_seq)), p, 0, 1) for i, p in enumerate(step)]
+            started = time.perf_counter()
+            runner.execute(feeds)
+            prefill += time.perf_counter() - started
+            step = []
+        step.append(prompt)
+    # Decode steps: every running request feeds one token; a finished one's place goes to the next waiting.
+    remaining = [n - 1 for _, n in work if n > 1]
+    active, waiting, batches = remaining[: cfg.max_num_seqs], remaining[cfg.max_num_seqs :], []
+    while active:
+        batches.append(len(active))
+        active = [r - 1 for r in active if r > 1]
+        while waiting and len(active) < cfg.max_num_seqs:
+            active.append(waiting.pop(0))
+    if not batches:
+        return prefill
+    sizes = sorted({min(2**e, max(batches)) for e in range(max(batches).bit_length() + 1)})
+    cost = [raw_forward_seconds(engine, b, context) for b in sizes]
+    return prefill + sum(float(np.interp(b, sizes, cost)) for b in batches)
 
 
 def _hf_model(model_dir: Path) -> Any:
@@ -191,6 +228,7 @@ def bench_engine(
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     mean_ctx = int(statistics.mean(len(p) + n / 2 for p, n in work))
     raw = raw_forward_tokens_per_s(engine, min(max_num_seqs, num_requests), mean_ctx)
+    forward_only = ours["tokens"] / forward_only_seconds(engine, work, mean_ctx)
     result: dict[str, Any] = {
         "model": str(model_dir),
         "num_requests": num_requests,
@@ -200,6 +238,11 @@ def bench_engine(
         "engine_seconds": round(ours["seconds"], 2),
         "raw_forward_tokens_per_s": round(raw, 1),
         "efficiency_vs_raw_forward": round(ours["tokens_per_s"] / raw, 3),
+        # The same workload's prefill and decode steps on the bare forward, nothing else: how far the engine is from
+        # its own kernels on this work, and the most efficiency_vs_raw_forward this workload allows.
+        "forward_only_tokens_per_s": round(forward_only, 1),
+        "efficiency_vs_forward_only": round(ours["tokens_per_s"] / forward_only, 3),
+        "forward_only_vs_raw_forward": round(forward_only / raw, 3),
         "engine_forward_share": round(ours["forward_share"], 3),
         "engine_steps": ours["num_steps"],
         "mean_decode_batch": round(ours["tokens"] / ours["num_steps"], 1),

@@ -27,6 +27,10 @@ def test_engine_bench_reports_throughput_latency_and_baselines(tiny_zoo: Path) -
         assert r[key] > 0, key
     assert r["outputs_identical_to_hf"] == "6/6"
     assert 0 < r["engine_forward_share"] <= 1
+    # The same work on the bare forward alone: the reference the engine's efficiency is read against.
+    assert r["forward_only_tokens_per_s"] > 0 and r["forward_only_vs_raw_forward"] > 0
+    ratio = r["engine_tokens_per_s"] / r["forward_only_tokens_per_s"]
+    assert abs(r["efficiency_vs_forward_only"] - ratio) < 0.01
 
 
 def test_spec_and_prefix_benches_report_their_keys(tiny_zoo: Path) -> None:
