@@ -143,12 +143,15 @@ def forward_only_seconds(engine: LLMEngine, work: list[tuple[list[int], int]], c
     requests still generating (at most ``max_num_seqs``; a step's time measured at batch sizes 1, 2, 4, ... and
     interpolated). What an engine with no scheduling, sampling or detokenization cost would take."""
     runner, cfg = engine.runner, engine.config
-    per_seq = -(-max(len(p) for p, _ in work) // cfg.block_size)
     prefill = 0.0
     step: list[list[int]] = []
     for prompt in [p for p, _ in work] + [[]]:
         if step and (not prompt or sum(map(len, step)) + len(prompt) > cfg.max_num_batched_tokens):
-            feeds = [Feed(list(range(i * per_seq, (i + 1) * per_seq)), p, 0, 1) for i, p in enumerate(step)]
+            feeds, used = [], 0  # each prompt its own blocks, one after another
+            for p in step:
+                blocks = -(-len(p) // cfg.block_size)
+                feeds.append(Feed(list(range(used, used + blocks)), p, 0, 1))
+                used += blocks
             started = time.perf_counter()
             runner.execute(feeds)
             prefill += time.perf_counter() - started

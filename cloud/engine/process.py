@@ -278,7 +278,7 @@ class EngineProcess(EngineClient):
     def _flush_backlog(self) -> None:
         if self._backlog:
             backlog, self._backlog = self._backlog, collections.deque()
-            self._deliver_now(list(backlog))
+            self._deliver_now(backlog)
 
     def _deliver_now(self, updates: Sequence[RequestOutput | _Delta]) -> None:
         """Straight into the queues of streams on this loop; other loops' streams through ``_deliver``."""
