@@ -143,20 +143,21 @@ def forward_only_seconds(engine: LLMEngine, work: list[tuple[list[int], int]], c
     requests still generating (at most ``max_num_seqs``; a step's time measured at batch sizes 1, 2, 4, ... and
     interpolated). What an engine with no scheduling, sampling or detokenization cost would take."""
     runner, cfg = engine.runner, engine.config
+    steps: list[list[list[int]]] = [[]]  # the prompts, packed in order into steps of at most the token budget
+    for prompt, _ in work:
+        if steps[-1] and sum(map(len, steps[-1])) + len(prompt) > cfg.max_num_batched_tokens:
+            steps.append([])
+        steps[-1].append(prompt)
     prefill = 0.0
-    step: list[list[int]] = []
-    for prompt in [p for p, _ in work] + [[]]:
-        if step and (not prompt or sum(map(len, step)) + len(prompt) > cfg.max_num_batched_tokens):
-            feeds, used = [], 0  # each prompt its own blocks, one after another
-            for p in step:
-                blocks = -(-len(p) // cfg.block_size)
-                feeds.append(Feed(list(range(used, used + blocks)), p, 0, 1))
-                used += blocks
-            started = time.perf_counter()
-            runner.execute(feeds)
-            prefill += time.perf_counter() - started
-            step = []
-        step.append(prompt)
+    for step in filter(None, steps):  # (none when there is no work)
+        feeds, used = [], 0  # each prompt its own blocks, one after another
+        for p in step:
+            blocks = -(-len(p) // cfg.block_size)
+            feeds.append(Feed(list(range(used, used + blocks)), p, 0, 1))
+            used += blocks
+        started = time.perf_counter()
+        runner.execute(feeds)
+        prefill += time.perf_counter() - started
     # Decode steps: every running request feeds one token; a finished one's place goes to the next waiting.
     remaining = [n - 1 for _, n in work if n > 1]
     active, waiting, batches = remaining[: cfg.max_num_seqs], remaining[cfg.max_num_seqs :], []
