@@ -4,6 +4,9 @@ Tokens of one step are laid out flat ([T, ...]) and split into groups. A group i
 sequences feeding the same small number of tokens each (decodes, Q = 1; speculative verification,
 Q = k + 1), computed as one batched attention over their gathered blocks, or one sequence's prefill
 chunk. A chunk whose whole context is new needs no gather and runs as plain causal attention.
+
+A batched group is padded to its longest context, so sequences of very different lengths are split into
+groups of similar lengths (``split_by_context``) when the padding saved outweighs a group's fixed cost.
 """
 
 from __future__ import annotations
@@ -55,6 +58,40 @@ def build_group(
     query_pos = ctx[:, None] - q_len + torch.arange(q_len)[None, :]  # [B, Q]
     mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, Q, L]
     return AttentionGroup(start, len(context_lens), q_len, tables.to(device), mask[:, None].to(device), False)
+
+
+def split_by_context(num_blocks: list[int], group_cost_blocks: float, max_points: int = 48) -> list[list[int]]:
+    """Partition sequences (given each one's context in blocks) into groups that minimise the padded work,
+    ``sum(len(group) * max(group)) + group_cost_blocks * len(groups)``: a batched attention gathers and attends
+    every sequence of a group over the group's longest context, and each group costs a fixed number of op
+    launches, expressed in blocks of padded work. Returns groups of indices into ``num_blocks``, longest last.
+
+    Exact dynamic programme over the sorted lengths, with split points only where the length changes; when
+    there are more than ``max_points`` distinct lengths, lengths are rounded up to ``max_points`` levels for
+    the choice of split points only."""
+    n = len(num_blocks)
+    order = sorted(range(n), key=num_blocks.__getitem__)
+    if n < 2:
+        return [order] if order else []
+    lengths = [num_blocks[i] for i in order]
+    step = max(1, -(-lengths[-1] // max_points))
+    levels = [-(-b // step) for b in lengths]
+    ends = [j for j in range(1, n + 1) if j == n or levels[j] != levels[j - 1]]  # a group may end after j items
+    best = {0: 0.0}
+    cut = {0: 0}
+    starts = [0]
+    for j in ends:
+        padded = lengths[j - 1]
+        best[j], cut[j] = min((best[i] + group_cost_blocks + (j - i) * padded, i) for i in starts)
+        starts.append(j)
+    groups: list[list[int]] = []
+    j = n
+    while j:
+        i = cut[j]
+        groups.append(order[i:j])
+        j = i
+    groups.reverse()
+    return groups
 
 
 def paged_attention(

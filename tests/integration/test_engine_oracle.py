@@ -94,13 +94,17 @@ def test_step_by_step_decode_through_paged_cache_matches_transformers(tmp_path: 
     torch.testing.assert_close(torch.stack(got), torch.stack(expected), atol=ATOL, rtol=0)
 
 
-def test_batched_decode_of_different_lengths_matches_single_sequences(tmp_path: Path) -> None:
-    """Sequences of different context lengths decoded in one batch give the logits each gets alone."""
+@pytest.mark.parametrize("group_cost_blocks", [0.0, 1e9], ids=["a-group-per-length", "one-padded-group"])
+def test_batched_decode_of_different_lengths_matches_single_sequences(tmp_path: Path, group_cost_blocks: float) -> None:
+    """Sequences of different context lengths decoded in one batch give the logits each gets alone, whether they
+    share one attention group padded to the longest or are split into groups by length (then computed out of
+    feed order, the rows still come back in it)."""
     hf, path = _save(tmp_path, "llama-gqa")
     runner = _runner(path)
+    runner.group_cost_blocks = group_cost_blocks
     gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 17, 33)]
-    tables = [[0, 1, 2, 3, 4], [10, 11, 12, 13, 14], [20, 21, 22, 23, 24, 25]]
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (33, 5, 17, 6)]
+    tables = [[20, 21, 22, 23, 24, 25], [0, 1, 2, 3, 4], [10, 11, 12, 13, 14], [30, 31]]
     runner.execute([Feed(t, p[:-1], 0, 0) for t, p in zip(tables, prompts, strict=True)] or [])
     batched = runner.execute([Feed(t, p[-1:], len(p) - 1, 1) for t, p in zip(tables, prompts, strict=True)])
     with torch.no_grad():
