@@ -142,6 +142,7 @@ def run_api_bench(
     concurrency: int = 64,
     max_tokens: int = 16,
     model: str = "tierline/lm-cloud",
+    stream_interval: int = 1,
 ) -> dict[str, Any]:
     from shared.storage.migrate import upgrade
 
@@ -158,6 +159,7 @@ def run_api_bench(
                 "TIERLINE_DATABASE_URL": db_url,
                 "TIERLINE_CLOUD_ZOO_PRESET": zoo_root.name,
                 "TIERLINE_LOG_LEVEL": "WARNING",
+                "TIERLINE_CLOUD_STREAM_INTERVAL": str(stream_interval),
             }
         )
         cli = [sys.executable, "-m", "shared.cli"]
@@ -211,6 +213,7 @@ def run_api_bench(
     result: dict[str, Any] = {
         "model": model,
         "concurrency": concurrency,
+        "stream_interval": stream_interval,
         "duration_s": duration_s,
         "max_tokens": max_tokens,
         "requests": n_api,

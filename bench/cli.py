@@ -111,15 +111,33 @@ def bench_prefix(preset: str, zoo_dir: Path | None, as_json: bool, num_requests:
 @click.option("--duration", type=float, default=30.0, show_default=True, help="seconds of load")
 @click.option("--concurrency", type=int, default=64, show_default=True, help="streaming clients")
 @click.option("--max-tokens", type=int, default=16, show_default=True)
+@click.option(
+    "--stream-interval",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="the server's TIERLINE_CLOUD_STREAM_INTERVAL: tokens per streamed event at least",
+)
 def bench_api(
-    preset: str, zoo_dir: Path | None, as_json: bool, duration: float, concurrency: int, max_tokens: int
+    preset: str,
+    zoo_dir: Path | None,
+    as_json: bool,
+    duration: float,
+    concurrency: int,
+    max_tokens: int,
+    stream_interval: int,
 ) -> None:
     """Concurrent streaming clients against a real cloud server: throughput, errors, TTFT, API overhead."""
     from bench.api_bench import run_api_bench
     from shared.settings import CoreSettings
 
     root = _zoo_root(preset, zoo_dir)
-    _emit(run_api_bench(root, CoreSettings().data_dir, duration, concurrency, max_tokens), as_json)
+    _emit(
+        run_api_bench(
+            root, CoreSettings().data_dir, duration, concurrency, max_tokens, stream_interval=stream_interval
+        ),
+        as_json,
+    )
 
 
 @bench.command("tensor")

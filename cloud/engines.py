@@ -77,6 +77,7 @@ def engine_config(model_dir: Path, settings: CloudSettings, draft_dir: Path | No
         max_num_queued_requests=settings.max_num_queued_requests,
         speculation="ngram" if settings.speculation == "ngram" else None,
         num_threads=threads,
+        stream_interval=settings.stream_interval,
     )
 
 

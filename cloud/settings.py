@@ -25,6 +25,12 @@ class CloudSettings(BaseSettings):
     engine_process: bool = Field(
         True, description="run each engine's step loop in a process of its own (false: a thread of the API process)"
     )
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        description="tokens per streamed event at least (a stream's first tokens and its end go out at once): "
+        "fewer, larger events for less API work under load",
+    )
     request_timeout_s: float = Field(300.0, gt=0, description="server-side deadline per request")
     budget_lease_margin_s: float = Field(
         60.0, gt=0, description="a budget reservation's lease outlasts the request deadline by this much"

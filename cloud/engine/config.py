@@ -15,6 +15,8 @@ class EngineConfig:
     The KV budget is ``kv_cache_bytes`` when given, else ``kv_cache_fraction`` of free device memory (CUDA)
     or of available RAM (CPU). ``speculation`` is the model's default mode (``draft`` needs
     ``draft_model_dir``); ``num_speculative_tokens`` is the largest k the adaptive controller may pick.
+    ``stream_interval``: a request's tokens are handed out in updates of at least this many (its first tokens
+    and its last update at once), as SGLang's and vLLM's ``--stream-interval``: fewer, larger stream events.
     """
 
     model_dir: Path
@@ -34,6 +36,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     adaptive_speculation: bool = True
     num_threads: int | None = None
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)
@@ -53,5 +56,7 @@ class EngineConfig:
             raise ValueError("kv_cache_fraction must be in (0, 0.95]")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("num_speculative_tokens must be in [1, 16]")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every running sequence decodes)")

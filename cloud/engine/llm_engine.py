@@ -37,6 +37,8 @@ class _Request:
     arrival_time: float
     first_token_time: float | None = None
     emitted_tokens: list[int] = field(default_factory=list)
+    streamed: bool = False  # an update with tokens has gone out
+    held: RequestOutput | None = None  # what the stream interval holds back, merged into the next update
 
 
 @dataclass(slots=True)
@@ -274,11 +276,20 @@ class LLMEngine:
         if out.scheduled:
             self._run(out, touched)
         self.stats.num_steps += 1
-        outputs = [self._output(req) for req in touched.values()]
+        outputs: list[RequestOutput] = []
+        interval = self.config.stream_interval
         now = time.monotonic()  # the step hands its updates back now: a finished request's engine latency ends here
-        for output, req in zip(outputs, touched.values(), strict=True):
+        for req in touched.values():
+            output = self._output(req)  # every step: stop strings end a sequence as soon as they appear
+            if req.held is not None:
+                output, req.held = _merge(req.held, output), None
             if output.finished:
                 output.engine_s = now - req.arrival_time
+            elif req.streamed and max(len(c.delta_token_ids) for c in output.outputs) < interval:
+                req.held = output  # neither the first tokens, nor the last, nor stream_interval of them yet
+                continue
+            req.streamed = True
+            outputs.append(output)
         return outputs
 
     def _run(self, out: SchedulerOutput, touched: dict[str, _Request]) -> None:
@@ -464,3 +475,12 @@ class LLMEngine:
             "prefix_cache_hit_rate": round(self.block_manager.prefix_cache_hit_rate(), 4),
             "spec_acceptance": {m: round(s.spec_accepted.get(m, 0) / p, 4) for m, p in s.spec_proposed.items() if p},
         }
+
+
+def _merge(held: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """``later`` carrying the deltas of ``held`` (an update the stream interval held back) before its own."""
+    for before, choice in zip(held.outputs, later.outputs, strict=True):
+        choice.delta_text = before.delta_text + choice.delta_text
+        choice.delta_token_ids = before.delta_token_ids + choice.delta_token_ids
+        choice.delta_logprobs = before.delta_logprobs + choice.delta_logprobs
+    return later

@@ -33,6 +33,9 @@ from tests.conftest import (
 
 pytestmark = pytest.mark.integration
 MODEL = "tierline/lm-cloud"
+# Every test here streams through merged engine updates (tests/integration/test_engine.py checks the merging
+# itself: a stream's first tokens and its end at once, at least this many tokens an update in between).
+STREAM_INTERVAL = 2
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +50,7 @@ def cloud_api(
         TIERLINE_CLOUD_ZOO_PRESET="tiny",
         TIERLINE_CLOUD_KV_CACHE_MB="16",
         TIERLINE_CLOUD_USAGE_FLUSH_MS="50",
+        TIERLINE_CLOUD_STREAM_INTERVAL=str(STREAM_INTERVAL),
     )
 
     def cli(*args: str) -> str:

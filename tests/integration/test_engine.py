@@ -14,6 +14,7 @@ from cloud.engine import LLM, AsyncLLMEngine, EngineConfig, SamplingParams
 from cloud.engine.llm_engine import LLMEngine
 from cloud.engine.model_config import ModelConfig
 from cloud.engine.model_runner import ModelRunner
+from cloud.engine.outputs import RequestOutput
 from cloud.engine.scheduler import QueueFull
 from cloud.engine.tokenizer import ChatTokenizer, IncrementalDetokenizer
 from shared.errors import ValidationError
@@ -215,3 +216,53 @@ def test_incremental_detokenizer_emits_whole_characters_and_never_part_of_a_stop
     expected = text[: text.index(stop[0])] if stop and stop[0] in text else text
     assert "".join(emitted) == expected == detok.text
     assert stopped == bool(stop and stop[0] in text)
+
+
+def _stream(engine: LLMEngine, params: SamplingParams) -> list[object]:
+    """Every update of one request, its first to its last, stepping the engine by hand."""
+    engine.add_request("r", PROMPTS[1], params)
+    updates: list[object] = []
+    while engine.has_unfinished_requests():
+        updates.extend(engine.step())
+    return updates
+
+
+@pytest.mark.parametrize("interval", [3, 5])
+def test_a_stream_interval_sends_fewer_updates_carrying_every_token_text_and_logprob(
+    lm_dirs: tuple[Path, Path], interval: int
+) -> None:
+    every = LLMEngine(EngineConfig(lm_dirs[0], kv_cache_bytes=KV))
+    coarse = LLMEngine(EngineConfig(lm_dirs[0], kv_cache_bytes=KV, stream_interval=interval))
+    free = _stream(every, greedy(40))[-1]
+    assert isinstance(free, RequestOutput)
+    # A stop string that first appears mid-way: it ends the answer wherever its tokens fall into updates.
+    stop = next(
+        free.text[i : i + 3] for i in range(15, len(free.text) - 3) if free.text.index(free.text[i : i + 3]) == i
+    )
+    cases = (
+        greedy(23, logprobs=2),
+        SamplingParams(temperature=0.8, seed=7, max_tokens=30, n=2, ignore_eos=True),
+        greedy(40, stop=[stop]),
+    )
+    for params in cases:
+        fine_updates, coarse_updates = _stream(every, params), _stream(coarse, params)
+        fine, last = fine_updates[-1], coarse_updates[-1]
+        assert isinstance(fine, RequestOutput) and isinstance(last, RequestOutput) and last.finished
+        # The same answer, in fewer updates: the first at once (time to first token), the last at once.
+        assert [(c.text, c.token_ids, c.finish_reason) for c in last.outputs] == [
+            (c.text, c.token_ids, c.finish_reason) for c in fine.outputs
+        ]
+        assert len(coarse_updates) < len(fine_updates)
+        first = coarse_updates[0]
+        assert isinstance(first, RequestOutput) and first.ttft_s is not None
+        for index, choice in enumerate(last.outputs):
+            deltas = [u.outputs[index] for u in coarse_updates if isinstance(u, RequestOutput)]
+            assert "".join(d.delta_text for d in deltas) == choice.text
+            assert [t for d in deltas for t in d.delta_token_ids] == choice.token_ids
+            if choice.logprobs is not None:
+                assert [lp for d in deltas for lp in d.delta_logprobs] == choice.logprobs
+            # Between the first update and the last, none carries fewer than ``interval`` new tokens.
+            middle = [len(d.delta_token_ids) for d in deltas[1:-1] if d.delta_token_ids]
+            assert all(n >= interval for n in middle), middle
+    with pytest.raises(ValueError, match="stream_interval"):
+        EngineConfig(lm_dirs[0], stream_interval=0)
