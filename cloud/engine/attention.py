@@ -6,7 +6,9 @@ Q = k + 1), computed as one batched attention over their gathered blocks, or one
 chunk. A chunk whose whole context is new needs no gather and runs as plain causal attention.
 
 A batched group is padded to its longest context, so sequences of very different lengths are split into
-groups of similar lengths (``split_by_context``) when the padding saved outweighs a group's fixed cost.
+groups of similar lengths (``split_by_context``) when the padding saved outweighs a group's fixed cost. On CPU in
+fp32 a batched group is instead computed by ``cpu_kernels``' kernel, which reads each sequence's blocks in place:
+no gather, no padding (and so no split).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 
+from cloud.engine.cpu_kernels import PagedAttention
+
 
 @dataclass(slots=True)
 class AttentionGroup:
@@ -23,8 +27,9 @@ class AttentionGroup:
     num_seqs: int
     q_len: int
     block_tables: torch.Tensor | None  # [B, max_blocks] (None when is_fresh)
-    mask: torch.Tensor | None  # [B, 1, Q, L] bool: True = attend
+    mask: torch.Tensor | None  # [B, 1, Q, L] bool: True = attend (None when is_fresh or for the kernel)
     is_fresh: bool
+    context_lens: torch.Tensor | None = None  # [B] (for the kernel)
 
     @property
     def end(self) -> int:
@@ -35,6 +40,7 @@ class AttentionGroup:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
     groups: list[AttentionGroup]
+    kernel: PagedAttention | None = None  # batched groups read the cache in place (``cpu_kernels``)
 
 
 def build_group(
@@ -44,8 +50,10 @@ def build_group(
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device,
+    for_kernel: bool = False,
 ) -> AttentionGroup:
-    """A group of sequences each feeding ``q_len`` tokens that end their contexts of ``context_lens``."""
+    """A group of sequences each feeding ``q_len`` tokens that end their contexts of ``context_lens``; for the
+    in-place kernel (``for_kernel``) with the context lengths instead of a mask."""
     if len(context_lens) == 1 and context_lens[0] == q_len:
         return AttentionGroup(start, 1, q_len, None, None, True)
     max_blocks = max(-(-c // block_size) for c in context_lens)
@@ -54,6 +62,8 @@ def build_group(
         n = min(len(table), max_blocks)
         tables[i, :n] = torch.tensor(table[:n], dtype=torch.long)
     ctx = torch.tensor(context_lens, dtype=torch.long)
+    if for_kernel:
+        return AttentionGroup(start, len(context_lens), q_len, tables.to(device), None, False, ctx.to(device))
     key_pos = torch.arange(max_blocks * block_size)  # [L]
     query_pos = ctx[:, None] - q_len + torch.arange(q_len)[None, :]  # [B, Q]
     mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, Q, L]
@@ -111,11 +121,19 @@ def paged_attention(
     flat_v.index_copy_(0, meta.slot_mapping, v)
     num_heads = q.shape[1]
     if len(meta.groups) == 1 and meta.groups[0].end == q.shape[0]:
-        return _group_attention(q, k, v, k_cache, v_cache, meta.groups[0], scale, num_heads)
+        return _group_attention(q, k, v, k_cache, v_cache, meta.groups[0], scale, num_heads, meta.kernel)
     out = torch.empty_like(q)
     for g in meta.groups:
         out[g.start : g.end] = _group_attention(
-            q[g.start : g.end], k[g.start : g.end], v[g.start : g.end], k_cache, v_cache, g, scale, num_heads
+            q[g.start : g.end],
+            k[g.start : g.end],
+            v[g.start : g.end],
+            k_cache,
+            v_cache,
+            g,
+            scale,
+            num_heads,
+            meta.kernel,
         )
     return out
 
@@ -129,6 +147,7 @@ def _group_attention(
     g: AttentionGroup,
     scale: float,
     num_heads: int,
+    kernel: PagedAttention | None = None,
 ) -> torch.Tensor:
     head_dim = q.shape[-1]
     if g.is_fresh:
@@ -143,6 +162,8 @@ def _group_attention(
         )
         return o[0].transpose(0, 1)
     assert g.block_tables is not None
+    if g.context_lens is not None and kernel is not None:
+        return kernel(q, k_cache, v_cache, g.block_tables, g.context_lens, g.q_len, scale)
     b, nb = g.block_tables.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     # index_select on the flat table is ~2x faster on CPU than advanced indexing with the 2-D table.

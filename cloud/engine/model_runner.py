@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from cloud.engine.attention import AttentionGroup, AttentionMetadata, build_group, split_by_context
+from cloud.engine.cpu_kernels import paged_attention_kernel
 from cloud.engine.loader import load_model
 from cloud.engine.model_config import ModelConfig
 
@@ -56,6 +57,8 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
         cost_tokens = GROUP_COST_TOKENS_CUDA if device.type == "cuda" else GROUP_COST_TOKENS_CPU
         self.group_cost_blocks = cost_tokens / block_size
+        # On CPU in fp32 batched groups read the cache in place (no padding: one group per token count).
+        self.attention_kernel = paged_attention_kernel() if device.type == "cpu" and dtype == torch.float32 else None
         self.forward_seconds = 0.0
         self.num_forwards = 0
 
@@ -80,11 +83,16 @@ class ModelRunner:
                 by_len.setdefault(n, []).append(i)
             else:
                 singles.append(i)
+        kernel = self.attention_kernel
         order: list[list[int]] = []
         for n, idxs in sorted(by_len.items()):
+            if kernel is not None:
+                order.append(idxs)
+                continue
             # Padded to the longest context in the group: sequences of very different lengths go in several groups.
             contexts = [-(-(feeds[i].start + n) // self.block_size) for i in idxs]
             order.extend([idxs[j] for j in part] for part in split_by_context(contexts, self.group_cost_blocks))
+        num_batched = len(order)
         order += [[i] for i in singles]
         ids: list[int] = []
         positions: list[int] = []
@@ -92,7 +100,7 @@ class ModelRunner:
         slots: list[int] = []
         groups: list[AttentionGroup] = []
         flat_start: dict[int, int] = {}
-        for idxs in order:
+        for g, idxs in enumerate(order):
             q_len = len(feeds[idxs[0]].token_ids)
             groups.append(
                 build_group(
@@ -102,6 +110,7 @@ class ModelRunner:
                     [feeds[i].block_table for i in idxs],
                     self.block_size,
                     self.device,
+                    for_kernel=kernel is not None and g < num_batched,
                 )
             )
             for i in idxs:
@@ -111,7 +120,7 @@ class ModelRunner:
                 positions.extend(range(f.start, f.start + q_len))
                 seq_lens.extend([f.start + q_len] * q_len)
                 slots.extend(self._slots(f))
-        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=self.device), groups)
+        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=self.device), groups, kernel)
         hidden = self.model(
             torch.tensor(ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),

@@ -56,8 +56,13 @@ def _save(tmp_path: Path, case: str, max_shard_size: str | None = None) -> tuple
     return model, out
 
 
-def _runner(path: Path) -> ModelRunner:
-    return ModelRunner(path, torch.device("cpu"), torch.float32, BLOCK, num_blocks=64, max_model_len=128)
+def _runner(path: Path, attention: str = "kernel") -> ModelRunner:
+    runner = ModelRunner(path, torch.device("cpu"), torch.float32, BLOCK, num_blocks=64, max_model_len=128)
+    if attention == "kernel":
+        assert runner.attention_kernel is not None, "the CPU paged-attention kernel did not build (see the log)"
+    else:
+        runner.attention_kernel = None  # torch's gather and SDPA
+    return runner
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -73,12 +78,16 @@ def test_prefill_logits_match_transformers(tmp_path: Path, case: str) -> None:
         torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("attention", ["kernel", "torch"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_step_by_step_decode_through_paged_cache_matches_transformers(tmp_path: Path, case: str) -> None:
+def test_step_by_step_decode_through_paged_cache_matches_transformers(
+    tmp_path: Path, case: str, attention: str
+) -> None:
     """A chunked prefill then one token at a time, through scattered (non-contiguous) blocks, against
-    transformers' own incremental decoding with its KV cache."""
+    transformers' own incremental decoding with its KV cache; reading the cache with the CPU kernel and with
+    torch's gather."""
     hf, path = _save(tmp_path, case)
-    runner = _runner(path)
+    runner = _runner(path, attention)
     ids = torch.randint(0, SMALL["vocab_size"], (1, 30), generator=torch.Generator().manual_seed(2))
     table = [13, 2, 40, 7, 21]  # deliberately out of order
     with torch.no_grad():
@@ -94,13 +103,19 @@ def test_step_by_step_decode_through_paged_cache_matches_transformers(tmp_path: 
     torch.testing.assert_close(torch.stack(got), torch.stack(expected), atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("group_cost_blocks", [0.0, 1e9], ids=["a-group-per-length", "one-padded-group"])
-def test_batched_decode_of_different_lengths_matches_single_sequences(tmp_path: Path, group_cost_blocks: float) -> None:
-    """Sequences of different context lengths decoded in one batch give the logits each gets alone, whether they
-    share one attention group padded to the longest or are split into groups by length (then computed out of
-    feed order, the rows still come back in it)."""
+@pytest.mark.parametrize(
+    ("attention", "group_cost_blocks"),
+    [("kernel", 0.0), ("torch", 0.0), ("torch", 1e9)],
+    ids=["kernel", "torch-a-group-per-length", "torch-one-padded-group"],
+)
+def test_batched_decode_of_different_lengths_matches_single_sequences(
+    tmp_path: Path, attention: str, group_cost_blocks: float
+) -> None:
+    """Sequences of different context lengths decoded in one batch give the logits each gets alone: read in place
+    by the kernel, or gathered by torch into one group padded to the longest or into groups split by length (then
+    computed out of feed order, the rows still come back in it)."""
     hf, path = _save(tmp_path, "llama-gqa")
-    runner = _runner(path)
+    runner = _runner(path, attention)
     runner.group_cost_blocks = group_cost_blocks
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (33, 5, 17, 6)]

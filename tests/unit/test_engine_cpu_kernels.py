@@ -1,0 +1,79 @@
+"""The CPU paged-attention kernel against torch's gather + SDPA on the same scattered cache."""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from cloud.engine import cpu_kernels
+from cloud.engine.attention import AttentionMetadata, build_group, paged_attention
+from cloud.engine.cpu_kernels import paged_attention_kernel
+
+
+@pytest.fixture
+def kernel() -> cpu_kernels.PagedAttention:
+    k = paged_attention_kernel()
+    assert k is not None, "the CPU paged-attention kernel did not build (see the log)"
+    return k
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 2), (4, 4), (8, 1)])
+@pytest.mark.parametrize("q_len", [1, 3, 5])
+def test_the_kernel_attends_like_torch_over_scattered_blocks(
+    kernel: cpu_kernels.PagedAttention, num_heads: int, num_kv_heads: int, q_len: int
+) -> None:
+    rng, gen = random.Random(q_len * 31 + num_heads), torch.Generator().manual_seed(q_len)
+    num_blocks, block_size, head_dim = 96, 8, 32
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    contexts = [q_len, q_len + 1, 8, 9, 40, 77, rng.randint(q_len, 120)]  # a context of exactly q_len included
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-c // block_size))] for c in contexts]
+    q = torch.randn(len(contexts) * q_len, num_heads, head_dim, generator=gen)
+    k = torch.randn(len(contexts) * q_len, num_kv_heads, head_dim, generator=gen)  # the new tokens' keys
+    v = torch.randn(len(contexts) * q_len, num_kv_heads, head_dim, generator=gen)
+    bs = block_size
+    slots = torch.tensor(
+        [tables[s][p // bs] * bs + p % bs for s, c in enumerate(contexts) for p in range(c - q_len, c)]
+    )
+    cpu = torch.device("cpu")
+    torch_group = build_group(0, q_len, contexts, tables, block_size, cpu)
+    kernel_group = build_group(0, q_len, contexts, tables, block_size, cpu, for_kernel=True)
+    assert kernel_group.mask is None and kernel_group.context_lens is not None
+    expected = paged_attention(q, k, v, k_cache, v_cache, AttentionMetadata(slots, [torch_group]), 0.17)
+    got = paged_attention(q, k, v, k_cache, v_cache, AttentionMetadata(slots, [kernel_group], kernel), 0.17)
+    torch.testing.assert_close(got, expected, atol=2e-6, rtol=1e-5)
+
+
+def test_without_a_compiler_or_when_switched_off_the_engine_keeps_torch(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    monkeypatch.setenv("TIERLINE_CPU_KERNELS", "0")
+    assert paged_attention_kernel() is None
+    monkeypatch.delenv("TIERLINE_CPU_KERNELS")
+    monkeypatch.setenv("TIERLINE_KERNEL_CACHE", str(tmp_path / "kernels"))
+    broken = tmp_path / "cc"
+    broken.write_text("#!/bin/sh\necho 'cc: error: no such compiler' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("CC", str(broken))
+    with caplog.at_level(logging.WARNING, logger="cloud.engine.cpu_kernels"):
+        assert paged_attention_kernel() is None
+    assert "gathering blocks with torch" in caplog.text and "no such compiler" in caplog.text
+
+
+def test_the_build_is_cached_on_disk_and_private(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    monkeypatch.setenv("TIERLINE_KERNEL_CACHE", str(tmp_path / "kernels"))
+    assert paged_attention_kernel() is not None
+    built = list((tmp_path / "kernels").glob("paged_attention-*.so"))
+    assert len(built) == 1 and (tmp_path / "kernels").stat().st_mode & 0o077 == 0
+    stamp = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    assert paged_attention_kernel() is not None  # a new process: the cached library, not a rebuild
+    assert built[0].stat().st_mtime_ns == stamp
