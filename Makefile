@@ -45,7 +45,7 @@ lint: install
 bench: install
 	$(BIN)/tierline zoo build --preset demo
 	$(BIN)/tierline bench zoo --preset demo
-	$(BIN)/tierline bench engine --json
+	$(BIN)/tierline bench engine --json --rounds 3
 	$(BIN)/tierline bench spec --json
 	$(BIN)/tierline bench prefix --json
 	$(BIN)/tierline bench tensor --json

@@ -75,13 +75,26 @@ def bench_zoo(preset: str, zoo_dir: Path | None, tokens: int, repeats: int) -> N
 @click.option("--requests", "num_requests", type=int, default=64, show_default=True)
 @click.option("--max-num-seqs", type=int, default=64, show_default=True)
 @click.option("--skip-hf", is_flag=True, help="only this engine (no transformers baselines)")
+@click.option(
+    "--rounds",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="every contender once a round, in turn; medians reported (a host whose speed drifts slows all alike)",
+)
 def bench_engine(
-    preset: str, zoo_dir: Path | None, as_json: bool, num_requests: int, max_num_seqs: int, skip_hf: bool
+    preset: str,
+    zoo_dir: Path | None,
+    as_json: bool,
+    num_requests: int,
+    max_num_seqs: int,
+    skip_hf: bool,
+    rounds: int,
 ) -> None:
     """Continuous batching on mixed requests beside transformers (sequential and static batches)."""
     from bench.engine_bench import bench_engine as run
 
-    _emit(run(_zoo_root(preset, zoo_dir), num_requests, max_num_seqs, skip_hf), as_json)
+    _emit(run(_zoo_root(preset, zoo_dir), num_requests, max_num_seqs, skip_hf, rounds=rounds), as_json)
 
 
 @bench.command("spec")
