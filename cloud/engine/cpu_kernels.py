@@ -136,9 +136,13 @@ def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
     key = hashlib.sha256("\0".join([SOURCE, compiler, version, " ".join(FLAGS), _cpu_flags()]).encode()).hexdigest()
     target = cache_dir() / f"paged_attention-{key[:16]}.so"
+    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    info = target.parent.stat()
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        # Whoever can write there can put code into this process: load nothing from such a folder.
+        raise OSError(f"{target.parent} is not private to this user (owner and mode): not loading code from it")
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         src, lib = Path(tmp) / "paged_attention.c", Path(tmp) / "paged_attention.so"
         src.write_text(SOURCE)

@@ -77,3 +77,16 @@ def test_the_build_is_cached_on_disk_and_private(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
     assert paged_attention_kernel() is not None  # a new process: the cached library, not a rebuild
     assert built[0].stat().st_mtime_ns == stamp
+
+
+def test_code_is_never_loaded_from_a_cache_folder_others_can_write(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("TIERLINE_KERNEL_CACHE", str(shared))
+    with caplog.at_level(logging.WARNING, logger="cloud.engine.cpu_kernels"):
+        assert paged_attention_kernel() is None
+    assert "not private" in caplog.text and not list(shared.iterdir())
