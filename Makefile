@@ -40,7 +40,7 @@ test: install chromium
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy shared cloud edge_agent console bench tests
+	$(BIN)/mypy shared controlplane tierline cloud edge_agent console bench tests
 
 bench: install
 	$(BIN)/tierline zoo build --preset demo

@@ -144,7 +144,7 @@ def run_api_bench(
     model: str = "tierline/lm-cloud",
     stream_interval: int = 1,
 ) -> dict[str, Any]:
-    from shared.storage.migrate import upgrade
+    from controlplane.storage.migrate import upgrade
 
     with tempfile.TemporaryDirectory(prefix="tierline-bench-api-") as tmp:
         d = Path(tmp)
@@ -162,7 +162,7 @@ def run_api_bench(
                 "TIERLINE_CLOUD_STREAM_INTERVAL": str(stream_interval),
             }
         )
-        cli = [sys.executable, "-m", "shared.cli"]
+        cli = [sys.executable, "-m", "tierline.cli"]
         subprocess.run([*cli, "tenants", "create", "bench"], env=env, check=True, capture_output=True)
         key = subprocess.run(
             [*cli, "keys", "create", "--tenant", "bench"], env=env, check=True, capture_output=True, text=True

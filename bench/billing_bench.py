@@ -3,7 +3,7 @@
 The work is what edge syncs deliver: batches of ``batch_size`` usage records (several models, versions and
 both tiers over a month, with a price change in the middle), of which ``duplicate_rate`` are ids the ledger
 already holds or that repeat inside the batch (retried syncs). Each batch is one transaction through
-``shared.ledger.ingest_usage``: one price-book query, every record rated with the price in force at its
+``controlplane.billing.ledger.ingest_usage``: one price-book query, every record rated with the price in force at its
 time, one ``INSERT ... ON CONFLICT DO NOTHING RETURNING`` and the budget spend of what was new.
 
 The peer is the common naive path (what per-request metering does): one ORM row per transaction, a lookup
@@ -31,11 +31,11 @@ from sqlalchemy import func, text
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from shared.ledger import NewUsage, ingest_usage, load_prices
-from shared.pricing import Tokens, cost, price_for
-from shared.storage.engine import make_engine
-from shared.storage.migrate import upgrade
-from shared.storage.models import Price, Tenant, UsageRecord
+from controlplane.billing.ledger import NewUsage, ingest_usage, load_prices
+from controlplane.billing.pricing import Tokens, cost, price_for
+from controlplane.storage.database import make_engine
+from controlplane.storage.migrate import upgrade
+from controlplane.storage.tables import Price, Tenant, UsageRecord
 
 TARGET_RECORDS_PER_S = 5000  # the target, reported beside the measurements
 MODELS = [("tierline/lm-edge", "edge"), ("tierline/lm-cloud", "cloud"), ("tierline/lm-edge", "cloud")]

@@ -38,7 +38,7 @@ def _zoo_root(preset: str, zoo_dir: Path | None) -> Path:
 
     base = zoo_dir or CoreSettings().zoo_dir
     if not is_built(ZooLayout(base / preset), get_preset(preset)):
-        cmd = [sys.executable, "-m", "shared.cli", "zoo", "build", "--preset", preset, "--out", str(base)]
+        cmd = [sys.executable, "-m", "tierline.cli", "zoo", "build", "--preset", preset, "--out", str(base)]
         subprocess.run(cmd, check=True, stdout=sys.stderr)
     return base / preset
 

@@ -174,7 +174,7 @@ def _running_agent(zoo_root: Path, data_dir: Path, threads: int) -> Iterator[tup
     )
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "shared.cli", "edge", "run", "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [sys.executable, "-m", "tierline.cli", "edge", "run", "--host", "127.0.0.1", "--port", str(port)]
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:

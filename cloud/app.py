@@ -28,7 +28,7 @@ from cloud.canary import CanaryRouter
 from cloud.completions import Caller, CompletionService
 from cloud.edge_gateway import ROUTES as EDGE_ROUTES
 from cloud.edge_releases import ARTIFACT_ROUTES, RELEASES_DIR, ReleaseStore
-from cloud.engines import EnginePool
+from cloud.engine_pool import EnginePool
 from cloud.idempotency import IdempotencyStore, request_hash, usage_id
 from cloud.job_routes import JOB_ROUTES, submit_if_async
 from cloud.job_worker import running_jobs
@@ -44,17 +44,17 @@ from cloud.settings import CloudSettings
 from cloud.tenant_routes import TENANT_ROUTES
 from cloud.tensor_models import TensorPool, unknown_model
 from cloud.webhooks import WebhookStore
-from shared.artifact_store import store_from_settings
-from shared.budgets import PriceBook
+from controlplane.billing.budgets import PriceBook
+from controlplane.registry.store import store_from_settings
+from controlplane.storage.migrate import is_up_to_date
+from controlplane.storage.session import get_engine
+from controlplane.storage.tables import ApiKey, Tenant
+from controlplane.tenancy.service import KEY_PREFIX, authenticate, hash_api_key
 from shared.errors import AuthenticationError, PermissionDeniedError, ServiceUnavailableError
 from shared.http import EXCEPTION_HANDLERS, StreamingOperation, error_responses, healthz
 from shared.logs import request_id_middleware, server_request_id
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
 from shared.settings import CoreSettings
-from shared.storage.migrate import is_up_to_date
-from shared.storage.models import ApiKey, Tenant
-from shared.storage.session import get_engine
-from shared.tenancy import KEY_PREFIX, authenticate, hash_api_key
 
 
 def _model_json(m: ServedModel) -> dict[str, Any]:

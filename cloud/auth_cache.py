@@ -7,8 +7,8 @@ import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 
-from shared.storage.models import ApiKey, Tenant
-from shared.tenancy import aware
+from controlplane.storage.tables import ApiKey, Tenant
+from controlplane.tenancy.service import aware
 
 
 class AuthCache:

@@ -20,9 +20,9 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
 
 from cloud.webhooks import WebhookStore
-from shared.budgets import reclaim_expired, thresholds_reached
+from controlplane.billing.budgets import reclaim_expired, thresholds_reached
+from controlplane.storage.tables import BudgetAlert, Tenant
 from shared.periodic import Periodic
-from shared.storage.models import BudgetAlert, Tenant
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class BudgetAlerts:
 
 
 class ReservationSweeper:
-    """Every ``interval_s``, releases budget reservations whose lease expired (``shared.budgets``)."""
+    """Every ``interval_s``, releases budget reservations whose lease expired (``controlplane.billing.budgets``)."""
 
     def __init__(self, engine: Engine, interval_s: float) -> None:
         self.engine = engine

@@ -1,8 +1,9 @@
 """Canary routing on the cloud: which version serves a request and which rollout arm it counts in, from rollout
 plans kept in memory.
 
-The plans (``shared.rollouts.load_plans(session, "cloud")``) are reloaded every ``ttl_s`` by a background
-task in a worker thread, so routing a request is a pure function call (``shared.rollouts.resolve_cloud_arm``,
+The plans (``controlplane.rollouts.service.load_plans(session, "cloud")``) are reloaded every ``ttl_s`` by a background
+task in a worker thread, so routing a request is a pure function call
+(``controlplane.rollouts.service.resolve_cloud_arm``,
 sticky by tenant and the request's subject). After each reload the router hands the plans to its listeners in
 that same worker thread (``cloud.registry_models`` loads the versions a new rollout needs there).
 
@@ -23,12 +24,12 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from cloud.shadow import ShadowMirror, shadow_target
+from controlplane.rollouts.service import RolloutPlan, load_plans, plans_for, resolve_cloud_arm
 from shared.edge_protocol import version_number
 from shared.periodic import Periodic
-from shared.rollouts import RolloutPlan, load_plans, plans_for, resolve_cloud_arm
 
 if TYPE_CHECKING:  # the engines (torch) load only where requests are served
-    from cloud.engines import RegistryEntry
+    from cloud.engine_pool import RegistryEntry
 
 logger = logging.getLogger(__name__)
 

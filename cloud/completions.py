@@ -22,20 +22,20 @@ from cloud.budget_watch import BudgetAlerts
 from cloud.canary import CanaryRouter
 from cloud.engine.outputs import RequestOutput
 from cloud.engine.sampling_params import SamplingParams
-from cloud.engines import EnginePool, ServedLM, split_model
-from cloud.limits import RateLimiter, Reservation
+from cloud.engine_pool import EnginePool, ServedLM, split_model
+from cloud.limits import RateLimiter, RateLimitGrant
 from cloud.metering import UsageWriter
 from cloud.observability import Metrics
 from cloud.shadow import Mirror
-from shared.budgets import PriceBook
-from shared.budgets import Reservation as BudgetReservation
-from shared.budgets import reserve as reserve_budget
-from shared.budgets import settle as settle_budget
+from controlplane.billing.budgets import PriceBook
+from controlplane.billing.budgets import Reservation as BudgetReservation
+from controlplane.billing.budgets import reserve as reserve_budget
+from controlplane.billing.budgets import settle as settle_budget
+from controlplane.billing.pricing import Tokens
+from controlplane.storage.tables import ApiKey, Tenant
 from shared.errors import DeadlineExceededError, PermissionDeniedError, ServiceUnavailableError, ValidationError
 from shared.openai_responses import SSE_DONE, chat_logprob, completion_logprobs, sse
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
-from shared.pricing import Tokens
-from shared.storage.models import ApiKey, Tenant
 
 # ``/v1/inference`` parameters: the SamplingParams fields a request may set, and the JSON types each takes. They are
 # checked here, strictly (no bool for a number, no "1" for 1), because a wrong type that SamplingParams lets through
@@ -85,7 +85,7 @@ class _Meter:
     first_token_at: float | None = None
     engine_s: float | None = None  # the engine's own latency: the slowest of the request's engine requests
     by_request: dict[str, tuple[int, int, int]] = field(default_factory=dict)
-    reservation: Reservation | None = None
+    rate_limit: RateLimitGrant | None = None
     budget: BudgetReservation | None = None
     rollout_arm: str | None = None
 
@@ -149,7 +149,7 @@ class CompletionService:
             prompt_worst += len(p) * params.n
             completion_worst += max_new * params.n
         meter = _Meter(rollout_arm=caller.rollout_arm)
-        meter.reservation = await self.limiter.acquire(caller.tenant, caller.key, reserved)
+        meter.rate_limit = await self.limiter.acquire(caller.tenant, caller.key, reserved)
         budget = caller.tenant.monthly_budget
         if budget is not None:
             worst_case = Tokens(prompt_worst, completion_worst)
@@ -164,8 +164,8 @@ class CompletionService:
                         worst,
                     )
                 except BaseException:
-                    await self.limiter.release(meter.reservation, 0)
-                    meter.reservation = None
+                    await self.limiter.release(meter.rate_limit, 0)
+                    meter.rate_limit = None
                     raise
         return ids, meter
 
@@ -259,9 +259,9 @@ class CompletionService:
 
     async def _settle(self, caller: Caller, served: ServedLM, meter: _Meter, status: str) -> None:
         """Give back unused reservations, then meter the request (once, whatever its outcome)."""
-        if meter.reservation is not None:
-            await self.limiter.release(meter.reservation, meter.prompt_tokens + meter.completion_tokens)
-            meter.reservation = None
+        if meter.rate_limit is not None:
+            await self.limiter.release(meter.rate_limit, meter.prompt_tokens + meter.completion_tokens)
+            meter.rate_limit = None
         tokens = Tokens(meter.prompt_tokens, meter.completion_tokens, meter.cached_tokens)
         price_id, cost = self.prices.cost(served.model_id, served.version, "cloud", tokens)
         if meter.budget is not None:

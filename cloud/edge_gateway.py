@@ -31,9 +31,11 @@ from sqlmodel import Session
 
 from cloud.budget_watch import BudgetAlerts
 from cloud.responses import respond
+from controlplane.billing.budgets import PriceBook, remaining
+from controlplane.billing.pricing import Tokens, cost, period_of
+from controlplane.fleet.devices import authenticate_device, enroll, ingest
+from controlplane.storage.tables import BudgetAlert, BudgetPeriod, Device, Tenant
 from shared.artifacts import load_public_key, public_path, public_pem
-from shared.budgets import PriceBook, remaining
-from shared.devices import authenticate_device, enroll, ingest
 from shared.edge_protocol import (
     Allowance,
     DesiredModel,
@@ -48,9 +50,7 @@ from shared.edge_protocol import (
 from shared.errors import AuthenticationError, ValidationError
 from shared.http import StreamingOperation, error_responses
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
-from shared.pricing import Tokens, cost, period_of
 from shared.settings import CoreSettings
-from shared.storage.models import BudgetAlert, BudgetPeriod, Device, Tenant
 
 logger = logging.getLogger(__name__)
 DEVICE_BEARER: list[dict[str, list[str]]] = [{"DeviceAuth": []}]

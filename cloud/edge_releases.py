@@ -10,7 +10,8 @@ A published version is immutable: publishing the same name and version with othe
 device is told the most recently *published* version of each model, not the highest version string, so
 publishing an existing version again makes it the newest: that is how the fleet is rolled back by hand.
 
-A rollout (``shared.rollouts``) whose scope covers the edge overrides that rule for its model (the rollout's
+A rollout (``controlplane.rollouts.service``) whose scope covers the edge overrides that rule for its model (the
+rollout's
 model is the artifact name): while it is pending, running or paused, each device gets its sticky arm's
 version (baseline outside the selector); once promoted, the candidate; once rolled back or aborted, the
 baseline. A publish of the model after the rollout finished makes today's rule apply again. A version the
@@ -51,6 +52,9 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from cloud.edge_gateway import DEVICE, DEVICE_BEARER, DeviceCaller
+from controlplane.rollouts.service import FINAL, edge_version, load_plans, plans_for
+from controlplane.storage.session import get_engine
+from controlplane.storage.tables import Device
 from shared.artifacts import (
     FileEntry,
     Manifest,
@@ -64,10 +68,7 @@ from shared.artifacts import (
 from shared.edge_protocol import DesiredModel
 from shared.errors import ArtifactVerificationError, ConflictError, NotFoundError
 from shared.http import error_responses
-from shared.rollouts import FINAL, edge_version, load_plans, plans_for
 from shared.settings import CoreSettings
-from shared.storage.models import Device
-from shared.storage.session import get_engine
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
 
+from controlplane.storage.tables import IdempotentResponse
 from shared.errors import ApplicationError, ConflictError, ValidationError
-from shared.storage.models import IdempotentResponse
 
 MAX_KEY_LENGTH = 255
 

@@ -19,14 +19,14 @@ from litestar.datastructures import State
 from litestar.params import Parameter
 
 from cloud.completions import Caller
-from cloud.engines import split_model
+from cloud.engine_pool import split_model
 from cloud.idempotency import MAX_KEY_LENGTH, IdempotencyMismatchError
 from cloud.jobs import INFERENCE, MAX_LIST_LIMIT, JobSettings, JobStore, aware, job_json, new_job_id
 from cloud.tensor_models import unknown_model
 from cloud.webhooks import WebhookStore, attempt_json, validate_webhook_url
+from controlplane.storage.tables import Job
 from shared.errors import PermissionDeniedError, ValidationError
 from shared.http import error_responses
-from shared.storage.models import Job
 
 ASYNC_PREFERENCE = "respond-async"
 

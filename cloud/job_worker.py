@@ -27,9 +27,9 @@ from cloud.metering import UsageWriter
 from cloud.tensor_models import TensorPool, unknown_model
 from cloud.webhook_dispatcher import WebhookDispatcher
 from cloud.webhooks import new_delivery_id
+from controlplane.storage.tables import ApiKey, Job, Tenant, UsageRecord
 from shared.errors import ApplicationError, PermissionDeniedError, RateLimitError, ValidationError
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
-from shared.storage.models import ApiKey, Job, Tenant, UsageRecord
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
+from controlplane.storage.tables import Job, WebhookDelivery, utcnow
 from shared.errors import NotFoundError
-from shared.storage.models import Job, WebhookDelivery, utcnow
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

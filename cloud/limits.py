@@ -15,8 +15,8 @@ from limits.aio.storage import Storage
 from limits.storage import storage_from_string
 
 from cloud.settings import CloudSettings
+from controlplane.storage.tables import ApiKey, Tenant
 from shared.errors import RateLimitError
-from shared.storage.models import ApiKey, Tenant
 
 CONCURRENCY_TTL_S = 3600
 
@@ -31,7 +31,7 @@ class _Scope:
 
 
 @dataclass(slots=True)
-class Reservation:
+class RateLimitGrant:
     scopes: list[_Scope]
     reserved_tokens: int
     window: int
@@ -80,12 +80,12 @@ class RateLimiter:
         suffix = f"/{window}" if window is not None else ""
         return f"{self.prefix}/{what}/{scope.kind}/{scope.ident}{suffix}"
 
-    async def acquire(self, tenant: Tenant, key: ApiKey | None, reserved_tokens: int) -> Reservation:
+    async def acquire(self, tenant: Tenant, key: ApiKey | None, reserved_tokens: int) -> RateLimitGrant:
         """Count the request and reserve its tokens, or raise RateLimitError (429 with Retry-After) and undo."""
         now = time.time()
         window = int(now // 60)
         retry_after = max(1.0, 60 - now % 60)
-        res = Reservation(self._scopes(tenant, key), reserved_tokens, window)
+        res = RateLimitGrant(self._scopes(tenant, key), reserved_tokens, window)
         try:
             for scope in res.scopes:
                 if scope.requests_per_minute:
@@ -128,7 +128,7 @@ class RateLimiter:
             raise
         return res
 
-    async def release(self, res: Reservation, used_tokens: int) -> None:
+    async def release(self, res: RateLimitGrant, used_tokens: int) -> None:
         """Settle: give back the unused reserved tokens and the in-flight slot."""
         unused = max(0, res.reserved_tokens - used_tokens)
         if unused:

@@ -12,7 +12,7 @@ from sqlalchemy import insert
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 
-from shared.storage.models import UsageRecord
+from controlplane.storage.tables import UsageRecord
 
 logger = logging.getLogger(__name__)
 

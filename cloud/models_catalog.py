@@ -11,7 +11,7 @@ from shared.errors import NotFoundError
 from shared.zoo.registry import ZooLayout
 
 if TYPE_CHECKING:  # the engines (torch) load only where requests are served
-    from cloud.engines import RegistryEntry
+    from cloud.engine_pool import RegistryEntry
 
 CLOUD_ARTIFACTS = ("lm-cloud", "lm-edge", "digits-large", "digits-small")
 

@@ -27,15 +27,15 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from cloud.canary import routed_versions
-from cloud.engines import EnginePool, RegistryEntry, ServedLM, engine_config, start_engine
+from cloud.engine_pool import EnginePool, RegistryEntry, ServedLM, engine_config, start_engine
 from cloud.settings import CloudSettings
-from shared.artifact_store import ArtifactStore
+from controlplane.registry.artifacts import materialize
+from controlplane.registry.service import artifacts_of, get_model, get_version, list_models, list_versions
+from controlplane.registry.store import ArtifactStore
+from controlplane.rollouts.service import RolloutPlan
+from controlplane.storage.tables import ModelAlias, ModelArtifact, ModelVersion
 from shared.artifacts import Manifest, verify_files
 from shared.errors import ArtifactVerificationError
-from shared.registry import artifacts_of, get_model, get_version, list_models, list_versions
-from shared.registry_artifacts import materialize
-from shared.rollouts import RolloutPlan
-from shared.storage.models import ModelAlias, ModelArtifact, ModelVersion
 
 logger = logging.getLogger(__name__)
 

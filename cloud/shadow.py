@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING, Final
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from shared.assignment import EXCLUDED
+from controlplane.rollouts.analysis import token_agreement
+from controlplane.rollouts.assignment import EXCLUDED
+from controlplane.rollouts.plans import RolloutPlan
+from controlplane.storage.tables import RolloutShadowSample
 from shared.edge_protocol import version_number
-from shared.rollout_analysis import token_agreement
-from shared.rollout_plans import RolloutPlan
-from shared.storage.models import RolloutShadowSample
 
 if TYPE_CHECKING:  # the engines (torch) load only where requests are served
-    from cloud.engines import RegistryEntry, ServedLM
+    from cloud.engine_pool import RegistryEntry, ServedLM
 
 logger = logging.getLogger(__name__)
 

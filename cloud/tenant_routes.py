@@ -21,10 +21,10 @@ from sqlmodel import Session, col, select
 from cloud.completions import Caller
 from cloud.jobs import MAX_LIST_LIMIT, JobSettings, aware
 from cloud.webhooks import MAX_URL_LENGTH, WebhookStore, attempt_json, validate_webhook_url
-from shared.budgets import remaining
+from controlplane.billing.budgets import remaining
+from controlplane.billing.pricing import period_of
+from controlplane.storage.tables import BudgetAlert, BudgetPeriod, Tenant
 from shared.http import error_responses
-from shared.pricing import period_of
-from shared.storage.models import BudgetAlert, BudgetPeriod, Tenant
 
 
 class WebhookEndpoint(BaseModel):

@@ -28,8 +28,8 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from cloud.jobs import aware
+from controlplane.storage.tables import Job, Tenant, WebhookAttempt, WebhookDelivery, WebhookSecret, utcnow
 from shared.errors import ValidationError
-from shared.storage.models import Job, Tenant, WebhookAttempt, WebhookDelivery, WebhookSecret, utcnow
 
 SIGNATURE_HEADER = "x-tierline-signature"
 DELIVERY_HEADER = "x-tierline-delivery"

@@ -1,6 +1,6 @@
 """The web console (Litestar + Jinja + HTMX) and the management API under ``/api``.
 
-Pages (``console.pages``) sign in with a session cookie; ``/api`` takes console API tokens (``console.api``).
+Pages (``console.pages``) sign in with a session cookie; ``/api`` takes console API tokens (``console.rollouts_api``).
 """
 
 from __future__ import annotations
@@ -19,17 +19,17 @@ from litestar.static_files import create_static_files_router
 from litestar.template.config import TemplateConfig
 from sqlalchemy.engine import Engine
 
-from console.api import API_ROUTER, OPENAPI_CONFIG
 from console.auth import ConsoleAuth, ConsoleAuthSettings, security_headers
 from console.billing_api import BILLING_ROUTER
 from console.pages import LOGIN_ROUTER, PAGES_ROUTER
 from console.pages.common import aware, http_error_page
 from console.registry_api import REGISTRY_ROUTER, derive_jobs
 from console.rollout_controller import rollout_controller
+from console.rollouts_api import API_ROUTER, OPENAPI_CONFIG
+from controlplane.storage.session import get_engine
 from shared.http import EXCEPTION_HANDLERS, healthz, http_error_handler
 from shared.logs import request_id_middleware
 from shared.settings import SecretSettings
-from shared.storage.session import get_engine
 
 HERE = Path(__file__).resolve().parent
 TEMPLATES = HERE / "templates"

@@ -32,8 +32,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
+from controlplane.storage.tables import ConsoleUser
 from shared.errors import PermissionDeniedError
-from shared.storage.models import ConsoleUser
 
 SESSION_COOKIE = "tierline_console"
 CSRF_FIELD = "_csrf"

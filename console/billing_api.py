@@ -1,9 +1,10 @@
-"""Billing under ``/api``: prices, invoices, credit notes, tenant usage (issue 8).
+"""Billing under ``/api``: prices, invoices, credit notes, tenant usage.
 
 Every route takes a console API token (``Authorization: Bearer tlc-...``); changes need an admin. The usage
 route is tenant-scoped too: a tenant's own cloud API key (``tl-...``) may read its own usage, and asking for
 another tenant's answers 404, as if that tenant did not exist. Handlers validate, call one function of
-``shared.billing`` / ``shared.ledger`` and return JSON (or CSV for an invoice with ``?format=csv``).
+``controlplane.billing.invoicing`` / ``controlplane.billing.ledger`` and return JSON (or CSV for an invoice with
+``?format=csv``).
 """
 
 from __future__ import annotations
@@ -19,13 +20,15 @@ from litestar.params import Parameter, QueryParameter
 from pydantic import BaseModel, ConfigDict, Field
 from sqlmodel import Session
 
-from console.api import Operator, authenticate_token, require_operator
-from shared import billing, ledger, tenancy
+from console.rollouts_api import Operator, authenticate_token, require_operator
+from controlplane.billing import invoicing as billing
+from controlplane.billing import ledger
+from controlplane.billing.invoices import round_line, to_csv
+from controlplane.billing.pricing import period_bounds
+from controlplane.storage.session import session_scope
+from controlplane.storage.tables import Invoice, Tenant
+from controlplane.tenancy import service as tenancy
 from shared.errors import AuthenticationError, NotFoundError, ValidationError
-from shared.invoices import round_line, to_csv
-from shared.pricing import period_bounds
-from shared.storage.models import Invoice, Tenant
-from shared.storage.session import session_scope
 
 Format = Annotated[str | None, QueryParameter(name="format", description="json (default) or csv")]
 

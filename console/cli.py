@@ -42,7 +42,7 @@ def serve(host: str | None, port: int | None) -> None:
 def create_admin(username: str, role: str, password_stdin: bool, if_missing: bool) -> None:
     """Create a console user (password stored as an argon2id hash)."""
     from console.passwords import create_user, user_exists
-    from shared.storage.session import session_scope
+    from controlplane.storage.session import session_scope
 
     with session_scope() as session:
         if if_missing and user_exists(session, username):
@@ -62,8 +62,8 @@ def create_admin(username: str, role: str, password_stdin: bool, if_missing: boo
 @click.option("--name", default="", help="a label for the token")
 def create_token(username: str, name: str) -> None:
     """Create a management API token for a console user and print it once (only its hash is stored)."""
-    from console.api import create_token as issue
-    from shared.storage.session import session_scope
+    from console.rollouts_api import create_token as issue
+    from controlplane.storage.session import session_scope
 
     with session_scope() as session:
         issued = issue(session, username, name=name)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from argon2 import PasswordHasher
 from sqlmodel import Session, select
 
+from controlplane.storage.tables import ConsoleUser
 from shared.errors import ConflictError, ValidationError
-from shared.storage.models import ConsoleUser
 
 ROLES = ("admin", "viewer")
 MIN_PASSWORD_LENGTH = 12

@@ -1,10 +1,11 @@
-"""The model registry under ``/api/models``: models, versions, artifacts, aliases (issue 7).
+"""The model registry under ``/api/models``: models, versions, artifacts, aliases.
 
 Reads need a console API token; changes need an admin. ``POST /api/models/{name}/versions`` takes a
 ``multipart/form-data`` upload and streams each file part into the artifact store (staged on disk, hashed on
 the way, never held in memory), capped at ``TIERLINE_MAX_ARTIFACT_BYTES`` (413) and checked against the
-``sha256`` field when the client sends one (400). Handlers are thin: the rules live in :mod:`shared.registry`
-and :mod:`shared.edge_derive`, which also write the audit rows.
+``sha256`` field when the client sends one (400). Handlers are thin: the rules live in
+:mod:`controlplane.registry.service`
+and :mod:`controlplane.registry.edge_derive`, which also write the audit rows.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ from litestar.di import Provide
 from pydantic import BaseModel, ConfigDict, Field
 from sqlmodel import Session
 
-from console.api import Operator, require_operator
+from console.rollouts_api import Operator, require_operator
 from console.uploads import StagedUpload, VersionUpload, artifact_store, receive_upload, register_upload
-from shared import registry, registry_artifacts
-from shared.edge_derive import DeriveRunner, DeriveSettings, fail_stale_jobs, start_derive
+from controlplane.registry import artifacts as registry_artifacts
+from controlplane.registry import service as registry
+from controlplane.registry.edge_derive import DeriveRunner, DeriveSettings, fail_stale_jobs, start_derive
+from controlplane.storage.session import session_scope
 from shared.errors import NotFoundError, ServiceUnavailableError
-from shared.storage.session import session_scope
 
 logger = logging.getLogger(__name__)
 

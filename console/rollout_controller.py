@@ -1,5 +1,5 @@
 """The rollout controller: a background task of the console process that runs one controller pass
-(``shared.rollouts.run_controller_pass``: start pending rollouts, judge running ones, advance, promote or
+(``controlplane.rollouts.service.run_controller_pass``: start pending rollouts, judge running ones, advance, promote or
 roll back) every ``TIERLINE_CONSOLE_ROLLOUT_INTERVAL_S`` seconds.
 
 The task is owned by the app's lifespan and stopped with it: a stop lets a pass in flight finish (it runs in
@@ -20,7 +20,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from sqlalchemy.engine import Engine
 
-from shared.rollouts import run_controller_pass
+from controlplane.rollouts.service import run_controller_pass
 
 logger = logging.getLogger(__name__)
 

@@ -19,11 +19,12 @@ from litestar.datastructures import State
 from multipart import MultipartError, MultipartSegment, PushMultipartParser, parse_options_header
 from sqlalchemy.engine import Engine
 
-from shared import registry, registry_artifacts
-from shared.artifact_store import ArtifactStore, BlobWriter, PayloadTooLargeError, store_from_settings
+from controlplane.registry import artifacts as registry_artifacts
+from controlplane.registry import service as registry
+from controlplane.registry.store import ArtifactStore, BlobWriter, PayloadTooLargeError, store_from_settings
+from controlplane.storage.session import session_scope
 from shared.artifacts import FileEntry, Manifest
 from shared.errors import ValidationError
-from shared.storage.session import session_scope
 
 MAX_FIELD_BYTES = 4096
 MAX_PARTS = 1000

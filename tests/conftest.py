@@ -63,7 +63,7 @@ def _postgres_schema() -> Iterator[str]:
     """A fresh schema per test, dropped afterwards, so tests never see each other's rows."""
     from sqlalchemy import text
 
-    from shared.storage.engine import make_engine
+    from controlplane.storage.database import make_engine
 
     assert PG_URL
     schema = f"t_{uuid.uuid4().hex[:12]}"
@@ -95,14 +95,14 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 
 @pytest.fixture
 def migrated_db(db_url: str) -> str:
-    from shared.storage.migrate import upgrade
+    from controlplane.storage.migrate import upgrade
 
     upgrade(db_url)
     return db_url
 
 
 def tierline_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "shared.cli", *args]
+    return [sys.executable, "-m", "tierline.cli", *args]
 
 
 def seed_data_dir(dest: Path, tiny_zoo: Path, session_data_dir: Path) -> Path:
@@ -114,7 +114,7 @@ def seed_data_dir(dest: Path, tiny_zoo: Path, session_data_dir: Path) -> Path:
 
 def migrated_sqlite(data_dir: Path) -> str:
     """The URL of a SQLite file in ``data_dir``, migrated to head."""
-    from shared.storage.migrate import upgrade
+    from controlplane.storage.migrate import upgrade
 
     url = f"sqlite:///{data_dir / 'tierline.db'}"
     upgrade(url)

@@ -11,7 +11,7 @@ from sqlalchemy import func, or_
 from sqlmodel import Session, col, select
 
 from console.pages.common import like, paginate, render
-from shared.storage.models import AuditLog
+from controlplane.storage.tables import AuditLog
 
 
 @get("/audit", sync_to_thread=True)

@@ -27,10 +27,11 @@ from console.pages.common import (
     text,
     write_session,
 )
-from shared import billing as billing_service
-from shared import invoices, tenancy
+from controlplane.billing import invoices
+from controlplane.billing import invoicing as billing_service
+from controlplane.storage.tables import CreditNote, Invoice, InvoiceLine, Price, Tenant, UsageRecord
+from controlplane.tenancy import service as tenancy
 from shared.errors import ApplicationError, NotFoundError, ValidationError
-from shared.storage.models import CreditNote, Invoice, InvoiceLine, Price, Tenant, UsageRecord
 
 GROUPS = ("tenant", "model", "tier")
 METRICS = ("cost", "tokens", "requests")

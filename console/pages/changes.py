@@ -1,6 +1,7 @@
 """The changes console pages make that no shared service covers yet, each with its audit_log row.
 
-Tenant and key records come from :mod:`shared.tenancy`, devices and enrollment tokens from :mod:`shared.devices`;
+Tenant and key records come from :mod:`controlplane.tenancy.service`, devices and enrollment tokens from
+:mod:`controlplane.fleet.devices`;
 these functions add what the console needs on top (editing limits, revoking an unused enrollment token) and write
 who changed what, before and after.
 """
@@ -15,9 +16,10 @@ from typing import Any
 from sqlmodel import Session, select
 
 from console.pages.common import audit, jsonable
-from shared import devices, tenancy
+from controlplane.fleet import devices
+from controlplane.storage.tables import ApiKey, Device, EnrollmentToken, Tenant
+from controlplane.tenancy import service as tenancy
 from shared.errors import ConflictError, NotFoundError, ValidationError
-from shared.storage.models import ApiKey, Device, EnrollmentToken, Tenant
 
 TENANT_FIELDS = (
     "display_name",

@@ -24,9 +24,9 @@ from sqlmodel import Session, select
 from sqlmodel.sql.expression import SelectOfScalar
 
 from console.auth import LoginRequiredError, session_user
+from controlplane.storage.session import session_scope
+from controlplane.storage.tables import AuditLog
 from shared.errors import ApplicationError, ValidationError
-from shared.storage.models import AuditLog
-from shared.storage.session import session_scope
 
 logger = logging.getLogger(__name__)
 

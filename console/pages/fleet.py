@@ -27,8 +27,8 @@ from console.pages.common import (
     text,
     write_session,
 )
+from controlplane.storage.tables import Device, EnrollmentToken, Tenant
 from shared.errors import ApplicationError, NotFoundError
-from shared.storage.models import Device, EnrollmentToken, Tenant
 
 # A device syncs every 30 s by default; three missed syncs and it counts as offline.
 ONLINE_WITHIN = timedelta(seconds=90)

@@ -1,6 +1,7 @@
 """Correcting a finalized invoice from its page: void it (after confirming, with a reason) or issue a credit note.
 
-The rules and the audit rows are :func:`shared.billing.void` and :func:`shared.billing.credit`'s; their messages
+The rules and the audit rows are :func:`controlplane.billing.invoicing.void` and
+:func:`controlplane.billing.invoicing.credit`'s; their messages
 come back under the field they name.
 """
 
@@ -16,9 +17,9 @@ from sqlmodel import Session
 from console.auth import session_user
 from console.pages.billing import invoice_page
 from console.pages.common import Form, errors_of, render, see_other, text, write_session
-from shared import billing as billing_service
+from controlplane.billing import invoicing as billing_service
+from controlplane.storage.tables import Invoice
 from shared.errors import ApplicationError, ConflictError, NotFoundError
-from shared.storage.models import Invoice
 
 
 def _number(session: Session, invoice_id: int) -> str:

@@ -14,8 +14,8 @@ from sqlmodel import Session, col, select
 from console.auth import session_user
 from console.pages import changes
 from console.pages.common import Form, errors_of, like, optional_int, paginate, render, see_other, text, write_session
+from controlplane.storage.tables import ApiKey, Tenant
 from shared.errors import ApplicationError, NotFoundError
-from shared.storage.models import ApiKey, Tenant
 
 
 def _keys_page(

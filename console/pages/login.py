@@ -22,8 +22,8 @@ from console.auth import (
     password_fingerprint,
 )
 from console.pages.common import Form
+from controlplane.storage.tables import ConsoleUser
 from shared.errors import PermissionDeniedError
-from shared.storage.models import ConsoleUser
 
 
 def _cookie(auth: ConsoleAuth, request: Request[Any, Any, Any], data: SessionData | None) -> Cookie:

@@ -3,7 +3,8 @@
 The upload form posts ``multipart/form-data`` through htmx (its CSRF token travels as ``X-CSRF-Token``, so the
 sign-in guard never buffers the body): file parts stream into the artifact store's staging area, hashed on the
 way and capped at ``TIERLINE_MAX_ARTIFACT_BYTES``; only once every field checks out are the blobs committed and the
-version registered through :mod:`shared.registry` and :mod:`shared.registry_artifacts` (which write the audit
+version registered through :mod:`controlplane.registry.service` and :mod:`controlplane.registry.artifacts` (which
+write the audit
 rows). Deriving starts the same background job as ``POST /api/models/{name}/versions/{n}/derive``.
 """
 
@@ -21,7 +22,7 @@ from console.auth import session_user
 from console.pages.common import Form, optional_float, see_other, write_session
 from console.pages.models import detail_page, list_page
 from console.uploads import StagedUpload, VersionUpload, artifact_store, receive_upload, register_upload
-from shared.edge_derive import DeriveRunner, start_derive
+from controlplane.registry.edge_derive import DeriveRunner, start_derive
 from shared.errors import ApplicationError, ServiceUnavailableError
 
 UPLOAD_FIELDS = ("name", "kind", "label", "tags", "alias", "description", "target", "format")

@@ -24,9 +24,9 @@ from console.pages.common import (
     text,
     write_session,
 )
-from shared import registry
+from controlplane.registry import service as registry
+from controlplane.storage.tables import Model, ModelAlias, ModelArtifact, ModelVersion
 from shared.errors import ApplicationError, NotFoundError, ValidationError
-from shared.storage.models import Model, ModelAlias, ModelArtifact, ModelVersion
 
 
 @get("/models", sync_to_thread=True)

@@ -16,8 +16,8 @@ from sqlmodel import Session, col, select
 
 from console.pages.charts import stacked_columns
 from console.pages.common import render
-from shared import tenancy
-from shared.storage.models import ApiKey, Device, Model, Rollout, Tenant, UsageRecord
+from controlplane.storage.tables import ApiKey, Device, Model, Rollout, Tenant, UsageRecord
+from controlplane.tenancy import service as tenancy
 
 WINDOWS_MIN = (5, 15, 60, 1440)
 

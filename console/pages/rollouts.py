@@ -1,6 +1,6 @@
 """Rollouts: list, create, detail (steps, checks, events), pause / resume / promote / abort.
 
-Every change goes through :mod:`shared.rollouts`, which writes the rollout event and the audit_log row.
+Every change goes through :mod:`controlplane.rollouts.service`, which writes the rollout event and the audit_log row.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from console.pages.common import (
     text,
     write_session,
 )
-from shared import rollouts
+from controlplane.rollouts import service as rollouts
+from controlplane.storage.tables import Rollout, Tenant
 from shared.errors import ApplicationError, NotFoundError, ValidationError
-from shared.storage.models import Rollout, Tenant
 
 STATUSES = ("pending", "running", "paused", "promoted", "rolled_back", "aborted")
 ACTIONS = {

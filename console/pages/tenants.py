@@ -28,10 +28,10 @@ from console.pages.common import (
     text,
     write_session,
 )
-from shared import tenancy
+from controlplane.billing.pricing import period_of
+from controlplane.storage.tables import ApiKey, BudgetAlert, BudgetPeriod, Tenant, UsageRecord
+from controlplane.tenancy import service as tenancy
 from shared.errors import ApplicationError
-from shared.pricing import period_of
-from shared.storage.models import ApiKey, BudgetAlert, BudgetPeriod, Tenant, UsageRecord
 
 
 @dataclass(frozen=True, slots=True)

@@ -64,9 +64,9 @@ def _january_usage(db_url: str, tenant: str) -> None:
     """Two cloud requests of ``tenant`` in January 2026 (2.00 USD), to invoice."""
     from sqlmodel import select
 
-    from shared.storage.engine import make_engine
-    from shared.storage.models import Tenant, UsageRecord
-    from shared.storage.session import session_scope
+    from controlplane.storage.database import make_engine
+    from controlplane.storage.session import session_scope
+    from controlplane.storage.tables import Tenant, UsageRecord
 
     engine = make_engine(db_url)
     try:

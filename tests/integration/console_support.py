@@ -14,9 +14,9 @@ import pytest
 from sqlalchemy.engine import Engine
 
 from console.passwords import create_user
-from shared.storage.engine import make_engine
-from shared.storage.migrate import upgrade
-from shared.storage.session import session_scope
+from controlplane.storage.database import make_engine
+from controlplane.storage.migrate import upgrade
+from controlplane.storage.session import session_scope
 from tests.conftest import PG_URL, _postgres_schema, base_env, free_port, run_server
 
 PASSWORD = "correct horse battery staple"

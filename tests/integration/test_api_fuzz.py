@@ -42,9 +42,9 @@ from schemathesis.core.result import Err
 from schemathesis.schemas import BaseSchema
 from sqlmodel import Session
 
-from shared.devices import create_enrollment_token
-from shared.storage.engine import make_engine
-from shared.tenancy import create_api_key, create_tenant
+from controlplane.fleet.devices import create_enrollment_token
+from controlplane.storage.database import make_engine
+from controlplane.tenancy.service import create_api_key, create_tenant
 from tests.conftest import base_env, free_port, migrated_sqlite, seed_data_dir, server_process
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

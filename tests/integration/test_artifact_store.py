@@ -12,7 +12,7 @@ import boto3
 import pytest
 from moto.server import ThreadedMotoServer
 
-from shared.artifact_store import (
+from controlplane.registry.store import (
     ArtifactStore,
     ArtifactStoreSettings,
     LocalArtifactStore,

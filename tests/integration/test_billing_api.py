@@ -15,11 +15,11 @@ import httpx
 import pytest
 from sqlmodel import Session
 
-from console.api import create_token
 from console.passwords import create_user
-from shared.ledger import NewUsage, ingest_usage
-from shared.storage.engine import make_engine
-from shared.tenancy import create_api_key, create_tenant
+from console.rollouts_api import create_token
+from controlplane.billing.ledger import NewUsage, ingest_usage
+from controlplane.storage.database import make_engine
+from controlplane.tenancy.service import create_api_key, create_tenant
 from tests.conftest import base_env, free_port, run_server
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres]

@@ -1,4 +1,4 @@
-"""``tierline bench billing`` runs end to end on a tiny workload and reports the keys issue 8 asks for (speed is
+"""``tierline bench billing`` runs end to end on a tiny workload and reports the keys its JSON promises (speed is
 what the benchmark measures, not what tests assert)."""
 
 from __future__ import annotations

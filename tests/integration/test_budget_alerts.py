@@ -24,8 +24,8 @@ from sqlalchemy import create_engine, update
 from sqlmodel import Session, col, select
 
 from cloud.webhooks import is_valid_signature
-from shared.pricing import period_of
-from shared.storage.models import BudgetAlert, BudgetPeriod, BudgetReservation, Tenant
+from controlplane.billing.pricing import period_of
+from controlplane.storage.tables import BudgetAlert, BudgetPeriod, BudgetReservation, Tenant
 from tests.conftest import REPO, base_env, free_port, seed_data_dir, tierline_cmd
 from tests.integration.test_jobs import Receiver, cloud_process, receiver
 

@@ -20,8 +20,8 @@ import pytest
 from sqlalchemy import create_engine, update
 from sqlmodel import Session, col, select
 
+from controlplane.storage.tables import BudgetAlert, BudgetPeriod, Tenant, UsageRecord
 from shared.escalation import EdgePolicy, save_policy
-from shared.storage.models import BudgetAlert, BudgetPeriod, Tenant, UsageRecord
 from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, seed_data_dir, tierline_cmd
 
 pytestmark = pytest.mark.integration

@@ -12,9 +12,9 @@ import pytest
 from sqlalchemy import create_engine
 from sqlmodel import Session
 
-from shared.budgets import PriceBook
-from shared.pricing import Tokens
-from shared.storage.models import Price
+from controlplane.billing.budgets import PriceBook
+from controlplane.billing.pricing import Tokens
+from controlplane.storage.tables import Price
 
 pytestmark = pytest.mark.integration
 MODEL = "tierline/lm-cloud"

@@ -25,8 +25,8 @@ from sqlalchemy import create_engine
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from shared.budgets import BudgetExceededError, reclaim_expired, reserve, settle
-from shared.storage.models import BudgetPeriod, BudgetReservation, Tenant, UsageRecord
+from controlplane.billing.budgets import BudgetExceededError, reclaim_expired, reserve, settle
+from controlplane.storage.tables import BudgetPeriod, BudgetReservation, Tenant, UsageRecord
 from tests.conftest import REPO, base_env, free_port, run_server, seed_data_dir, tierline_cmd
 
 pytestmark = pytest.mark.integration
@@ -96,7 +96,7 @@ DIE_HOLDING = """
 import os, sys
 from decimal import Decimal
 from sqlalchemy import create_engine
-from shared.budgets import reserve
+from controlplane.billing.budgets import reserve
 reserve(create_engine(sys.argv[1]), int(sys.argv[2]), Decimal("1.00"), Decimal("0.60"), lease_s=float(sys.argv[3]))
 os._exit(9)  # dies mid-request: no settle, no cleanup
 """

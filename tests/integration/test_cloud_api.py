@@ -19,7 +19,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from sqlalchemy import create_engine
 from sqlmodel import Session, select
 
-from shared.storage.models import Tenant, UsageRecord
+from controlplane.storage.tables import Tenant, UsageRecord
 from tests.conftest import (
     REPO,
     base_env,
@@ -302,7 +302,7 @@ def test_generic_inference_serves_tensor_models_in_batches_and_llms(cloud_api: d
 
 
 def test_a_key_limited_to_some_models_is_refused_the_others(cloud_api: dict[str, str]) -> None:
-    from shared.tenancy import create_api_key
+    from controlplane.tenancy.service import create_api_key
 
     engine = create_engine(cloud_api["db"])
     with Session(engine) as s:

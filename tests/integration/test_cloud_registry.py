@@ -15,17 +15,18 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from cloud.engines import EnginePool
+from cloud.engine_pool import EnginePool
 from cloud.registry_models import RegistryModels
 from cloud.settings import CloudSettings
-from shared import registry, rollouts
-from shared.artifact_store import LocalArtifactStore
+from controlplane.registry import service as registry
+from controlplane.registry.artifacts import push_path
+from controlplane.registry.store import LocalArtifactStore
+from controlplane.rollouts import service as rollouts
+from controlplane.storage.database import make_engine
+from controlplane.storage.tables import UsageRecord
+from controlplane.tenancy.service import create_api_key, create_tenant
 from shared.artifacts import load_or_create_signing_key
 from shared.errors import ApplicationError
-from shared.registry_artifacts import push_path
-from shared.storage.engine import make_engine
-from shared.storage.models import UsageRecord
-from shared.tenancy import create_api_key, create_tenant
 from tests.conftest import base_env, free_port, run_server, seed_data_dir
 
 pytestmark = pytest.mark.integration

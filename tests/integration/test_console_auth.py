@@ -13,11 +13,11 @@ import pytest
 from sqlalchemy import func
 from sqlmodel import Session, col, select
 
-from console.api import create_token
 from console.pages import PAGES_ROUTER
 from console.pages.rollouts import ACTIONS
-from shared.storage.models import AuditLog, ConsoleUser, Tenant
-from shared.storage.session import session_scope
+from console.rollouts_api import create_token
+from controlplane.storage.session import session_scope
+from controlplane.storage.tables import AuditLog, ConsoleUser, Tenant
 from tests.conftest import DB_BACKENDS
 from tests.integration.console_support import PASSWORD, Console, console_server, csrf_of, login, post_form
 
@@ -250,8 +250,8 @@ def test_the_session_cookie_is_secure_behind_tls_or_when_configured(
     from console.app import create_app
     from console.auth import ConsoleAuthSettings
     from console.passwords import create_user
-    from shared.storage.engine import make_engine
-    from shared.storage.migrate import upgrade
+    from controlplane.storage.database import make_engine
+    from controlplane.storage.migrate import upgrade
 
     url = f"sqlite:///{tmp_path / 'console.db'}"
     upgrade(url)

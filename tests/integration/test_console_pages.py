@@ -16,8 +16,9 @@ import httpx
 import pytest
 from sqlmodel import Session, col, select
 
-from shared import devices
-from shared.storage.models import (
+from controlplane.fleet import devices
+from controlplane.storage.session import session_scope
+from controlplane.storage.tables import (
     ApiKey,
     AuditLog,
     BudgetAlert,
@@ -34,8 +35,7 @@ from shared.storage.models import (
     Tenant,
     UsageRecord,
 )
-from shared.storage.session import session_scope
-from shared.tenancy import authenticate, create_tenant
+from controlplane.tenancy.service import authenticate, create_tenant
 from tests.conftest import DB_BACKENDS
 from tests.integration.console_support import Console, console_server, csrf_of, errors_in, post_form
 
@@ -859,7 +859,7 @@ def test_calibrated_escalation_curve(console: Console, admin: httpx.Client) -> N
     assert "cannot read edge policy" in page  # a broken file is named, the page still works
     # The model's own page shows its curve (the policy names it under the tierline/ namespace).
     with session_scope(console.engine) as session:
-        from shared import registry
+        from controlplane.registry import service as registry
 
         registry.ensure_model(session, name, "causal-lm", actor="test")
     assert 'class="chosen"' in admin.get(f"/models/{name}").text

@@ -22,8 +22,8 @@ import pytest
 from sqlalchemy import create_engine
 from sqlmodel import Session, select
 
+from controlplane.storage.tables import Device, DeviceEvent, UsageRecord
 from shared.escalation import EdgePolicy, save_policy
-from shared.storage.models import Device, DeviceEvent, UsageRecord
 from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, seed_data_dir, tierline_cmd
 
 pytestmark = pytest.mark.integration

@@ -18,15 +18,15 @@ from pathlib import Path
 import pytest
 from sqlmodel import Session, col, select
 
-from shared import billing
-from shared.cli import main
+from controlplane.billing import invoicing as billing
+from controlplane.billing.ledger import NewUsage, ingest_usage
+from controlplane.storage.database import make_engine
+from controlplane.storage.session import get_engine
+from controlplane.storage.tables import Invoice, InvoiceLine, UsageRecord
+from controlplane.tenancy.service import create_tenant
 from shared.errors import ConflictError, ValidationError
-from shared.ledger import NewUsage, ingest_usage
-from shared.storage.engine import make_engine
-from shared.storage.models import Invoice, InvoiceLine, UsageRecord
-from shared.storage.session import get_engine
-from shared.tenancy import create_tenant
 from tests.conftest import migrated_sqlite
+from tierline.cli import main
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres]
 

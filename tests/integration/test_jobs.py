@@ -26,9 +26,9 @@ from sqlmodel import Session, col, select
 
 from cloud.jobs import JobStore
 from cloud.webhooks import is_valid_signature
-from shared.storage.engine import make_engine
-from shared.storage.models import Job, UsageRecord, WebhookDelivery, utcnow
-from shared.tenancy import create_api_key, create_tenant
+from controlplane.storage.database import make_engine
+from controlplane.storage.tables import Job, UsageRecord, WebhookDelivery, utcnow
+from controlplane.tenancy.service import create_api_key, create_tenant
 from tests.conftest import base_env, free_port, migrated_sqlite, seed_data_dir, server_process
 
 pytestmark = pytest.mark.integration

@@ -10,8 +10,8 @@ import pytest
 
 from cloud.limits import RateLimiter
 from cloud.settings import CloudSettings
+from controlplane.storage.tables import ApiKey, Tenant
 from shared.errors import RateLimitError
-from shared.storage.models import ApiKey, Tenant
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 

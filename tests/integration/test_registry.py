@@ -13,14 +13,15 @@ import pytest
 from click.testing import CliRunner, Result
 from sqlmodel import Session, col, select
 
-from shared import registry, registry_artifacts
-from shared.artifact_store import LocalArtifactStore
+from controlplane.registry import artifacts as registry_artifacts
+from controlplane.registry import service as registry
+from controlplane.registry.cli import models
+from controlplane.registry.store import LocalArtifactStore
+from controlplane.storage.database import make_engine
+from controlplane.storage.session import session_scope
+from controlplane.storage.tables import AuditLog
 from shared.artifacts import FileEntry, Manifest, load_or_create_signing_key, verify_signature
 from shared.errors import ConflictError, ValidationError
-from shared.registry_cli import models
-from shared.storage.engine import make_engine
-from shared.storage.models import AuditLog
-from shared.storage.session import session_scope
 from tests.conftest import REPO, base_env, migrated_sqlite, tierline_cmd
 
 pytestmark = pytest.mark.integration
@@ -326,7 +327,7 @@ def test_an_exported_edge_artifact_publishes_to_the_fleet(tmp_path: Path) -> Non
 def test_derive_jobs_left_pending_by_a_stopped_console_are_failed(migrated_db: str) -> None:
     from datetime import UTC, datetime, timedelta
 
-    from shared.edge_derive import fail_stale_jobs
+    from controlplane.registry.edge_derive import fail_stale_jobs
 
     engine = make_engine(migrated_db)
     with session_scope(engine) as s:

@@ -19,12 +19,12 @@ import pytest
 from moto.server import ThreadedMotoServer
 from sqlmodel import Session, col, select
 
-from console.api import create_token
 from console.passwords import create_user
-from shared.artifact_store import S3ArtifactStore
+from console.rollouts_api import create_token
+from controlplane.registry.store import S3ArtifactStore
+from controlplane.storage.database import make_engine
+from controlplane.storage.tables import AuditLog, ModelArtifact
 from shared.artifacts import FileEntry, Manifest, load_public_key, verify_signature
-from shared.storage.engine import make_engine
-from shared.storage.models import AuditLog, ModelArtifact
 from tests.conftest import base_env, free_port, migrated_sqlite, run_server
 from tests.integration.test_registry import make_checkpoint
 
@@ -309,7 +309,7 @@ def test_edge_artifacts_are_derived_in_the_background_signed_and_guarded(console
         verify_signature(manifest, [key])
         assert manifest.derived_from == {"name": "edge-lm@1", "sha256": source_sha}, fmt
         assert json.loads(console.store.read_bytes(row.uri.rsplit("/", 1)[-1])) == row.manifest
-    from shared.registry_artifacts import materialize
+    from controlplane.registry.artifacts import materialize
 
     out = materialize(console.store, rows["onnx-int8"], tmp_path / "int8")
     meta = json.loads((out / "edge_model.json").read_text())

@@ -18,15 +18,16 @@ from safetensors.torch import load_file, save_file
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from console.api import create_token
 from console.passwords import create_user
-from shared import registry, rollouts
-from shared.artifact_store import LocalArtifactStore
+from console.rollouts_api import create_token
+from controlplane.registry import service as registry
+from controlplane.registry.artifacts import push_path
+from controlplane.registry.store import LocalArtifactStore
+from controlplane.rollouts import service as rollouts
+from controlplane.storage.database import make_engine
+from controlplane.storage.tables import RolloutShadowSample, UsageRecord
+from controlplane.tenancy.service import create_api_key, create_tenant
 from shared.artifacts import load_or_create_signing_key
-from shared.registry_artifacts import push_path
-from shared.storage.engine import make_engine
-from shared.storage.models import RolloutShadowSample, UsageRecord
-from shared.tenancy import create_api_key, create_tenant
 from tests.conftest import base_env, free_port, migrated_sqlite, run_server, seed_data_dir
 
 pytestmark = pytest.mark.integration

@@ -25,11 +25,11 @@ from click.testing import CliRunner
 from sqlmodel import Session, col, select
 
 from cloud.edge_releases import publish_command
-from console.api import create_token
 from console.passwords import create_user
-from shared.assignment import arm, cloud_subject
-from shared.devices import create_enrollment_token
-from shared.rollouts import (
+from console.rollouts_api import create_token
+from controlplane.fleet.devices import create_enrollment_token
+from controlplane.rollouts.assignment import arm, cloud_subject
+from controlplane.rollouts.service import (
     RolloutSpec,
     abort,
     collect_windows,
@@ -38,9 +38,9 @@ from shared.rollouts import (
     resolve_cloud_arm,
     run_controller_pass,
 )
-from shared.storage.engine import make_engine
-from shared.storage.models import AuditLog, Device, DeviceEvent, Rollout, RolloutEvent, UsageRecord
-from shared.tenancy import create_tenant
+from controlplane.storage.database import make_engine
+from controlplane.storage.tables import AuditLog, Device, DeviceEvent, Rollout, RolloutEvent, UsageRecord
+from controlplane.tenancy.service import create_tenant
 from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, seed_data_dir, tierline_cmd
 
 pytestmark = pytest.mark.integration

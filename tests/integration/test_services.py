@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
-from shared.storage.migrate import upgrade
-from shared.storage.session import session_scope
+from controlplane.storage.migrate import upgrade
+from controlplane.storage.session import session_scope
 from tests.conftest import REPO, base_env, free_port, run_server, seed_data_dir, tierline_cmd
 
 pytestmark = pytest.mark.integration
@@ -104,8 +104,8 @@ def test_console_overview_renders(data_dir: Path, db_url: str) -> None:
 def test_console_create_admin_stores_an_argon2id_hash(data_dir: Path, db_url: str) -> None:
     from sqlmodel import select
 
-    from shared.storage.engine import make_engine
-    from shared.storage.models import ConsoleUser
+    from controlplane.storage.database import make_engine
+    from controlplane.storage.tables import ConsoleUser
 
     upgrade(db_url)
     env = base_env(data_dir, TIERLINE_DATABASE_URL=db_url)

@@ -12,11 +12,11 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, text
 from sqlmodel import Session, SQLModel
 
+from controlplane.storage.database import make_engine
+from controlplane.storage.migrate import current_revision, downgrade, head_revision, upgrade
+from controlplane.storage.tables import UsageRecord
+from controlplane.tenancy.service import authenticate, create_api_key, create_tenant, revoke_api_key
 from shared.errors import AuthenticationError, ConflictError, NotFoundError, ValidationError
-from shared.storage.engine import make_engine
-from shared.storage.migrate import current_revision, downgrade, head_revision, upgrade
-from shared.storage.models import UsageRecord
-from shared.tenancy import authenticate, create_api_key, create_tenant, revoke_api_key
 
 pytestmark = pytest.mark.integration
 

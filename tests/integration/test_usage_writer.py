@@ -10,8 +10,8 @@ import pytest
 from sqlmodel import Session, select
 
 from cloud.metering import UsageWriter
-from shared.storage.engine import make_engine
-from shared.storage.models import Tenant, UsageRecord
+from controlplane.storage.database import make_engine
+from controlplane.storage.tables import Tenant, UsageRecord
 
 pytestmark = pytest.mark.integration
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.assignment import NUM_BUCKETS, arm, bucket, cloud_subject, fleet_subject
+from controlplane.rollouts.assignment import NUM_BUCKETS, arm, bucket, cloud_subject, fleet_subject
 
 SUBJECTS = [f"user-{i}" for i in range(10_000)]
 

@@ -9,8 +9,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from cloud.auth_cache import AuthCache
+from controlplane.storage.tables import ApiKey, Tenant
 from shared.errors import AuthenticationError
-from shared.storage.models import ApiKey, Tenant
 
 
 def _pair(expires_at: datetime | None = None) -> tuple[Tenant, ApiKey]:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from shared.cli import LAZY_COMMANDS, cli
 from tests.conftest import REPO
+from tierline.cli import LAZY_COMMANDS, cli
 
 SURFACE = [
     ["up"],
@@ -81,7 +81,7 @@ def test_root_help_lists_every_group() -> None:
 def test_push_of_a_missing_path_is_a_one_line_error(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-checkpoint"
     proc = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "models", "push", str(missing), "--name", "x"],
+        [sys.executable, "-m", "tierline.cli", "models", "push", str(missing), "--name", "x"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -93,7 +93,7 @@ def test_push_of_a_missing_path_is_a_one_line_error(tmp_path: Path) -> None:
 
 def test_edge_commands_never_import_torch() -> None:
     code = (
-        "import sys; from click.testing import CliRunner; from shared.cli import cli; "
+        "import sys; from click.testing import CliRunner; from tierline.cli import cli; "
         "r = CliRunner().invoke(cli, ['edge', 'run', '--help']); "
         "print(r.exit_code, 'torch' in sys.modules, 'sqlalchemy' in sys.modules)"
     )

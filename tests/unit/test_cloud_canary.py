@@ -11,9 +11,9 @@ import pytest
 
 from cloud.canary import canary_arm, route_registry, routed_versions
 from cloud.engine.async_engine import AsyncLLMEngine
-from cloud.engines import EnginePool, RegistryEntry, ServedLM, split_model
+from cloud.engine_pool import EnginePool, RegistryEntry, ServedLM, split_model
+from controlplane.rollouts.service import RolloutPlan
 from shared.errors import NotFoundError
-from shared.rollouts import RolloutPlan
 
 MODEL = "tierline/lm-cloud"
 

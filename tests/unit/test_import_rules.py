@@ -69,7 +69,7 @@ names = ["edge_agent"]
 for info in pkgutil.walk_packages(edge_agent.__path__, "edge_agent."):
     importlib.import_module(info.name)
     names.append(info.name)
-from shared.cli import cli
+from tierline.cli import cli
 from click.testing import CliRunner
 result = CliRunner().invoke(cli, ["edge", "run", "--help"])
 print(json.dumps({"modules": names, "help_exit": result.exit_code,

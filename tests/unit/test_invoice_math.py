@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.invoices import (
+from controlplane.billing.invoices import (
     ADJUSTMENT,
     USAGE,
     CurrencyMismatchError,
@@ -26,7 +26,7 @@ from shared.invoices import (
     round_line,
     to_csv,
 )
-from shared.pricing import PriceIndex, Tokens, cost, parse_period, period_bounds, period_of, price_for
+from controlplane.billing.pricing import PriceIndex, Tokens, cost, parse_period, period_bounds, period_of, price_for
 
 
 def totals(cost_: str, *, period: str = "2026-03", model: str = "m", version: int | None = 1, tier: str = "cloud",

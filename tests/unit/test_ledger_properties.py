@@ -29,12 +29,12 @@ from hypothesis import strategies as st
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from shared import billing
-from shared.ledger import GROUP_BY, NewUsage, ingest_usage, usage_totals
-from shared.pricing import Tokens, cost, period_of, price_for
-from shared.storage.engine import make_engine
-from shared.storage.migrate import upgrade
-from shared.storage.models import Invoice, InvoiceLine, Price, Tenant, UsageRecord
+from controlplane.billing import invoicing as billing
+from controlplane.billing.ledger import GROUP_BY, NewUsage, ingest_usage, usage_totals
+from controlplane.billing.pricing import Tokens, cost, period_of, price_for
+from controlplane.storage.database import make_engine
+from controlplane.storage.migrate import upgrade
+from controlplane.storage.tables import Invoice, InvoiceLine, Price, Tenant, UsageRecord
 
 START = datetime(2026, 1, 1, tzinfo=UTC)
 MONTHS = ["2026-01", "2026-02", "2026-03"]

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from shared import registry, registry_artifacts
-from shared.edge_derive import int8_verdict
+from controlplane.registry import artifacts as registry_artifacts
+from controlplane.registry import service as registry
+from controlplane.registry.edge_derive import int8_verdict
 from shared.errors import ValidationError
 
 

@@ -8,9 +8,8 @@ from typing import Any
 
 import pytest
 
-from shared.assignment import arm, cloud_subject
-from shared.errors import ValidationError
-from shared.rollouts import (
+from controlplane.rollouts.assignment import arm, cloud_subject
+from controlplane.rollouts.service import (
     DEFAULT_CHECKS,
     ArmStats,
     RolloutPlan,
@@ -23,6 +22,7 @@ from shared.rollouts import (
     usage_arm,
     validate_spec,
 )
+from shared.errors import ValidationError
 
 HEALTHY_BASE = ArmStats(requests=1000, errors=10, p95_latency_ms=100.0, escalations=100)
 HEALTHY_CAND = ArmStats(requests=200, errors=2, p95_latency_ms=110.0, escalations=22)

@@ -12,11 +12,11 @@ import pytest
 from sqlalchemy.engine import Engine
 
 from cloud.engine.async_engine import AsyncLLMEngine
-from cloud.engines import RegistryEntry, ServedLM
+from cloud.engine_pool import RegistryEntry, ServedLM
 from cloud.shadow import Mirror, ShadowMirror, shadow_target
+from controlplane.rollouts.analysis import ShadowStats, analyse_shadow, token_agreement
+from controlplane.rollouts.service import RolloutPlan, RolloutSpec, validate_spec
 from shared.errors import ValidationError
-from shared.rollout_analysis import ShadowStats, analyse_shadow, token_agreement
-from shared.rollouts import RolloutPlan, RolloutSpec, validate_spec
 
 NAME = "lm"
 

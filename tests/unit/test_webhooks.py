@@ -11,8 +11,8 @@ import pytest
 
 from cloud.jobs import job_json, new_job_id
 from cloud.webhooks import is_valid_signature, new_secret, retry_delay, sign, validate_webhook_url
+from controlplane.storage.tables import Job
 from shared.errors import ValidationError
-from shared.storage.models import Job
 
 
 def receiver_verifies(secret: str, raw_body: bytes, signature_header: str) -> bool:

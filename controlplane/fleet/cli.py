@@ -31,9 +31,9 @@ def enrollment_token(tenant_name: str, labels: tuple[str, ...], ttl_hours: float
     """
     from datetime import timedelta
 
-    from shared.devices import create_enrollment_token
-    from shared.storage.session import session_scope
-    from shared.tenancy import get_tenant
+    from controlplane.fleet.devices import create_enrollment_token
+    from controlplane.storage.session import session_scope
+    from controlplane.tenancy.service import get_tenant
 
     parsed = _labels(labels)
     with session_scope() as session:
@@ -51,9 +51,9 @@ def devices_list(tenant_name: str) -> None:
     """List a tenant's devices: id, status, last seen, loaded model versions."""
     from sqlmodel import col, select
 
-    from shared.storage.models import Device
-    from shared.storage.session import session_scope
-    from shared.tenancy import get_tenant
+    from controlplane.storage.session import session_scope
+    from controlplane.storage.tables import Device
+    from controlplane.tenancy.service import get_tenant
 
     with session_scope() as session:
         tenant = get_tenant(session, tenant_name)
@@ -69,9 +69,9 @@ def devices_list(tenant_name: str) -> None:
 @click.argument("device_id")
 def devices_revoke(tenant_name: str, device_id: str) -> None:
     """Revoke DEVICE_ID: its credential stops working at once."""
-    from shared.devices import revoke_device
-    from shared.storage.session import session_scope
-    from shared.tenancy import get_tenant
+    from controlplane.fleet.devices import revoke_device
+    from controlplane.storage.session import session_scope
+    from controlplane.tenancy.service import get_tenant
 
     with session_scope() as session:
         revoke_device(session, get_tenant(session, tenant_name), device_id)

@@ -9,8 +9,8 @@ from functools import lru_cache
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
+from controlplane.storage.database import make_engine
 from shared.settings import DatabaseSettings
-from shared.storage.engine import make_engine
 
 
 def database_url() -> str:

@@ -15,11 +15,10 @@ from sqlalchemy import select as sa_select
 from sqlalchemy.sql.elements import ColumnElement
 from sqlmodel import Session, col, select
 
-from shared.assignment import BASELINE, CANDIDATE, EXCLUDED, Arm
-from shared.edge_protocol import version_number
-from shared.rollout_analysis import ArmStats, ShadowStats, Window
-from shared.rollout_plans import model_names
-from shared.storage.models import (
+from controlplane.rollouts.analysis import ArmStats, ShadowStats, Window
+from controlplane.rollouts.assignment import BASELINE, CANDIDATE, EXCLUDED, Arm
+from controlplane.rollouts.plans import model_names
+from controlplane.storage.tables import (
     Device,
     DeviceEvent,
     Rollout,
@@ -28,6 +27,7 @@ from shared.storage.models import (
     Tenant,
     UsageRecord,
 )
+from shared.edge_protocol import version_number
 
 TELEMETRY_LOOKBACK: Final = timedelta(minutes=15)  # how far back a device's last sample before a window is sought
 

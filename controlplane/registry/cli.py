@@ -18,8 +18,8 @@ def models() -> None:
 @models.command("list")
 def models_list() -> None:
     """List registered models."""
-    from shared import registry
-    from shared.storage.session import session_scope
+    from controlplane.registry import service as registry
+    from controlplane.storage.session import session_scope
 
     with session_scope() as session:
         rows = [registry.model_json(session, m, with_versions=False) for m in registry.list_models(session)]
@@ -55,9 +55,10 @@ def models_push(
     (cloud) or an edge artifact directory (edge_model.json, as `tierline zoo build` writes). Its files go to the
     artifact store (TIERLINE_ARTIFACT_STORE), the manifest is signed with the platform key.
     """
-    from shared import registry, registry_artifacts
-    from shared.artifact_store import store_from_settings
-    from shared.storage.session import session_scope
+    from controlplane.registry import artifacts as registry_artifacts
+    from controlplane.registry import service as registry
+    from controlplane.registry.store import store_from_settings
+    from controlplane.storage.session import session_scope
 
     store = store_from_settings()
     key = registry_artifacts.platform_signing_key()
@@ -89,8 +90,8 @@ def models_push(
 @click.argument("name")
 def models_versions(name: str) -> None:
     """List the versions of model NAME with their status, aliases and artifacts."""
-    from shared import registry
-    from shared.storage.session import session_scope
+    from controlplane.registry import service as registry
+    from controlplane.storage.session import session_scope
 
     with session_scope() as session:
         body = registry.model_json(session, registry.get_model(session, name))
@@ -109,8 +110,8 @@ def models_versions(name: str) -> None:
 @click.argument("name")
 def models_show(name: str) -> None:
     """Print model NAME, its aliases, versions and artifacts as JSON."""
-    from shared import registry
-    from shared.storage.session import session_scope
+    from controlplane.registry import service as registry
+    from controlplane.storage.session import session_scope
 
     with session_scope() as session:
         body = registry.model_json(session, registry.get_model(session, name))
@@ -123,8 +124,8 @@ def models_show(name: str) -> None:
 @click.argument("version", type=int)
 def models_alias(name: str, alias: str, version: int) -> None:
     """Point ALIAS (stable, canary, any name) of model NAME at VERSION, in one step."""
-    from shared import registry
-    from shared.storage.session import session_scope
+    from controlplane.registry import service as registry
+    from controlplane.storage.session import session_scope
 
     with session_scope() as session:
         registry.move_alias(session, registry.get_model(session, name), alias, version, actor=_actor())
@@ -138,8 +139,8 @@ def models_alias(name: str, alias: str, version: int) -> None:
 @click.option("--reason", default="", help="why, for the audit log")
 def models_status(name: str, version: int, status: str, reason: str) -> None:
     """Move VERSION of NAME forward: registered -> validated -> active -> retired."""
-    from shared import registry
-    from shared.storage.session import session_scope
+    from controlplane.registry import service as registry
+    from controlplane.storage.session import session_scope
 
     with session_scope() as session:
         model = registry.get_model(session, name)
@@ -154,8 +155,8 @@ def models_status(name: str, version: int, status: str, reason: str) -> None:
 @click.option("--remove", "remove", multiple=True, help="a tag to remove (repeatable)")
 def models_tag(name: str, version: int, add: tuple[str, ...], remove: tuple[str, ...]) -> None:
     """Add or remove tags of VERSION of NAME."""
-    from shared import registry
-    from shared.storage.session import session_scope
+    from controlplane.registry import service as registry
+    from controlplane.storage.session import session_scope
 
     with session_scope() as session:
         model = registry.get_model(session, name)
@@ -182,9 +183,9 @@ def models_export(name: str, version: str, format: str, out: Path) -> None:
     manifest, so `tierline cloud publish OUT/artifacts/NAME` offers it to devices as NAME version NUMBER.
     A rejected or failed artifact is refused.
     """
-    from shared import registry_artifacts
-    from shared.artifact_store import store_from_settings
-    from shared.storage.session import session_scope
+    from controlplane.registry import artifacts as registry_artifacts
+    from controlplane.registry.store import store_from_settings
+    from controlplane.storage.session import session_scope
 
     with session_scope() as session:
         files_dir, manifest = registry_artifacts.export_artifact(
@@ -211,10 +212,10 @@ def models_derive(name: str, version: int, min_int8_agreement: float | None, tfl
     The result is a new version of NAME recording the version it was derived from; its artifacts are signed.
     (The console's POST /api/models/NAME/versions/VERSION/derive runs the same job in the background.)
     """
-    from shared import registry_artifacts
-    from shared.artifact_store import store_from_settings
-    from shared.edge_derive import run_derive, start_derive
-    from shared.storage.session import get_engine, session_scope
+    from controlplane.registry import artifacts as registry_artifacts
+    from controlplane.registry.edge_derive import run_derive, start_derive
+    from controlplane.registry.store import store_from_settings
+    from controlplane.storage.session import get_engine, session_scope
 
     store = store_from_settings()
     key = registry_artifacts.platform_signing_key()
@@ -321,8 +322,8 @@ def rollouts_create(
     shadow_min_agreement: float,
 ) -> None:
     """Create a rollout of CANDIDATE against BASELINE; the controller starts it at its next pass."""
-    from shared.rollouts import RolloutSpec, create_rollout
-    from shared.storage.session import session_scope
+    from controlplane.rollouts.service import RolloutSpec, create_rollout
+    from controlplane.storage.session import session_scope
 
     spec = RolloutSpec(
         model=model,
@@ -353,8 +354,8 @@ def rollouts_create(
 @click.option("--status", default=None, help="only rollouts in this state")
 def rollouts_list(status: str | None) -> None:
     """List rollouts, newest first."""
-    from shared.rollouts import list_rollouts
-    from shared.storage.session import session_scope
+    from controlplane.rollouts.service import list_rollouts
+    from controlplane.storage.session import session_scope
 
     with session_scope() as session:
         rows = list_rollouts(session, status)
@@ -369,8 +370,15 @@ def rollouts_list(status: str | None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="print the rollout, its events and pins as JSON")
 def rollouts_get(rollout_id: int, as_json: bool) -> None:
     """Show a rollout, its last analysis and its event timeline."""
-    from shared.rollouts import event_json, get_rollout, pin_json, rollout_events, rollout_json, rollout_pins
-    from shared.storage.session import session_scope
+    from controlplane.rollouts.service import (
+        event_json,
+        get_rollout,
+        pin_json,
+        rollout_events,
+        rollout_json,
+        rollout_pins,
+    )
+    from controlplane.storage.session import session_scope
 
     with session_scope() as session:
         r = get_rollout(session, rollout_id)
@@ -396,8 +404,8 @@ def _action(name: str, help_text: str) -> click.Command:
     @click.argument("rollout_id", type=int)
     @click.option("--reason", default="", help="why, for the timeline and the audit log")
     def command(rollout_id: int, reason: str) -> None:
-        from shared import rollouts as service
-        from shared.storage.session import session_scope
+        from controlplane.rollouts import service
+        from controlplane.storage.session import session_scope
 
         with session_scope() as session:
             r = getattr(service, name)(session, rollout_id, actor=_actor(), reason=reason)
@@ -419,8 +427,8 @@ rollouts.add_command(_action("abort", "Stop a rollout; everyone returns to the b
 @click.option("--arm", "value", type=click.Choice(["baseline", "candidate", "excluded"]), required=True)
 def rollouts_pin(rollout_id: int, device: str | None, tenant: str | None, value: str) -> None:
     """Hold a device or a tenant on one arm of a rollout, or leave it out."""
-    from shared.rollouts import set_pin
-    from shared.storage.session import session_scope
+    from controlplane.rollouts.service import set_pin
+    from controlplane.storage.session import session_scope
 
     if (device is None) == (tenant is None):
         raise click.UsageError("give exactly one of --device and --tenant")
@@ -435,8 +443,8 @@ def rollouts_pin(rollout_id: int, device: str | None, tenant: str | None, value:
 @click.option("--json", "as_json", is_flag=True, help="print what the pass did as JSON lines")
 def rollouts_tick(as_json: bool) -> None:
     """Run one controller pass now: start pending rollouts, judge running ones (for cron and tests)."""
-    from shared.rollouts import run_controller_pass
-    from shared.storage.session import get_engine
+    from controlplane.rollouts.service import run_controller_pass
+    from controlplane.storage.session import get_engine
 
     results = run_controller_pass(get_engine(), actor=f"{_actor()} (tick)")
     if not results:

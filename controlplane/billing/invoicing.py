@@ -29,11 +29,11 @@ from sqlalchemy import select as sql_select
 from sqlalchemy.sql.elements import ColumnElement
 from sqlmodel import Session, col, select
 
-from shared import invoices
+from controlplane.billing import invoices
+from controlplane.billing.ledger import cost_micros, token_sums, unpriced_count, utc_format
+from controlplane.billing.pricing import parse_period, period_bounds
+from controlplane.storage.tables import AuditLog, CreditNote, Invoice, InvoiceLine, Price, Tenant, UsageRecord
 from shared.errors import ConflictError, NotFoundError, ValidationError
-from shared.ledger import cost_micros, token_sums, unpriced_count, utc_format
-from shared.pricing import parse_period, period_bounds
-from shared.storage.models import AuditLog, CreditNote, Invoice, InvoiceLine, Price, Tenant, UsageRecord
 
 FINALIZED = "finalized"
 VOID = "void"

@@ -26,10 +26,10 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
+from controlplane.billing.pricing import PriceLike, Tokens, cost, period_of, price_for
+from controlplane.storage.tables import BudgetPeriod, BudgetReservation, Price
 from shared.errors import ApplicationError
 from shared.periodic import Periodic
-from shared.pricing import PriceLike, Tokens, cost, period_of, price_for
-from shared.storage.models import BudgetPeriod, BudgetReservation, Price
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.engine import Engine
 
-from shared.storage.engine import normalize_url
+from controlplane.storage.database import normalize_url
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 

@@ -48,9 +48,9 @@ def _read_previous(path: Path) -> dict[str, Any]:
 
 def _seed_tenant_key(previous: dict[str, Any]) -> str:
     """The demo tenant's key: the one from the last run while it is still valid, else a new one."""
+    from controlplane.storage.session import session_scope
+    from controlplane.tenancy.service import authenticate, create_api_key, create_tenant, get_tenant, list_tenants
     from shared.errors import AuthenticationError
-    from shared.storage.session import session_scope
-    from shared.tenancy import authenticate, create_api_key, create_tenant, get_tenant, list_tenants
 
     with session_scope() as session:
         old = previous.get("api_key")
@@ -67,7 +67,7 @@ def _seed_tenant_key(previous: dict[str, Any]) -> str:
 
 
 def _tierline(*args: str) -> list[str]:
-    return [sys.executable, "-m", "shared.cli", *args]
+    return [sys.executable, "-m", "tierline.cli", *args]
 
 
 def _seed_admin(previous: dict[str, Any], env: dict[str, str]) -> str | None:
@@ -130,9 +130,9 @@ def _raise_interrupt(_signum: int, _frame: object) -> None:
 )
 def up(zoo_preset: str) -> None:
     """Run the whole platform on localhost: cloud API, console and one edge agent (Ctrl-C stops all)."""
+    from controlplane.storage.migrate import upgrade
     from shared.artifacts import load_or_create_signing_key, public_path
     from shared.settings import CoreSettings, DatabaseSettings, ServiceSettings
-    from shared.storage.migrate import upgrade
     from shared.zoo.build import build_zoo
     from shared.zoo.presets import get_preset
 

@@ -1,4 +1,4 @@
-"""Alembic environment: the URL and the connection come from ``shared.storage.migrate``."""
+"""Alembic environment: the URL and the connection come from ``controlplane.storage.migrate``."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from alembic import context
 from sqlalchemy.engine import Connection
 from sqlmodel import SQLModel
 
-import shared.storage.models  # noqa: F401  (registers the tables on SQLModel.metadata)
-from shared.storage.engine import make_engine
+import controlplane.storage.tables  # noqa: F401  (registers the tables on SQLModel.metadata)
+from controlplane.storage.database import make_engine
 
 config = context.config
 target_metadata = SQLModel.metadata

@@ -12,9 +12,9 @@ from typing import Final
 from sqlalchemy import func
 from sqlmodel import Session, col, select
 
-from shared.assignment import BASELINE, CANDIDATE, EXCLUDED, Arm, arm, cloud_subject, fleet_subject
-from shared.rollout_analysis import Source
-from shared.storage.models import Rollout, RolloutPin, Tenant
+from controlplane.rollouts.analysis import Source
+from controlplane.rollouts.assignment import BASELINE, CANDIDATE, EXCLUDED, Arm, arm, cloud_subject, fleet_subject
+from controlplane.storage.tables import Rollout, RolloutPin, Tenant
 
 MODEL_PREFIX: Final = "tierline/"
 

@@ -4,7 +4,7 @@ A **model** has a name and a kind (``causal-lm`` | ``tensor``). A **version** ha
 (1, 2, 3... per model, never reused, even when two pushes race), an optional label, where it came from, tags,
 a status (``registered → validated → active → retired``) and, for a derived version, the version it was
 derived from. An **artifact** is one target's files (``cloud``: an HF checkpoint, ONNX, a TensorRT plan;
-``edge``: ONNX fp32 / INT8, TFLite): its bytes are blobs in the artifact store (:mod:`shared.artifact_store`)
+``edge``: ONNX fp32 / INT8, TFLite): its bytes are blobs in the artifact store (:mod:`controlplane.registry.store`)
 and its signed manifest (:mod:`shared.artifacts`) lists them with their sha256. An **alias** (``stable``,
 ``canary``, any name) points at one version and moves with one row update.
 
@@ -23,8 +23,8 @@ from sqlalchemy import select as sa_select
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
+from controlplane.storage.tables import AuditLog, Model, ModelAlias, ModelArtifact, ModelVersion, utcnow
 from shared.errors import ConflictError, NotFoundError, ValidationError
-from shared.storage.models import AuditLog, Model, ModelAlias, ModelArtifact, ModelVersion, utcnow
 
 KINDS: Final = ("causal-lm", "tensor")
 TARGETS: Final = ("cloud", "edge")

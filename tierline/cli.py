@@ -11,19 +11,19 @@ from shared.errors import ApplicationError
 
 # command name -> (module, attribute, one-line help). Modules are imported only when the command runs.
 LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
-    "up": ("shared.up", "up", "Run the whole platform on localhost: cloud API, console and one edge agent."),
+    "up": ("tierline.up", "up", "Run the whole platform on localhost: cloud API, console and one edge agent."),
     "cloud": ("cloud.cli", "cloud", "The cloud tier: inference API and LLM engine."),
     "console": ("console.cli", "console", "The web console and management API."),
     "edge": ("edge_agent.cli", "edge", "The edge agent daemon for devices."),
     "zoo": ("shared.zoo.cli", "zoo", "Build and verify the project's own models."),
-    "db": ("shared.storage.cli", "db", "Database migrations."),
-    "tenants": ("shared.tenancy_cli", "tenants", "Create and list tenants."),
-    "keys": ("shared.tenancy_cli", "keys", "Create, list and revoke API keys."),
-    "devices": ("shared.devices_cli", "devices", "Edge devices: enrollment tokens, list, revoke."),
-    "models": ("shared.registry_cli", "models", "The model registry."),
-    "rollouts": ("shared.registry_cli", "rollouts", "Canary rollouts of model versions."),
+    "db": ("controlplane.storage.cli", "db", "Database migrations."),
+    "tenants": ("controlplane.tenancy.cli", "tenants", "Create and list tenants."),
+    "keys": ("controlplane.tenancy.cli", "keys", "Create, list and revoke API keys."),
+    "devices": ("controlplane.fleet.cli", "devices", "Edge devices: enrollment tokens, list, revoke."),
+    "models": ("controlplane.registry.cli", "models", "The model registry."),
+    "rollouts": ("controlplane.registry.cli", "rollouts", "Canary rollouts of model versions."),
     "bench": ("bench.cli", "bench", "Benchmarks that print JSON."),
-    "billing": ("shared.billing_cli", "billing", "Prices, budgets and invoices."),
+    "billing": ("controlplane.billing.cli", "billing", "Prices, budgets and invoices."),
 }
 
 

@@ -24,10 +24,10 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql.elements import ColumnElement
 from sqlmodel import Session, col, select
 
-from shared.budgets import add_spend
+from controlplane.billing.budgets import add_spend
+from controlplane.billing.pricing import PriceIndex, Tokens, cost, period_bounds, period_of
+from controlplane.storage.tables import Price, UsageRecord
 from shared.errors import ValidationError
-from shared.pricing import PriceIndex, Tokens, cost, period_bounds, period_of
-from shared.storage.models import Price, UsageRecord
 
 MICROS = Decimal(1_000_000)
 GROUP_BY = ("day", "month", "model", "version", "tier")

@@ -15,8 +15,8 @@ from decimal import Decimal, InvalidOperation
 
 from sqlmodel import Session, col, select
 
+from controlplane.storage.tables import ApiKey, Tenant
 from shared.errors import AuthenticationError, ConflictError, NotFoundError, ValidationError
-from shared.storage.models import ApiKey, Tenant
 
 KEY_PREFIX = "tl-"
 KEY_BYTES = 32

@@ -2,7 +2,7 @@
 
 A token (``tlc-`` + 43 url-safe characters) acts as a console user; only its sha256 is stored and the token
 is shown once (``tierline console create-token``). Viewers may read; changes need an admin. Handlers are
-thin: they validate the body, call one service function in ``shared.rollouts`` (which writes the rollout
+thin: they validate the body, call one service function in ``controlplane.rollouts.service`` (which writes the rollout
 event and the audit_log row) and return the record as JSON. Errors use the OpenAI error shape, a 400 names
 the field (``param``).
 """
@@ -23,10 +23,10 @@ from litestar.openapi.spec import Components, SecurityScheme
 from pydantic import BaseModel, ConfigDict, Field
 from sqlmodel import Session, col, select, update
 
-from shared import rollouts
+from controlplane.rollouts import service as rollouts
+from controlplane.storage.session import session_scope
+from controlplane.storage.tables import ConsoleToken, ConsoleUser
 from shared.errors import AuthenticationError, NotFoundError, PermissionDeniedError
-from shared.storage.models import ConsoleToken, ConsoleUser
-from shared.storage.session import session_scope
 
 PREFIX = "tlc-"
 TOKEN_BYTES = 32

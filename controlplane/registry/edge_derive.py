@@ -34,12 +34,13 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from shared import registry, registry_artifacts
-from shared.artifact_store import ArtifactStore, scratch_dir
+from controlplane.registry import artifacts as registry_artifacts
+from controlplane.registry import service as registry
+from controlplane.registry.store import ArtifactStore, scratch_dir
+from controlplane.storage.session import session_scope
+from controlplane.storage.tables import Model, ModelArtifact, ModelVersion
 from shared.artifacts import FileEntry
 from shared.errors import ConflictError, ValidationError
-from shared.storage.models import Model, ModelArtifact, ModelVersion
-from shared.storage.session import session_scope
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ def db() -> None:
 @click.option("--revision", default="head", show_default=True, help="target revision")
 def upgrade(revision: str) -> None:
     """Apply migrations up to REVISION."""
-    from shared.storage.migrate import upgrade as run_upgrade
-    from shared.storage.session import database_url
+    from controlplane.storage.migrate import upgrade as run_upgrade
+    from controlplane.storage.session import database_url
 
     run_upgrade(database_url(), revision)
     click.echo(f"database at {revision}")
@@ -24,7 +24,7 @@ def upgrade(revision: str) -> None:
 @db.command()
 def current() -> None:
     """Print the database's revision and the code's head revision."""
-    from shared.storage.migrate import current_revision, head_revision
-    from shared.storage.session import get_engine
+    from controlplane.storage.migrate import current_revision, head_revision
+    from controlplane.storage.session import get_engine
 
     click.echo(f"current: {current_revision(get_engine())}  head: {head_revision()}")

@@ -15,8 +15,8 @@ def tenants() -> None:
 @click.option("--budget", default=None, help="monthly budget in the tenant's currency, e.g. 100.00")
 def tenants_create(name: str, budget: str | None) -> None:
     """Create tenant NAME."""
-    from shared.storage.session import session_scope
-    from shared.tenancy import create_tenant, parse_budget
+    from controlplane.storage.session import session_scope
+    from controlplane.tenancy.service import create_tenant, parse_budget
 
     with session_scope() as session:
         tenant = create_tenant(session, name, budget=parse_budget(budget))
@@ -26,8 +26,8 @@ def tenants_create(name: str, budget: str | None) -> None:
 @tenants.command("list")
 def tenants_list() -> None:
     """List tenants."""
-    from shared.storage.session import session_scope
-    from shared.tenancy import list_tenants
+    from controlplane.storage.session import session_scope
+    from controlplane.tenancy.service import list_tenants
 
     with session_scope() as session:
         for t in list_tenants(session):
@@ -45,8 +45,8 @@ def keys() -> None:
 @click.option("--name", default="", help="a label for the key")
 def keys_create(tenant_name: str, name: str) -> None:
     """Create a key for a tenant and print it once (only its hash is stored)."""
-    from shared.storage.session import session_scope
-    from shared.tenancy import create_api_key, get_tenant
+    from controlplane.storage.session import session_scope
+    from controlplane.tenancy.service import create_api_key, get_tenant
 
     with session_scope() as session:
         issued = create_api_key(session, get_tenant(session, tenant_name), name=name)
@@ -58,8 +58,8 @@ def keys_create(tenant_name: str, name: str) -> None:
 @click.option("--tenant", "tenant_name", required=True, help="tenant name")
 def keys_list(tenant_name: str) -> None:
     """List a tenant's keys (prefixes only)."""
-    from shared.storage.session import session_scope
-    from shared.tenancy import get_tenant, list_api_keys
+    from controlplane.storage.session import session_scope
+    from controlplane.tenancy.service import get_tenant, list_api_keys
 
     with session_scope() as session:
         for k in list_api_keys(session, get_tenant(session, tenant_name)):
@@ -71,8 +71,8 @@ def keys_list(tenant_name: str) -> None:
 @click.argument("key_id", type=int)
 def keys_revoke(key_id: int) -> None:
     """Revoke key KEY_ID."""
-    from shared.storage.session import session_scope
-    from shared.tenancy import revoke_api_key
+    from controlplane.storage.session import session_scope
+    from controlplane.tenancy.service import revoke_api_key
 
     with session_scope() as session:
         revoke_api_key(session, key_id)

@@ -17,10 +17,7 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlmodel import Session, select
 
-from shared.artifact_store import ArtifactStore, PayloadTooLargeError
-from shared.artifacts import FileEntry, Manifest, load_or_create_signing_key, read_manifest, sign_manifest
-from shared.errors import ArtifactVerificationError, ConflictError, NotFoundError, ValidationError
-from shared.registry import (
+from controlplane.registry.service import (
     ARTIFACT_STATUSES,
     EDGE_MODEL_FILE,
     MANIFEST_FILE,
@@ -39,8 +36,11 @@ from shared.registry import (
     register_version,
     resolve,
 )
+from controlplane.registry.store import ArtifactStore, PayloadTooLargeError
+from controlplane.storage.tables import Model, ModelArtifact, ModelVersion
+from shared.artifacts import FileEntry, Manifest, load_or_create_signing_key, read_manifest, sign_manifest
+from shared.errors import ArtifactVerificationError, ConflictError, NotFoundError, ValidationError
 from shared.settings import CoreSettings
-from shared.storage.models import Model, ModelArtifact, ModelVersion
 
 
 def platform_signing_key() -> Ed25519PrivateKey:

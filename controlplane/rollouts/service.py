@@ -22,8 +22,9 @@ Who gets which version while a rollout governs a model: :class:`RolloutPlan` sna
 gateway (:func:`edge_version`, per device) and the cloud (:func:`resolve_cloud_arm`, per request).
 
 This module holds the state machine (spec, transitions, pins, the controller pass); the pure analysis lives in
-:mod:`shared.rollout_analysis`, the per-arm aggregates in :mod:`shared.rollout_metrics` and the assignment
-snapshots in :mod:`shared.rollout_plans`. Their public names are re-exported here, so ``shared.rollouts`` stays
+:mod:`controlplane.rollouts.analysis`, the per-arm aggregates in :mod:`controlplane.rollouts.metrics` and the assignment
+snapshots in :mod:`controlplane.rollouts.plans`. Their public names are re-exported here, so
+``controlplane.rollouts.service`` stays
 the one import for callers.
 """
 
@@ -41,35 +42,35 @@ from sqlalchemy import or_, update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from shared.assignment import PIN_VALUES
+from controlplane.rollouts.analysis import DEFAULT_CHECKS as DEFAULT_CHECKS
+from controlplane.rollouts.analysis import METRICS as METRICS
+from controlplane.rollouts.analysis import SOURCE_METRICS as SOURCE_METRICS
+from controlplane.rollouts.analysis import Action as Action
+from controlplane.rollouts.analysis import ArmStats as ArmStats
+from controlplane.rollouts.analysis import CheckResult as CheckResult
+from controlplane.rollouts.analysis import Decision as Decision
+from controlplane.rollouts.analysis import ShadowStats as ShadowStats
+from controlplane.rollouts.analysis import Source as Source
+from controlplane.rollouts.analysis import Window as Window
+from controlplane.rollouts.analysis import analyse as analyse
+from controlplane.rollouts.analysis import analyse_shadow as analyse_shadow
+from controlplane.rollouts.analysis import check as check
+from controlplane.rollouts.assignment import PIN_VALUES
+from controlplane.rollouts.metrics import TELEMETRY_LOOKBACK as TELEMETRY_LOOKBACK
+from controlplane.rollouts.metrics import candidate_usage as candidate_usage
+from controlplane.rollouts.metrics import collect_windows as collect_windows
+from controlplane.rollouts.metrics import shadow_stats as shadow_stats
+from controlplane.rollouts.plans import MODEL_PREFIX as MODEL_PREFIX
+from controlplane.rollouts.plans import CloudRoute as CloudRoute
+from controlplane.rollouts.plans import RolloutPlan as RolloutPlan
+from controlplane.rollouts.plans import edge_version as edge_version
+from controlplane.rollouts.plans import load_plans as load_plans
+from controlplane.rollouts.plans import model_names as model_names
+from controlplane.rollouts.plans import plans_for as plans_for
+from controlplane.rollouts.plans import resolve_cloud_arm as resolve_cloud_arm
+from controlplane.rollouts.plans import usage_arm as usage_arm
+from controlplane.storage.tables import AuditLog, Device, Rollout, RolloutEvent, RolloutPin, Tenant
 from shared.errors import ConflictError, NotFoundError, ValidationError
-from shared.rollout_analysis import DEFAULT_CHECKS as DEFAULT_CHECKS
-from shared.rollout_analysis import METRICS as METRICS
-from shared.rollout_analysis import SOURCE_METRICS as SOURCE_METRICS
-from shared.rollout_analysis import Action as Action
-from shared.rollout_analysis import ArmStats as ArmStats
-from shared.rollout_analysis import CheckResult as CheckResult
-from shared.rollout_analysis import Decision as Decision
-from shared.rollout_analysis import ShadowStats as ShadowStats
-from shared.rollout_analysis import Source as Source
-from shared.rollout_analysis import Window as Window
-from shared.rollout_analysis import analyse as analyse
-from shared.rollout_analysis import analyse_shadow as analyse_shadow
-from shared.rollout_analysis import check as check
-from shared.rollout_metrics import TELEMETRY_LOOKBACK as TELEMETRY_LOOKBACK
-from shared.rollout_metrics import candidate_usage as candidate_usage
-from shared.rollout_metrics import collect_windows as collect_windows
-from shared.rollout_metrics import shadow_stats as shadow_stats
-from shared.rollout_plans import MODEL_PREFIX as MODEL_PREFIX
-from shared.rollout_plans import CloudRoute as CloudRoute
-from shared.rollout_plans import RolloutPlan as RolloutPlan
-from shared.rollout_plans import edge_version as edge_version
-from shared.rollout_plans import load_plans as load_plans
-from shared.rollout_plans import model_names as model_names
-from shared.rollout_plans import plans_for as plans_for
-from shared.rollout_plans import resolve_cloud_arm as resolve_cloud_arm
-from shared.rollout_plans import usage_arm as usage_arm
-from shared.storage.models import AuditLog, Device, Rollout, RolloutEvent, RolloutPin, Tenant
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ def _actor() -> str:
 
 
 def _month(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
-    from shared.pricing import parse_period
+    from controlplane.billing.pricing import parse_period
 
     try:
         return parse_period(value)
@@ -78,8 +78,8 @@ def prices_set(
     from datetime import UTC
     from decimal import Decimal
 
-    from shared.billing import PriceSpec, add_price
-    from shared.storage.session import session_scope
+    from controlplane.billing.invoicing import PriceSpec, add_price
+    from controlplane.storage.session import session_scope
 
     if len(currency) != 3 or not currency.isalpha():
         raise click.BadParameter(f"{currency!r} is not a 3-letter currency code", param_hint="--currency")
@@ -102,8 +102,8 @@ def prices_set(
 @click.option("--model", default=None, help="only this model")
 def prices_list(model: str | None) -> None:
     """List prices, newest first."""
-    from shared.billing import list_prices
-    from shared.storage.session import session_scope
+    from controlplane.billing.invoicing import list_prices
+    from controlplane.storage.session import session_scope
 
     with session_scope() as session:
         for p in list_prices(session, model):
@@ -129,9 +129,9 @@ def invoice(tenant: str, month: str, finalize: bool, fmt: str) -> None:
     """
     import json
 
-    from shared import billing as service
-    from shared.invoices import to_csv
-    from shared.storage.session import session_scope
+    from controlplane.billing import invoicing as service
+    from controlplane.billing.invoices import to_csv
+    from controlplane.storage.session import session_scope
 
     with session_scope() as session:
         row = service.resolve_tenant(session, tenant)
@@ -148,8 +148,8 @@ def invoice(tenant: str, month: str, finalize: bool, fmt: str) -> None:
 @click.option("--reason", required=True, help="why (kept on the invoice)")
 def void(number: str, reason: str) -> None:
     """Void a finalized invoice; its records are billed again by the next invoice finalized for them."""
-    from shared import billing as service
-    from shared.storage.session import session_scope
+    from controlplane.billing import invoicing as service
+    from controlplane.storage.session import session_scope
 
     with session_scope() as session:
         row = service.void(session, number, reason=reason, actor=_actor())
@@ -162,8 +162,8 @@ def void(number: str, reason: str) -> None:
 @click.option("--reason", required=True, help="why (printed on the credit note)")
 def credit(number: str, amount: str, reason: str) -> None:
     """Issue a credit note against a finalized invoice (the invoice itself never changes)."""
-    from shared import billing as service
-    from shared.storage.session import session_scope
+    from controlplane.billing import invoicing as service
+    from controlplane.storage.session import session_scope
 
     with session_scope() as session:
         note = service.credit(session, number, amount, reason=reason, actor=_actor())

@@ -18,11 +18,11 @@ from typing import Any
 from sqlalchemy import update
 from sqlmodel import Session, col, select
 
+from controlplane.billing.ledger import NewUsage, ingest_usage
+from controlplane.rollouts.service import load_plans, usage_arm
+from controlplane.storage.tables import Device, DeviceEvent, EnrollmentToken, Tenant
 from shared.edge_protocol import EventItem, UsageItem, version_number
 from shared.errors import AuthenticationError, ValidationError
-from shared.ledger import NewUsage, ingest_usage
-from shared.rollouts import load_plans, usage_arm
-from shared.storage.models import Device, DeviceEvent, EnrollmentToken, Tenant
 
 ENROLL_PREFIX = "tle-"
 DEVICE_PREFIX = "tld-"
@@ -142,7 +142,7 @@ def ingest(
     never overwritten; the caller commits, so a batch is stored whole or not at all. ``rate`` prices each new
     record (price id and cost, stamped on it; without it the price book is read once for the batch) and its
     cost counts against the tenant's budget period of the record's own time. Usage goes through the ledger's
-    batched insert (``shared.ledger.ingest_usage``).
+    batched insert (``controlplane.billing.ledger.ingest_usage``).
     """
     ids = [u.id for u in usage]
     if len(set(ids)) != len(ids):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Final, Literal
 
-from shared.assignment import BASELINE, CANDIDATE
+from controlplane.rollouts.assignment import BASELINE, CANDIDATE
 
 Action = Literal["wait", "advance", "promote", "rollback"]
 Source = Literal["cloud", "edge"]
