@@ -33,3 +33,10 @@ def test_example_edge_config_is_valid() -> None:
     values = tomllib.loads((DEPLOY / "systemd" / "edge.toml").read_text())
     settings = EdgeSettings(**values)
     assert settings.port == 8402 and settings.trusted_keys
+
+
+def test_dockerfile_copies_every_installed_package() -> None:
+    pyproject = tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())
+    packages = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
+    copied = set(re.findall(r"^COPY (\w+) \./\1$", (DEPLOY / "Dockerfile").read_text(), flags=re.M))
+    assert packages <= copied, f"deploy/Dockerfile does not copy {sorted(packages - copied)}"
