@@ -133,10 +133,10 @@ async def login(request: Request[Any, Any, Any], state: State, data: Form) -> Re
             status_code=401,
         )
     await anyio.to_thread.run_sync(auth.throttle.clear, state.engine, key)
-    data_out = new_session(user.id, password_fingerprint(user.password_hash))
+    signed_in = new_session(user.id, password_fingerprint(user.password_hash))
     agent = request.headers.get("user-agent", "")
-    await anyio.to_thread.run_sync(_open_session, state, auth, data_out, client, agent)
-    return Redirect(next_path, status_code=303, cookies=[_cookie(auth, request, data_out)])
+    await anyio.to_thread.run_sync(_open_session, state, auth, signed_in, client, agent)
+    return Redirect(next_path, status_code=303, cookies=[_cookie(auth, request, signed_in)])
 
 
 def _open_session(state: State, auth: ConsoleAuth, data: SessionData, client: str, user_agent: str) -> None:

@@ -75,7 +75,8 @@ class DatabaseLoginThrottle:
                 return None
             started = conn.execute(select(window_start).where(_TABLE.c.key == key)).scalar_one()
         started = started if started.tzinfo else started.replace(tzinfo=UTC)
-        return max(0.0, (started + timedelta(seconds=self.window_s) - now).total_seconds())
+        # ``now`` was read before this statement waited for the lock; a window may have started after it.
+        return min(self.window_s, max(0.0, (started + timedelta(seconds=self.window_s) - now).total_seconds()))
 
     def clear(self, db: Engine, key: str) -> None:
         with db.begin() as conn:
