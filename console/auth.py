@@ -1,10 +1,12 @@
-"""Console sign-in: signed session cookies, CSRF tokens, roles, login rate limiting and security headers.
+"""Console sign-in: server-side sessions in signed cookies, CSRF tokens, roles, login throttling, security headers.
 
-The session is a cookie the server signs (HMAC-SHA256 with a key derived from ``TIERLINE_SECRET_KEY``): a random
-session id, the user id, when it was issued and a fingerprint of the user's password hash, so changing a password
-ends every session of that user. The role is read from the database on every request. The CSRF token is an HMAC
-of the session id: every form carries it as ``_csrf`` and HTMX sends it as ``X-CSRF-Token``; a change without a
-valid one is refused (403) before any handler runs, and so is a change by a viewer.
+The cookie is signed (HMAC-SHA256 with a key derived from ``TIERLINE_SECRET_KEY``) and carries a random session
+id, the user id, when it was issued and a fingerprint of the user's password hash. The session itself is a record
+on the server (:mod:`controlplane.accounts.sessions`, keyed by a hash of the id), so signing out, a password reset,
+disabling the user or an admin ends it for every copy of the cookie at once. The role is read from the database on
+every request. The CSRF token is an HMAC of the session id: every form carries it as ``_csrf`` and HTMX sends it as
+``X-CSRF-Token``; a change without a valid one is refused (403) before any handler runs, and so is a change by a
+viewer.
 """
 
 from __future__ import annotations
@@ -14,15 +16,11 @@ import hashlib
 import hmac
 import json
 import secrets
-import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import anyio.to_thread
-from argon2 import PasswordHasher
-from argon2.exceptions import InvalidHashError, VerificationError
 from litestar import Request
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
@@ -32,8 +30,12 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
+from controlplane.accounts import sessions
+from controlplane.accounts.login_throttle import LoginThrottle, login_throttle
+from controlplane.accounts.users import verify_password
 from controlplane.storage.tables import ConsoleUser
 from shared.errors import PermissionDeniedError
+from shared.settings import CoreSettings
 
 SESSION_COOKIE = "tierline_console"
 CSRF_FIELD = "_csrf"
@@ -49,9 +51,6 @@ _SECURITY_HEADERS = (
     (b"x-frame-options", b"DENY"),
     (b"referrer-policy", b"same-origin"),
 )
-_hasher = PasswordHasher()
-# Verified when the username is unknown, so a wrong name takes as long as a wrong password.
-_DUMMY_HASH = _hasher.hash(secrets.token_urlsafe(16))
 
 
 class ConsoleAuthSettings(BaseSettings):
@@ -63,7 +62,9 @@ class ConsoleAuthSettings(BaseSettings):
         False, description="always mark the session cookie Secure (it is whenever the request came over HTTPS)"
     )
     session_max_age_s: int = Field(12 * 3600, ge=60, description="a session ends this long after sign-in")
-    login_attempts_per_minute: int = Field(5, ge=1, description="failed sign-ins per username and address")
+    login_attempts_per_minute: int = Field(
+        5, ge=1, description="sign-in attempts per username and address a minute (a successful one clears them)"
+    )
 
 
 class LoginRequiredError(Exception):
@@ -154,50 +155,12 @@ def new_session(user_id: int | None = None, fingerprint: str = "") -> SessionDat
     return SessionData(secrets.token_urlsafe(18), user_id, time.time(), fingerprint)
 
 
-class LoginLimiter:
-    """Failed sign-ins per (username, client address) in a sliding minute; in memory, per process."""
-
-    MAX_KEYS = 10_000
-
-    def __init__(self, max_failures: int, window_s: float = 60.0) -> None:
-        self.max_failures = max_failures
-        self.window_s = window_s
-        self._failures: dict[tuple[str, str], deque[float]] = {}
-        self._lock = threading.Lock()
-
-    def retry_after(self, key: tuple[str, str], now: float | None = None) -> float | None:
-        """Seconds until another attempt is allowed, or None when one is allowed now."""
-        now = now or time.monotonic()
-        with self._lock:
-            times = self._failures.get(key)
-            if times is None:
-                return None
-            while times and times[0] <= now - self.window_s:
-                times.popleft()
-            if len(times) < self.max_failures:
-                return None
-            return max(0.0, times[0] + self.window_s - now)
-
-    def fail(self, key: tuple[str, str], now: float | None = None) -> None:
-        now = now or time.monotonic()
-        with self._lock:
-            if len(self._failures) >= self.MAX_KEYS:
-                cutoff = now - self.window_s
-                for k in [k for k, v in self._failures.items() if not v or v[-1] <= cutoff]:
-                    del self._failures[k]
-            self._failures.setdefault(key, deque()).append(now)
-
-    def reset(self, key: tuple[str, str]) -> None:
-        with self._lock:
-            self._failures.pop(key, None)
-
-
 @dataclass(slots=True)
 class ConsoleAuth:
     """What the console's sign-in needs at run time; kept in ``app.state.auth``."""
 
     codec: SessionCodec
-    limiter: LoginLimiter
+    throttle: LoginThrottle
     settings: ConsoleAuthSettings
 
     @classmethod
@@ -205,7 +168,7 @@ class ConsoleAuth:
         settings = settings or ConsoleAuthSettings()
         return cls(
             SessionCodec(secret, settings.session_max_age_s),
-            LoginLimiter(settings.login_attempts_per_minute),
+            login_throttle(settings.login_attempts_per_minute, CoreSettings().redis_url),
             settings,
         )
 
@@ -214,22 +177,20 @@ class ConsoleAuth:
 
 
 def check_password(engine: Engine, username: str, password: str) -> ConsoleUser | None:
-    """The user when the password matches its argon2id hash; None otherwise (in constant-ish time)."""
+    """The enabled user when the password matches its argon2id hash; None otherwise (in constant-ish time)."""
     with Session(engine) as session:
         user = session.exec(select(ConsoleUser).where(ConsoleUser.username == username)).first()
-    try:
-        _hasher.verify(user.password_hash if user else _DUMMY_HASH, password)
-    except (VerificationError, InvalidHashError):
-        return None
-    return user
+    return user if verify_password(user, password) else None
 
 
 def _load_user(engine: Engine, data: SessionData) -> ConsoleUser | None:
     if data.user_id is None:
         return None
     with Session(engine) as session:
-        user = session.get(ConsoleUser, data.user_id)
-    if user is None or not hmac.compare_digest(password_fingerprint(user.password_hash), data.fingerprint):
+        user = sessions.active_user(session, data.sid)
+    if user is None or user.id != data.user_id:
+        return None
+    if not hmac.compare_digest(password_fingerprint(user.password_hash), data.fingerprint):
         return None
     return user
 
@@ -263,6 +224,14 @@ async def require_console_user(connection: ASGIConnection[Any, Any, Any, Any], _
         raise PermissionDeniedError("missing or invalid CSRF token; reload the page and try again", code="csrf")
     if user.role != "admin":
         raise PermissionDeniedError(f"{user.username} is a {user.role}; only an admin can change anything")
+
+
+async def require_admin(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+    """Guard of the pages only admins may even read (console users); runs after :func:`require_console_user`."""
+    user = connection.scope.get("user")
+    if not isinstance(user, SessionUser) or not user.is_admin:
+        name = getattr(user, "username", "this user")
+        raise PermissionDeniedError(f"{name} is a {getattr(user, 'role', 'viewer')}; only an admin can see this page")
 
 
 def session_user(request: Request[Any, Any, Any]) -> SessionUser:

@@ -22,6 +22,7 @@ from console.pages import (
     overview,
     rollouts,
     tenants,
+    users,
 )
 from console.pages.common import PAGE_EXCEPTION_HANDLERS
 
@@ -38,6 +39,7 @@ PAGES_ROUTER = Router(
         *billing.HANDLERS,
         *invoice_actions.HANDLERS,
         *audit.HANDLERS,
+        *users.HANDLERS,
     ],
     guards=[require_console_user],
     exception_handlers=PAGE_EXCEPTION_HANDLERS,

@@ -1,4 +1,9 @@
-"""Sign-in and sign-out. The only console pages without the session guard."""
+"""Sign-in and sign-out. The only console pages without the session guard.
+
+A sign-in attempt is counted (atomically, shared by every replica) before its password is checked, so parallel
+guesses cannot outrun the limit; a successful one opens a session record on the server, and signing out revokes
+it, so a copy of the cookie stops working too.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from litestar import Request, Response, get, post
 from litestar.datastructures import Cookie, State
 from litestar.response import Redirect, Template
 from sqlalchemy import update
-from sqlmodel import Session, col
+from sqlmodel import col
 
 from console.auth import (
     CSRF_FIELD,
@@ -22,6 +27,9 @@ from console.auth import (
     password_fingerprint,
 )
 from console.pages.common import Form
+from controlplane.accounts import sessions
+from controlplane.accounts.login_throttle import throttle_key
+from controlplane.storage.session import session_scope
 from controlplane.storage.tables import ConsoleUser
 from shared.errors import PermissionDeniedError
 
@@ -85,7 +93,7 @@ def login_form(request: Request[Any, Any, Any], state: State, next: str | None =
 
 @post("/login")
 async def login(request: Request[Any, Any, Any], state: State, data: Form) -> Response[Any]:
-    """Check the password, rate-limited per username and address; a fresh session id on success."""
+    """Count the attempt, then check the password; a fresh session id (and record) on success."""
     auth: ConsoleAuth = state.auth
     pre = auth.codec.decode(request.cookies.get(SESSION_COOKIE))
     next_path = _safe_next(data.get("next"))
@@ -99,8 +107,9 @@ async def login(request: Request[Any, Any, Any], state: State, data: Form) -> Re
             status_code=403,
         )
     username = data.get("username", "").strip()[:64]
-    key = (username.lower(), request.client.host if request.client else "")
-    wait = auth.limiter.retry_after(key)
+    client = request.client.host if request.client else ""
+    key = throttle_key(username, client)
+    wait = await anyio.to_thread.run_sync(auth.throttle.hit, state.engine, key)
     if wait is not None:
         return _login_page(
             request,
@@ -114,7 +123,6 @@ async def login(request: Request[Any, Any, Any], state: State, data: Form) -> Re
         )
     user = await anyio.to_thread.run_sync(check_password, state.engine, username, data.get("password", ""))
     if user is None or user.id is None:
-        auth.limiter.fail(key)
         return _login_page(
             request,
             auth,
@@ -124,27 +132,42 @@ async def login(request: Request[Any, Any, Any], state: State, data: Form) -> Re
             error="Wrong username or password.",
             status_code=401,
         )
-    auth.limiter.reset(key)
-    await anyio.to_thread.run_sync(_stamp_login, state, user.id)
-    session = new_session(user.id, password_fingerprint(user.password_hash))
-    return Redirect(next_path, status_code=303, cookies=[_cookie(auth, request, session)])
+    await anyio.to_thread.run_sync(auth.throttle.clear, state.engine, key)
+    signed_in = new_session(user.id, password_fingerprint(user.password_hash))
+    agent = request.headers.get("user-agent", "")
+    await anyio.to_thread.run_sync(_open_session, state, auth, signed_in, client, agent)
+    return Redirect(next_path, status_code=303, cookies=[_cookie(auth, request, signed_in)])
 
 
-def _stamp_login(state: State, user_id: int) -> None:
-    with Session(state.engine) as session:
-        session.execute(
-            update(ConsoleUser).where(col(ConsoleUser.id) == user_id).values(last_login_at=datetime.now(UTC))
+def _open_session(state: State, auth: ConsoleAuth, data: SessionData, client: str, user_agent: str) -> None:
+    assert data.user_id is not None
+    with session_scope(state.engine) as session:
+        sessions.open_session(
+            session,
+            data.user_id,
+            data.sid,
+            max_age_s=auth.settings.session_max_age_s,
+            client=client,
+            user_agent=user_agent,
         )
-        session.commit()
+        session.execute(
+            update(ConsoleUser).where(col(ConsoleUser.id) == data.user_id).values(last_login_at=datetime.now(UTC))
+        )
 
 
-@post("/logout", sync_to_thread=False)
+@post("/logout", sync_to_thread=True)
 def logout(request: Request[Any, Any, Any], state: State, data: Form) -> Redirect:
-    """End the session (the cookie is cleared); needs the page's CSRF token, like every change."""
+    """End the session: its record is revoked (so every copy of the cookie is refused) and the cookie cleared.
+
+    Needs the page's CSRF token, like every change.
+    """
     auth: ConsoleAuth = state.auth
     current = auth.codec.decode(request.cookies.get(SESSION_COOKIE))
     if current is not None and not auth.codec.is_valid_csrf(current.sid, data.get(CSRF_FIELD)):
         raise PermissionDeniedError("missing or invalid CSRF token; reload the page and try again", code="csrf")
+    if current is not None and current.user_id is not None:
+        with session_scope(state.engine) as session:
+            sessions.revoke_session(session, current.sid)
     return Redirect("/login", status_code=303, cookies=[_cookie(auth, request, None)])
 
 

@@ -557,3 +557,31 @@ class BudgetAlert(SQLModel, table=True):
     spent: Decimal = Field(sa_type=MONEY)
     budget: Decimal = Field(sa_type=MONEY)
     fired_at: datetime = _ts()
+
+
+class ConsoleSession(SQLModel, table=True):
+    """A signed-in console session. Only the sha256 of its id is kept; the id itself travels in the signed cookie,
+    so a session ends for every copy of the cookie the moment ``revoked_at`` is set."""
+
+    __tablename__ = "console_session"
+
+    id: int | None = Field(default=None, primary_key=True)
+    session_hash: str = Field(max_length=64, unique=True, description="sha256 of the session id")
+    user_id: int = Field(foreign_key="console_user.id", index=True)
+    created_at: datetime = _ts()
+    expires_at: datetime = _ts(index=True)
+    last_seen_at: datetime = _ts()
+    revoked_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    client: str = Field(default="", max_length=64, description="the address it signed in from")
+    user_agent: str = Field(default="", max_length=200)
+
+
+class ConsoleLoginAttempt(SQLModel, table=True):
+    """Sign-in attempts of one username from one address in the current window, counted before the password is
+    checked. The key is a hash, so a password typed into the username field is never stored."""
+
+    __tablename__ = "console_login_attempt"
+
+    key: str = Field(primary_key=True, max_length=64, description="sha256 of the lowercased username and address")
+    attempts: int = 0
+    window_start: datetime = _ts(index=True)

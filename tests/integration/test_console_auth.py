@@ -4,8 +4,12 @@ PostgreSQL: sessions, cookie flags, CSRF, roles, login rate limiting, security h
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -18,7 +22,7 @@ from console.pages.rollouts import ACTIONS
 from console.rollouts_api import create_token
 from controlplane.storage.session import session_scope
 from controlplane.storage.tables import AuditLog, ConsoleUser, Tenant
-from tests.conftest import DB_BACKENDS
+from tests.conftest import DB_BACKENDS, REPO, base_env, free_port, run_server, tierline_cmd
 from tests.integration.console_support import PASSWORD, Console, console_server, csrf_of, login, post_form
 
 pytestmark = pytest.mark.integration
@@ -275,3 +279,215 @@ def test_the_session_cookie_is_secure_behind_tls_or_when_configured(
             assert ("; Secure" in cookie) is is_secure and "HttpOnly" in cookie and "SameSite=lax" in cookie
     finally:
         engine.dispose()
+
+
+# --- revocable sessions, user management, a sign-in limit that holds under concurrency ---------------------------
+
+NEW_PASSWORD = "a brand new long password"
+LOGIN_LIMIT = 5  # ConsoleAuthSettings.login_attempts_per_minute's default
+
+
+def user_id_of(console: Console, username: str) -> int:
+    with Session(console.engine) as session:
+        user = session.exec(select(ConsoleUser).where(ConsoleUser.username == username)).one()
+    assert user.id is not None
+    return user.id
+
+
+def audit_actions(console: Console, target: str) -> list[str]:
+    with Session(console.engine) as session:
+        rows = session.exec(select(AuditLog).where(AuditLog.target == target).order_by(col(AuditLog.id))).all()
+    return [r.action for r in rows]
+
+
+def copy_session(source: httpx.Client, dest: httpx.Client) -> None:
+    """What a thief does with a cookie read off a shared machine or a proxy log."""
+    dest.cookies.set("tierline_console", source.cookies["tierline_console"])
+
+
+def cli(console: Console, *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    """``tierline console ...`` as an operator runs it, against the console's database."""
+    env = base_env(console.data_dir, TIERLINE_DATABASE_URL=console.engine.url.render_as_string(hide_password=False))
+    return subprocess.run(
+        tierline_cmd("console", *args), env=env, input=stdin, capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+
+
+def test_a_stolen_cookie_is_refused_after_sign_out(console: Console) -> None:
+    name = console.user("admin")
+    with console.browser() as browser, console.browser() as thief:
+        assert login(browser, name, PASSWORD).status_code == 303
+        copy_session(browser, thief)
+        assert thief.get("/tenants").status_code == 200
+        page = browser.get("/")
+        assert browser.post("/logout", data={"_csrf": csrf_of(page.text)}).status_code == 303
+        resp = thief.get("/tenants")
+        assert resp.status_code == 303 and resp.headers["location"].startswith("/login")
+        resp = thief.post("/tenants", data={"name": "stolen-" + name[-8:], "_csrf": csrf_of(page.text)})
+        assert resp.status_code == 303 and resp.headers["location"] == "/login"
+    with Session(console.engine) as session:
+        assert session.exec(select(Tenant).where(Tenant.name == "stolen-" + name[-8:])).first() is None
+
+
+def test_a_password_reset_ends_every_session_of_the_user(console: Console) -> None:
+    name = console.user("viewer")
+    uid = user_id_of(console, name)
+    with console.signed_in("admin") as admin, console.browser() as victim, console.browser() as thief:
+        assert login(victim, name, PASSWORD).status_code == 303
+        copy_session(victim, thief)
+        assert thief.get("/").status_code == 200
+        resp = post_form(admin, f"/users/{uid}/password", {"password": NEW_PASSWORD}, page=f"/users/{uid}")
+        assert resp.status_code == 303, resp.text
+        assert victim.get("/").status_code == 303
+        assert thief.get("/").status_code == 303
+        assert login(victim, name, PASSWORD).status_code == 401
+        assert login(victim, name, NEW_PASSWORD).status_code == 303
+        # Too short a password is refused with the reason, and changes nothing.
+        resp = post_form(admin, f"/users/{uid}/password", {"password": "short"}, page=f"/users/{uid}")
+        assert resp.status_code == 400 and "at least 12 characters" in resp.text
+        assert victim.get("/").status_code == 200
+    assert audit_actions(console, f"console_user/{name}") == ["console_user.password_reset"]
+    with Session(console.engine) as session:
+        row = session.exec(select(AuditLog).where(AuditLog.target == f"console_user/{name}")).one()
+    assert "argon2" not in str(row.before) + str(row.after)  # no hash in the audit log
+
+
+def test_a_revoked_console_api_token_gets_401(console: Console) -> None:
+    name = console.user("admin")
+    with session_scope(console.engine) as session:
+        by_cli = create_token(session, name, name="ci")
+        by_page = create_token(session, name, name="laptop")
+    assert by_cli.record.id is not None and by_page.record.id is not None
+    with httpx.Client(base_url=console.url) as api:
+        for issued in (by_cli, by_page):
+            assert api.get("/api/rollouts", headers={"Authorization": f"Bearer {issued.secret}"}).status_code == 200
+        done = cli(console, "revoke-token", str(by_cli.record.id))
+        assert done.returncode == 0, done.stderr
+        assert by_cli.record.prefix in done.stdout
+        resp = api.get("/api/rollouts", headers={"Authorization": f"Bearer {by_cli.secret}"})
+        assert resp.status_code == 401 and "revoked" in resp.json()["error"]["message"]
+        assert api.get("/api/rollouts", headers={"Authorization": f"Bearer {by_page.secret}"}).status_code == 200
+        with console.signed_in("admin") as admin:
+            uid = user_id_of(console, name)
+            page = admin.get(f"/users/{uid}")
+            assert page.status_code == 200 and by_page.record.prefix in page.text
+            resp = post_form(admin, f"/users/{uid}/tokens/{by_page.record.id}/revoke", {}, page=f"/users/{uid}")
+            assert resp.status_code == 303
+        assert api.get("/api/rollouts", headers={"Authorization": f"Bearer {by_page.secret}"}).status_code == 401
+    assert audit_actions(console, f"console_token/{by_cli.record.id}") == ["console_token.revoke"]
+    assert audit_actions(console, f"console_token/{by_page.record.id}") == ["console_token.revoke"]
+    assert cli(console, "revoke-token", "999999").returncode != 0
+
+
+def test_an_admin_manages_console_users_from_the_console(console: Console) -> None:
+    name = "managed-" + console.user("viewer")[-8:]
+    with console.signed_in("admin") as admin:
+        resp = post_form(admin, "/users", {"username": name, "password": PASSWORD, "role": "viewer"}, page="/users")
+        assert resp.status_code == 303, resp.text
+        assert name in admin.get("/users").text
+        resp = post_form(admin, "/users", {"username": name, "password": PASSWORD, "role": "viewer"}, page="/users")
+        assert resp.status_code == 409 and "already exists" in resp.text
+        resp = post_form(admin, "/users", {"username": "x" + name, "password": PASSWORD, "role": "root"}, page="/users")
+        assert resp.status_code == 400 and "role must be one of" in resp.text
+        uid = user_id_of(console, name)
+        with console.browser() as user:
+            assert login(user, name, PASSWORD).status_code == 303
+            token = csrf_of(user.get("/tenants/new").text)
+            assert user.post("/tenants", data={"name": "by-" + name, "_csrf": token}).status_code == 403
+            # A role change takes effect on the user's next request.
+            assert post_form(admin, f"/users/{uid}/role", {"role": "admin"}, page=f"/users/{uid}").status_code == 303
+            assert user.post("/tenants", data={"name": "by-" + name, "_csrf": token}).status_code == 303
+            with session_scope(console.engine) as session:
+                secret = create_token(session, name).secret
+            # Disabling signs the user out everywhere, refuses sign-in and its API tokens.
+            assert post_form(admin, f"/users/{uid}/disable", {}, page=f"/users/{uid}").status_code == 303
+            assert user.get("/").status_code == 303
+            assert login(user, name, PASSWORD).status_code == 401
+            with httpx.Client(base_url=console.url) as api:
+                assert api.get("/api/rollouts", headers={"Authorization": f"Bearer {secret}"}).status_code == 401
+            assert "disabled" in admin.get(f"/users/{uid}").text
+            assert post_form(admin, f"/users/{uid}/enable", {}, page=f"/users/{uid}").status_code == 303
+            assert login(user, name, PASSWORD).status_code == 303
+            # An admin can end every session of a user without touching the password.
+            assert post_form(admin, f"/users/{uid}/sessions/revoke", {}, page=f"/users/{uid}").status_code == 303
+            assert user.get("/").status_code == 303
+    assert audit_actions(console, f"console_user/{name}") == [
+        "console_user.create",
+        "console_user.role",
+        "console_user.disable",
+        "console_user.enable",
+        "console_user.revoke_sessions",
+    ]
+
+
+def test_the_users_page_is_for_admins_only(console: Console) -> None:
+    with console.signed_in("viewer") as viewer:
+        assert viewer.get("/users").status_code == 403
+        assert 'href="/users"' not in viewer.get("/").text
+    with console.signed_in("admin") as admin:
+        assert 'href="/users"' in admin.get("/").text
+
+
+def test_an_admin_cannot_lock_themselves_out(console: Console) -> None:
+    with console.signed_in("admin") as admin:
+        match = re.search(r'class="who".*?<span>([\w-]+) ', admin.get("/").text, re.S)
+        assert match
+        uid = user_id_of(console, match.group(1))
+        for path, form in [(f"/users/{uid}/disable", {}), (f"/users/{uid}/role", {"role": "viewer"})]:
+            resp = post_form(admin, path, form, page=f"/users/{uid}")
+            assert resp.status_code == 409 and "your own" in resp.text, path
+        assert admin.get("/users").status_code == 200
+
+
+def _concurrent_sign_ins(urls: list[str], username: str, password: str, count: int) -> list[int]:
+    """``count`` sign-ins sent at once, spread over ``urls`` (each from a client that loaded its form first)."""
+    clients = [httpx.Client(base_url=urls[i % len(urls)], timeout=60) for i in range(count)]
+    try:
+        tokens = [csrf_of(c.get("/login").text) for c in clients]
+        barrier = threading.Barrier(count)
+
+        def attempt(i: int) -> int:
+            barrier.wait()
+            form = {"username": username, "password": password, "_csrf": tokens[i], "next": "/"}
+            return clients[i].post("/login", data=form).status_code
+
+        with ThreadPoolExecutor(count) as pool:
+            return list(pool.map(attempt, range(count)))
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_concurrent_wrong_sign_ins_cannot_pass_the_limit(console: Console) -> None:
+    name = console.user("admin")
+    statuses = _concurrent_sign_ins([console.url], name, "wrong password, in parallel", 16)
+    assert sorted(statuses) == [401] * LOGIN_LIMIT + [429] * (16 - LOGIN_LIMIT), statuses
+    with console.browser() as browser:
+        assert login(browser, name, PASSWORD).status_code == 429
+
+
+@pytest.mark.parametrize(
+    ("backend", "use_redis"),
+    [("sqlite", False), pytest.param("postgresql", False, marks=pytest.mark.postgres), ("sqlite", True)],
+)
+def test_the_sign_in_limit_holds_across_console_replicas(tmp_path: Path, backend: str, use_redis: bool) -> None:
+    redis_url = os.environ.get("TIERLINE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    extra = {"TIERLINE_REDIS_URL": redis_url} if use_redis else {}
+    if use_redis and not _redis_answers(redis_url):
+        pytest.skip(f"no Redis at {redis_url}")
+    with console_server(tmp_path / "a", backend, **extra) as first:
+        db_url = first.engine.url.render_as_string(hide_password=False)
+        env = base_env(tmp_path / "b", TIERLINE_DATABASE_URL=db_url, TIERLINE_SECRET_KEY="replica-b", **extra)
+        with run_server(["console", "serve"], env, free_port()) as second:
+            name = first.user("admin")
+            statuses = _concurrent_sign_ins([first.url, second], name, "wrong password, two replicas", 16)
+    assert sorted(statuses) == [401] * LOGIN_LIMIT + [429] * (16 - LOGIN_LIMIT), statuses
+
+
+def _redis_answers(url: str) -> bool:
+    import redis
+
+    try:
+        return bool(redis.Redis.from_url(url, socket_timeout=2).ping())
+    except redis.RedisError:
+        return False
