@@ -3,11 +3,11 @@ candidate, and the candidate's greedy tokens are compared with the baseline's â€
 
 While a rollout is at its shadow step (step 0, weight 0, ``shadow_sample`` > 0) every user is served by the
 baseline. Once the answer to a greedy request sampled by ``cloud.canary.shadow_target`` is complete,
-:class:`ShadowMirror` runs the same prompt on the candidate in the background (temperature 0, as many tokens as the baseline generated) and records one
-``rollout_shadow_sample``: the share of the baseline's positions where the candidate produced the same token.
-The user's answer is never delayed or changed, the mirror is never billed (no usage record, no rate limit or
-budget charge) and never counted in an arm. Mirrors run one at a time; when the small queue is full a mirror is
-dropped (the sample is a sample).
+:class:`ShadowMirror` runs the same prompt on the candidate in the background (temperature 0, as many tokens as the
+baseline generated) and records one ``rollout_shadow_sample``: the share of the baseline's positions where the
+candidate produced the same token. The user's answer is never delayed or changed, the mirror is never billed (no
+usage record, no rate limit or budget charge) and never counted in an arm. Mirrors run one at a time; when the small
+queue is full a mirror is dropped (the sample is a sample).
 """
 
 from __future__ import annotations
