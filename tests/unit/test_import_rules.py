@@ -1,9 +1,10 @@
 """The package import rules of docs/architecture.md, checked by walking every module's imports.
 
-Two checks over the project's own modules: each top-level package imports only the packages its layer allows
-(docs/architecture.md, "Import rules"), and no two files import each other, directly or around a longer
+Over the project's own modules: each top-level package imports only the packages its layer allows, ``shared``
+outside its zoo needs nothing a device lacks, and no two files import each other, directly or around a longer
 circle. Imports inside functions count; imports under ``if TYPE_CHECKING:`` count for the layer rules (a type
-still points at the package) but not for circles (they never run).
+still ties the packages) but not for circles (they never run). The edge agent is also imported for real with
+torch and the database stack blocked.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ ALLOWED: dict[str, frozenset[str]] = {
     "tierline": frozenset(PACKAGES) - {"tierline"},
     "bench": frozenset(PACKAGES) - {"bench"},
 }
+
+# What a device does not install: only shared/zoo/ (build-time tooling) in shared/ may import these.
+SERVER_STACK = frozenset({"torch", "transformers", "sqlalchemy", "sqlmodel", "alembic", "psycopg"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +126,18 @@ def layer_violations(root: Path, packages: tuple[str, ...] = PACKAGES) -> list[s
     return found
 
 
+def server_stack_in_shared(root: Path) -> list[str]:
+    """``file:line imports name`` for every import of the server stack in ``shared`` outside ``shared/zoo``."""
+    modules, edges = import_graph(root)
+    return [
+        f"{modules[imp.source].relative_to(root)}:{imp.line} imports {imp.target}"
+        for imp in edges
+        if imp.source.split(".")[0] == "shared"
+        and not imp.source.startswith("shared.zoo")
+        and imp.target.split(".")[0] in SERVER_STACK
+    ]
+
+
 def _allowed(package: str) -> str:
     return ", ".join(sorted(ALLOWED[package])) or "no other project package"
 
@@ -197,6 +213,11 @@ def test_packages_import_only_what_their_layer_allows() -> None:
     assert not found, "imports against docs/architecture.md:\n" + "\n".join(found)
 
 
+def test_shared_outside_the_zoo_needs_no_server_stack() -> None:
+    found = server_stack_in_shared(REPO)
+    assert not found, "shared/ must import on a device (docs/architecture.md):\n" + "\n".join(found)
+
+
 def test_no_import_circles_between_files() -> None:
     circles = import_circles(REPO)
     assert not circles, "import circles (docs/architecture.md):\n" + "\n".join(circles)
@@ -227,7 +248,10 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
     ],
 )
 def test_layer_checker_catches_a_forbidden_import(tmp_path: Path, importer: str, line: str, target: str) -> None:
-    root = _tree(tmp_path, {importer: line, target.replace(".", "/") + ".py": ""} if "." in target else {importer: line})
+    files = {importer: line}
+    if "." in target:
+        files[target.replace(".", "/") + ".py"] = ""
+    root = _tree(tmp_path, files)
     found = layer_violations(root)
     assert len(found) == 1 and found[0].startswith(f"{importer}:") and f"imports {target} " in found[0], found
 
@@ -244,6 +268,22 @@ def test_layer_checker_allows_what_the_rules_allow(tmp_path: Path) -> None:
         },
     )
     assert layer_violations(root) == []
+
+
+def test_server_stack_checker_catches_torch_in_shared_but_not_in_the_zoo(tmp_path: Path) -> None:
+    root = _tree(
+        tmp_path,
+        {
+            "shared/sampling.py": "def f() -> None:\n    import torch.nn\n",
+            "shared/db.py": "from sqlmodel import Session\n",
+            "shared/zoo/train.py": "import torch\n",
+            "cloud/engine.py": "import torch\n",
+        },
+    )
+    assert sorted(server_stack_in_shared(root)) == [
+        "shared/db.py:1 imports sqlmodel",
+        "shared/sampling.py:2 imports torch.nn",
+    ]
 
 
 def test_circle_checker_finds_a_circle_through_a_function_level_import(tmp_path: Path) -> None:
