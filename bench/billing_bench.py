@@ -31,6 +31,7 @@ from sqlalchemy import func, text
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
+from bench.common import emit
 from controlplane.billing.ledger import NewUsage, ingest_usage, load_prices
 from controlplane.billing.pricing import Tokens, cost, price_for
 from controlplane.storage.database import make_engine
@@ -265,6 +266,4 @@ def billing_command(
     PostgreSQL comes from TIERLINE_BENCH_DATABASE_URL (or TIERLINE_TEST_DATABASE_URL); the run uses a fresh
     schema there and drops it. Without one that answers, the PostgreSQL figure is null with the reason.
     """
-    from bench.cli import _emit
-
-    _emit(run_billing_bench(num_records, batch_size, duplicate_rate, naive_records), as_json)
+    emit(run_billing_bench(num_records, batch_size, duplicate_rate, naive_records), as_json)

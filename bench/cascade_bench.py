@@ -37,6 +37,7 @@ import click
 import numpy as np
 
 from bench.cascade_tasks import TaskResults, run_digits, run_lm
+from bench.common import emit, zoo_root
 from edge_agent.calibrate import PROMPT_TOKENS, validation_row
 from shared.escalation import (
     ROUTER,
@@ -367,9 +368,7 @@ def cascade_command(
 ) -> None:
     """Edge/cloud cascade: quality vs edge share per escalation signal, thresholds chosen on a validation half
     of the held-out data and reported on the other half."""
-    from bench.cli import _emit, _zoo_root
-
-    _emit(
-        run_cascade_bench(_zoo_root(preset, zoo_dir), num_lines, seed, export_path=export_path, plot_path=plot_path),
+    emit(
+        run_cascade_bench(zoo_root(preset, zoo_dir), num_lines, seed, export_path=export_path, plot_path=plot_path),
         as_json,
     )

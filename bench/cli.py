@@ -3,44 +3,14 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import click
 
+from bench.common import emit, zoo_root
+
 PRESETS = ["tiny", "demo"]
-
-
-def _emit(result: dict[str, Any], as_json: bool) -> None:
-    """One JSON object with --json; a readable two-column table otherwise."""
-    if as_json:
-        click.echo(json.dumps(result, indent=2))
-        return
-    width = max((len(k) for k in result), default=0)
-    for key, value in result.items():
-        if isinstance(value, dict):
-            value = ", ".join(f"{k}={v}" for k, v in value.items())
-        click.echo(f"{key:<{width}}  {value}")
-
-
-def _zoo_root(preset: str, zoo_dir: Path | None) -> Path:
-    """The built zoo preset (building it first when missing: the benchmarks need its artifacts).
-
-    A build runs in a child process (its output on stderr), so that it leaves nothing in this one: the peak
-    RSS a benchmark reports is its own, not a model training's or an export's.
-    """
-    from shared.settings import CoreSettings
-    from shared.zoo.build import is_built
-    from shared.zoo.presets import get_preset
-    from shared.zoo.registry import ZooLayout
-
-    base = zoo_dir or CoreSettings().zoo_dir
-    if not is_built(ZooLayout(base / preset), get_preset(preset)):
-        cmd = [sys.executable, "-m", "tierline.cli", "zoo", "build", "--preset", preset, "--out", str(base)]
-        subprocess.run(cmd, check=True, stdout=sys.stderr)
-    return base / preset
 
 
 def _zoo_options(fn: Any) -> Any:
@@ -94,7 +64,7 @@ def bench_engine(
     """Continuous batching on mixed requests beside transformers (sequential and static batches)."""
     from bench.engine_bench import bench_engine as run
 
-    _emit(run(_zoo_root(preset, zoo_dir), num_requests, max_num_seqs, skip_hf, rounds=rounds), as_json)
+    emit(run(zoo_root(preset, zoo_dir), num_requests, max_num_seqs, skip_hf, rounds=rounds), as_json)
 
 
 @bench.command("spec")
@@ -105,7 +75,7 @@ def bench_spec(preset: str, zoo_dir: Path | None, as_json: bool, num_prompts: in
     """Speculative decoding (draft model, n-gram) beside plain decoding and transformers assisted generation."""
     from bench.engine_bench import bench_spec as run
 
-    _emit(run(_zoo_root(preset, zoo_dir), num_prompts, num_tokens), as_json)
+    emit(run(zoo_root(preset, zoo_dir), num_prompts, num_tokens), as_json)
 
 
 @bench.command("prefix")
@@ -116,7 +86,7 @@ def bench_prefix(preset: str, zoo_dir: Path | None, as_json: bool, num_requests:
     """Time to first token with and without prefix caching for requests sharing a system prompt."""
     from bench.engine_bench import bench_prefix as run
 
-    _emit(run(_zoo_root(preset, zoo_dir), num_requests, system_tokens), as_json)
+    emit(run(zoo_root(preset, zoo_dir), num_requests, system_tokens), as_json)
 
 
 @bench.command("api")
@@ -144,8 +114,8 @@ def bench_api(
     from bench.api_bench import run_api_bench
     from shared.settings import CoreSettings
 
-    root = _zoo_root(preset, zoo_dir)
-    _emit(
+    root = zoo_root(preset, zoo_dir)
+    emit(
         run_api_bench(
             root, CoreSettings().data_dir, duration, concurrency, max_tokens, stream_interval=stream_interval
         ),
@@ -161,7 +131,7 @@ def bench_tensor(preset: str, zoo_dir: Path | None, as_json: bool, num_requests:
     """The digits classifier through ONNX Runtime: dynamic batching vs one request at a time."""
     from bench.tensor_bench import run_tensor_bench
 
-    _emit(run_tensor_bench(_zoo_root(preset, zoo_dir), num_requests, concurrency), as_json)
+    emit(run_tensor_bench(zoo_root(preset, zoo_dir), num_requests, concurrency), as_json)
 
 
 def _register() -> None:

@@ -30,6 +30,7 @@ import click
 import httpx
 import numpy as np
 
+from bench.common import emit, zoo_root
 from edge_agent.runtime.lm import CausalLMRuntime, OnnxCausalLM, load_causal_lm
 from shared.errors import ConfigurationError, ValidationError
 from shared.zoo.registry import ZooLayout
@@ -313,11 +314,10 @@ def run_edge_bench(
 @click.option("--threads", type=click.IntRange(1, 64), default=1, show_default=True, help="threads per runtime")
 def edge_command(preset: str, zoo_dir: Path | None, as_json: bool, tokens: int, repeats: int, threads: int) -> None:
     """Edge LM on this host: INT8/fp32/TFLite decode speed beside eager torch, INT8 agreement, sizes, agent RSS."""
-    from bench.cli import _emit, _zoo_root
     from shared.settings import CoreSettings
 
-    root = _zoo_root(preset, zoo_dir)
-    _emit(run_edge_bench(root, CoreSettings().data_dir, tokens, repeats, threads), as_json)
+    root = zoo_root(preset, zoo_dir)
+    emit(run_edge_bench(root, CoreSettings().data_dir, tokens, repeats, threads), as_json)
 
 
 if __name__ == "__main__":

@@ -10,20 +10,23 @@ that same worker thread (``cloud.registry_models`` loads the versions a new roll
 - A zoo model carries no version: a request is counted in an arm (its usage record's ``rollout_arm``) only when
   that arm's version is the one served (``canary_arm``), which for a zoo model never happens.
 - A registry model has one engine per loaded version: the arm's version serves the request (``route_registry``).
-- At a rollout's shadow step a sample of the baseline's requests is mirrored to the candidate (``cloud.shadow``;
-  ``shadow`` picks them, the router's ``mirror`` runs them and is closed with it).
+- At a rollout's shadow step a sample of the baseline's requests is mirrored to the candidate: ``shadow_target``
+  picks them (a routing decision, so it lives here), the router's ``mirror`` (``cloud.shadow``) runs them and is
+  closed with it.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Final
 
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from cloud.shadow import ShadowMirror, shadow_target
+from cloud.shadow import ShadowMirror
+from controlplane.rollouts.assignment import EXCLUDED
 from controlplane.rollouts.service import RolloutPlan, load_plans, plans_for, resolve_cloud_arm
 from shared.edge_protocol import version_number
 from shared.periodic import Periodic
@@ -134,6 +137,30 @@ def route_registry(
     if version not in loaded:
         return fallback, None
     return version, str(route.arm) if route.arm is not None else None
+
+
+def shadow_target(
+    plans: Sequence[RolloutPlan],
+    entry: RegistryEntry,
+    tenant_id: int,
+    served_version: int | None,
+    draw: Callable[[], float] = random.random,
+) -> tuple[int, int] | None:
+    """(rollout id, candidate version) to mirror a request to, or None.
+
+    A request is mirrored when the rollout that governs the model for the tenant is at its shadow step, the
+    baseline served the request, the candidate is loaded, the tenant is not excluded, and the draw (uniform in
+    [0, 1)) falls within the shadow sample.
+    """
+    plan = governing_plan(plans, entry, tenant_id)
+    if plan is None or not plan.shadowing or plan.tenant_pins.get(tenant_id) == EXCLUDED:
+        return None
+    baseline, candidate = version_number(plan.baseline_version), version_number(plan.candidate_version)
+    if served_version is None or served_version != baseline or candidate is None or candidate not in entry.versions:
+        return None
+    if draw() * 100 >= plan.shadow_sample:
+        return None
+    return plan.id, candidate
 
 
 def routed_versions(plans: Sequence[RolloutPlan], entry: RegistryEntry) -> set[int]:

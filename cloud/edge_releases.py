@@ -65,6 +65,7 @@ from shared.artifacts import (
     sign_manifest,
     verify_signature,
 )
+from shared.atomic import write_atomic
 from shared.edge_protocol import DesiredModel
 from shared.errors import ArtifactVerificationError, ConflictError, NotFoundError
 from shared.http import error_responses
@@ -159,7 +160,7 @@ class ReleaseStore:
             releases = self._read_index()
             releases.append(Release(manifest.name, manifest.version, manifest.sha256, time.time()))
             body = json.dumps({"releases": [asdict(r) for r in releases]}, indent=2) + "\n"
-            _write_atomic(self.root / INDEX_FILE, body.encode())
+            write_atomic(self.root / INDEX_FILE, body.encode())
         return manifest
 
     def _copy_in(self, artifact_dir: Path, manifest: Manifest, target: Path) -> None:
@@ -290,15 +291,6 @@ def _copy_checked(src: Path, dest: Path, entry: FileEntry) -> None:
         raise ArtifactVerificationError(f"{src}: size {dest.stat().st_size} != {entry.size}")
     if digest.hexdigest() != entry.sha256:
         raise ArtifactVerificationError(f"{src}: sha256 mismatch")
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
 
 
 # --- HTTP -----------------------------------------------------------------------------------------------------

@@ -2,12 +2,12 @@
 candidate, and the candidate's greedy tokens are compared with the baseline's — before any user sees it.
 
 While a rollout is at its shadow step (step 0, weight 0, ``shadow_sample`` > 0) every user is served by the
-baseline. After a sampled greedy request's answer is complete, :class:`ShadowMirror` runs the same prompt on the
-candidate in the background (temperature 0, as many tokens as the baseline generated) and records one
-``rollout_shadow_sample``: the share of the baseline's positions where the candidate produced the same token.
-The user's answer is never delayed or changed, the mirror is never billed (no usage record, no rate limit or
-budget charge) and never counted in an arm. Mirrors run one at a time; when the small queue is full a mirror is
-dropped (the sample is a sample).
+baseline. Once the answer to a greedy request sampled by ``cloud.canary.shadow_target`` is complete,
+:class:`ShadowMirror` runs the same prompt on the candidate in the background (temperature 0, as many tokens as the
+baseline generated) and records one ``rollout_shadow_sample``: the share of the baseline's positions where the
+candidate produced the same token. The user's answer is never delayed or changed, the mirror is never billed (no
+usage record, no rate limit or budget charge) and never counted in an arm. Mirrors run one at a time; when the small
+queue is full a mirror is dropped (the sample is a sample).
 """
 
 from __future__ import annotations
@@ -15,9 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import uuid
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
@@ -25,44 +23,15 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from controlplane.rollouts.analysis import token_agreement
-from controlplane.rollouts.assignment import EXCLUDED
-from controlplane.rollouts.plans import RolloutPlan
 from controlplane.storage.tables import RolloutShadowSample
-from shared.edge_protocol import version_number
 
 if TYPE_CHECKING:  # the engines (torch) load only where requests are served
-    from cloud.engine_pool import RegistryEntry, ServedLM
+    from cloud.engine_pool import ServedLM
 
 logger = logging.getLogger(__name__)
 
 QUEUE_SIZE: Final = 8
 WORKERS: Final = 1
-
-
-def shadow_target(
-    plans: Sequence[RolloutPlan],
-    entry: RegistryEntry,
-    tenant_id: int,
-    served_version: int | None,
-    draw: Callable[[], float] = random.random,
-) -> tuple[int, int] | None:
-    """(rollout id, candidate version) to mirror a request to, or None.
-
-    A request is mirrored when the rollout that governs the model for the tenant is at its shadow step, the
-    baseline served the request, the candidate is loaded, the tenant is not excluded, and the draw (uniform in
-    [0, 1)) falls within the shadow sample.
-    """
-    from cloud.canary import governing_plan  # cloud.canary imports this module
-
-    plan = governing_plan(plans, entry, tenant_id)
-    if plan is None or not plan.shadowing or plan.tenant_pins.get(tenant_id) == EXCLUDED:
-        return None
-    baseline, candidate = version_number(plan.baseline_version), version_number(plan.candidate_version)
-    if served_version is None or served_version != baseline or candidate is None or candidate not in entry.versions:
-        return None
-    if draw() * 100 >= plan.shadow_sample:
-        return None
-    return plan.id, candidate
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 
 from cloud.tensor import DynamicBatcher, OnnxRunner
-from shared.errors import NotFoundError, ValidationError
+from shared.errors import NotFoundError
+from shared.tensor_rows import tensor_rows
 from shared.zoo.registry import ZooLayout
 
 logger = logging.getLogger(__name__)
@@ -58,13 +59,7 @@ class TensorPool:
 
     async def infer(self, model: ServedTensorModel, inputs: list[Any]) -> dict[str, Any]:
         """Rows in, one output per row (and the predicted label for classifiers); concurrent calls batch."""
-        try:
-            rows = np.asarray(inputs, dtype=np.float32)
-        except (ValueError, TypeError):
-            raise ValidationError("inputs: rows must be equal-length lists of numbers", param="inputs") from None
-        if rows.ndim == 1:
-            rows = rows[None, :]
-        out = await model.batcher.submit(rows)
+        out = await model.batcher.submit(tensor_rows(inputs, model_id=model.model_id))
         result: dict[str, Any] = {"outputs": out.tolist()}
         if model.labels is not None:
             result["labels"] = [model.labels[i] for i in np.argmax(out, axis=-1).tolist()]

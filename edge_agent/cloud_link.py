@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,6 +19,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from shared.atomic import write_atomic
 from shared.edge_protocol import EnrollRequest, EnrollResponse, SyncRequest, SyncResponse
 from shared.errors import ConfigurationError
 
@@ -42,13 +42,7 @@ class Credentials:
         """Atomically, mode 0600 from the first byte (the token is a secret)."""
         state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         path = state_dir / CREDENTIALS_FILE
-        tmp = path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(asdict(self), f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(path)
+        write_atomic(path, json.dumps(asdict(self), indent=2).encode(), mode=0o600)
         keys = state_dir / "keys"
         keys.mkdir(exist_ok=True)
         for i, pem in enumerate(self.signing_public_keys):

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.artifacts import Manifest, read_manifest
+from shared.atomic import fsync_dir, write_atomic
 from shared.errors import ConflictError, NotFoundError, ValidationError
 
 logger = logging.getLogger(__name__)
@@ -49,25 +50,6 @@ def check_segment(value: str, what: str) -> str:
     if not _SEGMENT.fullmatch(value):
         raise ValidationError(f"{what} {value!r}: letters, digits and '._+-' only, at most 128", param=what)
     return value
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data``: temp file, fsync, rename, fsync of the directory."""
-    tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-    fsync_dir(path.parent)
 
 
 @dataclass(slots=True)

@@ -16,10 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from shared.errors import ValidationError
 from shared.escalation import CLASSIFIER_SIGNALS, classifier_signals
+from shared.tensor_rows import tensor_rows
 
-MAX_ROWS = 4096
 DEFAULT_CLASSIFIER_SIGNAL = "softmax_margin"
 
 
@@ -47,22 +46,7 @@ class LocalClassifier:
         return cls(model_id, session, first.name, features, meta.get("labels"), threading.Lock())
 
     def rows(self, inputs: list[Any]) -> np.ndarray:
-        if len(inputs) > MAX_ROWS:
-            raise ValidationError(f"inputs: at most {MAX_ROWS} rows per request", param="inputs")
-        try:
-            rows = np.asarray(inputs, dtype=np.float32)
-        except (ValueError, TypeError):
-            raise ValidationError("inputs: rows must be equal-length lists of numbers", param="inputs") from None
-        if rows.ndim == 1:
-            rows = rows[None, :]
-        if rows.ndim != 2 or rows.shape[1] != self.num_features:
-            raise ValidationError(
-                f"inputs: {self.model_id} takes rows of {self.num_features} numbers, got shape {list(rows.shape)}",
-                param="inputs",
-            )
-        if not np.isfinite(rows).all():
-            raise ValidationError("inputs: NaN or infinite values", param="inputs")
-        return rows
+        return tensor_rows(inputs, model_id=self.model_id, num_features=self.num_features)
 
     def run(self, rows: np.ndarray) -> np.ndarray:
         with self.lock:

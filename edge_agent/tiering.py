@@ -72,7 +72,7 @@ class Answer:
         return h
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Served:
     """What the usage record and the per-version stats need about one answered request."""
 
@@ -134,7 +134,20 @@ class Tiering:
         except Exception:
             # A runtime failure on the device: counted against the model version (the health watch rolls a
             # freshly installed version back on these), then answered as a 500 by the error handler.
-            self._served(Served(request_id, req.model, "edge", 0, 0, "error", _ms(started), None, None, False))
+            self._served(
+                Served(
+                    request_id=request_id,
+                    model=req.model,
+                    tier="edge",
+                    prompt_tokens=0,
+                    completion_tokens=0,
+                    status="error",
+                    latency_ms=_ms(started),
+                    ttft_ms=None,
+                    escalation_reason=None,
+                    degraded=False,
+                )
+            )
             raise
 
     async def _handle(
@@ -235,7 +248,18 @@ class Tiering:
         tier = "cloud" if low.size == len(rows) else "mixed"
         local_rows = len(rows) - int(low.size)
         self._served(
-            Served(request_id, req.model_id, "edge", local_rows, 0, "ok", _ms(started), None, "low-confidence", False)
+            Served(
+                request_id=request_id,
+                model=req.model_id,
+                tier="edge",
+                prompt_tokens=local_rows,
+                completion_tokens=0,
+                status="ok",
+                latency_ms=_ms(started),
+                ttft_ms=None,
+                escalation_reason="low-confidence",
+                degraded=False,
+            )
         )
         return Answer({"model_id": req.model_id, **result}, tier, "low-confidence", request_id=request_id)
 
@@ -250,7 +274,18 @@ class Tiering:
     ) -> Answer:
         result.setdefault("tiers", ["edge"] * n_rows)
         self._served(
-            Served(request_id, req.model_id, "edge", n_rows, 0, "ok", _ms(started), None, None, degraded is not None)
+            Served(
+                request_id=request_id,
+                model=req.model_id,
+                tier="edge",
+                prompt_tokens=n_rows,
+                completion_tokens=0,
+                status="ok",
+                latency_ms=_ms(started),
+                ttft_ms=None,
+                escalation_reason=None,
+                degraded=degraded is not None,
+            )
         )
         return Answer({"model_id": req.model_id, **result}, "edge", None, degraded, request_id=request_id)
 
@@ -311,16 +346,16 @@ class Tiering:
         latency = (time.monotonic() - started) * 1000
         self._served(
             Served(
-                request_id,
-                prepared.req.model,
-                "edge",
-                prepared.prompt_tokens,
-                prepared.completion_tokens,
-                "ok",
-                round(latency, 2),
-                None,
-                reason,
-                degraded is not None,
+                request_id=request_id,
+                model=prepared.req.model,
+                tier="edge",
+                prompt_tokens=prepared.prompt_tokens,
+                completion_tokens=prepared.completion_tokens,
+                status="ok",
+                latency_ms=round(latency, 2),
+                ttft_ms=None,
+                escalation_reason=reason,
+                degraded=degraded is not None,
             )
         )
         return Answer(body, "edge", reason, degraded, request_id=request_id)
@@ -356,16 +391,16 @@ class Tiering:
                 ttft = (first[0] - started) * 1000 if first else None
                 self._served(
                     Served(
-                        request_id,
-                        prepared.req.model,
-                        "edge",
-                        prepared.prompt_tokens,
-                        prepared.completion_tokens,
-                        status,
-                        round(latency, 2),
-                        round(ttft, 2) if ttft is not None else None,
-                        reason,
-                        degraded is not None,
+                        request_id=request_id,
+                        model=prepared.req.model,
+                        tier="edge",
+                        prompt_tokens=prepared.prompt_tokens,
+                        completion_tokens=prepared.completion_tokens,
+                        status=status,
+                        latency_ms=round(latency, 2),
+                        ttft_ms=round(ttft, 2) if ttft is not None else None,
+                        escalation_reason=reason,
+                        degraded=degraded is not None,
                     )
                 )
 
@@ -462,7 +497,20 @@ class Tiering:
         usage = usage or {}
         latency = round((time.monotonic() - started) * 1000, 2)
         prompt, completion = int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
-        self._served(Served(request_id, req.model, "cloud", prompt, completion, status, latency, None, reason, False))
+        self._served(
+            Served(
+                request_id=request_id,
+                model=req.model,
+                tier="cloud",
+                prompt_tokens=prompt,
+                completion_tokens=completion,
+                status=status,
+                latency_ms=latency,
+                ttft_ms=None,
+                escalation_reason=reason,
+                degraded=False,
+            )
+        )
 
     def _cloud_error(
         self,
