@@ -8,7 +8,6 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 
 from controlplane.storage.tables import ApiKey, Tenant
-from controlplane.tenancy.service import aware
 
 
 class AuthCache:
@@ -55,7 +54,7 @@ class AuthCache:
             return None
         at, tenant, key = entry
         if time.monotonic() - at >= self.ttl_s or (
-            key.expires_at is not None and aware(key.expires_at) <= datetime.now(UTC)
+            key.expires_at is not None and key.expires_at <= datetime.now(UTC)
         ):
             self._entries.pop(digest, None)
             return None
