@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import Integer, case, cast, func
+from sqlalchemy import BigInteger, case, cast, func
 from sqlalchemy import select as sql_select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql.elements import ColumnElement
@@ -217,9 +217,9 @@ def unpriced_count() -> ColumnElement[Any]:
 def token_sums() -> list[ColumnElement[Any]]:
     return [
         func.count(),
-        cast(func.coalesce(func.sum(col(UsageRecord.prompt_tokens)), 0), Integer),
-        cast(func.coalesce(func.sum(col(UsageRecord.completion_tokens)), 0), Integer),
-        cast(func.coalesce(func.sum(col(UsageRecord.cached_prompt_tokens)), 0), Integer),
+        cast(func.coalesce(func.sum(col(UsageRecord.prompt_tokens)), 0), BigInteger),
+        cast(func.coalesce(func.sum(col(UsageRecord.completion_tokens)), 0), BigInteger),
+        cast(func.coalesce(func.sum(col(UsageRecord.cached_prompt_tokens)), 0), BigInteger),
     ]
 
 

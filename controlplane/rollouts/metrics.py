@@ -239,6 +239,7 @@ def _add_device(
 
 # --- billing: what a candidate served ---------------------------------------------------------------------------
 
+
 def candidate_usage(session: Session, rollout: Rollout, until: datetime) -> dict[str, Any]:
     """What the candidate served from the rollout's creation to ``until``: its usage records (stamped
     ``candidate``, cloud and edge), per tenant, with the cost they were rated at.

@@ -129,5 +129,3 @@ def authenticate(session: Session, secret: str) -> tuple[Tenant, ApiKey]:
     if not tenant.is_active:
         raise AuthenticationError("tenant is disabled")
     return tenant, key
-
-

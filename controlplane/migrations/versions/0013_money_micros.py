@@ -20,9 +20,7 @@ _MONEY = sa.Numeric(18, 6)
 
 def upgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
-        op.alter_column(
-            "usage_record", "cost", type_=sa.BigInteger(), postgresql_using="round(cost * 1000000)::bigint"
-        )
+        op.alter_column("usage_record", "cost", type_=sa.BigInteger(), postgresql_using="round(cost * 1000000)::bigint")
         return
     # SQLite keeps NUMERIC as a float; rounding recovers the 6-decimal value the column was declared with.
     op.execute("UPDATE usage_record SET cost = CAST(round(cost * 1000000) AS INTEGER) WHERE cost IS NOT NULL")
