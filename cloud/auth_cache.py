@@ -8,7 +8,6 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 
 from controlplane.storage.tables import ApiKey, Tenant
-from controlplane.tenancy.service import aware
 
 
 class AuthCache:
@@ -54,9 +53,7 @@ class AuthCache:
         if entry is None:
             return None
         at, tenant, key = entry
-        if time.monotonic() - at >= self.ttl_s or (
-            key.expires_at is not None and aware(key.expires_at) <= datetime.now(UTC)
-        ):
+        if time.monotonic() - at >= self.ttl_s or (key.expires_at is not None and key.expires_at <= datetime.now(UTC)):
             self._entries.pop(digest, None)
             return None
         return tenant, key

@@ -27,8 +27,7 @@ from cloud.limits import RateLimiter, RateLimitGrant
 from cloud.metering import UsageWriter
 from cloud.observability import Metrics
 from cloud.shadow import Mirror
-from controlplane.billing.budgets import PriceBook
-from controlplane.billing.budgets import Reservation as BudgetReservation
+from controlplane.billing.budgets import BudgetHold, PriceBook
 from controlplane.billing.budgets import reserve as reserve_budget
 from controlplane.billing.budgets import settle as settle_budget
 from controlplane.billing.pricing import Tokens
@@ -86,7 +85,7 @@ class _Meter:
     engine_s: float | None = None  # the engine's own latency: the slowest of the request's engine requests
     by_request: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     rate_limit: RateLimitGrant | None = None
-    budget: BudgetReservation | None = None
+    budget: BudgetHold | None = None
     rollout_arm: str | None = None
 
     def update(self, out: RequestOutput) -> None:

@@ -16,7 +16,6 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -32,7 +31,7 @@ from sqlmodel import Session
 from cloud.budget_watch import BudgetAlerts
 from cloud.responses import respond
 from controlplane.billing.budgets import PriceBook, remaining
-from controlplane.billing.pricing import Tokens, cost, period_of
+from controlplane.billing.pricing import period_of
 from controlplane.fleet.devices import authenticate_device, enroll, ingest
 from controlplane.storage.tables import BudgetAlert, BudgetPeriod, Device, Tenant
 from shared.artifacts import load_public_key, public_path, public_pem
@@ -44,8 +43,6 @@ from shared.edge_protocol import (
     EscalateRequest,
     SyncRequest,
     SyncResponse,
-    UsageItem,
-    version_number,
 )
 from shared.errors import AuthenticationError, ValidationError
 from shared.http import StreamingOperation, error_responses
@@ -107,23 +104,11 @@ def enroll_device(state: State, data: EnrollRequest) -> EnrollResponse:
     )
 
 
-def _rater(state: State) -> Callable[[UsageItem], tuple[int | None, Decimal | None]]:
+def _prices(state: State) -> PriceBook:
     prices: PriceBook | None = state.get("prices")
     if prices is None:
         prices = state.prices = PriceBook(state.engine)
-
-    def rate(u: UsageItem) -> tuple[int | None, Decimal | None]:
-        version = version_number(u.model_version)
-        try:
-            at = datetime.fromtimestamp(u.occurred_at, UTC)
-        except (OverflowError, OSError, ValueError):
-            at = None
-        price = prices.lookup(u.model, version, u.tier, at)
-        if price is None:
-            return None, None
-        return getattr(price, "id", None), cost(price, Tokens(u.prompt_tokens, u.completion_tokens))
-
-    return rate
+    return prices
 
 
 def _allowance(state: State, tenant_id: int) -> tuple[Allowance | None, list[BudgetAlert]]:
@@ -153,7 +138,7 @@ def _sync(state: State, caller: DeviceCaller, data: SyncRequest) -> tuple[SyncRe
     for attempt in (1, 2):
         try:
             with Session(state.engine) as session:
-                accepted, duplicates = ingest(session, caller.device, data.usage, data.events, _rater(state))
+                accepted, duplicates = ingest(session, caller.device, data.usage, data.events, _prices(state))
                 device = session.get(Device, caller.device.id)
                 assert device is not None
                 device.last_seen_at = datetime.now(UTC)

@@ -21,7 +21,7 @@ from litestar.params import Parameter
 from cloud.completions import Caller
 from cloud.engine_pool import split_model
 from cloud.idempotency import MAX_KEY_LENGTH, IdempotencyMismatchError
-from cloud.jobs import INFERENCE, MAX_LIST_LIMIT, JobSettings, JobStore, aware, job_json, new_job_id
+from cloud.jobs import INFERENCE, MAX_LIST_LIMIT, JobSettings, JobStore, job_json, new_job_id
 from cloud.tensor_models import unknown_model
 from cloud.webhooks import WebhookStore, attempt_json, validate_webhook_url
 from controlplane.storage.tables import Job
@@ -150,7 +150,7 @@ def list_deliveries(state: State, caller: Caller, job_id: str) -> dict[str, Any]
             "url": delivery.url,
             "status": delivery.status,
             "attempts": delivery.attempts,
-            "next_attempt_at": int(aware(delivery.available_at).timestamp()) if delivery.status == "pending" else None,
+            "next_attempt_at": int(delivery.available_at.timestamp()) if delivery.status == "pending" else None,
         },
         "data": [
             {"object": "webhook_delivery_attempt", "delivery_id": a.delivery_id, **attempt_json(a)} for a in attempts
@@ -163,7 +163,7 @@ def rotate_webhook_secret(state: State, caller: Caller) -> dict[str, Any]:
     """A new webhook secret, returned only here; webhooks are signed with it from now on."""
     webhooks: WebhookStore = state.webhooks
     row = webhooks.rotate_secret(caller.tenant.id or 0)
-    return {"object": "webhook_secret", "secret": row.secret, "created_at": int(aware(row.created_at).timestamp())}
+    return {"object": "webhook_secret", "secret": row.secret, "created_at": int(row.created_at.timestamp())}
 
 
 JOB_ROUTES = [list_jobs, get_job, list_deliveries, rotate_webhook_secret]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import uuid
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from pydantic import Field
@@ -56,13 +56,8 @@ class JobSettings(BaseSettings):
     )
 
 
-def aware(ts: datetime) -> datetime:
-    """SQLite hands timestamps back naive; they were written as UTC."""
-    return ts if ts.tzinfo is not None else ts.replace(tzinfo=UTC)
-
-
 def _unix(ts: datetime | None) -> int | None:
-    return int(aware(ts).timestamp()) if ts is not None else None
+    return int(ts.timestamp()) if ts is not None else None
 
 
 def new_job_id(tenant_id: int, idempotency_key: str | None = None) -> str:

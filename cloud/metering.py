@@ -1,56 +1,57 @@
-"""Usage metering off the hot path: one record per request, written in batches by a background task."""
+"""Usage metering off the hot path: one record per request, handed to the ledger in batches by a background task."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import insert
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
+from sqlmodel import Session
 
-from controlplane.storage.tables import UsageRecord
+from controlplane.billing.ledger import NewUsage, ingest_usage
 
 logger = logging.getLogger(__name__)
 
-_TABLE = UsageRecord.__table__  # type: ignore[attr-defined]
-# Every column a row is inserted with (one executemany needs the same keys in every row), with its default.
-_DEFAULTS: dict[str, Any] = {
-    c.name: None for c in _TABLE.columns if c.name not in ("id", "occurred_at", "ingested_at", "invoice_id")
-}
-_DEFAULTS.update(prompt_tokens=0, completion_tokens=0, cached_prompt_tokens=0, status="ok")
+# What ``submit`` takes as keywords: a usage record's columns (the ledger's fields, plus its rating).
+_COLUMNS = frozenset(f.name for f in dataclasses.fields(NewUsage)) - {"id", "tenant_id", "model", "tier", "rating"}
+_COLUMNS_WITH_RATING = _COLUMNS | {"price_id", "cost"}
 
 
 class UsageWriter:
-    """Collects usage records and inserts them in batches every ``flush_interval_s`` (or when a batch fills).
+    """Collects usage records and hands them to the ledger in batches every ``flush_interval_s`` (or when a
+    batch fills).
 
-    A record is the ``usage_record`` row's columns, as keywords of ``submit``: the request's path builds no ORM
-    object (~80 µs each on the event loop) and the writer's thread inserts with one executemany (the ORM's unit of
-    work took twice as long, holding the interpreter lock the event loop needs). Insertion is idempotent by record
-    id: a batch that hits an existing id is retried row by row and the duplicates are skipped. ``close()`` writes
-    everything still queued (graceful shutdown loses nothing).
+    A record arrives rated: the request's budget hold settled at the cost the price book gave it, so the ledger
+    stores that price and cost (and counts no spend: the hold did). The request's path builds no ORM object
+    (~80 µs each on the event loop); the writer's thread inserts a batch with one statement. Insertion is
+    idempotent by record id (``controlplane.billing.ledger.ingest_usage``): a retried id is skipped.
+    ``close()`` writes everything still queued (graceful shutdown loses nothing).
     """
 
     def __init__(self, engine: Engine, flush_interval_s: float = 0.2, max_batch: int = 512) -> None:
         self.engine = engine
         self.flush_interval_s = flush_interval_s
         self.max_batch = max_batch
-        self._queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._queue: asyncio.Queue[NewUsage] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self.num_written = 0
         self.num_duplicates = 0
+        self.num_refused = 0
 
     def submit(self, id: str, tenant_id: int, model: str, tier: str, **columns: Any) -> None:
-        """Queue one record: ``usage_record``'s columns (``occurred_at`` is now unless given)."""
-        unknown = columns.keys() - _DEFAULTS.keys() - {"occurred_at"}
+        """Queue one record: ``usage_record``'s columns, ``price_id`` and ``cost`` its rating (None: unpriced),
+        ``occurred_at`` now unless given."""
+        unknown = columns.keys() - _COLUMNS_WITH_RATING
         if unknown:
             raise TypeError(f"usage_record has no column {', '.join(sorted(unknown))}")
-        row = {**_DEFAULTS, **columns, "id": id, "tenant_id": tenant_id, "model": model, "tier": tier}
-        row.setdefault("occurred_at", datetime.now(UTC))
-        self._queue.put_nowait(row)
+        rating = (columns.pop("price_id", None), columns.pop("cost", None))
+        columns.setdefault("occurred_at", datetime.now(UTC))
+        self._queue.put_nowait(NewUsage(id=id, tenant_id=tenant_id, model=model, tier=tier, rating=rating, **columns))
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="usage-writer")
@@ -77,7 +78,7 @@ class UsageWriter:
 
     async def _flush(self) -> None:
         while not self._queue.empty():
-            batch: list[dict[str, Any]] = []
+            batch: list[NewUsage] = []
             while not self._queue.empty() and len(batch) < self.max_batch:
                 batch.append(self._queue.get_nowait())
             try:
@@ -87,20 +88,23 @@ class UsageWriter:
                     self._queue.put_nowait(record)
                 raise
 
-    def _write(self, batch: list[dict[str, Any]]) -> None:
-        now = datetime.now(UTC)
-        rows = [{**row, "ingested_at": now} for row in batch]
+    def _write(self, batch: list[NewUsage]) -> None:
         try:
-            with self.engine.begin() as conn:
-                conn.execute(insert(_TABLE), rows)
-            self.num_written += len(rows)
+            self._ingest(batch)
             return
         except IntegrityError:
             pass
-        for row in rows:
+        # A record the database refuses (its tenant or key deleted meanwhile) must not hold the batch back forever.
+        for record in batch:
             try:
-                with self.engine.begin() as conn:
-                    conn.execute(insert(_TABLE), row)
-                self.num_written += 1
-            except IntegrityError:
-                self.num_duplicates += 1
+                self._ingest([record])
+            except IntegrityError as exc:
+                self.num_refused += 1
+                logger.error("usage record %s was refused and dropped: %s", record.id, exc.orig)
+
+    def _ingest(self, batch: list[NewUsage]) -> None:
+        with Session(self.engine) as session:
+            result = ingest_usage(session, batch, count_spend=False)
+            session.commit()
+        self.num_written += result.accepted
+        self.num_duplicates += result.duplicates

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Final
 
@@ -48,10 +48,6 @@ def parse_names(value: str) -> frozenset[str] | None:
     """``TIERLINE_CLOUD_REGISTRY_MODELS``: None for ``all``, else the listed names (empty: the feature is off)."""
     names = frozenset(n.strip() for n in value.split(",") if n.strip())
     return None if ALL in names else names
-
-
-def _aware(ts: datetime) -> datetime:
-    return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
 
 
 @dataclass(slots=True)
@@ -154,7 +150,7 @@ class RegistryModels:
                 state = _ModelState(model.name)
                 for v in list_versions(session, model):
                     state.statuses[v.number] = v.status
-                    state.created[v.number] = int(_aware(v.created_at).timestamp()) if v.created_at else 0
+                    state.created[v.number] = int(v.created_at.timestamp()) if v.created_at else 0
                 rows = session.exec(
                     select(ModelAlias.name, ModelVersion.number, ModelAlias.updated_at)
                     .join(ModelVersion, col(ModelVersion.id) == col(ModelAlias.version_id))
@@ -163,7 +159,7 @@ class RegistryModels:
                 for alias, number, moved_at in rows:
                     state.aliases[alias] = number
                     if alias == STABLE:
-                        state.stable_moved_at = _aware(moved_at)
+                        state.stable_moved_at = moved_at
                 states.append(state)
             return states
 

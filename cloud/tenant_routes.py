@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlmodel import Session, col, select
 
 from cloud.completions import Caller
-from cloud.jobs import MAX_LIST_LIMIT, JobSettings, aware
+from cloud.jobs import MAX_LIST_LIMIT, JobSettings
 from cloud.webhooks import MAX_URL_LENGTH, WebhookStore, attempt_json, validate_webhook_url
 from controlplane.billing.budgets import remaining
 from controlplane.billing.pricing import period_of
@@ -80,7 +80,7 @@ def list_event_deliveries(
                 "url": d.url,
                 "status": d.status,
                 "attempts": d.attempts,
-                "created_at": int(aware(d.created_at).timestamp()),
+                "created_at": int(d.created_at.timestamp()),
                 "payload": d.payload,
                 "attempt_log": [attempt_json(a) for a in attempts],
             }
@@ -113,7 +113,7 @@ def get_budget(state: State, caller: Caller) -> dict[str, Any]:
         "reserved": _money(row.reserved if row is not None else Decimal(0)),
         "remaining": _money(left),
         "alerts": [
-            {"threshold": a.threshold, "spent": _money(a.spent), "fired_at": int(aware(a.fired_at).timestamp())}
+            {"threshold": a.threshold, "spent": _money(a.spent), "fired_at": int(a.fired_at.timestamp())}
             for a in alerts
         ],
     }

@@ -27,7 +27,6 @@ from sqlalchemy import update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from cloud.jobs import aware
 from controlplane.storage.tables import Job, Tenant, WebhookAttempt, WebhookDelivery, WebhookSecret, utcnow
 from shared.errors import ValidationError
 
@@ -113,7 +112,7 @@ def attempt_json(a: WebhookAttempt) -> dict[str, Any]:
         "status_code": a.status_code,
         "error": a.error,
         "duration_ms": a.duration_ms,
-        "at": aware(a.at).timestamp(),
+        "at": a.at.timestamp(),
     }
 
 

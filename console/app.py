@@ -22,7 +22,7 @@ from sqlalchemy.engine import Engine
 from console.auth import ConsoleAuth, ConsoleAuthSettings, security_headers
 from console.billing_api import BILLING_ROUTER
 from console.pages import LOGIN_ROUTER, PAGES_ROUTER
-from console.pages.common import aware, http_error_page
+from console.pages.common import http_error_page
 from console.registry_api import REGISTRY_ROUTER, derive_jobs
 from console.rollout_controller import rollout_controller
 from console.rollouts_api import API_ROUTER, OPENAPI_CONFIG
@@ -38,13 +38,13 @@ JSON_PREFIXES = ("/api", "/schema", "/healthz")
 
 
 def _when(ts: datetime | None) -> str:
-    return "—" if ts is None else aware(ts).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return "—" if ts is None else ts.strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def _ago(ts: datetime | None, now: datetime) -> str:
     if ts is None:
         return "never"
-    seconds = max(0, int((now - aware(ts)).total_seconds()))
+    seconds = max(0, int((now - ts).total_seconds()))
     for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
         if seconds >= size:
             return f"{seconds // size} {unit} ago"
@@ -65,7 +65,7 @@ def _number(value: Decimal | float | None) -> str:
 
 
 def _is_past(ts: datetime | None) -> bool:
-    return ts is not None and aware(ts) <= datetime.now(UTC)
+    return ts is not None and ts <= datetime.now(UTC)
 
 
 def _percent(value: float | None, digits: int = 1) -> str:

@@ -10,7 +10,6 @@ from litestar import Request, Response, get, post
 from litestar.datastructures import State
 from litestar.response import Redirect, Template
 from sqlalchemy import func
-from sqlalchemy.sql.elements import ColumnElement
 from sqlmodel import Session, col, select
 
 from console.auth import session_user
@@ -29,6 +28,7 @@ from console.pages.common import (
 )
 from controlplane.billing import invoices
 from controlplane.billing import invoicing as billing_service
+from controlplane.billing.ledger import cost_total, utc_format
 from controlplane.storage.tables import CreditNote, Invoice, InvoiceLine, Price, Tenant, UsageRecord
 from controlplane.tenancy import service as tenancy
 from shared.errors import ApplicationError, NotFoundError, ValidationError
@@ -38,18 +38,12 @@ METRICS = ("cost", "tokens", "requests")
 DAYS = (7, 30, 90)
 
 
-def _utc_day(session: Session, column: Any) -> ColumnElement[str]:
-    if session.get_bind().dialect.name == "postgresql":
-        return func.to_char(func.timezone("UTC", column), "YYYY-MM-DD")
-    return func.strftime("%Y-%m-%d", column)
-
-
-def usage_series(session: Session, group: str, metric: str, since: datetime) -> dict[str, dict[str, float]]:
-    """``{group value: {YYYY-MM-DD: amount}}`` of usage records since ``since``."""
-    day = _utc_day(session, col(UsageRecord.occurred_at))
+def usage_series(session: Session, group: str, metric: str, since: datetime) -> dict[str, dict[str, Decimal]]:
+    """``{group value: {YYYY-MM-DD: amount}}`` of usage records since ``since``; costs are exact sums."""
+    day = utc_format(session, col(UsageRecord.occurred_at), "day")
     key: Any = {"tenant": Tenant.name, "model": UsageRecord.model, "tier": UsageRecord.tier}[group]
     value: Any = {
-        "cost": func.coalesce(func.sum(UsageRecord.cost), 0),
+        "cost": cost_total(),
         "tokens": func.coalesce(func.sum(UsageRecord.prompt_tokens + UsageRecord.completion_tokens), 0),
         "requests": func.count(),
     }[metric]
@@ -60,9 +54,9 @@ def usage_series(session: Session, group: str, metric: str, since: datetime) -> 
         .where(col(UsageRecord.occurred_at) >= since)
         .group_by(key, day)
     )
-    series: dict[str, dict[str, float]] = {}
+    series: dict[str, dict[str, Decimal]] = {}
     for name, d, amount in session.exec(query):
-        series.setdefault(str(name), {})[str(d)] = float(Decimal(str(amount)))
+        series.setdefault(str(name), {})[str(d)] = Decimal(amount)
     return series
 
 
@@ -92,11 +86,12 @@ def billing(
             {"group": group, "metric": metric, "days": str(days)},
         )
     unit = {"cost": "", "tokens": "tokens", "requests": "requests"}[metric]
-    totals = sorted(((s, sum(v.values())) for s, v in series.items()), key=lambda kv: -kv[1])
+    totals = sorted(((s, sum(v.values(), Decimal(0))) for s, v in series.items()), key=lambda kv: -kv[1])
+    heights = {s: {d: float(v) for d, v in days_.items()} for s, days_ in series.items()}  # pixels, not money
     return render(
         request,
         "billing.html.j2",
-        chart=stacked_columns(series, x_labels, unit=unit, display=lambda day: day[5:]),
+        chart=stacked_columns(heights, x_labels, unit=unit, display=lambda day: day[5:]),
         totals=totals,
         group=group,
         metric=metric,

@@ -6,7 +6,7 @@ import logging
 import math
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from decimal import Decimal, InvalidOperation
 from typing import Annotated, Any
 from urllib.parse import urlencode
@@ -71,13 +71,8 @@ def jsonable(value: Any) -> Any:
     if isinstance(value, Decimal):
         return format(value.normalize(), "f")
     if isinstance(value, datetime):
-        return aware(value).isoformat()
+        return value.isoformat()
     return value
-
-
-def aware(ts: datetime) -> datetime:
-    """SQLite returns naive datetimes; every stored timestamp is UTC."""
-    return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
 
 
 # --- form fields --------------------------------------------------------------------------------------------------

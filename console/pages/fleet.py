@@ -16,7 +16,6 @@ from console.auth import session_user
 from console.pages import changes
 from console.pages.common import (
     Form,
-    aware,
     errors_of,
     labels,
     like,
@@ -82,7 +81,7 @@ def _fleet_page(
         DeviceRow(
             d,
             t.name,
-            d.status == "active" and d.last_seen_at is not None and aware(d.last_seen_at) > now - ONLINE_WITHIN,
+            d.status == "active" and d.last_seen_at is not None and d.last_seen_at > now - ONLINE_WITHIN,
             escalation_rate(d.metrics),
         )
         for d, t in rows

@@ -28,6 +28,7 @@ from console.pages.common import (
     text,
     write_session,
 )
+from controlplane.billing.ledger import cost_total
 from controlplane.billing.pricing import period_of
 from controlplane.storage.tables import ApiKey, BudgetAlert, BudgetPeriod, Tenant, UsageRecord
 from controlplane.tenancy import service as tenancy
@@ -46,12 +47,12 @@ def usage_by_tenant(session: Session, tenant_ids: list[int], since: datetime | N
         UsageRecord.tenant_id,
         func.count(),
         func.sum(UsageRecord.prompt_tokens + UsageRecord.completion_tokens),
-        func.sum(UsageRecord.cost),
+        cost_total(),
     ).where(col(UsageRecord.tenant_id).in_(tenant_ids))
     if since is not None:
         query = query.where(col(UsageRecord.occurred_at) >= since)
     rows = session.exec(query.group_by(col(UsageRecord.tenant_id))).all()
-    return {tid: Usage(int(n), int(tokens or 0), Decimal(cost or 0)) for tid, n, tokens, cost in rows}
+    return {tid: Usage(int(n), int(tokens or 0), cost) for tid, n, tokens, cost in rows}
 
 
 def _month_start(now: datetime) -> datetime:

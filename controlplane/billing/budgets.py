@@ -26,7 +26,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
-from controlplane.billing.pricing import PriceLike, Tokens, cost, period_of, price_for
+from controlplane.billing.pricing import PriceLike, Rating, Tokens, period_of, price_for, rate
 from controlplane.storage.tables import BudgetPeriod, BudgetReservation, Price
 from shared.errors import ApplicationError
 from shared.periodic import Periodic
@@ -46,7 +46,10 @@ class BudgetExceededError(ApplicationError):
 
 
 @dataclass(frozen=True, slots=True)
-class Reservation:
+class BudgetHold:
+    """What a request holds on its tenant's budget until it settles: the id of its ``budget_reservation``
+    record, the amount held, and the budget it was held against."""
+
     id: str
     tenant_id: int
     period: str
@@ -105,7 +108,7 @@ def reserve(
     amount: Decimal,
     at: datetime | None = None,
     lease_s: float = DEFAULT_LEASE_S,
-) -> Reservation:
+) -> BudgetHold:
     """Reserve ``amount`` of the tenant's monthly ``budget`` for at most ``lease_s`` seconds, or raise
     ``BudgetExceededError``.
 
@@ -122,25 +125,25 @@ def reserve(
             f"the tenant's monthly budget ({budget}) cannot cover this request's worst case ({amount}); "
             "lower max_tokens or raise the budget"
         )
-    return Reservation(reservation_id, tenant_id, period, amount, budget)
+    return BudgetHold(reservation_id, tenant_id, period, amount, budget)
 
 
-def settle(engine: Engine, reservation: Reservation, actual: Decimal) -> Decimal:
-    """Release the reservation and add what the request really cost (never more than it reserved).
+def settle(engine: Engine, hold: BudgetHold, actual: Decimal) -> Decimal:
+    """Release the hold and add what the request really cost (never more than it reserved).
 
     Returns the period's settled spend after this request. A reservation the sweeper already released (its
     lease ran out first) only adds the cost.
     """
-    actual = min(actual, reservation.amount)
+    actual = min(actual, hold.amount)
     with Session(engine) as session:
-        deleted = session.execute(delete(BudgetReservation).where(col(BudgetReservation.id) == reservation.id))
+        deleted = session.execute(delete(BudgetReservation).where(col(BudgetReservation.id) == hold.id))
         is_held = deleted.rowcount == 1  # type: ignore[attr-defined]
         values = {"spent": col(BudgetPeriod.spent) + actual}
         if is_held:
-            values["reserved"] = col(BudgetPeriod.reserved) - reservation.amount
+            values["reserved"] = col(BudgetPeriod.reserved) - hold.amount
         spent = session.execute(
             update(BudgetPeriod)
-            .where(col(BudgetPeriod.tenant_id) == reservation.tenant_id, col(BudgetPeriod.period) == reservation.period)
+            .where(col(BudgetPeriod.tenant_id) == hold.tenant_id, col(BudgetPeriod.period) == hold.period)
             .values(**values)
             .returning(col(BudgetPeriod.spent))
         ).scalar_one()
@@ -239,9 +242,6 @@ class PriceBook:
             self.refresh()
         return price_for(self._prices, model, version, tier, at or datetime.now(UTC))
 
-    def cost(self, model: str, version: int | None, tier: str, tokens: Tokens) -> tuple[int | None, Decimal | None]:
-        """``(price id, cost)``, or ``(None, None)`` when no price is in force (the record is flagged)."""
-        price = self.lookup(model, version, tier)
-        if price is None:
-            return None, None
-        return getattr(price, "id", None), cost(price, tokens)
+    def cost(self, model: str, version: int | None, tier: str, tokens: Tokens, at: datetime | None = None) -> Rating:
+        """``(price id, cost)`` at ``at`` (now), or ``(None, None)`` when no price is in force (flagged)."""
+        return rate(self, model, version, tier, tokens, at or datetime.now(UTC))

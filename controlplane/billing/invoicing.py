@@ -30,9 +30,10 @@ from sqlalchemy.sql.elements import ColumnElement
 from sqlmodel import Session, col, select
 
 from controlplane.billing import invoices
-from controlplane.billing.ledger import cost_micros, token_sums, unpriced_count, utc_format
+from controlplane.billing.ledger import cost_total, token_sums, unpriced_count, utc_format
 from controlplane.billing.pricing import parse_period, period_bounds
 from controlplane.storage.tables import AuditLog, CreditNote, Invoice, InvoiceLine, Price, Tenant, UsageRecord
+from controlplane.storage.types import as_utc
 from shared.errors import ConflictError, NotFoundError, ValidationError
 
 FINALIZED = "finalized"
@@ -85,7 +86,7 @@ def _usage_totals(session: Session, *where: ColumnElement[bool]) -> list[invoice
         col(Price.currency),
     )
     query = (
-        sql_select(*keys, *token_sums(), cost_micros(), unpriced_count())
+        sql_select(*keys, *token_sums(), cost_total(), unpriced_count())
         .select_from(UsageRecord)
         .outerjoin(Price, col(Price.id) == col(UsageRecord.price_id))
         .where(*where)
@@ -102,10 +103,10 @@ def _usage_totals(session: Session, *where: ColumnElement[bool]) -> list[invoice
             completion_tokens=int(ct),
             cached_prompt_tokens=int(cc),
             unpriced_records=int(unpriced),
-            cost=Decimal(int(micros)).scaleb(-6),
+            cost=amount,
             currency=currency,
         )
-        for p, m, v, t, currency, n, pt, ct, cc, micros, unpriced in session.execute(query).all()
+        for p, m, v, t, currency, n, pt, ct, cc, amount, unpriced in session.execute(query).all()
     ]
 
 
@@ -159,7 +160,7 @@ def _stored_lines(session: Session, invoice_id: int, currency: str) -> list[invo
 
 
 def _iso(ts: datetime | None) -> str | None:
-    return None if ts is None else (ts if ts.tzinfo else ts.replace(tzinfo=UTC)).isoformat()
+    return None if ts is None else ts.isoformat()
 
 
 def _view(
@@ -383,7 +384,7 @@ def add_price(session: Session, spec: PriceSpec, *, actor: str) -> Price:
         prompt_per_mtok=spec.prompt_per_mtok,
         completion_per_mtok=spec.completion_per_mtok,
         cached_per_mtok=spec.cached_per_mtok if spec.cached_per_mtok is not None else spec.prompt_per_mtok,
-        effective_from=start if start.tzinfo else start.replace(tzinfo=UTC),
+        effective_from=as_utc(start),
     )
     session.add(row)
     session.flush()

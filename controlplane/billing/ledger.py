@@ -1,13 +1,15 @@
-"""The usage ledger: batched, idempotent ingestion of usage records with rating, and usage totals.
+"""The usage ledger: the one writer of usage records. Batched, idempotent ingestion with rating, and usage totals.
 
-Ingestion is one multi-row ``INSERT ... ON CONFLICT (id) DO NOTHING RETURNING id`` per batch: a record id
-the ledger already holds (a retried sync batch, a request the cloud metered itself) is skipped, never
-overwritten, so replaying a batch changes nothing. Each new record is rated with the price in force at its
-own time (price id and cost stamped on it); a record with no price is stored unpriced (flagged), never
-dropped. Only the records this call really inserted count against the tenant's budget.
+Cloud metering (``cloud.metering.UsageWriter``) and edge sync (``controlplane.fleet.devices.ingest``) both hand
+their records to ``ingest_usage``. Ingestion is one multi-row ``INSERT ... ON CONFLICT (id) DO NOTHING
+RETURNING id`` per batch: a record id the ledger already holds (a retried sync batch, a request the cloud
+metered itself) is skipped, never overwritten, so replaying a batch changes nothing. Each new record is rated
+with the price in force at its own time (``controlplane.billing.pricing.rate``; price id and cost stamped on it)
+unless it arrives rated (the cloud rates a request when it settles its budget hold); a record with no price is
+stored unpriced (flagged), never dropped.
 
-Sums of money are taken in SQL as integers of 1e-6 (the storage scale of a record's cost), so they are exact
-on SQLite (which stores NUMERIC as a float) and PostgreSQL alike.
+A record's cost is stored as integer micros (``controlplane.storage.types.Micros``), so every sum of it taken
+in SQL (``cost_total``) is exact on SQLite and PostgreSQL alike.
 """
 
 from __future__ import annotations
@@ -18,24 +20,28 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import BigInteger, Integer, case, cast, func
+from sqlalchemy import BigInteger, case, cast, func
 from sqlalchemy import select as sql_select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql.elements import ColumnElement
 from sqlmodel import Session, col, select
 
 from controlplane.billing.budgets import add_spend
-from controlplane.billing.pricing import PriceIndex, Tokens, cost, period_bounds, period_of
+from controlplane.billing.pricing import PriceIndex, PriceLookup, Rating, Tokens, period_bounds, period_of, rate
 from controlplane.storage.tables import Price, UsageRecord
+from controlplane.storage.types import as_utc, from_micros, to_micros
 from shared.errors import ValidationError
 
-MICROS = Decimal(1_000_000)
 GROUP_BY = ("day", "month", "model", "version", "tier")
 
 
 @dataclass(frozen=True, slots=True)
 class NewUsage:
-    """A usage record on its way into the ledger (rating fills in its price and cost)."""
+    """A usage record on its way into the ledger.
+
+    ``rating`` is ``(price id, cost)`` when the record arrives rated (the cloud's, rated when its budget hold
+    settled; ``(None, None)`` is unpriced); None has the ledger rate it.
+    """
 
     id: str
     tenant_id: int
@@ -51,8 +57,10 @@ class NewUsage:
     status: str = "ok"
     latency_ms: float | None = None
     ttft_ms: float | None = None
+    engine_ms: float | None = None
     rollout_arm: str | None = None
     escalation_reason: str | None = None
+    rating: Rating | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,29 +76,20 @@ def load_prices(session: Session) -> PriceIndex:
     return PriceIndex(session.exec(select(Price)).all())
 
 
-def _aware(ts: datetime) -> datetime:
-    """In UTC (naive means UTC): SQLite stores the wall time without its offset, so every bound is UTC."""
-    return ts.astimezone(UTC) if ts.tzinfo else ts.replace(tzinfo=UTC)
+Rate = Callable[[NewUsage], Rating]
 
 
-Rate = Callable[[NewUsage], tuple[int | None, Decimal | None]]
-
-
-def rater(prices: PriceIndex) -> Rate:
+def rater(prices: PriceLookup) -> Rate:
     """Rate a record with the price in force at its own time: ``(price id, cost)``, or ``(None, None)``."""
 
-    def rate(u: NewUsage) -> tuple[int | None, Decimal | None]:
-        price = prices.lookup(u.model, u.model_version, u.tier, _aware(u.occurred_at))
-        if price is None:
-            return None, None
-        return getattr(price, "id", None), cost(
-            price, Tokens(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
-        )
+    def rate_usage(u: NewUsage) -> Rating:
+        tokens = Tokens(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
+        return rate(prices, u.model, u.model_version, u.tier, tokens, as_utc(u.occurred_at))
 
-    return rate
+    return rate_usage
 
 
-def _row(u: NewUsage, rating: tuple[int | None, Decimal | None], now: datetime) -> dict[str, Any]:
+def _row(u: NewUsage, rating: Rating, now: datetime) -> dict[str, Any]:
     price_id, amount = rating
     return {
         "id": u.id,
@@ -106,12 +105,13 @@ def _row(u: NewUsage, rating: tuple[int | None, Decimal | None], now: datetime) 
         "status": u.status,
         "latency_ms": u.latency_ms,
         "ttft_ms": u.ttft_ms,
+        "engine_ms": u.engine_ms,
         "rollout_arm": u.rollout_arm,
         "escalation_reason": u.escalation_reason,
         "price_id": price_id,
         "cost": amount,
         "invoice_id": None,
-        "occurred_at": _aware(u.occurred_at),
+        "occurred_at": as_utc(u.occurred_at),
         "ingested_at": now,
     }
 
@@ -120,19 +120,24 @@ def _insert_new(session: Session, rows: list[dict[str, Any]]) -> frozenset[str]:
     """Insert ``rows`` whose id is not stored yet, atomically against concurrent ingestion; the ids inserted.
 
     PostgreSQL gets one array per column through ``unnest``: a short statement whatever the batch size
-    (a multi-row VALUES list of 20 columns x 500 rows spends most of its time being parsed). SQLite gets
+    (a multi-row VALUES list of 20 columns x 500 rows spends most of its time being parsed). The driver gets
+    those arrays without the columns' own bind conversion, so it is applied here (cost to micros). SQLite gets
     SQLAlchemy's multi-row insert.
     """
     table = UsageRecord.__table__  # type: ignore[attr-defined]
     names = list(rows[0])
-    if session.get_bind().dialect.name == "postgresql":
-        dialect = postgresql.dialect()
-        arrays = ", ".join(f"%({n})s::{table.c[n].type.compile(dialect=dialect)}[]" for n in names)
+    dialect = session.get_bind().dialect
+    if dialect.name == "postgresql":
+        pg = postgresql.dialect()
+        arrays = ", ".join(f"%({n})s::{table.c[n].type.compile(dialect=pg)}[]" for n in names)
         sql = (
             f"INSERT INTO {table.name} ({', '.join(names)}) SELECT * FROM unnest({arrays}) "
             "ON CONFLICT (id) DO NOTHING RETURNING id"
         )
-        params = {n: [r[n] for r in rows] for n in names}
+        params = {}
+        for n in names:
+            convert = table.c[n].type.bind_processor(dialect)
+            params[n] = [r[n] for r in rows] if convert is None else [convert(r[n]) for r in rows]
         return frozenset(r[0] for r in session.connection().exec_driver_sql(sql, params))
     insert = sqlite.insert(table).on_conflict_do_nothing(index_elements=["id"]).returning(table.c.id)
     return frozenset(r[0] for r in session.connection().execute(insert, rows))
@@ -141,9 +146,8 @@ def _insert_new(session: Session, rows: list[dict[str, Any]]) -> frozenset[str]:
 def ingest_usage(
     session: Session,
     records: Iterable[NewUsage],
-    prices: PriceIndex | None = None,
+    prices: PriceLookup | None = None,
     *,
-    rate: Rate | None = None,
     count_spend: bool = True,
 ) -> IngestResult:
     """Rate and store ``records``, skipping ids already stored (or repeated in the batch). The caller commits.
@@ -151,9 +155,10 @@ def ingest_usage(
     Args:
         session: the transaction to insert in; a batch is stored whole or not at all.
         records: the batch, in any order, duplicates allowed.
-        prices: the price book to rate with (``load_prices``); None loads it.
-        rate: rates a record instead (a caller with its own cached price book); ``prices`` is then unused.
-        count_spend: add the cost of each inserted record to its tenant's budget period (of its own time).
+        prices: the price book to rate unrated records with (``load_prices``, or the cloud's cached
+            ``PriceBook``); None loads it when a record needs rating.
+        count_spend: add the cost of each inserted record to its tenant's budget period (of its own time);
+            False for records whose cost a budget hold already settled.
     """
     batch: dict[str, NewUsage] = {}
     num_in = 0
@@ -162,10 +167,13 @@ def ingest_usage(
         batch.setdefault(u.id, u)
     if not batch:
         return IngestResult(0, num_in, 0, frozenset())
-    if rate is None:
-        rate = rater(prices if prices is not None else load_prices(session))
+    rate_usage: Rate | None = None
     now = datetime.now(UTC)
-    rows = [_row(u, rate(u), now) for u in batch.values()]
+    rows = []
+    for u in batch.values():
+        if u.rating is None and rate_usage is None:
+            rate_usage = rater(prices if prices is not None else load_prices(session))
+        rows.append(_row(u, u.rating if u.rating is not None else rate_usage(u), now))  # type: ignore[misc]
     accepted = _insert_new(session, rows)
     unpriced = 0
     spend: dict[tuple[int, str], Decimal] = {}
@@ -194,9 +202,12 @@ def utc_format(session: Session, column: Any, fmt: str) -> ColumnElement[str]:
     return func.strftime({"day": "%Y-%m-%d", "month": "%Y-%m"}[fmt], column)
 
 
-def cost_micros() -> ColumnElement[Any]:
-    """The exact sum of the records' costs, in integer units of 1e-6 (unpriced records add 0)."""
-    return func.coalesce(func.sum(cast(func.round(col(UsageRecord.cost) * 1_000_000), BigInteger)), 0)
+def cost_total() -> ColumnElement[Decimal]:
+    """The exact sum of the records' costs, a ``Decimal`` (unpriced records add 0): a sum of integer micros.
+
+    Every sum of usage cost (totals, invoices, the console, rollout reports) is taken with this.
+    """
+    return func.coalesce(func.sum(col(UsageRecord.cost)), Decimal(0))
 
 
 def unpriced_count() -> ColumnElement[Any]:
@@ -206,9 +217,9 @@ def unpriced_count() -> ColumnElement[Any]:
 def token_sums() -> list[ColumnElement[Any]]:
     return [
         func.count(),
-        cast(func.coalesce(func.sum(col(UsageRecord.prompt_tokens)), 0), Integer),
-        cast(func.coalesce(func.sum(col(UsageRecord.completion_tokens)), 0), Integer),
-        cast(func.coalesce(func.sum(col(UsageRecord.cached_prompt_tokens)), 0), Integer),
+        cast(func.coalesce(func.sum(col(UsageRecord.prompt_tokens)), 0), BigInteger),
+        cast(func.coalesce(func.sum(col(UsageRecord.completion_tokens)), 0), BigInteger),
+        cast(func.coalesce(func.sum(col(UsageRecord.cached_prompt_tokens)), 0), BigInteger),
     ]
 
 
@@ -225,14 +236,14 @@ def parse_group_by(text: str | None) -> list[str]:
     return dims
 
 
-def _totals(requests: int, prompt: int, completion: int, cached: int, micros: Any, unpriced: int) -> dict[str, Any]:
+def _totals(requests: int, prompt: int, completion: int, cached: int, amount: Decimal, unpriced: int) -> dict[str, Any]:
     return {
         "requests": int(requests),
         "prompt_tokens": int(prompt),
         "completion_tokens": int(completion),
         "cached_prompt_tokens": int(cached),
         "total_tokens": int(prompt) + int(completion),
-        "cost": str(Decimal(int(micros)).scaleb(-6)),
+        "cost": str(from_micros(to_micros(amount))),
         "unpriced_records": int(unpriced),
     }
 
@@ -255,24 +266,24 @@ def usage_totals(
     keys = [dims[d] for d in group_by]
     where = (
         col(UsageRecord.tenant_id) == tenant_id,
-        col(UsageRecord.occurred_at) >= _aware(start),
-        col(UsageRecord.occurred_at) < _aware(end),
+        col(UsageRecord.occurred_at) >= start,
+        col(UsageRecord.occurred_at) < end,
     )
-    query = sql_select(*keys, *token_sums(), cost_micros(), unpriced_count()).where(*where)
+    query = sql_select(*keys, *token_sums(), cost_total(), unpriced_count()).where(*where)
     if keys:
         query = query.group_by(*keys).order_by(*keys)
     groups = []
-    overall = [0, 0, 0, 0, 0, 0]
+    overall: list[Any] = [0, 0, 0, 0, Decimal(0), 0]
     for row in session.execute(query).all():
         values = list(row)
         measures = values[len(keys) :]
         if not keys and int(measures[0]) == 0:
             break
-        overall = [a + int(b) for a, b in zip(overall, measures, strict=True)]
+        overall = [a + b for a, b in zip(overall, measures, strict=True)]
         groups.append({**dict(zip(group_by, values[: len(keys)], strict=True)), **_totals(*measures)})
     return {
-        "from": _aware(start).isoformat(),
-        "to": _aware(end).isoformat(),
+        "from": as_utc(start).isoformat(),
+        "to": as_utc(end).isoformat(),
         "group_by": list(group_by),
         "totals": _totals(*overall),
         "groups": groups,

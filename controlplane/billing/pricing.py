@@ -14,6 +14,8 @@ from datetime import UTC, datetime
 from decimal import ROUND_HALF_EVEN, Decimal
 from typing import Protocol
 
+from controlplane.storage.types import as_utc
+
 MILLION = Decimal(1_000_000)
 # A record's cost is kept to 1e-6 of the currency unit: the scale of the database's money columns (NUMERIC(18, 6)),
 # so the cost a record is rated at is exactly the cost stored and summed. Invoices round lines, not records.
@@ -48,15 +50,15 @@ def price_for(
     """The price in force for one usage record, or None (such a record is flagged, never dropped)."""
     best: PriceLike | None = None
     for p in prices:
-        if p.model != model or _aware(p.effective_from) > _aware(at):
+        if p.model != model or as_utc(p.effective_from) > as_utc(at):
             continue
         if p.version is not None and p.version != version:
             continue
         if p.tier is not None and p.tier != tier:
             continue
-        if best is None or (_specificity(p), _aware(p.effective_from)) > (
+        if best is None or (_specificity(p), as_utc(p.effective_from)) > (
             _specificity(best),
-            _aware(best.effective_from),
+            as_utc(best.effective_from),
         ):
             best = p
     return best
@@ -73,13 +75,25 @@ def cost(price: PriceLike, tokens: Tokens) -> Decimal:
     return total.quantize(COST_QUANTUM, rounding=ROUND_HALF_EVEN)
 
 
-def _aware(ts: datetime) -> datetime:
-    return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
+Rating = tuple[int | None, Decimal | None]
+UNPRICED: Rating = (None, None)
+
+
+class PriceLookup(Protocol):
+    def lookup(self, model: str, version: int | None, tier: str, at: datetime) -> PriceLike | None: ...
+
+
+def rate(prices: PriceLookup, model: str, version: int | None, tier: str, tokens: Tokens, at: datetime) -> Rating:
+    """The one rating rule: ``(price id, cost)`` at the price in force at ``at``, or ``UNPRICED`` (flagged)."""
+    price = prices.lookup(model, version, tier, at)
+    if price is None:
+        return UNPRICED
+    return getattr(price, "id", None), cost(price, tokens)
 
 
 def period_of(ts: datetime) -> str:
     """The billing period (calendar month, UTC) of a moment: ``YYYY-MM``."""
-    return _aware(ts).astimezone(UTC).strftime("%Y-%m")
+    return as_utc(ts).strftime("%Y-%m")
 
 
 def parse_period(text: str) -> str:

@@ -9,16 +9,15 @@ from __future__ import annotations
 import hashlib
 import secrets
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import update
 from sqlmodel import Session, col, select
 
 from controlplane.billing.ledger import NewUsage, ingest_usage
+from controlplane.billing.pricing import PriceLookup
 from controlplane.rollouts.service import load_plans, usage_arm
 from controlplane.storage.tables import Device, DeviceEvent, EnrollmentToken, Tenant
 from shared.edge_protocol import EventItem, UsageItem, version_number
@@ -30,10 +29,6 @@ DEVICE_PREFIX = "tld-"
 
 def _hash(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
-
-
-def _aware(ts: datetime) -> datetime:
-    return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +65,7 @@ def enroll(
         raise AuthenticationError("invalid enrollment token")
     if record.used_at is not None:
         raise AuthenticationError("enrollment token has already been used")
-    if _aware(record.expires_at) <= datetime.now(UTC):
+    if record.expires_at <= datetime.now(UTC):
         raise AuthenticationError("enrollment token has expired")
     tenant = session.get(Tenant, record.tenant_id)
     if tenant is None or not tenant.is_active:
@@ -130,25 +125,25 @@ def _ts(unix: float) -> datetime:
         return datetime.now(UTC)
 
 
-Rate = Callable[[UsageItem], tuple[int | None, Decimal | None]]
-
-
 def ingest(
-    session: Session, device: Device, usage: list[UsageItem], events: list[EventItem], rate: Rate | None = None
+    session: Session,
+    device: Device,
+    usage: list[UsageItem],
+    events: list[EventItem],
+    prices: PriceLookup | None = None,
 ) -> tuple[int, int]:
     """Store what is new, skip what the cloud already has. Returns ``(accepted, duplicates)``.
 
     Ids already present (a retried batch, or a request the cloud metered itself on escalation) are skipped,
-    never overwritten; the caller commits, so a batch is stored whole or not at all. ``rate`` prices each new
-    record (price id and cost, stamped on it; without it the price book is read once for the batch) and its
-    cost counts against the tenant's budget period of the record's own time. Usage goes through the ledger's
-    batched insert (``controlplane.billing.ledger.ingest_usage``).
+    never overwritten; the caller commits, so a batch is stored whole or not at all. Usage goes to the ledger
+    (``controlplane.billing.ledger.ingest_usage``), which rates each new record at its own time with ``prices``
+    (the cloud's cached price book; without it the price book is read once for the batch) and counts its cost
+    against the tenant's budget period of that time.
     """
     ids = [u.id for u in usage]
     if len(set(ids)) != len(ids):
         raise ValidationError("usage: record ids must be unique within a batch", param="usage")
     plans = load_plans(session, "edge") if usage else []
-    items = {u.id: u for u in usage}
     records = [
         NewUsage(
             id=u.id,
@@ -171,7 +166,7 @@ def ingest(
         )
         for u in usage
     ]
-    result = ingest_usage(session, records, rate=(lambda r: rate(items[r.id])) if rate is not None else None)
+    result = ingest_usage(session, records, prices)
     accepted, duplicates = result.accepted, result.duplicates
     eids = [e.id for e in events]
     seen = set(session.exec(select(DeviceEvent.id).where(col(DeviceEvent.id).in_(eids)))) if eids else set()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any, Final
 
@@ -15,6 +15,7 @@ from sqlalchemy import select as sa_select
 from sqlalchemy.sql.elements import ColumnElement
 from sqlmodel import Session, col, select
 
+from controlplane.billing.ledger import cost_total
 from controlplane.rollouts.analysis import ArmStats, ShadowStats, Window
 from controlplane.rollouts.assignment import BASELINE, CANDIDATE, EXCLUDED, Arm
 from controlplane.rollouts.plans import model_names
@@ -30,11 +31,6 @@ from controlplane.storage.tables import (
 from shared.edge_protocol import version_number
 
 TELEMETRY_LOOKBACK: Final = timedelta(minutes=15)  # how far back a device's last sample before a window is sought
-
-
-def _aware(ts: datetime) -> datetime:
-    """SQLite returns naive datetimes; every stored timestamp is UTC."""
-    return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
 
 
 def collect_windows(session: Session, rollout: Rollout, since: datetime, now: datetime) -> list[Window]:
@@ -89,7 +85,7 @@ def _cloud_arm_stats(
         sa_select(
             func.count(),
             is_error,
-            func.sum(col(UsageRecord.cost)),
+            cost_total(),
             func.count(col(UsageRecord.cost)),
             func.count(col(UsageRecord.latency_ms)),
             func.count(col(UsageRecord.ttft_ms)),
@@ -101,7 +97,7 @@ def _cloud_arm_stats(
         errors=int(errors),
         p95_latency_ms=_p95(session, col(UsageRecord.latency_ms), where, int(num_latency)),
         p95_ttft_ms=_p95(session, col(UsageRecord.ttft_ms), where, int(num_ttft)),
-        cost=Decimal(cost) if cost is not None else None,
+        cost=cost if num_priced else None,
         num_priced=int(num_priced),
     )
 
@@ -195,7 +191,7 @@ def _edge_window(
             events = events.where(DeviceEvent.tenant_id == rollout.tenant_id)
         by_device: dict[str, list[tuple[datetime, Any]]] = {}
         for device_id, at, payload in session.exec(events.order_by(col(DeviceEvent.occurred_at))):
-            by_device.setdefault(device_id, []).append((_aware(at), (payload or {}).get("metrics")))
+            by_device.setdefault(device_id, []).append((at, (payload or {}).get("metrics")))
         for device_id, samples in by_device.items():
             _add_device(arms, keys, device_id, samples, since)
     return Window("edge", arms[BASELINE].stats(), arms[CANDIDATE].stats())
@@ -243,8 +239,6 @@ def _add_device(
 
 # --- billing: what a candidate served ---------------------------------------------------------------------------
 
-_MICRO = Decimal("0.000001")
-
 
 def candidate_usage(session: Session, rollout: Rollout, until: datetime) -> dict[str, Any]:
     """What the candidate served from the rollout's creation to ``until``: its usage records (stamped
@@ -271,7 +265,7 @@ def candidate_usage(session: Session, rollout: Rollout, until: datetime) -> dict
             func.count(),
             func.coalesce(func.sum(col(UsageRecord.prompt_tokens)), 0),
             func.coalesce(func.sum(col(UsageRecord.completion_tokens)), 0),
-            func.sum(col(UsageRecord.cost)),
+            cost_total(),
             func.count(col(UsageRecord.cost)),
         )
         .where(*where)
@@ -280,8 +274,7 @@ def candidate_usage(session: Session, rollout: Rollout, until: datetime) -> dict
     ).all()
     by_tenant = []
     total_cost = Decimal(0)
-    for tenant_id, requests, prompt, completion, cost, num_priced in rows:
-        amount = Decimal(str(cost or 0)).quantize(_MICRO)
+    for tenant_id, requests, prompt, completion, amount, num_priced in rows:
         total_cost += amount
         by_tenant.append(
             {

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Final
 
 from sqlalchemy import func
@@ -17,11 +17,6 @@ from controlplane.rollouts.assignment import BASELINE, CANDIDATE, EXCLUDED, Arm,
 from controlplane.storage.tables import Rollout, RolloutPin, Tenant
 
 MODEL_PREFIX: Final = "tierline/"
-
-
-def _aware(ts: datetime) -> datetime:
-    """SQLite returns naive datetimes; every stored timestamp is UTC."""
-    return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +103,7 @@ def load_plans(session: Session, target: Source) -> list[RolloutPlan]:
                 for p in pins
                 if p.rollout_id == r.id and p.kind == "tenant" and p.key in tenant_ids
             },
-            finished_at=_aware(r.finished_at) if r.finished_at is not None else None,
+            finished_at=r.finished_at,
             step_index=r.step_index,
             shadow_sample=r.shadow_sample,
         )

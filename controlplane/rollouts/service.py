@@ -89,11 +89,6 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
-def _aware(ts: datetime) -> datetime:
-    """SQLite returns naive datetimes; every stored timestamp is UTC."""
-    return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
-
-
 # --- creating and validating ------------------------------------------------------------------------------------
 
 
@@ -275,7 +270,7 @@ def rollout_pins(session: Session, rollout_id: int) -> list[RolloutPin]:
 
 def rollout_json(r: Rollout) -> dict[str, Any]:
     def ts(value: datetime | None) -> str | None:
-        return _aware(value).isoformat() if value is not None else None
+        return value.isoformat() if value is not None else None
 
     return {
         "id": r.id,
@@ -305,7 +300,7 @@ def rollout_json(r: Rollout) -> dict[str, Any]:
 
 def event_json(e: RolloutEvent) -> dict[str, Any]:
     return {
-        "at": _aware(e.at).isoformat(),
+        "at": e.at.isoformat(),
         "kind": e.kind,
         "from_status": e.from_status,
         "to_status": e.to_status,
@@ -533,7 +528,7 @@ def _evaluate(engine: Engine, rollout_id: int, now: datetime, actor: str) -> Pas
             return None
         decision: Decision | None = None
         if rollout.status == "running":
-            since = _aware(rollout.step_started_at or rollout.created_at)
+            since = rollout.step_started_at or rollout.created_at
             elapsed = max(0.0, (now - since).total_seconds())
             steps = rollout.steps
             nxt = steps[rollout.step_index + 1] if rollout.step_index + 1 < len(steps) else None

@@ -1,7 +1,9 @@
 """SQLModel tables shared by the cloud tier and the console. Rows are "records"; money is Decimal.
 
-Timestamps are UTC and timezone-aware. Secrets (API keys, device tokens, passwords) are stored only as
-hashes. Alembic migrations in ``shared/migrations`` create exactly this schema (a test checks for drift).
+Every timestamp column is ``UTCDateTime`` (stored UTC, read back timezone-aware). A usage record's cost is
+``Micros`` (integer millionths), so sums of it are exact on SQLite too. Secrets (API keys, device tokens,
+passwords) are stored only as hashes. Alembic migrations in ``controlplane/migrations`` create exactly this
+schema (a test checks for drift).
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import JSON, Column, DateTime, Index, Numeric, UniqueConstraint
+from sqlalchemy import JSON, Column, Index, Numeric, UniqueConstraint
 from sqlmodel import Field, SQLModel
+
+from controlplane.storage.types import Micros, UTCDateTime
 
 MONEY = Numeric(18, 6)
 
@@ -32,7 +36,7 @@ def utcnow() -> datetime:
 def _ts(nullable: bool = False, index: bool = False) -> Any:
     return Field(
         default_factory=utcnow if not nullable else None,
-        sa_type=DateTime(timezone=True),
+        sa_type=UTCDateTime,
         nullable=nullable,
         index=index,
     )
@@ -69,9 +73,9 @@ class ApiKey(SQLModel, table=True):
     tokens_per_minute: int | None = None
     max_concurrent: int | None = None
     created_at: datetime = _ts()
-    expires_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
-    revoked_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
-    last_used_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    expires_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    revoked_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    last_used_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
 
 
 class ConsoleUser(SQLModel, table=True):
@@ -82,7 +86,7 @@ class ConsoleUser(SQLModel, table=True):
     password_hash: str = Field(max_length=255, description="argon2id")
     role: str = Field(default="viewer", max_length=16)
     created_at: datetime = _ts()
-    last_login_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    last_login_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
 
 
 class Model(SQLModel, table=True):
@@ -166,7 +170,9 @@ class UsageRecord(SQLModel, table=True):
     rollout_arm: str | None = Field(default=None, max_length=16)
     escalation_reason: str | None = Field(default=None, max_length=32, description="why an edge request went up")
     price_id: int | None = Field(default=None, description="the price it was rated with; None: no price (flagged)")
-    cost: Decimal | None = Field(default=None, sa_type=MONEY)
+    cost: Decimal | None = Field(
+        default=None, sa_type=Micros, description="stored as integer micros, so sums of it are exact"
+    )
     invoice_id: int | None = Field(
         default=None, foreign_key="invoice.id", index=True, description="the finalized invoice that billed it"
     )
@@ -183,7 +189,7 @@ class Device(SQLModel, table=True):
     token_hash: str = Field(max_length=128, unique=True)
     agent_version: str = Field(default="", max_length=32)
     enrolled_at: datetime = _ts()
-    last_seen_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    last_seen_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     name: str = Field(default="", max_length=128)
     status: str = Field(default="active", max_length=16, description="active | revoked")
     runtime: dict[str, Any] = Field(
@@ -207,8 +213,8 @@ class EnrollmentToken(SQLModel, table=True):
     token_hash: str = Field(max_length=128, unique=True, description="sha256 of the token")
     labels: dict[str, str] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     created_at: datetime = _ts()
-    expires_at: datetime = Field(sa_type=DateTime(timezone=True))
-    used_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    expires_at: datetime = Field(sa_type=UTCDateTime)
+    used_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     device_id: str | None = Field(default=None, max_length=64)
 
 
@@ -279,8 +285,8 @@ class Job(SQLModel, table=True):
     attempts: int = Field(default=0, description="how many times a worker started it")
     created_at: datetime = _ts()
     available_at: datetime = _ts()
-    started_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
-    finished_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    started_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    finished_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
 
 
 class WebhookSecret(SQLModel, table=True):
@@ -315,7 +321,7 @@ class WebhookDelivery(SQLModel, table=True):
     attempts: int = 0
     created_at: datetime = _ts()
     available_at: datetime = _ts()
-    finished_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    finished_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
 
 
 class WebhookAttempt(SQLModel, table=True):
@@ -345,7 +351,7 @@ class Price(SQLModel, table=True):
     prompt_per_mtok: Decimal = Field(sa_type=MONEY)
     completion_per_mtok: Decimal = Field(sa_type=MONEY)
     cached_per_mtok: Decimal = Field(sa_type=MONEY)
-    effective_from: datetime = Field(sa_type=DateTime(timezone=True))
+    effective_from: datetime = Field(sa_type=UTCDateTime)
     created_at: datetime = _ts()
 
 
@@ -412,8 +418,8 @@ class Rollout(SQLModel, table=True):
     revision: int = Field(default=1)
     created_at: datetime = _ts()
     updated_at: datetime = _ts()
-    step_started_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
-    finished_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    step_started_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    finished_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     shadow_sample: float = Field(
         default=0.0, description="percent of baseline cloud requests mirrored at step 0 (0: no shadow step)"
     )
@@ -476,8 +482,8 @@ class ConsoleToken(SQLModel, table=True):
     prefix: str = Field(max_length=16, description="first characters of the token, shown to identify it")
     token_hash: str = Field(max_length=128, unique=True, description="sha256 of the token")
     created_at: datetime = _ts()
-    revoked_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
-    last_used_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    revoked_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    last_used_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
 
 
 class Invoice(SQLModel, table=True):
@@ -502,8 +508,8 @@ class Invoice(SQLModel, table=True):
     total: Decimal = Field(default=Decimal(0), sa_type=MONEY)
     lines_hash: str | None = Field(default=None, max_length=64, description="sha256 of the canonical lines")
     created_at: datetime = _ts()
-    finalized_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
-    voided_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    finalized_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    voided_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     void_reason: str | None = Field(default=None, max_length=500)
 
 

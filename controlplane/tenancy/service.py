@@ -124,13 +124,8 @@ def authenticate(session: Session, secret: str) -> tuple[Tenant, ApiKey]:
     now = datetime.now(UTC)
     if key.revoked_at is not None:
         raise AuthenticationError("API key has been revoked")
-    if key.expires_at is not None and aware(key.expires_at) <= now:
+    if key.expires_at is not None and key.expires_at <= now:
         raise AuthenticationError("API key has expired")
     if not tenant.is_active:
         raise AuthenticationError("tenant is disabled")
     return tenant, key
-
-
-def aware(ts: datetime) -> datetime:
-    """SQLite returns naive datetimes; every stored timestamp is UTC."""
-    return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
