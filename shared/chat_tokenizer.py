@@ -64,6 +64,22 @@ class ChatTokenizer:
             ids.insert(0, bos)
         return ids
 
+    def encode_counted(self, text: str, max_ids: int) -> tuple[list[int], int]:
+        """``encode`` for a text of any size, to run in a worker thread: its first ``max_ids`` ids and their count.
+
+        The batch call of ``tokenizers`` releases the GIL while it works (``encode`` holds it), and only the first
+        ids become a Python list (a list of a million ints is built holding the GIL too): the event loop runs on.
+        """
+        (encoding,) = self.tokenizer.encode_batch([text], add_special_tokens=False)
+        count = len(encoding)
+        encoding.truncate(max_ids + 1)
+        ids: list[int] = encoding.ids
+        bos = self.token_id(self.bos_token)
+        if self.add_bos and bos is not None and (not ids or ids[0] != bos):
+            ids.insert(0, bos)
+            count += 1
+        return ids[:max_ids], count
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         text: str = self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
         return text
