@@ -53,7 +53,7 @@ _PARAMETER_TYPES: dict[str, TypeAdapter[Any]] = {
 }
 
 
-MAX_INLINE_PROMPT_BYTES = 16 << 10  # prompts up to this are tokenised on the event loop (a thread hop costs more)
+MAX_INLINE_PROMPT_BYTES = 4 << 10  # prompts up to this are tokenised on the event loop (a thread hop costs more)
 
 
 class PromptTooLargeError(ApplicationError):
@@ -220,7 +220,7 @@ class CompletionService:
             else:
                 prompt_ids = engine.encode_prompt(prompt)
                 num_tokens = len(prompt_ids)
-            if not prompt_ids:
+            if not num_tokens:
                 raise ValidationError("prompt: must not be empty", param="prompt")
             if num_tokens >= limit:
                 raise ValidationError(
