@@ -107,7 +107,7 @@ class IdempotencyStore:
             remaining = (aware(row.claimed_at) + timedelta(seconds=self.lease_s) - now).total_seconds()
             if remaining > 0:
                 raise _in_progress(remaining)
-            taken = session.execute(
+            taken = session.exec(
                 update(IdempotentResponse)
                 .where(
                     col(IdempotentResponse.tenant_id) == tenant_id,
@@ -125,7 +125,7 @@ class IdempotencyStore:
     def complete(self, tenant_id: int, key: str, token: str, response: dict[str, Any]) -> None:
         """Store the answer, unless the claim was taken over meanwhile (the new holder's answer counts)."""
         with Session(self.engine) as session:
-            session.execute(
+            session.exec(
                 update(IdempotentResponse)
                 .where(
                     col(IdempotentResponse.tenant_id) == tenant_id,
@@ -139,7 +139,7 @@ class IdempotencyStore:
     def release(self, tenant_id: int, key: str, token: str) -> None:
         """Drop a failed request's claim so the key can be retried; a claim taken over is not ours to drop."""
         with Session(self.engine) as session:
-            session.execute(
+            session.exec(
                 delete(IdempotentResponse).where(
                     col(IdempotentResponse.tenant_id) == tenant_id,
                     col(IdempotentResponse.key) == key,

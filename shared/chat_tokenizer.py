@@ -80,7 +80,7 @@ class ChatTokenizer:
         return ids
 
     def encode_counted(self, text: str, max_ids: int) -> tuple[list[int], int]:
-        """``encode`` for a text of any size, to run in a worker thread: its ids (none above ``max_ids``), and their number.
+        """``encode`` for a text of any size, in a worker thread: its ids (none above ``max_ids``) and their number.
 
         ``encode`` holds the GIL for the whole text (seconds for megabytes); the batch call of ``tokenizers``
         releases it. A long text goes in pieces cut before a space (where the usual pre-tokenizers split anyway),
