@@ -168,18 +168,18 @@ async def _idempotent(
         return respond(caller, await call())
     store: IdempotencyStore = state.idempotency
     tenant_id = caller.tenant.id or 0
-    stored = await asyncio.to_thread(store.claim, tenant_id, key, request_hash(body()), is_stream)
+    claim = await asyncio.to_thread(store.claim, tenant_id, key, request_hash(body()), is_stream)
     caller.request_id = usage_id(tenant_id, key)
-    if stored is not None:
+    if claim.response is not None:
         replay = {"x-tierline-usage-id": caller.request_id, "x-tierline-idempotent-replay": "true"}
-        return Response(stored, headers=replay)
+        return Response(claim.response, headers=replay)
     try:
         result = await call()
     except BaseException:
-        await asyncio.to_thread(store.release, tenant_id, key)
+        await asyncio.to_thread(store.release, tenant_id, key, claim.token)
         raise
     assert isinstance(result, dict)  # streams are refused by claim()
-    await asyncio.to_thread(store.complete, tenant_id, key, result)
+    await asyncio.to_thread(store.complete, tenant_id, key, claim.token, result)
     return respond(caller, result)
 
 
@@ -290,6 +290,7 @@ def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Li
             alerts=app.state.budget_alerts,
             budget_lease_s=settings.request_timeout_s + settings.budget_lease_margin_s,
             canary=canary,
+            max_prompt_bytes=settings.prompt_byte_limit(),
         )
         # Start-up made ~280k objects (torch, transformers, the app) that live as long as the process; a full
         # collection walked them all in ~125 ms, a stall every few seconds under load (p99 latency 270 → 147 ms
@@ -330,7 +331,7 @@ def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Li
                 "engine": db,
                 "catalog": load_catalog(root),
                 "metrics": observed,
-                "idempotency": IdempotencyStore(db),
+                "idempotency": IdempotencyStore(db, settings.idempotency_lease()),
                 "jwt": verifier,
                 "auth_cache": AuthCache(settings.auth_cache_s),
                 "edge_sync_interval_s": settings.edge_sync_interval_s,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from decimal import Decimal
 from functools import partial
@@ -32,7 +32,13 @@ from controlplane.billing.budgets import reserve as reserve_budget
 from controlplane.billing.budgets import settle as settle_budget
 from controlplane.billing.pricing import Tokens
 from controlplane.storage.tables import ApiKey, Tenant
-from shared.errors import DeadlineExceededError, PermissionDeniedError, ServiceUnavailableError, ValidationError
+from shared.errors import (
+    ApplicationError,
+    DeadlineExceededError,
+    PermissionDeniedError,
+    ServiceUnavailableError,
+    ValidationError,
+)
 from shared.openai_responses import SSE_DONE, chat_logprob, completion_logprobs, sse
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
 
@@ -44,6 +50,15 @@ _PARAMETER_TYPES: dict[str, TypeAdapter[Any]] = {
     for name, hint in get_type_hints(SamplingParams).items()
     if name not in ("n", "speculation")
 }
+
+
+MAX_INLINE_PROMPT_BYTES = 4 << 10  # prompts up to this are tokenised on the event loop (a thread hop costs more)
+
+
+class PromptTooLargeError(ApplicationError):
+    status_code = 413
+    error_type = "invalid_request_error"
+    code = "prompt_too_large"
 
 
 def _check_parameters(parameters: dict[str, Any]) -> None:
@@ -72,6 +87,7 @@ class Caller:
     model_version: str | None = None  # the version that serves the request (x-tierline-model-version)
     rollout_arm: str | None = None  # the rollout arm routing put a registry model's request in
     shadow: tuple[int, ServedLM] | None = None  # (rollout id, candidate) to mirror the answer to, when sampled
+    is_job: bool = False  # an async job's run: counted against requests/min when it was submitted
 
 
 @dataclass(slots=True)
@@ -120,6 +136,7 @@ class CompletionService:
         alerts: BudgetAlerts | None = None,
         budget_lease_s: float | None = None,
         canary: CanaryRouter | None = None,
+        max_prompt_bytes: int = 1 << 20,
     ) -> None:
         self.pool = pool
         self.usage = usage
@@ -130,6 +147,7 @@ class CompletionService:
         self.alerts = alerts
         self.budget_lease_s = budget_lease_s or request_timeout_s + 60.0
         self.canary = canary
+        self.max_prompt_bytes = max_prompt_bytes
 
     async def _admit(
         self,
@@ -139,7 +157,11 @@ class CompletionService:
         params: SamplingParams,
     ) -> tuple[list[str | list[int]], _Meter]:
         """Tokenize, reserve prompt + max_tokens against the rate limits and the budget, and start the meter."""
-        ids = self._checked_prompts(served, prompts, params.max_tokens)
+        size = self._checked_size(p for p in prompts if isinstance(p, str))
+        if size > MAX_INLINE_PROMPT_BYTES:  # seconds of work for a large prompt: off the event loop
+            ids = await asyncio.to_thread(self._checked_prompts, served, prompts, params.max_tokens)
+        else:
+            ids = self._checked_prompts(served, prompts, params.max_tokens)
         caller.model_version = str(served.version) if served.version is not None else None
         reserved = prompt_worst = completion_worst = 0
         for p in ids:
@@ -148,7 +170,7 @@ class CompletionService:
             prompt_worst += len(p) * params.n
             completion_worst += max_new * params.n
         meter = _Meter(rollout_arm=caller.rollout_arm)
-        meter.rate_limit = await self.limiter.acquire(caller.tenant, caller.key, reserved)
+        meter.rate_limit = await self.limiter.acquire(caller.tenant, caller.key, reserved, is_counted=caller.is_job)
         budget = caller.tenant.monthly_budget
         if budget is not None:
             worst_case = Tokens(prompt_worst, completion_worst)
@@ -168,6 +190,17 @@ class CompletionService:
                     raise
         return ids, meter
 
+    def _checked_size(self, texts: Iterable[str]) -> int:
+        """The prompt's size in UTF-8 bytes, refused (413) above ``max_prompt_bytes`` before any tokenising."""
+        size = sum(len(t.encode()) for t in texts)
+        if size > self.max_prompt_bytes:
+            raise PromptTooLargeError(
+                f"prompt: {size} bytes, above the limit of {self.max_prompt_bytes} bytes "
+                "(TIERLINE_CLOUD_MAX_PROMPT_BYTES)",
+                param="prompt",
+            )
+        return size
+
     @staticmethod
     def _checked_prompts(
         served: ServedLM, prompts: list[str | list[int]], max_tokens: int | None
@@ -181,20 +214,24 @@ class CompletionService:
         limit = served.max_model_len
         ids: list[str | list[int]] = []
         for prompt in prompts:
-            prompt_ids = engine.encode_prompt(prompt)
-            if not prompt_ids:
+            if isinstance(prompt, str):  # counted in full, but only ids that can fit the context are listed
+                prompt_ids, num_tokens = engine.tokenizer.encode_counted(prompt, limit)
+            else:
+                prompt_ids = engine.encode_prompt(prompt)
+                num_tokens = len(prompt_ids)
+            if not num_tokens:
                 raise ValidationError("prompt: must not be empty", param="prompt")
-            if len(prompt_ids) >= limit:
+            if num_tokens >= limit:
                 raise ValidationError(
                     f"This model's maximum context length is {limit} tokens. However, your prompt is "
-                    f"{len(prompt_ids)} tokens, leaving no room for a completion.",
+                    f"{num_tokens} tokens, leaving no room for a completion.",
                     param="prompt",
                     code="context_length_exceeded",
                 )
-            if max_tokens is not None and len(prompt_ids) + max_tokens > limit:
+            if max_tokens is not None and num_tokens + max_tokens > limit:
                 raise ValidationError(
                     f"This model's maximum context length is {limit} tokens. However, you requested "
-                    f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, {max_tokens} in the "
+                    f"{num_tokens + max_tokens} tokens ({num_tokens} in the prompt, {max_tokens} in the "
                     "completion). Please reduce the prompt or max_tokens.",
                     param="max_tokens",
                     code="context_length_exceeded",
@@ -389,6 +426,7 @@ class CompletionService:
     # -- chat ---------------------------------------------------------------------------------------------------
     def _chat_prompt(self, served: ServedLM, req: ChatCompletionRequest) -> str:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        self._checked_size(m["content"] for m in messages)  # before the template copies it
         return served.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
     async def chat(self, caller: Caller, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[bytes]:

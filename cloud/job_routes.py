@@ -3,7 +3,8 @@
 - ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/inference`` with ``"async": true`` in the body or
   ``Prefer: respond-async``: 202 with the queued job and ``Location: /v1/jobs/{id}``. Optional
   ``webhook_url`` (http/https): the finished job is POSTed there, signed with the tenant's webhook secret.
-  With an ``Idempotency-Key`` a retried submission answers the same job.
+  With an ``Idempotency-Key`` a retried submission answers the same job. A submission counts against the
+  caller's requests-per-minute limits like a synchronous call (429 with Retry-After over them).
 - ``GET /v1/jobs/{id}``, ``GET /v1/jobs?limit=``, ``GET /v1/jobs/{id}/deliveries``: the caller's tenant only.
 - ``POST /v1/webhook-secret``: a new webhook secret for the tenant, shown once (it replaces the old one).
 """
@@ -22,6 +23,7 @@ from cloud.completions import Caller
 from cloud.engine_pool import split_model
 from cloud.idempotency import MAX_KEY_LENGTH, IdempotencyMismatchError
 from cloud.jobs import INFERENCE, MAX_LIST_LIMIT, JobSettings, JobStore, job_json, new_job_id
+from cloud.limits import RateLimiter
 from cloud.tensor_models import unknown_model
 from cloud.webhooks import WebhookStore, attempt_json, validate_webhook_url
 from controlplane.storage.tables import Job
@@ -93,6 +95,10 @@ async def submit_if_async(
     key = request.headers.get("idempotency-key")
     if key is not None and not 0 < len(key) <= MAX_KEY_LENGTH:
         raise ValidationError(f"Idempotency-Key must be 1 to {MAX_KEY_LENGTH} characters", param="Idempotency-Key")
+    # A job holds tokens and an in-flight slot when it runs; its submission counts against requests/min now, so
+    # queueing is throttled like synchronous calls (a retried submission too: it is a request all the same).
+    limiter: RateLimiter = state.service.limiter
+    await limiter.count_request(caller.tenant, caller.key)
     job = Job(
         id=new_job_id(tenant_id, key),
         tenant_id=tenant_id,

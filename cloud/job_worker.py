@@ -76,7 +76,7 @@ def load_caller(engine: Engine, job: Job) -> Caller:
         if job.api_key_id is not None and (key is None or key.revoked_at is not None):
             raise PermissionDeniedError("the API key that submitted this job was revoked")
         session.expunge_all()
-    return Caller(tenant=tenant, key=key, request_id=job.id)
+    return Caller(tenant=tenant, key=key, request_id=job.id, is_job=True)
 
 
 class JobWorker:

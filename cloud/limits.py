@@ -80,15 +80,40 @@ class RateLimiter:
         suffix = f"/{window}" if window is not None else ""
         return f"{self.prefix}/{what}/{scope.kind}/{scope.ident}{suffix}"
 
-    async def acquire(self, tenant: Tenant, key: ApiKey | None, reserved_tokens: int) -> RateLimitGrant:
-        """Count the request and reserve its tokens, or raise RateLimitError (429 with Retry-After) and undo."""
+    async def count_request(self, tenant: Tenant, key: ApiKey | None) -> None:
+        """Count a request against the requests-per-minute limits only, or raise RateLimitError (429) and undo.
+
+        For an async job's submission: its run holds tokens and an in-flight slot later, uncounted again.
+        """
+        now = time.time()
+        window = int(now // 60)
+        counted: list[str] = []
+        for scope in self._scopes(tenant, key):
+            if scope.requests_per_minute:
+                k = self._key("rpm", scope, window)
+                counted.append(k)
+                if await self.storage.incr(k, 120) > scope.requests_per_minute:
+                    for c in counted:
+                        await self.storage.incr(c, 120, amount=-1)
+                    raise RateLimitError(
+                        f"{scope.kind} request rate limit of {scope.requests_per_minute}/min reached",
+                        retry_after=max(1.0, 60 - now % 60),
+                    )
+
+    async def acquire(
+        self, tenant: Tenant, key: ApiKey | None, reserved_tokens: int, *, is_counted: bool = False
+    ) -> RateLimitGrant:
+        """Count the request and reserve its tokens, or raise RateLimitError (429 with Retry-After) and undo.
+
+        ``is_counted``: the request was counted already (``count_request``); only tokens and slots are taken.
+        """
         now = time.time()
         window = int(now // 60)
         retry_after = max(1.0, 60 - now % 60)
         res = RateLimitGrant(self._scopes(tenant, key), reserved_tokens, window)
         try:
             for scope in res.scopes:
-                if scope.requests_per_minute:
+                if scope.requests_per_minute and not is_counted:
                     k = self._key("rpm", scope, window)
                     if await self.storage.incr(k, 120) > scope.requests_per_minute:
                         await self.storage.incr(k, 120, amount=-1)

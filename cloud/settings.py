@@ -32,6 +32,18 @@ class CloudSettings(BaseSettings):
         "fewer, larger events for less API work under load",
     )
     request_timeout_s: float = Field(300.0, gt=0, description="server-side deadline per request")
+    idempotency_lease_s: float | None = Field(
+        None,
+        gt=0,
+        description="an Idempotency-Key claim left by a crashed process is taken over by a retry after this "
+        "(default: request_timeout_s + 30)",
+    )
+    max_prompt_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="largest prompt (UTF-8 bytes; a chat's messages together) tokenised; above it: 413 "
+        "(default: a quarter of max_body_bytes)",
+    )
     budget_lease_margin_s: float = Field(
         60.0, gt=0, description="a budget reservation's lease outlasts the request deadline by this much"
     )
@@ -63,3 +75,10 @@ class CloudSettings(BaseSettings):
     jwt_tenant_claim: str = Field("tenant", description="claim naming the tenant")
     usage_flush_ms: int = Field(200, ge=10, description="how often usage records are written, in batches")
     edge_sync_interval_s: float = Field(30.0, gt=0, description="how often enrolled agents sync (told at enroll)")
+
+    def idempotency_lease(self) -> float:
+        """How long an Idempotency-Key claim holds: past the request deadline, so a live request keeps its claim."""
+        return self.idempotency_lease_s or self.request_timeout_s + 30.0
+
+    def prompt_byte_limit(self) -> int:
+        return self.max_prompt_bytes or self.max_body_bytes // 4

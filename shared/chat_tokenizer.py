@@ -27,6 +27,21 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+_PIECE_CHARS = 1 << 15
+
+
+def _pieces(text: str, size: int) -> list[str]:
+    """``text`` in pieces of at most ``size`` characters, each cut just before a space where there is one."""
+    pieces, start = [], 0
+    while len(text) - start > size:
+        cut = text.rfind(" ", start + 1, start + size)
+        cut = cut if cut > start else start + size
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:])
+    return pieces
+
+
 class ChatTokenizer:
     """Encode/decode with the ``tokenizers`` library; render chats with the checkpoint's Jinja template
     in a sandbox (templates come with model files and are not trusted)."""
@@ -63,6 +78,29 @@ class ChatTokenizer:
         if self.add_bos and bos is not None and (not ids or ids[0] != bos):
             ids.insert(0, bos)
         return ids
+
+    def encode_counted(self, text: str, max_ids: int) -> tuple[list[int], int]:
+        """``encode`` for a text of any size, in a worker thread: its ids (none above ``max_ids``) and their number.
+
+        ``encode`` holds the GIL for the whole text (seconds for megabytes); the batch call of ``tokenizers``
+        releases it. A long text goes in pieces cut before a space (where the usual pre-tokenizers split anyway),
+        each freed on its own, and its ids are only listed when they fit ``max_ids``: building, truncating or
+        freeing the encoding of a million tokens holds the GIL too, and the event loop with it.
+        """
+        encodings = self.tokenizer.encode_batch(_pieces(text, _PIECE_CHARS), add_special_tokens=False)
+        first: list[int] = encodings[0].ids[:1]
+        count = 0
+        while encodings:
+            count += len(encodings.pop())
+        bos = self.token_id(self.bos_token)
+        needs_bos = self.add_bos and bos is not None and first[:1] != [bos]
+        if count + needs_bos > max_ids:
+            return [], count + needs_bos
+        (encoding,) = self.tokenizer.encode_batch([text], add_special_tokens=False)  # exact, and short
+        ids: list[int] = encoding.ids
+        if needs_bos and bos is not None:
+            ids.insert(0, bos)
+        return ids, len(ids)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         text: str = self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -20,7 +20,7 @@ from litestar.status_codes import HTTP_500_INTERNAL_SERVER_ERROR
 from litestar.types import ExceptionHandlersMap, Receive, Send
 from pydantic import BaseModel
 
-from shared.errors import ApplicationError, RateLimitError
+from shared.errors import ApplicationError
 from shared.openai_responses import SSE_DONE
 
 logger = logging.getLogger(__name__)
@@ -142,7 +142,8 @@ class StreamingOperation(Operation):
 
 
 def application_error_handler(_: Request[Any, Any, Any], exc: ApplicationError) -> Response[dict[str, Any]]:
-    headers = {"Retry-After": str(max(1, round(exc.retry_after)))} if isinstance(exc, RateLimitError) else None
+    retry_after: float | None = getattr(exc, "retry_after", None)  # 429s, and 409s that say when to retry
+    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else None
     return Response(exc.to_openai(), status_code=exc.status_code, headers=headers)
 
 

@@ -24,8 +24,8 @@ from sqlmodel import Session, select
 from sqlmodel.sql.expression import SelectOfScalar
 
 from console.auth import LoginRequiredError, session_user
+from controlplane.storage.audit import audit as audit
 from controlplane.storage.session import session_scope
-from controlplane.storage.tables import AuditLog
 from shared.errors import ApplicationError, ValidationError
 
 logger = logging.getLogger(__name__)
@@ -53,18 +53,6 @@ def write_session(state: State) -> AbstractContextManager[Session]:
 def see_other(path: str) -> Redirect:
     """Post/redirect/get: after a change the browser loads the result page with GET."""
     return Redirect(path, status_code=303)
-
-
-def audit(
-    session: Session,
-    actor: str,
-    action: str,
-    target: str,
-    before: dict[str, Any] | None,
-    after: dict[str, Any] | None,
-) -> None:
-    """One audit_log row for a change made from the console: who, what, before and after (now is when)."""
-    session.add(AuditLog(actor=actor[:128], action=action, target=target[:256], before=before, after=after))
 
 
 def jsonable(value: Any) -> Any:

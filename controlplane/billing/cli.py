@@ -8,12 +8,9 @@ import click
 
 
 def _actor() -> str:
-    import getpass
+    from controlplane.storage.audit import cli_actor
 
-    try:
-        return f"cli:{getpass.getuser()}"
-    except (KeyError, OSError):
-        return "cli"
+    return cli_actor()
 
 
 def _month(_ctx: click.Context, _param: click.Parameter, value: str) -> str:

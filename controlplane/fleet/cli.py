@@ -1,4 +1,4 @@
-"""``tierline devices``: enrollment tokens and the fleet's device records."""
+"""``tierline devices``: enrollment tokens and the fleet's device records. Changes write an audit_log row."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ def enrollment_token(tenant_name: str, labels: tuple[str, ...], ttl_hours: float
     from datetime import timedelta
 
     from controlplane.fleet.devices import create_enrollment_token
+    from controlplane.storage.audit import audit, cli_actor
     from controlplane.storage.session import session_scope
     from controlplane.tenancy.service import get_tenant
 
@@ -40,6 +41,8 @@ def enrollment_token(tenant_name: str, labels: tuple[str, ...], ttl_hours: float
         issued = create_enrollment_token(
             session, get_tenant(session, tenant_name), labels=parsed, ttl=timedelta(hours=ttl_hours)
         )
+        after = {"tenant": tenant_name, "labels": parsed, "ttl_hours": ttl_hours}
+        audit(session, cli_actor(), "enrollment_token.create", f"enrollment_token/{issued.id}", None, after)
         note = f"enrollment token {issued.id} for tenant {tenant_name}, valid {ttl_hours:g} h (shown once):"
         click.echo(note, err=True)
         click.echo(issued.secret)
@@ -70,9 +73,12 @@ def devices_list(tenant_name: str) -> None:
 def devices_revoke(tenant_name: str, device_id: str) -> None:
     """Revoke DEVICE_ID: its credential stops working at once."""
     from controlplane.fleet.devices import revoke_device
+    from controlplane.storage.audit import audit, cli_actor
     from controlplane.storage.session import session_scope
     from controlplane.tenancy.service import get_tenant
 
     with session_scope() as session:
-        revoke_device(session, get_tenant(session, tenant_name), device_id)
+        device = revoke_device(session, get_tenant(session, tenant_name), device_id)
+        after = {"tenant": tenant_name, "status": device.status}
+        audit(session, cli_actor(), "device.revoke", f"device/{device_id}", None, after)
         click.echo(f"revoked device {device_id}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import getpass
 import json
 from pathlib import Path
 from typing import Any
@@ -234,10 +233,9 @@ def rollouts() -> None:
 
 
 def _actor() -> str:
-    try:
-        return f"cli:{getpass.getuser()}"
-    except (KeyError, OSError):  # no passwd entry (containers)
-        return "cli"
+    from controlplane.storage.audit import cli_actor
+
+    return cli_actor()
 
 
 def _labels(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> dict[str, str]:

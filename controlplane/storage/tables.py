@@ -257,6 +257,10 @@ class IdempotentResponse(SQLModel, table=True):
     status: str = Field(default="in_progress", max_length=16, description="in_progress | done")
     response: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
     created_at: datetime = _ts()
+    claimed_at: datetime = _ts()
+    claim_token: str = Field(
+        default="", max_length=32, description="the claim's holder; a claim taken over after its lease cannot write"
+    )
 
 
 class Job(SQLModel, table=True):

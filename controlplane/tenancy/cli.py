@@ -1,4 +1,4 @@
-"""``tierline tenants`` and ``tierline keys``."""
+"""``tierline tenants`` and ``tierline keys``. Each change writes an audit_log row (actor ``cli:<os user>``)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,14 @@ def tenants() -> None:
 @click.option("--budget", default=None, help="monthly budget in the tenant's currency, e.g. 100.00")
 def tenants_create(name: str, budget: str | None) -> None:
     """Create tenant NAME."""
+    from controlplane.storage.audit import audit, cli_actor
     from controlplane.storage.session import session_scope
     from controlplane.tenancy.service import create_tenant, parse_budget
 
     with session_scope() as session:
         tenant = create_tenant(session, name, budget=parse_budget(budget))
+        after = {"name": tenant.name, "monthly_budget": budget, "currency": tenant.currency}
+        audit(session, cli_actor(), "tenant.create", f"tenant/{tenant.name}", None, after)
         click.echo(f"created tenant {tenant.name} (id {tenant.id})")
 
 
@@ -45,11 +48,14 @@ def keys() -> None:
 @click.option("--name", default="", help="a label for the key")
 def keys_create(tenant_name: str, name: str) -> None:
     """Create a key for a tenant and print it once (only its hash is stored)."""
+    from controlplane.storage.audit import audit, cli_actor
     from controlplane.storage.session import session_scope
     from controlplane.tenancy.service import create_api_key, get_tenant
 
     with session_scope() as session:
         issued = create_api_key(session, get_tenant(session, tenant_name), name=name)
+        after = {"tenant": tenant_name, "name": name, "prefix": issued.record.prefix}  # the prefix, never the key
+        audit(session, cli_actor(), "api_key.create", f"api_key/{issued.record.id}", None, after)
         click.echo(f"key id {issued.record.id} for tenant {tenant_name} (shown once):", err=True)
         click.echo(issued.secret)
 
@@ -71,9 +77,12 @@ def keys_list(tenant_name: str) -> None:
 @click.argument("key_id", type=int)
 def keys_revoke(key_id: int) -> None:
     """Revoke key KEY_ID."""
+    from controlplane.storage.audit import audit, cli_actor
     from controlplane.storage.session import session_scope
     from controlplane.tenancy.service import revoke_api_key
 
     with session_scope() as session:
-        revoke_api_key(session, key_id)
+        record = revoke_api_key(session, key_id)
+        after = {"prefix": record.prefix, "revoked_at": record.revoked_at.isoformat() if record.revoked_at else None}
+        audit(session, cli_actor(), "api_key.revoke", f"api_key/{key_id}", None, after)
         click.echo(f"revoked key {key_id}")

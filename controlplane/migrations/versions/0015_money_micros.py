@@ -1,6 +1,6 @@
 """usage records: cost as integer micros (BIGINT), so sums of it are exact on SQLite too
 
-Revision ID: 0013_money_micros
+Revision ID: 0015_money_micros
 Revises: 0012
 Create Date: 2026-12-02
 """
@@ -10,8 +10,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0013_money_micros"
-down_revision: str | None = "0012"
+revision: str = "0015_money_micros"
+down_revision: str | None = "0014_idempotency_lease"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
