@@ -581,7 +581,7 @@ class ConsoleSession(SQLModel, table=True):
     created_at: datetime = _ts()
     expires_at: datetime = _ts(index=True)
     last_seen_at: datetime = _ts()
-    revoked_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    revoked_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     client: str = Field(default="", max_length=64, description="the address it signed in from")
     user_agent: str = Field(default="", max_length=200)
 
