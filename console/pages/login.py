@@ -7,9 +7,10 @@ from typing import Any
 
 import anyio.to_thread
 from litestar import Request, Response, get, post
-from litestar.datastructures import Cookie, State
+from litestar.datastructures import Cookie
 from litestar.response import Redirect, Template
 from sqlalchemy import update
+from sqlalchemy.engine import Engine
 from sqlmodel import Session, col
 
 from console.auth import (
@@ -74,9 +75,8 @@ def _login_page(
 
 
 @get("/login", sync_to_thread=False)
-def login_form(request: Request[Any, Any, Any], state: State, next: str | None = None) -> Template:
+def login_form(request: Request[Any, Any, Any], auth: ConsoleAuth, next: str | None = None) -> Template:
     """The sign-in form; sets a pre-session cookie its CSRF token is bound to."""
-    auth: ConsoleAuth = state.auth
     data = auth.codec.decode(request.cookies.get(SESSION_COOKIE))
     if data is None or data.user_id is not None:
         data = new_session()
@@ -84,9 +84,8 @@ def login_form(request: Request[Any, Any, Any], state: State, next: str | None =
 
 
 @post("/login")
-async def login(request: Request[Any, Any, Any], state: State, data: Form) -> Response[Any]:
+async def login(request: Request[Any, Any, Any], db: Engine, auth: ConsoleAuth, data: Form) -> Response[Any]:
     """Check the password, rate-limited per username and address; a fresh session id on success."""
-    auth: ConsoleAuth = state.auth
     pre = auth.codec.decode(request.cookies.get(SESSION_COOKIE))
     next_path = _safe_next(data.get("next"))
     if pre is None or not auth.codec.is_valid_csrf(pre.sid, data.get(CSRF_FIELD)):
@@ -112,7 +111,7 @@ async def login(request: Request[Any, Any, Any], state: State, data: Form) -> Re
             status_code=429,
             headers={"Retry-After": str(max(1, round(wait)))},
         )
-    user = await anyio.to_thread.run_sync(check_password, state.engine, username, data.get("password", ""))
+    user = await anyio.to_thread.run_sync(check_password, db, username, data.get("password", ""))
     if user is None or user.id is None:
         auth.limiter.fail(key)
         return _login_page(
@@ -125,13 +124,13 @@ async def login(request: Request[Any, Any, Any], state: State, data: Form) -> Re
             status_code=401,
         )
     auth.limiter.reset(key)
-    await anyio.to_thread.run_sync(_stamp_login, state, user.id)
+    await anyio.to_thread.run_sync(_stamp_login, db, user.id)
     session = new_session(user.id, password_fingerprint(user.password_hash))
     return Redirect(next_path, status_code=303, cookies=[_cookie(auth, request, session)])
 
 
-def _stamp_login(state: State, user_id: int) -> None:
-    with Session(state.engine) as session:
+def _stamp_login(db: Engine, user_id: int) -> None:
+    with Session(db) as session:
         session.execute(
             update(ConsoleUser).where(col(ConsoleUser.id) == user_id).values(last_login_at=datetime.now(UTC))
         )
@@ -139,9 +138,8 @@ def _stamp_login(state: State, user_id: int) -> None:
 
 
 @post("/logout", sync_to_thread=False)
-def logout(request: Request[Any, Any, Any], state: State, data: Form) -> Redirect:
+def logout(request: Request[Any, Any, Any], auth: ConsoleAuth, data: Form) -> Redirect:
     """End the session (the cookie is cleared); needs the page's CSRF token, like every change."""
-    auth: ConsoleAuth = state.auth
     current = auth.codec.decode(request.cookies.get(SESSION_COOKIE))
     if current is not None and not auth.codec.is_valid_csrf(current.sid, data.get(CSRF_FIELD)):
         raise PermissionDeniedError("missing or invalid CSRF token; reload the page and try again", code="csrf")
