@@ -77,9 +77,7 @@ def invoice_void(request: Request[Any, Any, Any], db: Engine, invoice_id: int, d
 
 
 @post("/billing/invoices/{invoice_id:int}/credit-notes", sync_to_thread=True)
-def credit_note_issue(
-    request: Request[Any, Any, Any], db: Engine, invoice_id: int, data: Form
-) -> Template | Redirect:
+def credit_note_issue(request: Request[Any, Any, Any], db: Engine, invoice_id: int, data: Form) -> Template | Redirect:
     """Credit part of a finalized invoice's total (at most what is left of it), with a reason."""
     try:
         with write_session(db) as session:

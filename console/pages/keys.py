@@ -78,9 +78,7 @@ def key_create(request: Request[Any, Any, Any], db: Engine, data: Form) -> Templ
         if isinstance(exc, NotFoundError):
             exc.param = "tenant"
         return _keys_page(request, db, status_code=400, form=data, errors=errors_of(exc))
-    return _keys_page(
-        request, db, tenant=tenant, status_code=201, new_key=issued.secret, new_key_record=issued.record
-    )
+    return _keys_page(request, db, tenant=tenant, status_code=201, new_key=issued.secret, new_key_record=issued.record)
 
 
 @get("/keys/{key_id:int}/revoke", sync_to_thread=True)

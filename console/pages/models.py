@@ -30,9 +30,7 @@ from shared.errors import ApplicationError, NotFoundError, ValidationError
 
 
 @get("/models", sync_to_thread=True)
-def models_list(
-    request: Request[Any, Any, Any], db: Engine, q: str = "", page: int = 1, upload: str = ""
-) -> Template:
+def models_list(request: Request[Any, Any, Any], db: Engine, q: str = "", page: int = 1, upload: str = "") -> Template:
     """Models by name with their number of versions and their aliases; ``upload``: open the upload form for it."""
     return list_page(request, db, q.strip()[:128], page, upload_form={"name": upload[:128]} if upload else {})
 

@@ -15,8 +15,8 @@ import httpx
 import pytest
 from sqlmodel import Session
 
-from console.passwords import create_user
 from console.management_api import create_token
+from console.passwords import create_user
 from controlplane.billing.ledger import NewUsage, ingest_usage
 from controlplane.storage.database import create_db
 from controlplane.tenancy.service import create_api_key, create_tenant

@@ -13,9 +13,9 @@ import pytest
 from sqlalchemy import func
 from sqlmodel import Session, col, select
 
+from console.management_api import create_token
 from console.pages import PAGES_ROUTER
 from console.pages.rollouts import ACTIONS
-from console.management_api import create_token
 from controlplane.storage.session import session_scope
 from controlplane.storage.tables import AuditLog, ConsoleUser, Tenant
 from tests.conftest import DB_BACKENDS

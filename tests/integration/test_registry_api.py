@@ -19,8 +19,8 @@ import pytest
 from moto.server import ThreadedMotoServer
 from sqlmodel import Session, col, select
 
-from console.passwords import create_user
 from console.management_api import create_token
+from console.passwords import create_user
 from controlplane.registry.store import S3ArtifactStore
 from controlplane.storage.database import create_db
 from controlplane.storage.tables import AuditLog, ModelArtifact

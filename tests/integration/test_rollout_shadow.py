@@ -18,8 +18,8 @@ from safetensors.torch import load_file, save_file
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from console.passwords import create_user
 from console.management_api import create_token
+from console.passwords import create_user
 from controlplane.registry import service as registry
 from controlplane.registry.artifacts import push_path
 from controlplane.registry.store import LocalArtifactStore

@@ -25,8 +25,8 @@ from click.testing import CliRunner
 from sqlmodel import Session, col, select
 
 from cloud.edge_releases import publish_command
-from console.passwords import create_user
 from console.management_api import create_token
+from console.passwords import create_user
 from controlplane.fleet.devices import create_enrollment_token
 from controlplane.rollouts.assignment import arm, cloud_subject
 from controlplane.rollouts.service import (
