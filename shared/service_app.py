@@ -8,7 +8,7 @@ context manager and never written during a request. Handlers ask for a field by 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, TypeVar
 
@@ -55,7 +55,6 @@ def create_service_app(
     state_type: type[Any],
     middleware: Sequence[Middleware] = (),
     exception_handlers: ExceptionHandlersMap | None = None,
-    dependencies: Mapping[str, Provide] | None = None,
     **options: Any,
 ) -> Litestar:
     """A Litestar app with what every tierline service has.
@@ -80,7 +79,7 @@ def create_service_app(
     return Litestar(
         logging_config=None,
         route_handlers=[healthz, *route_handlers],
-        dependencies={**state_dependencies(state_type), **(dependencies or {})},
+        dependencies=state_dependencies(state_type),
         exception_handlers={**EXCEPTION_HANDLERS, **(exception_handlers or {})},
         middleware=[request_id_middleware, *middleware],
         lifespan=[lifespan],
