@@ -34,7 +34,7 @@ from sqlmodel import Session, select
 from bench.common import emit
 from controlplane.billing.ledger import NewUsage, ingest_usage, load_prices
 from controlplane.billing.pricing import Tokens, cost, price_for
-from controlplane.storage.database import make_engine
+from controlplane.storage.database import create_db
 from controlplane.storage.migrate import upgrade
 from controlplane.storage.tables import Price, Tenant, UsageRecord
 
@@ -180,7 +180,7 @@ def _measure(engine: Engine, batches: list[list[NewUsage]], naive_batches: int) 
 def _postgres(url: str) -> Iterator[str]:
     """A fresh schema on ``url`` for the run, dropped afterwards."""
     schema = f"bench_{uuid.uuid4().hex[:10]}"
-    admin = make_engine(url)
+    admin = create_db(url)
     try:
         with admin.begin() as conn:
             conn.execute(text(f'CREATE SCHEMA "{schema}"'))
@@ -199,7 +199,7 @@ def _postgres_url() -> str | None:
 def _postgres_answers(url: str) -> str | None:
     """None when PostgreSQL at ``url`` answers, else why not (one line)."""
     try:
-        engine = make_engine(url)
+        engine = create_db(url)
         with engine.connect() as conn:
             conn.execute(text("SELECT 1"))
         engine.dispose()
@@ -210,7 +210,7 @@ def _postgres_answers(url: str) -> str | None:
 
 def _run_one(url: str, batches: list[list[NewUsage]], naive_batches: int) -> dict[str, Any]:
     upgrade(url)
-    engine = make_engine(url)
+    engine = create_db(url)
     try:
         return _measure(engine, batches, naive_batches)
     finally:

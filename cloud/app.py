@@ -10,12 +10,12 @@ import asyncio
 import gc
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from litestar import Litestar, Request, Response, Router, get, post
-from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig, ResponseSpec
 from litestar.openapi.spec import Components, SecurityScheme
@@ -27,10 +27,11 @@ from cloud.budget_watch import BudgetAlerts, ReservationSweeper
 from cloud.canary import CanaryRouter
 from cloud.completions import Caller, CompletionService
 from cloud.edge_gateway import ROUTES as EDGE_ROUTES
+from cloud.edge_gateway import EdgeGateway
 from cloud.edge_releases import ARTIFACT_ROUTES, RELEASES_DIR, ReleaseStore
 from cloud.engine_pool import EnginePool
 from cloud.idempotency import IdempotencyStore, request_hash, usage_id
-from cloud.job_routes import JOB_ROUTES, submit_if_async
+from cloud.job_routes import JOB_ROUTES, JobIntake
 from cloud.job_worker import running_jobs
 from cloud.jobs import CHAT, COMPLETIONS, INFERENCE, JobSettings, JobStore
 from cloud.jwt_auth import JwtVerifier, looks_like_jwt
@@ -47,29 +48,49 @@ from cloud.webhooks import WebhookStore
 from controlplane.billing.budgets import PriceBook
 from controlplane.registry.store import store_from_settings
 from controlplane.storage.migrate import is_up_to_date
-from controlplane.storage.session import get_engine
+from controlplane.storage.session import get_db
 from controlplane.storage.tables import ApiKey, Tenant
 from controlplane.tenancy.service import KEY_PREFIX, authenticate, hash_api_key
 from shared.errors import AuthenticationError, PermissionDeniedError, ServiceUnavailableError
-from shared.http import EXCEPTION_HANDLERS, StreamingOperation, error_responses, healthz
-from shared.logs import request_id_middleware, server_request_id
+from shared.http import StreamingOperation, error_responses
+from shared.logs import server_request_id
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
+from shared.service_app import create_service_app
 from shared.settings import CoreSettings
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CloudState:
+    """What the API's handlers use, built once at start-up; each field is a dependency of the same name."""
+
+    db: Engine
+    completions: CompletionService
+    pool: EnginePool
+    tensors: TensorPool
+    catalog: list[ServedModel]
+    metrics: Metrics
+    idempotency: IdempotencyStore
+    jwt: JwtVerifier | None
+    auth_cache: AuthCache
+    jobs: JobStore
+    job_intake: JobIntake
+    webhooks: WebhookStore
+    job_settings: JobSettings
+    releases: ReleaseStore
+    edge: EdgeGateway
 
 
 def _model_json(m: ServedModel) -> dict[str, Any]:
     return {"id": m.id, "object": "model", "created": m.created, "owned_by": "tierline"}
 
 
-def _catalog(state: State) -> list[ServedModel]:
+def _catalog(catalog: list[ServedModel], pool: EnginePool) -> list[ServedModel]:
     """The zoo's models, then the registry models served by name."""
-    pool: EnginePool | None = state.get("pool")
-    return [*state.catalog, *(registry_catalog(pool.registry) if pool is not None else [])]
+    return [*catalog, *registry_catalog(pool.registry)]
 
 
-def _lookup(state: State, secret: str) -> tuple[Tenant, ApiKey | None]:
-    verifier: JwtVerifier | None = state.get("jwt")
-    with Session(state.engine) as session:
+def _lookup(db: Engine, verifier: JwtVerifier | None, secret: str) -> tuple[Tenant, ApiKey | None]:
+    with Session(db) as session:
         if verifier is not None and looks_like_jwt(secret):
             name = verifier.tenant_name(secret)
             tenant = session.exec(select(Tenant).where(Tenant.name == name)).first()
@@ -82,22 +103,23 @@ def _lookup(state: State, secret: str) -> tuple[Tenant, ApiKey | None]:
     return tenant, key
 
 
-async def require_caller(request: Request[Any, Any, Any], state: State) -> Caller:
+async def require_caller(
+    request: Request[Any, Any, Any], db: Engine, auth_cache: AuthCache, jwt: JwtVerifier | None
+) -> Caller:
     header = request.headers.get("authorization", "")
     scheme, _, secret = header.partition(" ")
     if scheme.lower() != "bearer" or not secret.strip():
         raise AuthenticationError("missing bearer API key (Authorization: Bearer tl-...)")
     secret = secret.strip()
-    cache: AuthCache = state.auth_cache
     digest = hash_api_key(secret) if secret.startswith(KEY_PREFIX) else None
-    hit = cache.get(digest) if digest is not None else None
+    hit = auth_cache.get(digest) if digest is not None else None
     key: ApiKey | None
     if hit is not None:
         tenant, key = hit
     elif digest is not None:
-        tenant, key = await cache.load(digest, partial(asyncio.to_thread, _lookup, state, secret))
+        tenant, key = await auth_cache.load(digest, partial(asyncio.to_thread, _lookup, db, jwt, secret))
     else:
-        tenant, key = await asyncio.to_thread(_lookup, state, secret)
+        tenant, key = await asyncio.to_thread(_lookup, db, jwt, secret)
     subject = request.headers.get("x-tierline-subject")
     return Caller(tenant=tenant, key=key, request_id=server_request_id(), subject=subject[:256] if subject else None)
 
@@ -115,17 +137,14 @@ INFERENCE_RESPONSES = {
 
 
 @get("/readyz", sync_to_thread=True, include_in_schema=False)
-def readyz(state: State) -> dict[str, Any]:
+def readyz(db: Engine, pool: EnginePool) -> dict[str, Any]:
     """Readiness: the database answers and is migrated, and the engines are loaded."""
     try:
-        ok = is_up_to_date(state.engine)
+        ok = is_up_to_date(db)
     except Exception as exc:
         raise ServiceUnavailableError(f"database unavailable: {type(exc).__name__}") from None
     if not ok:
         raise ServiceUnavailableError("database schema is behind; run `tierline db upgrade`")
-    pool: EnginePool | None = state.get("pool")
-    if pool is None:
-        raise ServiceUnavailableError("models are still loading")
     dead = sorted(model_id for model_id, served in pool.engines.items() if not served.engine.alive)
     if dead:
         raise ServiceUnavailableError(f"engine not running: {', '.join(dead)}")
@@ -133,14 +152,14 @@ def readyz(state: State) -> dict[str, Any]:
 
 
 @get("/metrics", sync_to_thread=False, include_in_schema=False)
-def metrics(state: State) -> Response[bytes]:
+def render_metrics(metrics: Metrics) -> Response[bytes]:
     """Prometheus exposition."""
-    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 @get("/v1/models", dependencies=CALLER, sync_to_thread=False, security=BEARER, responses=error_responses(401))
-def list_models(state: State, caller: Caller) -> dict[str, Any]:
-    return {"object": "list", "data": [_model_json(m) for m in _catalog(state)]}
+def list_models(catalog: list[ServedModel], pool: EnginePool, caller: Caller) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_json(m) for m in _catalog(catalog, pool)]}
 
 
 @get(
@@ -150,13 +169,13 @@ def list_models(state: State, caller: Caller) -> dict[str, Any]:
     security=BEARER,
     responses=error_responses(400, 401, 404),
 )
-def get_model(state: State, caller: Caller, model_id: str) -> dict[str, Any]:
-    return _model_json(find(_catalog(state), model_id.lstrip("/")))
+def get_model(catalog: list[ServedModel], pool: EnginePool, caller: Caller, model_id: str) -> dict[str, Any]:
+    return _model_json(find(_catalog(catalog, pool), model_id.lstrip("/")))
 
 
 async def _idempotent(
     request: Request[Any, Any, Any],
-    state: State,
+    store: IdempotencyStore,
     caller: Caller,
     body: Callable[[], dict[str, Any]],
     is_stream: bool,
@@ -166,7 +185,6 @@ async def _idempotent(
     key = request.headers.get("idempotency-key")
     if key is None:
         return respond(caller, await call())
-    store: IdempotencyStore = state.idempotency
     tenant_id = caller.tenant.id or 0
     claim = await asyncio.to_thread(store.claim, tenant_id, key, request_hash(body()), is_stream)
     caller.request_id = usage_id(tenant_id, key)
@@ -192,13 +210,19 @@ async def _idempotent(
     operation_class=StreamingOperation,
 )
 async def chat_completions(
-    request: Request[Any, Any, Any], state: State, caller: Caller, data: ChatCompletionRequest
+    request: Request[Any, Any, Any],
+    completions: CompletionService,
+    idempotency: IdempotencyStore,
+    job_intake: JobIntake,
+    caller: Caller,
+    data: ChatCompletionRequest,
 ) -> Response[Any]:
     """OpenAI chat completions, with ``stream: true`` as server-sent events (``"async": true``: a job, 202)."""
     body = partial(data.model_dump, mode="json", exclude_unset=True)  # dumped only for a job or an idempotent call
-    if (job := await submit_if_async(request, state, caller, CHAT, data.model, body, data.stream)) is not None:
+    if (job := await job_intake.submit_if_async(request, caller, CHAT, data.model, body, data.stream)) is not None:
         return job
-    return await _idempotent(request, state, caller, body, data.stream, partial(state.service.chat, caller, data))
+    call = partial(completions.chat, caller, data)
+    return await _idempotent(request, idempotency, caller, body, data.stream, call)
 
 
 @post(
@@ -210,41 +234,53 @@ async def chat_completions(
     operation_class=StreamingOperation,
 )
 async def completions(
-    request: Request[Any, Any, Any], state: State, caller: Caller, data: CompletionRequest
+    request: Request[Any, Any, Any],
+    completions: CompletionService,
+    idempotency: IdempotencyStore,
+    job_intake: JobIntake,
+    caller: Caller,
+    data: CompletionRequest,
 ) -> Response[Any]:
     """OpenAI (legacy) completions, with ``stream: true`` as server-sent events (``"async": true``: a job, 202)."""
     body = partial(data.model_dump, mode="json", exclude_unset=True)  # dumped only for a job or an idempotent call
-    if (job := await submit_if_async(request, state, caller, COMPLETIONS, data.model, body, data.stream)) is not None:
+    job = await job_intake.submit_if_async(request, caller, COMPLETIONS, data.model, body, data.stream)
+    if job is not None:
         return job
-    call = partial(state.service.completions, caller, data)
-    return await _idempotent(request, state, caller, body, data.stream, call)
+    call = partial(completions.completions, caller, data)
+    return await _idempotent(request, idempotency, caller, body, data.stream, call)
 
 
 @post("/v1/inference", dependencies=CALLER, status_code=200, security=BEARER, responses=INFERENCE_RESPONSES)
 async def inference(
-    request: Request[Any, Any, Any], state: State, caller: Caller, data: InferenceRequest
+    request: Request[Any, Any, Any],
+    completions: CompletionService,
+    tensors: TensorPool,
+    pool: EnginePool,
+    job_intake: JobIntake,
+    caller: Caller,
+    data: InferenceRequest,
 ) -> Response[Any]:
     """Generic inference: prompts for an LLM, rows of numbers for a tensor model (concurrent calls batch)."""
     body = partial(data.model_dump, mode="json", exclude_unset=True)  # dumped only for a job or an idempotent call
-    if (job := await submit_if_async(request, state, caller, INFERENCE, data.model_id, body, False)) is not None:
+    if (job := await job_intake.submit_if_async(request, caller, INFERENCE, data.model_id, body, False)) is not None:
         return job
-    tensor = state.tensors.get(data.model_id)
+    tensor = tensors.get(data.model_id)
     if tensor is not None:
         allowed = caller.key.allowed_models if caller.key is not None else None
         if allowed and data.model_id not in allowed:
             raise PermissionDeniedError(f"this API key may not use model '{data.model_id}'", param="model_id")
-        result = {"model_id": data.model_id, **(await state.tensors.infer(tensor, data.inputs))}
+        result = {"model_id": data.model_id, **(await tensors.infer(tensor, data.inputs))}
         return Response(result, headers={"x-tierline-tier": "cloud"})
-    if data.model_id not in state.pool.engines:
+    if data.model_id not in pool.engines:
         raise unknown_model(data.model_id)
-    return respond(caller, await state.service.inference(caller, data))
+    return respond(caller, await completions.inference(caller, data))
 
 
-def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Litestar:
+def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litestar:
     core = CoreSettings()
     settings = CloudSettings()
     root = zoo_root or core.zoo_dir / settings.zoo_preset
-    db = engine or get_engine()
+    db = db or get_db()
     observed = Metrics()
     verifier = (
         JwtVerifier.from_files(
@@ -257,22 +293,26 @@ def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Li
         if settings.jwt_issuer
         else None
     )
+    catalog = load_catalog(root)
+    idempotency = IdempotencyStore(db, settings.idempotency_lease())
+    auth_cache = AuthCache(settings.auth_cache_s)
+    releases = ReleaseStore(core.data_dir / RELEASES_DIR)
+    jobs = JobStore(db)
+    webhooks = WebhookStore(db)
+    budget_alerts = BudgetAlerts(db)
+    job_settings = JobSettings()
 
     @asynccontextmanager
-    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+    async def start() -> AsyncIterator[CloudState]:
         usage = UsageWriter(db, settings.usage_flush_ms / 1000)
         await usage.start()
         pool = EnginePool.from_zoo(root, settings)
         tensors = TensorPool.from_zoo(root, settings.num_threads)
         await tensors.start()
-        app.state.tensors = tensors
         observed.watch(pool)
-        app.state.pool = pool
-        app.state.usage = usage
         limiter = RateLimiter(settings, core.redis_url)
         prices = PriceBook(db)
-        await prices.start()
-        app.state.prices = prices  # the edge gateway rates synced usage with the same book
+        await prices.start()  # the edge gateway rates synced usage with the same book
         sweeper = ReservationSweeper(db, settings.budget_sweep_interval_s)
         await sweeper.start()
         canary = CanaryRouter(db, settings.canary_refresh_s)
@@ -280,14 +320,14 @@ def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Li
             registry = RegistryModels(db, pool, settings, store_from_settings(), core.data_dir / CACHE_DIR)
             canary.listeners.append(registry.sync)
         await canary.start()
-        app.state.service = CompletionService(
+        completions = CompletionService(
             pool,
             usage,
             limiter,
             settings.request_timeout_s,
             observed,
             prices=prices,
-            alerts=app.state.budget_alerts,
+            alerts=budget_alerts,
             budget_lease_s=settings.request_timeout_s + settings.budget_lease_margin_s,
             canary=canary,
             max_prompt_bytes=settings.prompt_byte_limit(),
@@ -298,9 +338,25 @@ def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Li
         gc.collect()
         gc.freeze()
         try:
-            async with running_jobs(app.state, app.state.service, tensors, usage) as worker:
-                app.state.budget_alerts.notify = worker.dispatcher.notify
-                yield
+            async with running_jobs(jobs, webhooks, job_settings, db, completions, tensors, usage) as worker:
+                budget_alerts.notify = worker.dispatcher.notify
+                yield CloudState(
+                    db=db,
+                    completions=completions,
+                    pool=pool,
+                    tensors=tensors,
+                    catalog=catalog,
+                    metrics=observed,
+                    idempotency=idempotency,
+                    jwt=verifier,
+                    auth_cache=auth_cache,
+                    jobs=jobs,
+                    job_intake=JobIntake(jobs, worker, webhooks, job_settings, pool, tensors, limiter),
+                    webhooks=webhooks,
+                    job_settings=job_settings,
+                    releases=releases,
+                    edge=EdgeGateway(db, prices, releases, budget_alerts, settings.edge_sync_interval_s),
+                )
         finally:
             await canary.close()
             await sweeper.close()
@@ -310,12 +366,10 @@ def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Li
             await usage.close()
             await limiter.close()
 
-    return Litestar(
-        logging_config=None,  # the process's logging (shared.logs) stays as configured: text or JSON
+    return create_service_app(
         route_handlers=[
-            healthz,
             readyz,
-            metrics,
+            render_metrics,
             list_models,
             get_model,
             chat_completions,
@@ -325,25 +379,10 @@ def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Li
             *EDGE_ROUTES,
             *ARTIFACT_ROUTES,
         ],
-        exception_handlers=EXCEPTION_HANDLERS,
-        state=State(
-            {
-                "engine": db,
-                "catalog": load_catalog(root),
-                "metrics": observed,
-                "idempotency": IdempotencyStore(db, settings.idempotency_lease()),
-                "jwt": verifier,
-                "auth_cache": AuthCache(settings.auth_cache_s),
-                "edge_sync_interval_s": settings.edge_sync_interval_s,
-                "releases": ReleaseStore(core.data_dir / RELEASES_DIR),
-                "jobs": JobStore(db),
-                "webhooks": WebhookStore(db),
-                "budget_alerts": BudgetAlerts(db),
-                "job_settings": JobSettings(),
-            }
-        ),
-        middleware=[request_id_middleware, observed.middleware],
-        lifespan=[lifespan],
+        start=start,
+        state_type=CloudState,
+        middleware=[observed.middleware],
+        signature_namespace={"CompletionService": CompletionService},  # named only for type checking there
         request_max_body_size=settings.max_body_bytes,
         openapi_config=OpenAPIConfig(
             title="tierline cloud API",

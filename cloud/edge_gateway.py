@@ -16,20 +16,22 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from litestar import Request, Response, post
-from litestar.datastructures import State
 from litestar.di import Provide
 from pydantic import ValidationError as PydanticValidationError
+from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
 
 from cloud.budget_watch import BudgetAlerts
 from cloud.responses import respond
+from cloud.tensor_models import TensorPool
 from controlplane.billing.budgets import PriceBook, remaining
 from controlplane.billing.pricing import period_of
 from controlplane.fleet.devices import authenticate_device, enroll, ingest
@@ -49,6 +51,9 @@ from shared.http import StreamingOperation, error_responses
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
 from shared.settings import CoreSettings
 
+if TYPE_CHECKING:  # the app names it for Litestar (signature_namespace): importing it loads the engine (torch)
+    from cloud.completions import CompletionService
+
 logger = logging.getLogger(__name__)
 DEVICE_BEARER: list[dict[str, list[str]]] = [{"DeviceAuth": []}]
 
@@ -63,11 +68,11 @@ class DeviceCaller:
     tenant: Tenant
 
 
-def require_device(request: Request[Any, Any, Any], state: State) -> DeviceCaller:
+def require_device(request: Request[Any, Any, Any], db: Engine) -> DeviceCaller:
     scheme, _, secret = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not secret.strip():
         raise AuthenticationError("missing device credential (Authorization: Bearer tld-...)")
-    with Session(state.engine) as session:
+    with Session(db) as session:
         device, tenant = authenticate_device(session, secret.strip())
         session.expunge_all()
     return DeviceCaller(device, tenant)
@@ -81,90 +86,92 @@ def signing_public_keys() -> list[str]:
     return [public_pem(load_public_key(path)).decode()] if path.is_file() else []
 
 
-@post("/v1/edge/enroll", status_code=200, sync_to_thread=True, responses=error_responses(400, 401, 413))
-def enroll_device(state: State, data: EnrollRequest) -> EnrollResponse:
-    """Exchange a one-time enrollment token for a device credential and the artifact-signing keys."""
-    with Session(state.engine) as session:
-        device, tenant, secret = enroll(
-            session,
-            data.token,
-            name=data.name,
-            labels=data.labels,
-            agent_version=data.agent_version,
-            runtime=data.runtime,
+@dataclass(frozen=True, slots=True)
+class EdgeGateway:
+    """Enrollment and sync: a device's records stored and rated, its desired versions and allowance answered."""
+
+    db: Engine
+    prices: PriceBook
+    releases: DesiredState
+    alerts: BudgetAlerts
+    sync_interval_s: float
+
+    def enroll(self, data: EnrollRequest) -> EnrollResponse:
+        with Session(self.db) as session:
+            device, tenant, secret = enroll(
+                session,
+                data.token,
+                name=data.name,
+                labels=data.labels,
+                agent_version=data.agent_version,
+                runtime=data.runtime,
+            )
+            session.commit()
+            device_id, tenant_name = device.id, tenant.name
+        return EnrollResponse(
+            device_id=device_id,
+            device_token=secret,
+            tenant=tenant_name,
+            signing_public_keys=signing_public_keys(),
+            sync_interval_s=self.sync_interval_s,
         )
-        session.commit()
-        device_id, tenant_name = device.id, tenant.name
-    return EnrollResponse(
-        device_id=device_id,
-        device_token=secret,
-        tenant=tenant_name,
-        signing_public_keys=signing_public_keys(),
-        sync_interval_s=state.edge_sync_interval_s,
-    )
 
-
-def _prices(state: State) -> PriceBook:
-    prices: PriceBook | None = state.get("prices")
-    if prices is None:
-        prices = state.prices = PriceBook(state.engine)
-    return prices
-
-
-def _allowance(state: State, tenant_id: int) -> tuple[Allowance | None, list[BudgetAlert]]:
-    """The tenant's remaining allowance now, and the budget alerts the synced spend fired."""
-    period = period_of(datetime.now(UTC))
-    with Session(state.engine) as session:
-        tenant = session.get(Tenant, tenant_id)
-        if tenant is None:
-            return None, []
-        if tenant.monthly_budget is None:
-            return Allowance(remaining=None, currency=tenant.currency, period=period), []
-        budget = tenant.monthly_budget
-        left = remaining(session, tenant_id, budget)
-        row = session.get(BudgetPeriod, (tenant_id, period))
-        spent = row.spent if row is not None else Decimal(0)
-        allowance = Allowance(remaining=left, currency=tenant.currency, period=period)
-    alerts: BudgetAlerts | None = state.get("budget_alerts")
-    fired: list[BudgetAlert] = []
-    try:
-        fired = alerts.check(tenant_id, period, spent, budget) if alerts is not None else []
-    except Exception:  # the synced records are stored: an alert that failed is retried at the next sync
-        logger.exception("recording budget alerts for tenant %s failed", tenant_id)
-    return allowance, fired
-
-
-def _sync(state: State, caller: DeviceCaller, data: SyncRequest) -> tuple[SyncResponse, list[BudgetAlert]]:
-    for attempt in (1, 2):
+    def _allowance(self, tenant_id: int) -> tuple[Allowance | None, list[BudgetAlert]]:
+        """The tenant's remaining allowance now, and the budget alerts the synced spend fired."""
+        period = period_of(datetime.now(UTC))
+        with Session(self.db) as session:
+            tenant = session.get(Tenant, tenant_id)
+            if tenant is None:
+                return None, []
+            if tenant.monthly_budget is None:
+                return Allowance(remaining=None, currency=tenant.currency, period=period), []
+            budget = tenant.monthly_budget
+            left = remaining(session, tenant_id, budget)
+            row = session.get(BudgetPeriod, (tenant_id, period))
+            spent = row.spent if row is not None else Decimal(0)
+            allowance = Allowance(remaining=left, currency=tenant.currency, period=period)
+        fired: list[BudgetAlert] = []
         try:
-            with Session(state.engine) as session:
-                accepted, duplicates = ingest(session, caller.device, data.usage, data.events, _prices(state))
-                device = session.get(Device, caller.device.id)
-                assert device is not None
-                device.last_seen_at = datetime.now(UTC)
-                device.agent_version = data.agent_version or device.agent_version
-                device.runtime = data.runtime or device.runtime
-                device.versions = data.models
-                device.metrics = data.metrics
-                session.add(device)
-                session.commit()
-                break
-        except IntegrityError:
-            # A concurrent retry of the same batch stored some ids first; the second pass skips them.
-            if attempt == 2:
-                raise
-    releases: DesiredState | None = state.get("releases")
-    desired = releases.desired(caller.device) if releases is not None else []
-    allowance, fired = _allowance(state, caller.device.tenant_id)
-    answer = SyncResponse(
-        accepted=accepted,
-        duplicates=duplicates,
-        desired=desired,
-        config={"sync_interval_s": state.edge_sync_interval_s},
-        server_time=time.time(),
-        allowance=allowance,
-    )
-    return answer, fired
+            fired = self.alerts.check(tenant_id, period, spent, budget)
+        except Exception:  # the synced records are stored: an alert that failed is retried at the next sync
+            logger.exception("recording budget alerts for tenant %s failed", tenant_id)
+        return allowance, fired
+
+    def sync(self, caller: DeviceCaller, data: SyncRequest) -> tuple[SyncResponse, list[BudgetAlert]]:
+        for attempt in (1, 2):
+            try:
+                with Session(self.db) as session:
+                    accepted, duplicates = ingest(session, caller.device, data.usage, data.events, self.prices)
+                    device = session.get(Device, caller.device.id)
+                    assert device is not None
+                    device.last_seen_at = datetime.now(UTC)
+                    device.agent_version = data.agent_version or device.agent_version
+                    device.runtime = data.runtime or device.runtime
+                    device.versions = data.models
+                    device.metrics = data.metrics
+                    session.add(device)
+                    session.commit()
+                    break
+            except IntegrityError:
+                # A concurrent retry of the same batch stored some ids first; the second pass skips them.
+                if attempt == 2:
+                    raise
+        allowance, fired = self._allowance(caller.device.tenant_id)
+        answer = SyncResponse(
+            accepted=accepted,
+            duplicates=duplicates,
+            desired=self.releases.desired(caller.device),
+            config={"sync_interval_s": self.sync_interval_s},
+            server_time=time.time(),
+            allowance=allowance,
+        )
+        return answer, fired
+
+
+@post("/v1/edge/enroll", status_code=200, sync_to_thread=True, responses=error_responses(400, 401, 413))
+def enroll_device(edge: EdgeGateway, data: EnrollRequest) -> EnrollResponse:
+    """Exchange a one-time enrollment token for a device credential and the artifact-signing keys."""
+    return edge.enroll(data)
 
 
 @post(
@@ -174,13 +181,12 @@ def _sync(state: State, caller: DeviceCaller, data: SyncRequest) -> tuple[SyncRe
     security=DEVICE_BEARER,
     responses=error_responses(400, 401, 413),
 )
-async def sync(state: State, device: DeviceCaller, data: SyncRequest) -> SyncResponse:
+async def sync(edge: EdgeGateway, device: DeviceCaller, data: SyncRequest) -> SyncResponse:
     """Heartbeat and outbox batch up (idempotent by record id); the device's desired state and its tenant's
     remaining allowance down."""
-    answer, fired = await asyncio.to_thread(_sync, state, device, data)
-    alerts: BudgetAlerts | None = state.get("budget_alerts")
-    if fired and alerts is not None and alerts.notify is not None:
-        alerts.notify()
+    answer, fired = await asyncio.to_thread(edge.sync, device, data)
+    if fired and edge.alerts.notify is not None:
+        edge.alerts.notify()
     return answer
 
 
@@ -192,7 +198,9 @@ async def sync(state: State, device: DeviceCaller, data: SyncRequest) -> SyncRes
     responses=error_responses(400, 401, 403, 404, 413, 429),
     operation_class=StreamingOperation,
 )
-async def escalate(state: State, device: DeviceCaller, data: EscalateRequest) -> Response[Any]:
+async def escalate(
+    tensors: TensorPool, completions: CompletionService, device: DeviceCaller, data: EscalateRequest
+) -> Response[Any]:
     """A request the device chose not to answer locally, served by the cloud and billed to its tenant."""
     from cloud.completions import Caller  # imports the engine (torch); the rest of this module does not
 
@@ -207,18 +215,19 @@ async def escalate(state: State, device: DeviceCaller, data: EscalateRequest) ->
         device_id=device.device.id,
         escalation_reason=data.reason,
     )
+    result: dict[str, Any] | AsyncIterator[bytes]
     try:
         if data.endpoint == "inference":
             inference = InferenceRequest.model_validate(data.body)
-            tensor = state.tensors.get(inference.model_id)
+            tensor = tensors.get(inference.model_id)
             if tensor is not None:
-                result = {"model_id": inference.model_id, **(await state.tensors.infer(tensor, inference.inputs))}
+                result = {"model_id": inference.model_id, **(await tensors.infer(tensor, inference.inputs))}
             else:
-                result = await state.service.inference(caller, inference)
+                result = await completions.inference(caller, inference)
         elif data.endpoint == "chat.completions":
-            result = await state.service.chat(caller, ChatCompletionRequest.model_validate(data.body))
+            result = await completions.chat(caller, ChatCompletionRequest.model_validate(data.body))
         else:
-            result = await state.service.completions(caller, CompletionRequest.model_validate(data.body))
+            result = await completions.completions(caller, CompletionRequest.model_validate(data.body))
     except PydanticValidationError as exc:
         err = exc.errors()[0]
         loc = ".".join(str(p) for p in err["loc"])

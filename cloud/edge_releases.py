@@ -44,7 +44,6 @@ from typing import Annotated, Any
 import click
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from litestar import Response, get
-from litestar.datastructures import State
 from litestar.openapi.spec import OpenAPIFormat, OpenAPIMediaType, OpenAPIResponse, OpenAPIType, Operation, Schema
 from litestar.params import HeaderParameter
 from litestar.response import Stream
@@ -53,7 +52,7 @@ from sqlmodel import Session
 
 from cloud.edge_gateway import DEVICE, DEVICE_BEARER, DeviceCaller
 from controlplane.rollouts.service import FINAL, edge_version, load_plans, plans_for
-from controlplane.storage.session import get_engine
+from controlplane.storage.session import get_db
 from controlplane.storage.tables import Device
 from shared.artifacts import (
     FileEntry,
@@ -221,7 +220,7 @@ class ReleaseStore:
             published[(release.name, release.version)] = release
         if not newest:
             return []
-        with Session(self._engine or get_engine()) as session:
+        with Session(self._engine or get_db()) as session:
             plans = load_plans(session, "edge")
         chosen: list[Release] = []
         for name, release in sorted(newest.items()):
@@ -380,7 +379,7 @@ class _ArtifactOperation(Operation):
     operation_class=_ArtifactOperation,
 )
 async def download_artifact(
-    state: State,
+    releases: ReleaseStore,
     device: DeviceCaller,
     name: str,
     version: str,
@@ -389,9 +388,8 @@ async def download_artifact(
     if_range: Annotated[str | None, HeaderParameter(name="if-range", description="the partial copy's ETag")] = None,
 ) -> Response[Any]:
     """A published artifact's manifest or one of its files, for enrolled devices; files support ``Range: bytes=``."""
-    store: ReleaseStore = state.releases
     path = path.lstrip("/")
-    served = await asyncio.to_thread(store.locate, name, version, path)
+    served = await asyncio.to_thread(releases.locate, name, version, path)
     if path == MANIFEST_FILE:
         range_header = None  # a small JSON document, always sent whole: a byte range of it would not be JSON
     return range_response(served, range_header, if_range)

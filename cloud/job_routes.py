@@ -13,18 +13,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from litestar import Request, Response, get, post
-from litestar.datastructures import State
 from litestar.params import Parameter
 
 from cloud.completions import Caller
-from cloud.engine_pool import split_model
+from cloud.engine_pool import EnginePool, split_model
 from cloud.idempotency import MAX_KEY_LENGTH, IdempotencyMismatchError
+from cloud.job_worker import JobWorker
 from cloud.jobs import INFERENCE, MAX_LIST_LIMIT, JobSettings, JobStore, job_json, new_job_id
 from cloud.limits import RateLimiter
-from cloud.tensor_models import unknown_model
+from cloud.tensor_models import TensorPool, unknown_model
 from cloud.webhooks import WebhookStore, attempt_json, validate_webhook_url
 from controlplane.storage.tables import Job
 from shared.errors import PermissionDeniedError, ValidationError
@@ -39,113 +40,118 @@ def _prefers_async(request: Request[Any, Any, Any]) -> bool:
     return any(p.split(";")[0].strip().lower() == ASYNC_PREFERENCE for p in prefs.split(","))
 
 
-def _check_model(state: State, caller: Caller, endpoint: str, model: str) -> None:
-    """Refuse now what the job would fail on at once: an unknown model, or one the key may not use."""
-    if endpoint == INFERENCE:
-        if state.tensors.get(model) is None and model not in state.pool.engines:
-            raise unknown_model(model)
-    else:
-        state.pool.get(model)
-    allowed = caller.key.allowed_models if caller.key is not None else None
-    if allowed and model not in allowed and split_model(model)[0] not in allowed:  # a key for NAME may use NAME@REF
-        param = "model_id" if endpoint == INFERENCE else "model"
-        raise PermissionDeniedError(f"this API key may not use model '{model}'", param=param)
+@dataclass(frozen=True, slots=True)
+class JobIntake:
+    """Queues the inference requests a client asked to run asynchronously."""
 
+    store: JobStore
+    worker: JobWorker
+    webhooks: WebhookStore
+    settings: JobSettings
+    pool: EnginePool
+    tensors: TensorPool
+    limiter: RateLimiter
 
-async def submit_if_async(
-    request: Request[Any, Any, Any],
-    state: State,
-    caller: Caller,
-    endpoint: str,
-    model: str,
-    body: Callable[[], dict[str, Any]],
-    is_stream: bool,
-) -> Response[Any] | None:
-    """Queue the request as a job when the client asked for async (202); None for a synchronous request.
+    def _check_model(self, caller: Caller, endpoint: str, model: str) -> None:
+        """Refuse now what the job would fail on at once: an unknown model, or one the key may not use."""
+        if endpoint == INFERENCE:
+            if self.tensors.get(model) is None and model not in self.pool.engines:
+                raise unknown_model(model)
+        else:
+            self.pool.get(model)
+        allowed = caller.key.allowed_models if caller.key is not None else None
+        if allowed and model not in allowed and split_model(model)[0] not in allowed:  # a key for NAME may use NAME@REF
+            param = "model_id" if endpoint == INFERENCE else "model"
+            raise PermissionDeniedError(f"this API key may not use model '{model}'", param=param)
 
-    ``async`` and ``webhook_url`` are read from the raw body: the request schemas ignore fields they do not
-    know, so ``body()`` (the validated request, dumped only for a job) is stored without them.
-    """
-    raw = await request.json()
-    fields = raw if isinstance(raw, dict) else {}
-    flag, webhook_url = fields.get("async"), fields.get("webhook_url")
-    if flag is not None and not isinstance(flag, bool):
-        raise ValidationError("async: must be true or false", param="async")
-    prefers_async = _prefers_async(request)
-    if not (flag or prefers_async):
+    async def submit_if_async(
+        self,
+        request: Request[Any, Any, Any],
+        caller: Caller,
+        endpoint: str,
+        model: str,
+        body: Callable[[], dict[str, Any]],
+        is_stream: bool,
+    ) -> Response[Any] | None:
+        """Queue the request as a job when the client asked for async (202); None for a synchronous request.
+
+        ``async`` and ``webhook_url`` are read from the raw body: the request schemas ignore fields they do not
+        know, so ``body()`` (the validated request, dumped only for a job) is stored without them.
+        """
+        raw = await request.json()
+        fields = raw if isinstance(raw, dict) else {}
+        flag, webhook_url = fields.get("async"), fields.get("webhook_url")
+        if flag is not None and not isinstance(flag, bool):
+            raise ValidationError("async: must be true or false", param="async")
+        prefers_async = _prefers_async(request)
+        if not (flag or prefers_async):
+            if webhook_url is not None:
+                raise ValidationError(
+                    'webhook_url: needs an async request ("async": true or Prefer: respond-async)', param="webhook_url"
+                )
+            return None
+        if is_stream:
+            raise ValidationError(
+                "stream: an async request cannot stream; poll the job or use webhook_url", param="stream"
+            )
+        tenant_id = caller.tenant.id or 0
         if webhook_url is not None:
-            raise ValidationError(
-                'webhook_url: needs an async request ("async": true or Prefer: respond-async)', param="webhook_url"
-            )
-        return None
-    if is_stream:
-        raise ValidationError("stream: an async request cannot stream; poll the job or use webhook_url", param="stream")
-    tenant_id = caller.tenant.id or 0
-    settings: JobSettings = state.job_settings
-    if webhook_url is not None:
-        webhook_url = validate_webhook_url(webhook_url, allow_private=settings.webhook_allow_private_networks)
-        webhooks: WebhookStore = state.webhooks
-        if not await asyncio.to_thread(webhooks.has_secret, tenant_id):
-            raise ValidationError(
-                "webhook_url: the tenant has no webhook secret yet; create one with POST /v1/webhook-secret",
-                param="webhook_url",
-            )
-    _check_model(state, caller, endpoint, model)
-    validated = body()
-    key = request.headers.get("idempotency-key")
-    if key is not None and not 0 < len(key) <= MAX_KEY_LENGTH:
-        raise ValidationError(f"Idempotency-Key must be 1 to {MAX_KEY_LENGTH} characters", param="Idempotency-Key")
-    # A job holds tokens and an in-flight slot when it runs; its submission counts against requests/min now, so
-    # queueing is throttled like synchronous calls (a retried submission too: it is a request all the same).
-    limiter: RateLimiter = state.service.limiter
-    await limiter.count_request(caller.tenant, caller.key)
-    job = Job(
-        id=new_job_id(tenant_id, key),
-        tenant_id=tenant_id,
-        api_key_id=caller.key.id if caller.key is not None else None,
-        endpoint=endpoint,
-        model=model,
-        request=validated,
-        webhook_url=webhook_url,
-    )
-    store: JobStore = state.jobs
-    stored, is_new = await asyncio.to_thread(store.create, job)
-    headers = {"Location": f"/v1/jobs/{stored.id}", "x-tierline-usage-id": stored.id}
-    if prefers_async:
-        headers["Preference-Applied"] = ASYNC_PREFERENCE
-    if is_new:
-        state.job_worker.notify()
-    else:
-        if (stored.endpoint, stored.request, stored.webhook_url) != (endpoint, validated, webhook_url):
-            raise IdempotencyMismatchError(
-                "this Idempotency-Key was used with a different request body", param="Idempotency-Key"
-            )
-        headers["x-tierline-idempotent-replay"] = "true"
-    return Response(job_json(stored), status_code=202, headers=headers)
+            webhook_url = validate_webhook_url(webhook_url, allow_private=self.settings.webhook_allow_private_networks)
+            if not await asyncio.to_thread(self.webhooks.has_secret, tenant_id):
+                raise ValidationError(
+                    "webhook_url: the tenant has no webhook secret yet; create one with POST /v1/webhook-secret",
+                    param="webhook_url",
+                )
+        self._check_model(caller, endpoint, model)
+        validated = body()
+        key = request.headers.get("idempotency-key")
+        if key is not None and not 0 < len(key) <= MAX_KEY_LENGTH:
+            raise ValidationError(f"Idempotency-Key must be 1 to {MAX_KEY_LENGTH} characters", param="Idempotency-Key")
+        # A job holds tokens and an in-flight slot when it runs; its submission counts against requests/min now, so
+        # queueing is throttled like synchronous calls (a retried submission too: it is a request all the same).
+        await self.limiter.count_request(caller.tenant, caller.key)
+        job = Job(
+            id=new_job_id(tenant_id, key),
+            tenant_id=tenant_id,
+            api_key_id=caller.key.id if caller.key is not None else None,
+            endpoint=endpoint,
+            model=model,
+            request=validated,
+            webhook_url=webhook_url,
+        )
+        stored, is_new = await asyncio.to_thread(self.store.create, job)
+        headers = {"Location": f"/v1/jobs/{stored.id}", "x-tierline-usage-id": stored.id}
+        if prefers_async:
+            headers["Preference-Applied"] = ASYNC_PREFERENCE
+        if is_new:
+            self.worker.notify()
+        else:
+            if (stored.endpoint, stored.request, stored.webhook_url) != (endpoint, validated, webhook_url):
+                raise IdempotencyMismatchError(
+                    "this Idempotency-Key was used with a different request body", param="Idempotency-Key"
+                )
+            headers["x-tierline-idempotent-replay"] = "true"
+        return Response(job_json(stored), status_code=202, headers=headers)
 
 
 @get("/v1/jobs", sync_to_thread=True, responses=error_responses(400, 401))
 def list_jobs(
-    state: State, caller: Caller, limit: int = Parameter(default=20, ge=1, le=MAX_LIST_LIMIT)
+    jobs: JobStore, caller: Caller, limit: int = Parameter(default=20, ge=1, le=MAX_LIST_LIMIT)
 ) -> dict[str, Any]:
     """The caller's tenant's most recent jobs, newest first."""
-    store: JobStore = state.jobs
-    return {"object": "list", "data": [job_json(j) for j in store.recent(caller.tenant.id or 0, limit)]}
+    return {"object": "list", "data": [job_json(j) for j in jobs.recent(caller.tenant.id or 0, limit)]}
 
 
 @get("/v1/jobs/{job_id:str}", sync_to_thread=True, responses=error_responses(400, 401, 404))
-def get_job(state: State, caller: Caller, job_id: str) -> dict[str, Any]:
+def get_job(jobs: JobStore, caller: Caller, job_id: str) -> dict[str, Any]:
     """One job: its status, and its result (the synchronous call's JSON) or its error (OpenAI shape)."""
-    store: JobStore = state.jobs
-    return job_json(store.get(caller.tenant.id or 0, job_id))
+    return job_json(jobs.get(caller.tenant.id or 0, job_id))
 
 
 @get("/v1/jobs/{job_id:str}/deliveries", sync_to_thread=True, responses=error_responses(400, 401, 404))
-def list_deliveries(state: State, caller: Caller, job_id: str) -> dict[str, Any]:
+def list_deliveries(jobs: JobStore, webhooks: WebhookStore, caller: Caller, job_id: str) -> dict[str, Any]:
     """The job's webhook delivery and every attempt at it."""
-    store: JobStore = state.jobs
-    job = store.get(caller.tenant.id or 0, job_id)
-    webhooks: WebhookStore = state.webhooks
+    job = jobs.get(caller.tenant.id or 0, job_id)
     delivery, attempts = webhooks.for_job(job.id)
     return {
         "object": "list",
@@ -165,9 +171,8 @@ def list_deliveries(state: State, caller: Caller, job_id: str) -> dict[str, Any]
 
 
 @post("/v1/webhook-secret", status_code=201, sync_to_thread=True, responses=error_responses(401))
-def rotate_webhook_secret(state: State, caller: Caller) -> dict[str, Any]:
+def rotate_webhook_secret(webhooks: WebhookStore, caller: Caller) -> dict[str, Any]:
     """A new webhook secret, returned only here; webhooks are signed with it from now on."""
-    webhooks: WebhookStore = state.webhooks
     row = webhooks.rotate_secret(caller.tenant.id or 0)
     return {"object": "webhook_secret", "secret": row.secret, "created_at": int(row.created_at.timestamp())}
 

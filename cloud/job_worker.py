@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from litestar.datastructures import State
 from pydantic import ValidationError as PydanticValidationError
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
@@ -26,7 +25,7 @@ from cloud.jobs import CHAT, COMPLETIONS, INFERENCE, JobSettings, JobStore
 from cloud.metering import UsageWriter
 from cloud.tensor_models import TensorPool, unknown_model
 from cloud.webhook_dispatcher import WebhookDispatcher
-from cloud.webhooks import new_delivery_id
+from cloud.webhooks import WebhookStore, new_delivery_id
 from controlplane.storage.tables import ApiKey, Job, Tenant, UsageRecord
 from shared.errors import ApplicationError, PermissionDeniedError, RateLimitError, ValidationError
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
@@ -219,15 +218,19 @@ class JobWorker:
 
 @asynccontextmanager
 async def running_jobs(
-    state: State, service: CompletionService, tensors: TensorPool, usage: UsageWriter
+    jobs: JobStore,
+    webhooks: WebhookStore,
+    settings: JobSettings,
+    db: Engine,
+    service: CompletionService,
+    tensors: TensorPool,
+    usage: UsageWriter,
 ) -> AsyncIterator[JobWorker]:
-    """The job workers and the webhook dispatcher, for the life of the app (``state.job_worker``)."""
-    settings: JobSettings = state.job_settings
-    dispatcher = WebhookDispatcher(state.webhooks, settings)
-    worker = JobWorker(state.jobs, JobExecutor(service, tensors), state.engine, usage, dispatcher, settings)
+    """The job workers and the webhook dispatcher, for the life of the app."""
+    dispatcher = WebhookDispatcher(webhooks, settings)
+    worker = JobWorker(jobs, JobExecutor(service, tensors), db, usage, dispatcher, settings)
     await dispatcher.start()
     await worker.start()
-    state.job_worker = worker
     try:
         yield worker
     finally:

@@ -13,9 +13,9 @@ from decimal import Decimal
 from typing import Any
 
 from litestar import get, put
-from litestar.datastructures import State
 from litestar.params import Parameter
 from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from cloud.completions import Caller
@@ -33,8 +33,7 @@ class WebhookEndpoint(BaseModel):
     url: str | None = Field(max_length=MAX_URL_LENGTH, description="http(s) URL; null: send no tenant events")
 
 
-def _endpoint_json(state: State, tenant_id: int) -> dict[str, Any]:
-    webhooks: WebhookStore = state.webhooks
+def _endpoint_json(webhooks: WebhookStore, tenant_id: int) -> dict[str, Any]:
     return {
         "object": "webhook",
         "url": webhooks.tenant_url(tenant_id),
@@ -44,32 +43,31 @@ def _endpoint_json(state: State, tenant_id: int) -> dict[str, Any]:
 
 
 @get("/v1/webhook", sync_to_thread=True, responses=error_responses(401))
-def get_webhook(state: State, caller: Caller) -> dict[str, Any]:
+def get_webhook(webhooks: WebhookStore, caller: Caller) -> dict[str, Any]:
     """The tenant's webhook URL for tenant events, and whether a signing secret is set."""
-    return _endpoint_json(state, caller.tenant.id or 0)
+    return _endpoint_json(webhooks, caller.tenant.id or 0)
 
 
 @put("/v1/webhook", sync_to_thread=True, responses=error_responses(400, 401, 413))
-def set_webhook(state: State, caller: Caller, data: WebhookEndpoint) -> dict[str, Any]:
+def set_webhook(
+    webhooks: WebhookStore, job_settings: JobSettings, caller: Caller, data: WebhookEndpoint
+) -> dict[str, Any]:
     """Set (or, with ``null``, clear) the tenant's webhook URL. Events are only sent once a secret exists."""
-    settings: JobSettings = state.job_settings
     url = data.url
     if url is not None:
-        url = validate_webhook_url(url, allow_private=settings.webhook_allow_private_networks)
-    webhooks: WebhookStore = state.webhooks
+        url = validate_webhook_url(url, allow_private=job_settings.webhook_allow_private_networks)
     webhooks.set_tenant_url(caller.tenant.id or 0, url)
-    return _endpoint_json(state, caller.tenant.id or 0)
+    return _endpoint_json(webhooks, caller.tenant.id or 0)
 
 
 @get("/v1/webhook-deliveries", sync_to_thread=True, responses=error_responses(400, 401))
 def list_event_deliveries(
-    state: State,
+    webhooks: WebhookStore,
     caller: Caller,
     event: str | None = Parameter(default=None, max_length=32, description="only this event type"),
     limit: int = Parameter(default=20, ge=1, le=MAX_LIST_LIMIT),
 ) -> dict[str, Any]:
     """The tenant's latest event deliveries (jobs' are under ``/v1/jobs/{id}/deliveries``), newest first."""
-    webhooks: WebhookStore = state.webhooks
     return {
         "object": "list",
         "data": [
@@ -90,11 +88,11 @@ def list_event_deliveries(
 
 
 @get("/v1/budget", sync_to_thread=True, responses=error_responses(401))
-def get_budget(state: State, caller: Caller) -> dict[str, Any]:
+def get_budget(db: Engine, caller: Caller) -> dict[str, Any]:
     """This month's budget for the caller's tenant: spend, reservations, what remains, and the alerts fired."""
     tenant_id = caller.tenant.id or 0
     period = period_of(datetime.now(UTC))
-    with Session(state.engine) as session:
+    with Session(db) as session:
         tenant = session.get(Tenant, tenant_id)
         budget = tenant.monthly_budget if tenant is not None else None
         row = session.get(BudgetPeriod, (tenant_id, period))

@@ -1,10 +1,13 @@
 """The web console (Litestar + Jinja + HTMX) and the management API under ``/api``.
 
-Pages (``console.pages``) sign in with a session cookie; ``/api`` takes console API tokens (``console.rollouts_api``).
+Pages (``console.pages``) sign in with a session cookie; ``/api`` takes console API tokens
+(``console.management_api``).
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
@@ -12,7 +15,6 @@ from typing import Any
 
 from jinja2 import Environment, FileSystemLoader
 from litestar import Litestar, Request, Response
-from litestar.datastructures import State
 from litestar.exceptions import HTTPException
 from litestar.plugins.jinja import JinjaTemplateEngine
 from litestar.static_files import create_static_files_router
@@ -21,14 +23,17 @@ from sqlalchemy.engine import Engine
 
 from console.auth import ConsoleAuth, ConsoleAuthSettings, security_headers
 from console.billing_api import BILLING_ROUTER
+from console.management_api import OPENAPI_CONFIG
 from console.pages import LOGIN_ROUTER, PAGES_ROUTER
 from console.pages.common import http_error_page
 from console.registry_api import REGISTRY_ROUTER, derive_jobs
 from console.rollout_controller import rollout_controller
-from console.rollouts_api import API_ROUTER, OPENAPI_CONFIG
-from controlplane.storage.session import get_engine
-from shared.http import EXCEPTION_HANDLERS, healthz, http_error_handler
-from shared.logs import request_id_middleware
+from console.rollouts_api import ROLLOUTS_ROUTER
+from console.state import ConsoleState
+from controlplane.registry.store import store_from_settings
+from controlplane.storage.session import get_db
+from shared.http import http_error_handler
+from shared.service_app import create_service_app
 from shared.settings import SecretSettings
 
 HERE = Path(__file__).resolve().parent
@@ -85,28 +90,30 @@ def routing_error(request: Request[Any, Any, Any], exc: HTTPException) -> Respon
     return http_error_page(request, exc)
 
 
-def create_app(engine: Engine | None = None, auth_settings: ConsoleAuthSettings | None = None) -> Litestar:
+def create_app(db: Engine | None = None, auth_settings: ConsoleAuthSettings | None = None) -> Litestar:
     secret = SecretSettings()  # refuses a placeholder secret outside dev mode
-    return Litestar(
-        logging_config=None,  # the process's logging (shared.logs) stays as configured: text or JSON
+    db = db or get_db()
+    auth = ConsoleAuth.from_settings(secret.secret_key.get_secret_value(), auth_settings)
+
+    @asynccontextmanager
+    async def start() -> AsyncIterator[ConsoleState]:
+        artifacts = store_from_settings()  # one per process, shared by the API and the pages
+        async with rollout_controller(db), derive_jobs(db, artifacts) as derive_runner:
+            yield ConsoleState(db=db, auth=auth, artifacts=artifacts, derive_runner=derive_runner)
+
+    return create_service_app(
         route_handlers=[
-            healthz,
             LOGIN_ROUTER,
             PAGES_ROUTER,
-            API_ROUTER,
+            ROLLOUTS_ROUTER,
             REGISTRY_ROUTER,
             BILLING_ROUTER,
             create_static_files_router("/static", directories=[STATIC], include_in_schema=False),
         ],
-        exception_handlers={**EXCEPTION_HANDLERS, HTTPException: routing_error},
-        lifespan=[rollout_controller, derive_jobs],
-        middleware=[security_headers, request_id_middleware],
+        start=start,
+        state_type=ConsoleState,
+        exception_handlers={HTTPException: routing_error},
+        middleware=[security_headers],
         openapi_config=OPENAPI_CONFIG,
         template_config=TemplateConfig(engine=JinjaTemplateEngine.from_environment(template_engine())),
-        state=State(
-            {
-                "engine": engine or get_engine(),
-                "auth": ConsoleAuth.from_settings(secret.secret_key.get_secret_value(), auth_settings),
-            }
-        ),
     )

@@ -30,11 +30,13 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
+from console.state import ConsoleState
 from controlplane.accounts import sessions
 from controlplane.accounts.login_throttle import LoginThrottle, login_throttle
 from controlplane.accounts.users import verify_password
 from controlplane.storage.tables import ConsoleUser
 from shared.errors import PermissionDeniedError
+from shared.service_app import typed_state
 from shared.settings import CoreSettings
 
 SESSION_COOKIE = "tierline_console"
@@ -157,7 +159,7 @@ def new_session(user_id: int | None = None, fingerprint: str = "") -> SessionDat
 
 @dataclass(slots=True)
 class ConsoleAuth:
-    """What the console's sign-in needs at run time; kept in ``app.state.auth``."""
+    """What the console's sign-in needs at run time (``ConsoleState.auth``)."""
 
     codec: SessionCodec
     throttle: LoginThrottle
@@ -210,11 +212,12 @@ async def _submitted_csrf(connection: ASGIConnection[Any, Any, Any, Any]) -> str
 
 async def require_console_user(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
     """Guard of every console page: a valid session; on a change, a valid CSRF token and the admin role."""
-    auth: ConsoleAuth = connection.app.state.auth
+    console = typed_state(connection.app.state, ConsoleState)
+    auth = console.auth
     data = auth.codec.decode(connection.cookies.get(SESSION_COOKIE))
     if data is None:
         raise LoginRequiredError
-    user = await anyio.to_thread.run_sync(_load_user, connection.app.state.engine, data)
+    user = await anyio.to_thread.run_sync(_load_user, console.db, data)
     if user is None or user.id is None:
         raise LoginRequiredError
     connection.scope["user"] = SessionUser(user.id, user.username, user.role, auth.codec.csrf_token(data.sid))

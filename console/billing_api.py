@@ -13,14 +13,13 @@ from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 from typing import Annotated, Any, Literal
 
-from litestar import Request, Response, Router, get, post
-from litestar.datastructures import State
-from litestar.di import Provide
+from litestar import Request, Response, get, post
 from litestar.params import Parameter, QueryParameter
 from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from console.rollouts_api import Operator, authenticate_token, require_operator
+from console.management_api import Operator, authenticate_token, management_router
 from controlplane.billing import invoicing as billing
 from controlplane.billing import ledger
 from controlplane.billing.invoices import round_line, to_csv
@@ -93,17 +92,17 @@ def _summary(invoice: Invoice) -> dict[str, Any]:
 
 
 @get("/prices", sync_to_thread=True)
-def list_prices(state: State, operator: Operator, model: str | None = None) -> dict[str, Any]:
+def list_prices(db: Engine, operator: Operator, model: str | None = None) -> dict[str, Any]:
     """The price book, by model, newest first (``?model=`` filters)."""
-    with Session(state.engine) as session:
+    with Session(db) as session:
         return {"object": "list", "data": [billing.price_json(p) for p in billing.list_prices(session, model)]}
 
 
 @post("/prices", status_code=201, sync_to_thread=True)
-def create_price(state: State, operator: Operator, data: PriceCreate) -> dict[str, Any]:
+def create_price(db: Engine, operator: Operator, data: PriceCreate) -> dict[str, Any]:
     """Add a price from ``effective_from`` on (history is kept: past usage keeps the price it was rated with)."""
     operator.require_admin()
-    with session_scope(state.engine) as session:
+    with session_scope(db) as session:
         row = billing.add_price(session, billing.PriceSpec(**data.model_dump()), actor=operator.actor)
         return billing.price_json(row)
 
@@ -112,54 +111,54 @@ def create_price(state: State, operator: Operator, data: PriceCreate) -> dict[st
 
 
 @get("/tenants/{tenant:str}/invoices", sync_to_thread=True)
-def list_invoices(state: State, operator: Operator, tenant: str) -> dict[str, Any]:
+def list_invoices(db: Engine, operator: Operator, tenant: str) -> dict[str, Any]:
     """A tenant's stored invoices (finalized and void), newest month first."""
-    with Session(state.engine) as session:
+    with Session(db) as session:
         row = billing.resolve_tenant(session, tenant)
         return {"object": "list", "data": [_summary(i) for i in billing.list_invoices(session, row)]}
 
 
 @get("/tenants/{tenant:str}/invoices/{month:str}", sync_to_thread=True)
-def month_invoice(state: State, operator: Operator, tenant: str, month: str, fmt: Format = None) -> Response[Any]:
+def month_invoice(db: Engine, operator: Operator, tenant: str, month: str, fmt: Format = None) -> Response[Any]:
     """A month's invoice: the finalized one, or else the live draft (what finalizing now would bill)."""
-    with Session(state.engine) as session:
+    with Session(db) as session:
         row = billing.resolve_tenant(session, tenant)
         return _render(billing.month_invoice(session, row, billing.month(month)), fmt)
 
 
 @post("/tenants/{tenant:str}/invoices", status_code=201, sync_to_thread=True)
-def finalize_invoice(state: State, operator: Operator, tenant: str, data: InvoiceCreate) -> dict[str, Any]:
+def finalize_invoice(db: Engine, operator: Operator, tenant: str, data: InvoiceCreate) -> dict[str, Any]:
     """Finalize a month that has ended: lock the amounts, hash the lines, number it, bill its records once."""
     operator.require_admin()
-    with session_scope(state.engine) as session:
+    with session_scope(db) as session:
         row = billing.resolve_tenant(session, tenant)
         invoice = billing.finalize(session, row, billing.month(data.month), actor=operator.actor)
         return billing.invoice_json(session, invoice)
 
 
 @get("/invoices/{number:str}", sync_to_thread=True)
-def get_invoice(state: State, operator: Operator, number: str, fmt: Format = None) -> Response[Any]:
+def get_invoice(db: Engine, operator: Operator, number: str, fmt: Format = None) -> Response[Any]:
     """One stored invoice with its lines and credit notes; ``?format=csv`` (or ``/invoices/NUMBER.csv``) as CSV."""
     if number.endswith(".csv"):
         number, fmt = number.removesuffix(".csv"), "csv"
-    with Session(state.engine) as session:
+    with Session(db) as session:
         return _render(billing.invoice_json(session, billing.get_invoice(session, number)), fmt)
 
 
 @post("/invoices/{number:str}/void", status_code=200, sync_to_thread=True)
-def void_invoice(state: State, operator: Operator, number: str, data: VoidRequest) -> dict[str, Any]:
+def void_invoice(db: Engine, operator: Operator, number: str, data: VoidRequest) -> dict[str, Any]:
     """Void a finalized invoice; its records are billed again by the next invoice finalized for them."""
     operator.require_admin()
-    with session_scope(state.engine) as session:
+    with session_scope(db) as session:
         invoice = billing.void(session, number, reason=data.reason, actor=operator.actor)
         return billing.invoice_json(session, invoice)
 
 
 @post("/invoices/{number:str}/credit-notes", status_code=201, sync_to_thread=True)
-def create_credit_note(state: State, operator: Operator, number: str, data: CreditNoteCreate) -> dict[str, Any]:
+def create_credit_note(db: Engine, operator: Operator, number: str, data: CreditNoteCreate) -> dict[str, Any]:
     """Issue a credit note against a finalized invoice: at most what is left of its total."""
     operator.require_admin()
-    with session_scope(state.engine) as session:
+    with session_scope(db) as session:
         note = billing.credit(session, number, data.amount, reason=data.reason, actor=operator.actor)
         return billing.credit_note_json(note)
 
@@ -196,7 +195,7 @@ def _caller_tenant(request: Request[Any, Any, Any], session: Session) -> Tenant 
 @get("/tenants/{tenant:str}/usage", sync_to_thread=True)
 def tenant_usage(
     request: Request[Any, Any, Any],
-    state: State,
+    db: Engine,
     tenant: str,
     start: Annotated[
         str | None, QueryParameter(name="from", description="date or ISO time; default: month start")
@@ -216,7 +215,7 @@ def tenant_usage(
     until = _moment(end, "to", now)
     if until <= since:
         raise ValidationError("to: must be after from", param="to")
-    with Session(state.engine) as session:
+    with Session(db) as session:
         caller = _caller_tenant(request, session)
         try:
             row = billing.resolve_tenant(session, tenant)
@@ -227,9 +226,8 @@ def tenant_usage(
         return {"object": "usage", "tenant": row.name, **ledger.usage_totals(session, row.id or 0, since, until, dims)}
 
 
-BILLING_ROUTER = Router(
-    "/api",
-    route_handlers=[
+BILLING_ROUTER = management_router(
+    [
         list_prices,
         create_price,
         list_invoices,
@@ -240,7 +238,5 @@ BILLING_ROUTER = Router(
         create_credit_note,
         tenant_usage,
     ],
-    dependencies={"operator": Provide(require_operator, sync_to_thread=True)},
-    security=[{"ConsoleToken": []}],
-    tags=["billing"],
+    "billing",
 )

@@ -76,7 +76,7 @@ def create_admin(username: str, role: str, password_stdin: bool, if_missing: boo
 @click.option("--name", default="", help="a label for the token")
 def create_token(username: str, name: str) -> None:
     """Create a management API token for a console user and print it once (only its hash is stored)."""
-    from console.rollouts_api import create_token as issue
+    from console.management_api import create_token as issue
     from controlplane.accounts.users import get_user, is_disabled
     from controlplane.storage.session import session_scope
 

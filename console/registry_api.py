@@ -16,19 +16,19 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio.to_thread
-from litestar import Litestar, Request, Router, get, post, put
-from litestar.datastructures import State
-from litestar.di import Provide
+from litestar import Request, get, post, put
 from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from console.rollouts_api import Operator, require_operator
-from console.uploads import StagedUpload, VersionUpload, artifact_store, receive_upload, register_upload
+from console.management_api import Operator, management_router
+from console.uploads import StagedUpload, VersionUpload, receive_upload, register_upload
 from controlplane.registry import artifacts as registry_artifacts
 from controlplane.registry import service as registry
 from controlplane.registry.edge_derive import DeriveRunner, DeriveSettings, fail_stale_jobs, start_derive
+from controlplane.registry.store import ArtifactStore
 from controlplane.storage.session import session_scope
-from shared.errors import NotFoundError, ServiceUnavailableError
+from shared.errors import NotFoundError
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,9 @@ UPLOAD_FIELDS = ("kind", "label", "tag", "alias", "sha256", "target", "format", 
 
 
 @post("/models/{name:str}/versions", status_code=201, request_max_body_size=None)
-async def push_version(request: Request[Any, Any, Any], state: State, operator: Operator, name: str) -> dict[str, Any]:
+async def push_version(
+    request: Request[Any, Any, Any], db: Engine, artifacts: ArtifactStore, operator: Operator, name: str
+) -> dict[str, Any]:
     """Register a new version from a multipart upload.
 
     Form: one or more ``file`` parts (the file name is the path inside the artifact, e.g. ``config.json``),
@@ -46,10 +48,9 @@ async def push_version(request: Request[Any, Any, Any], state: State, operator: 
     """
     operator.require_admin()
     registry.check_name(name)
-    store = artifact_store(state)
     upload = StagedUpload()
     try:
-        await receive_upload(request, store, upload, fields=UPLOAD_FIELDS)
+        await receive_upload(request, artifacts, upload, fields=UPLOAD_FIELDS)
         form = VersionUpload(
             name=name,
             kind=upload.one("kind"),
@@ -62,7 +63,7 @@ async def push_version(request: Request[Any, Any, Any], state: State, operator: 
             sha256=upload.one("sha256"),
         )
         body: dict[str, Any] = await anyio.to_thread.run_sync(
-            register_upload, state.engine, store, upload, form, operator.actor
+            register_upload, db, artifacts, upload, form, operator.actor
         )
         return body
     finally:
@@ -98,17 +99,17 @@ class DeriveRequest(_Body):
 
 
 @get("/models", sync_to_thread=True)
-def list_models(state: State, operator: Operator) -> dict[str, Any]:
+def list_models(db: Engine, operator: Operator) -> dict[str, Any]:
     """Registered models with their aliases and latest version."""
-    with Session(state.engine) as session:
+    with Session(db) as session:
         rows = [registry.model_json(session, m, with_versions=False) for m in registry.list_models(session)]
     return {"object": "list", "data": rows}
 
 
 @get("/models/{name:str}", sync_to_thread=True)
-def get_model(state: State, operator: Operator, name: str) -> dict[str, Any]:
+def get_model(db: Engine, operator: Operator, name: str) -> dict[str, Any]:
     """One model with every version, its artifacts (status, sha256, size, signature key) and aliases."""
-    with Session(state.engine) as session:
+    with Session(db) as session:
         return registry.model_json(session, registry.get_model(session, name))
 
 
@@ -121,27 +122,27 @@ def _version_body(session: Session, name: str, number: int) -> dict[str, Any]:
 
 
 @get("/models/{name:str}/versions/{number:int}", sync_to_thread=True)
-def get_version(state: State, operator: Operator, name: str, number: int) -> dict[str, Any]:
+def get_version(db: Engine, operator: Operator, name: str, number: int) -> dict[str, Any]:
     """One version (poll it to follow a derive job: its artifacts go from pending to ready/rejected/failed)."""
-    with Session(state.engine) as session:
+    with Session(db) as session:
         return _version_body(session, name, number)
 
 
 @put("/models/{name:str}/aliases/{alias:str}", status_code=200, sync_to_thread=True)
-def move_alias(state: State, operator: Operator, name: str, alias: str, data: AliasMove) -> dict[str, Any]:
+def move_alias(db: Engine, operator: Operator, name: str, alias: str, data: AliasMove) -> dict[str, Any]:
     """Point an alias at a version, atomically."""
     operator.require_admin()
-    with session_scope(state.engine) as session:
+    with session_scope(db) as session:
         model = registry.get_model(session, name)
         registry.move_alias(session, model, alias, data.version, actor=operator.actor)
         return {"model": name, "alias": alias, "version": data.version, "aliases": registry.aliases_of(session, model)}
 
 
 @post("/models/{name:str}/versions/{number:int}/status", status_code=200, sync_to_thread=True)
-def change_status(state: State, operator: Operator, name: str, number: int, data: StatusChange) -> dict[str, Any]:
+def change_status(db: Engine, operator: Operator, name: str, number: int, data: StatusChange) -> dict[str, Any]:
     """Move a version forward: registered → validated → active → retired."""
     operator.require_admin()
-    with session_scope(state.engine) as session:
+    with session_scope(db) as session:
         registry.set_status(
             session, registry.get_model(session, name), number, data.status, actor=operator.actor, reason=data.reason
         )
@@ -149,10 +150,10 @@ def change_status(state: State, operator: Operator, name: str, number: int, data
 
 
 @post("/models/{name:str}/versions/{number:int}/tags", status_code=200, sync_to_thread=True)
-def change_tags(state: State, operator: Operator, name: str, number: int, data: TagsChange) -> dict[str, Any]:
+def change_tags(db: Engine, operator: Operator, name: str, number: int, data: TagsChange) -> dict[str, Any]:
     """Add and remove tags of a version."""
     operator.require_admin()
-    with session_scope(state.engine) as session:
+    with session_scope(db) as session:
         model = registry.get_model(session, name)
         registry.tag_version(session, model, number, add=data.add, remove=data.remove, actor=operator.actor)
         return _version_body(session, name, number)
@@ -160,18 +161,20 @@ def change_tags(state: State, operator: Operator, name: str, number: int, data: 
 
 @post("/models/{name:str}/versions/{number:int}/derive", status_code=202, sync_to_thread=True)
 def derive(
-    state: State, operator: Operator, name: str, number: int, data: DeriveRequest | None = None
+    db: Engine,
+    derive_runner: DeriveRunner,
+    operator: Operator,
+    name: str,
+    number: int,
+    data: DeriveRequest | None = None,
 ) -> dict[str, Any]:
     """Derive edge artifacts (ONNX fp32, INT8, TFLite) of a cloud checkpoint version, in the background.
 
     Answers at once with the new version (artifacts ``pending``); poll ``GET .../versions/{new}``.
     """
     operator.require_admin()
-    runner = state.get("derive_runner")
-    if not isinstance(runner, DeriveRunner):
-        raise ServiceUnavailableError("this console runs no derive jobs")
     body = data or DeriveRequest()
-    with session_scope(state.engine) as session:
+    with session_scope(db) as session:
         job = start_derive(
             session,
             name,
@@ -180,31 +183,28 @@ def derive(
             min_int8_agreement=body.min_int8_agreement,
             tflite=body.tflite,
         )
-    runner.submit(job)
-    with Session(state.engine) as session:
+    derive_runner.submit(job)
+    with Session(db) as session:
         return {**_version_body(session, name, job.number), "poll": f"/api/models/{name}/versions/{job.number}"}
 
 
 @asynccontextmanager
-async def derive_jobs(app: Litestar) -> AsyncIterator[None]:
-    """Lifespan: the derive job runner lives while the console serves; stopping waits for the job in flight.
+async def derive_jobs(db: Engine, store: ArtifactStore) -> AsyncIterator[DeriveRunner]:
+    """The derive job runner, while the console serves; stopping waits for the job in flight.
     Starting fails jobs a stopped console left pending for longer than TIERLINE_REGISTRY_DERIVE_STALE_AFTER_S."""
-    await anyio.to_thread.run_sync(fail_stale_jobs, app.state.engine, DeriveSettings().derive_stale_after_s)
-    runner = DeriveRunner(app.state.engine, artifact_store(app.state), registry_artifacts.platform_signing_key())
-    app.state.derive_runner = runner
+    await anyio.to_thread.run_sync(fail_stale_jobs, db, DeriveSettings().derive_stale_after_s)
+    runner = DeriveRunner(db, store, registry_artifacts.platform_signing_key())
     try:
-        yield
+        yield runner
     finally:
-        app.state.derive_runner = None
         try:
             await anyio.to_thread.run_sync(runner.close)
         except Exception:
             logger.exception("stopping the derive job runner failed")
 
 
-REGISTRY_ROUTER = Router(
-    "/api",
-    route_handlers=[
+REGISTRY_ROUTER = management_router(
+    [
         list_models,
         get_model,
         get_version,
@@ -214,7 +214,5 @@ REGISTRY_ROUTER = Router(
         change_tags,
         derive,
     ],
-    dependencies={"operator": Provide(require_operator, sync_to_thread=True)},
-    security=[{"ConsoleToken": []}],
-    tags=["registry"],
+    "registry",
 )

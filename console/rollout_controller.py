@@ -15,7 +15,6 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from litestar import Litestar
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from sqlalchemy.engine import Engine
@@ -76,10 +75,9 @@ class RolloutController:
 
 
 @asynccontextmanager
-async def rollout_controller(app: Litestar) -> AsyncIterator[None]:
-    """Lifespan: the controller runs while the console serves."""
-    controller = RolloutController(app.state.engine, RolloutControllerSettings().rollout_interval_s)
-    app.state.rollout_controller = controller
+async def rollout_controller(db: Engine) -> AsyncIterator[None]:
+    """The controller runs while the console serves."""
+    controller = RolloutController(db, RolloutControllerSettings().rollout_interval_s)
     await controller.start()
     try:
         yield

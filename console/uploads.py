@@ -15,13 +15,12 @@ from typing import Any
 
 import anyio.to_thread
 from litestar import Request
-from litestar.datastructures import State
 from multipart import MultipartError, MultipartSegment, PushMultipartParser, parse_options_header
 from sqlalchemy.engine import Engine
 
 from controlplane.registry import artifacts as registry_artifacts
 from controlplane.registry import service as registry
-from controlplane.registry.store import ArtifactStore, BlobWriter, PayloadTooLargeError, store_from_settings
+from controlplane.registry.store import ArtifactStore, BlobWriter, PayloadTooLargeError
 from controlplane.storage.session import session_scope
 from shared.artifacts import FileEntry, Manifest
 from shared.errors import ValidationError
@@ -30,15 +29,6 @@ MAX_FIELD_BYTES = 4096
 MAX_PARTS = 1000
 # Multipart framing (boundaries, part headers) on top of the artifact's bytes, allowed before the early 413.
 FRAMING_SLACK_BYTES = 1 << 20
-
-
-def artifact_store(state: State) -> ArtifactStore:
-    """The console's artifact store (one per process, shared by the API and the pages), made on first use."""
-    store = state.get("artifact_store")
-    if store is None:
-        store = state.artifact_store = store_from_settings()
-    assert isinstance(store, ArtifactStore)
-    return store
 
 
 @dataclass(slots=True)

@@ -8,13 +8,13 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from litestar import Litestar, Request, Response, get, post
-from litestar.datastructures import State
 from litestar.di import Provide
 
 from edge_agent.agent import Agent, AgentStats
@@ -30,30 +30,43 @@ from shared.artifacts import load_public_key, public_path
 from shared.edge_protocol import DesiredModel
 from shared.errors import AuthenticationError, ConfigurationError
 from shared.escalation import EdgePolicy, load_policy
-from shared.http import EXCEPTION_HANDLERS, EventStream, healthz
-from shared.logs import request_id_middleware
+from shared.http import EventStream
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
+from shared.service_app import create_service_app
 from shared.settings import CoreSettings
 
 logger = logging.getLogger(__name__)
 
 
-def _local_key_guard(state: State, request: Request[Any, Any, Any]) -> None:
-    expected = state.api_key
-    if expected is None:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EdgeState:
+    """What the agent's handlers use, built once at start-up; each field is a dependency of the same name."""
+
+    served: ServedModels
+    api_key: str | None
+    agent: Agent
+    link: CloudLink | None
+    tiering: Tiering
+
+
+def _local_key_guard(api_key: str | None, request: Request[Any, Any, Any]) -> None:
+    if api_key is None:
         return
     scheme, _, secret = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or secret.strip() != expected:
+    if scheme.lower() != "bearer" or secret.strip() != api_key:
         raise AuthenticationError("missing or wrong local API key")
 
 
+LOCAL_AUTH = {"_auth": Provide(_local_key_guard, sync_to_thread=False)}
+
+
 @get("/readyz", sync_to_thread=False, include_in_schema=False)
-def readyz(state: State) -> dict[str, Any]:
-    return {"status": "ready", "models": len(state.served.models)}
+def readyz(served: ServedModels) -> dict[str, Any]:
+    return {"status": "ready", "models": len(served.models)}
 
 
-@get("/v1/models", dependencies={"_auth": Provide(_local_key_guard, sync_to_thread=False)}, sync_to_thread=False)
-def list_models(state: State, _auth: None) -> dict[str, Any]:
+@get("/v1/models", dependencies=LOCAL_AUTH, sync_to_thread=False)
+def list_models(served: ServedModels, _auth: None) -> dict[str, Any]:
     return {
         "object": "list",
         "data": [
@@ -66,7 +79,7 @@ def list_models(state: State, _auth: None) -> dict[str, Any]:
                 "sha256": m.sha256,
                 "version": m.version,
             }
-            for m in state.served.models.values()
+            for m in served.models.values()
         ]
         + [
             {
@@ -77,12 +90,9 @@ def list_models(state: State, _auth: None) -> dict[str, Any]:
                 "format": choice.chosen,
                 "int8_guard": choice.as_json(),
             }
-            for alias, choice in state.served.guards.items()
+            for alias, choice in served.guards.items()
         ],
     }
-
-
-LOCAL_AUTH = {"_auth": Provide(_local_key_guard, sync_to_thread=False)}
 
 
 def _respond(answer: Answer) -> Response[Any]:
@@ -94,43 +104,38 @@ def _respond(answer: Answer) -> Response[Any]:
 
 @post("/v1/chat/completions", dependencies=LOCAL_AUTH, status_code=200)
 async def chat_completions(
-    request: Request[Any, Any, Any], state: State, _auth: None, data: ChatCompletionRequest
+    request: Request[Any, Any, Any], tiering: Tiering, _auth: None, data: ChatCompletionRequest
 ) -> Response[Any]:
     """OpenAI chat completions: answered on the device or escalated (``x-tierline-tier`` says which)."""
-    return _respond(await state.tiering.handle("chat.completions", data, request.headers.get("x-tierline-tier")))
+    return _respond(await tiering.handle("chat.completions", data, request.headers.get("x-tierline-tier")))
 
 
 @post("/v1/completions", dependencies=LOCAL_AUTH, status_code=200)
 async def completions(
-    request: Request[Any, Any, Any], state: State, _auth: None, data: CompletionRequest
+    request: Request[Any, Any, Any], tiering: Tiering, _auth: None, data: CompletionRequest
 ) -> Response[Any]:
     """OpenAI completions: answered on the device or escalated (``x-tierline-tier`` says which)."""
-    return _respond(await state.tiering.handle("completions", data, request.headers.get("x-tierline-tier")))
+    return _respond(await tiering.handle("completions", data, request.headers.get("x-tierline-tier")))
 
 
 @post("/v1/inference", dependencies=LOCAL_AUTH, status_code=200)
 async def inference(
-    request: Request[Any, Any, Any], state: State, _auth: None, data: InferenceRequest
+    request: Request[Any, Any, Any], tiering: Tiering, _auth: None, data: InferenceRequest
 ) -> Response[Any]:
     """Rows of numbers for a tensor model; low-confidence rows are escalated (``tiers`` says per row)."""
-    return _respond(await state.tiering.infer(data, request.headers.get("x-tierline-tier")))
+    return _respond(await tiering.infer(data, request.headers.get("x-tierline-tier")))
 
 
 @get("/metrics", sync_to_thread=True, include_in_schema=False)
-def metrics(state: State) -> Response[str]:
+def metrics(agent: Agent, link: CloudLink | None) -> Response[str]:
     """Prometheus exposition: requests per model version and outcome, degraded answers, outbox depth."""
-    agent: Agent = state.agent
-    link: CloudLink | None = state.link
     text = agent.stats.prometheus(agent.outbox.stats(), link.breaker.state if link is not None else None)
     return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 @get("/v1/agent", dependencies=LOCAL_AUTH, sync_to_thread=True)
-def agent_status(state: State, _auth: None) -> dict[str, Any]:
+def agent_status(agent: Agent, link: CloudLink | None, tiering: Tiering, _auth: None) -> dict[str, Any]:
     """The agent's own state: enrollment, cloud link, outbox, per-version stats."""
-    agent: Agent = state.agent
-    link: CloudLink | None = state.link
-    tiering: Tiering = state.tiering
     return {
         "pid": os.getpid(),
         "enrolled": link is not None,
@@ -161,7 +166,7 @@ def create_app(settings: EdgeSettings) -> Litestar:
     policies = _policies(policy_dir(settings), [*served.ids(), *served.guards])
 
     @asynccontextmanager
-    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+    async def start() -> AsyncIterator[EdgeState]:
         link = (
             CloudLink(creds, deadline_s=settings.cloud_deadline_s, breaker=CircuitBreaker(3, settings.breaker_reset_s))
             if creds is not None
@@ -170,14 +175,12 @@ def create_app(settings: EdgeSettings) -> Litestar:
         outbox = Outbox(home / "outbox.sqlite3", settings.outbox_max_bytes)
         agent = Agent(outbox, AgentStats(served.versions()), link, creds.sync_interval_s if creds else 30.0)
         updates = Updates(served, agent, settings, creds, keys, home) if creds is not None else None
-        app.state.agent = agent
-        app.state.link = link
         guard = AllowanceGuard(settings.on_quota_exhausted)
         agent.on_allowance = guard.update
-        app.state.tiering = Tiering(served.lms, link, policies, agent.record, served.classifiers, allowance=guard)
+        tiering = Tiering(served.lms, link, policies, agent.record, served.classifiers, allowance=guard)
         syncing = asyncio.create_task(agent.run(), name="edge-sync") if link is not None else None
         try:
-            yield
+            yield EdgeState(served=served, api_key=api_key, agent=agent, link=link, tiering=tiering)
         finally:
             if syncing is not None:
                 syncing.cancel()
@@ -192,22 +195,10 @@ def create_app(settings: EdgeSettings) -> Litestar:
                 await link.aclose()
             outbox.close()
 
-    return Litestar(
-        logging_config=None,  # the process's logging (shared.logs) stays as configured: text or JSON
-        route_handlers=[
-            healthz,
-            readyz,
-            metrics,
-            agent_status,
-            list_models,
-            chat_completions,
-            completions,
-            inference,
-        ],
-        exception_handlers=EXCEPTION_HANDLERS,
-        state=State({"served": served, "api_key": api_key}),
-        lifespan=[lifespan],
-        middleware=[request_id_middleware],
+    return create_service_app(
+        route_handlers=[readyz, metrics, agent_status, list_models, chat_completions, completions, inference],
+        start=start,
+        state_type=EdgeState,
     )
 
 

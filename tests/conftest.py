@@ -63,11 +63,11 @@ def _postgres_schema() -> Iterator[str]:
     """A fresh schema per test, dropped afterwards, so tests never see each other's rows."""
     from sqlalchemy import text
 
-    from controlplane.storage.database import make_engine
+    from controlplane.storage.database import create_db
 
     assert PG_URL
     schema = f"t_{uuid.uuid4().hex[:12]}"
-    admin = make_engine(PG_URL)
+    admin = create_db(PG_URL)
     with admin.begin() as conn:
         conn.execute(text(f'CREATE SCHEMA "{schema}"'))
     try:

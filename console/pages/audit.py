@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from litestar import Request, get
-from litestar.datastructures import State
 from litestar.response import Template
 from sqlalchemy import func, or_
+from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from console.pages.common import like, paginate, render
@@ -15,7 +15,7 @@ from controlplane.storage.tables import AuditLog
 
 
 @get("/audit", sync_to_thread=True)
-def audit_log(request: Request[Any, Any, Any], state: State, q: str = "", page: int = 1) -> Template:
+def audit_log(request: Request[Any, Any, Any], db: Engine, q: str = "", page: int = 1) -> Template:
     """``q`` searches actor, action and target."""
     q = q.strip()[:128]
     query = select(AuditLog).order_by(col(AuditLog.id).desc())
@@ -28,7 +28,7 @@ def audit_log(request: Request[Any, Any, Any], state: State, q: str = "", page: 
                 func.lower(AuditLog.target).like(pattern, escape="\\"),
             )
         )
-    with Session(state.engine) as session:
+    with Session(db) as session:
         rows, info = paginate(session, query, page, {"q": q}, size=50)
     return render(request, "audit.html.j2", rows=rows, page=info, q=q)
 

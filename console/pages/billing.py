@@ -7,9 +7,9 @@ from decimal import Decimal
 from typing import Any
 
 from litestar import Request, Response, get, post
-from litestar.datastructures import State
 from litestar.response import Redirect, Template
 from sqlalchemy import func
+from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from console.auth import session_user
@@ -63,7 +63,7 @@ def usage_series(session: Session, group: str, metric: str, since: datetime) -> 
 @get("/billing", sync_to_thread=True)
 def billing(
     request: Request[Any, Any, Any],
-    state: State,
+    db: Engine,
     group: str = "tenant",
     metric: str = "cost",
     days: int = 30,
@@ -76,7 +76,7 @@ def billing(
     now = datetime.now(UTC)
     start = (now - timedelta(days=days - 1)).replace(hour=0, minute=0, second=0, microsecond=0)
     x_labels = [(start + timedelta(days=i)).strftime("%Y-%m-%d") for i in range(days)]
-    with Session(state.engine) as session:
+    with Session(db) as session:
         series = usage_series(session, group, metric, start)
         prices = list(session.exec(select(Price).order_by(Price.model, col(Price.effective_from).desc()).limit(200)))
         invoices, info = paginate(
@@ -107,18 +107,18 @@ def billing(
 
 
 @get("/billing/invoices/{invoice_id:int}", sync_to_thread=True)
-def invoice_detail(request: Request[Any, Any, Any], state: State, invoice_id: int) -> Template:
+def invoice_detail(request: Request[Any, Any, Any], db: Engine, invoice_id: int) -> Template:
     """An invoice with its lines and credit notes."""
-    return invoice_page(request, state, invoice_id)
+    return invoice_page(request, db, invoice_id)
 
 
 def invoice_page(
-    request: Request[Any, Any, Any], state: State, invoice_id: int, status_code: int = 200, **extra: Any
+    request: Request[Any, Any, Any], db: Engine, invoice_id: int, status_code: int = 200, **extra: Any
 ) -> Template:
     """The invoice page; ``extra`` carries the credit note form's values and errors when it comes back."""
     extra.setdefault("credit_form", {})
     extra.setdefault("credit_errors", {})
-    with Session(state.engine) as session:
+    with Session(db) as session:
         invoice = session.get(Invoice, invoice_id)
         if invoice is None:
             raise NotFoundError(f"no invoice with id {invoice_id}", param="id")
@@ -143,9 +143,9 @@ def invoice_page(
 
 
 @get("/billing/invoices/{invoice_id:int}/csv", sync_to_thread=True)
-def invoice_csv(state: State, invoice_id: int) -> Response[str]:
+def invoice_csv(db: Engine, invoice_id: int) -> Response[str]:
     """A finalized or void invoice as CSV (its lines, then the totals), for download."""
-    with Session(state.engine) as session:
+    with Session(db) as session:
         invoice = session.get(Invoice, invoice_id)
         if invoice is None or invoice.number is None:
             raise NotFoundError(f"no stored invoice with id {invoice_id}", param="id")
@@ -158,9 +158,9 @@ def invoice_csv(state: State, invoice_id: int) -> Response[str]:
 
 
 @get("/billing/finalize", sync_to_thread=True)
-def finalize_confirm(request: Request[Any, Any, Any], state: State, tenant: str = "", month: str = "") -> Template:
+def finalize_confirm(request: Request[Any, Any, Any], db: Engine, tenant: str = "", month: str = "") -> Template:
     """What finalizing would bill (the draft), and the button that does it."""
-    with Session(state.engine) as session:
+    with Session(db) as session:
         tenants = changes.tenant_names(session)
         draft: dict[str, Any] | None = None
         errors: dict[str, str] = {}
@@ -183,9 +183,9 @@ def finalize_confirm(request: Request[Any, Any, Any], state: State, tenant: str 
 
 
 @post("/billing/finalize", sync_to_thread=True)
-def finalize(request: Request[Any, Any, Any], state: State, data: Form) -> Redirect:
+def finalize(request: Request[Any, Any, Any], db: Engine, data: Form) -> Redirect:
     """Finalize a tenant's ended month: the invoice is stored, numbered and its records stamped."""
-    with write_session(state) as session:
+    with write_session(db) as session:
         tenant = tenancy.get_tenant(session, text(data, "tenant", max_length=64, required=True))
         period = billing_service.month(text(data, "month", max_length=7, required=True))
         invoice = billing_service.finalize(session, tenant, period, actor=session_user(request).actor)
@@ -194,7 +194,7 @@ def finalize(request: Request[Any, Any, Any], state: State, data: Form) -> Redir
 
 
 @post("/billing/prices", sync_to_thread=True)
-def price_add(request: Request[Any, Any, Any], state: State, data: Form) -> Template | Redirect:
+def price_add(request: Request[Any, Any, Any], db: Engine, data: Form) -> Template | Redirect:
     """A new price from a moment on; earlier usage keeps the price it was rated with."""
     try:
         effective = text(data, "effective_from", max_length=32)
@@ -212,7 +212,7 @@ def price_add(request: Request[Any, Any, Any], state: State, data: Form) -> Temp
             currency=text(data, "currency", max_length=3) or "USD",
             effective_from=start,
         )
-        with write_session(state) as session:
+        with write_session(db) as session:
             billing_service.add_price(session, spec, actor=session_user(request).actor)
     except ApplicationError as exc:
         return render(request, "price_form.html.j2", 400, form=data, errors=errors_of(exc))

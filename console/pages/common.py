@@ -12,7 +12,6 @@ from typing import Annotated, Any
 from urllib.parse import urlencode
 
 from litestar import Request, Response
-from litestar.datastructures import State
 from litestar.enums import RequestEncodingType
 from litestar.exceptions import HTTPException
 from litestar.params import Body
@@ -20,6 +19,7 @@ from litestar.plugins.htmx import ClientRedirect, HTMXRequest
 from litestar.response import Redirect, Template
 from litestar.types import ExceptionHandlersMap
 from sqlalchemy import func
+from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 from sqlmodel.sql.expression import SelectOfScalar
 
@@ -45,9 +45,9 @@ def render(request: Request[Any, Any, Any], template: str, status_code: int = 20
     )
 
 
-def write_session(state: State) -> AbstractContextManager[Session]:
+def write_session(db: Engine) -> AbstractContextManager[Session]:
     """A session that commits when the block succeeds and rolls back when it raises."""
-    return session_scope(state.engine)
+    return session_scope(db)
 
 
 def see_other(path: str) -> Redirect:

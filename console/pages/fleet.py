@@ -7,9 +7,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from litestar import Request, get, post
-from litestar.datastructures import State
 from litestar.response import Redirect, Template
 from sqlalchemy import func, or_
+from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from console.auth import session_user
@@ -53,7 +53,7 @@ def escalation_rate(metrics: dict[str, Any]) -> float | None:
 
 def _fleet_page(
     request: Request[Any, Any, Any],
-    state: State,
+    db: Engine,
     *,
     q: str = "",
     tenant: str = "",
@@ -69,7 +69,7 @@ def _fleet_page(
         query = query.where(
             or_(func.lower(Device.id).like(like(q), escape="\\"), func.lower(Device.name).like(like(q), escape="\\"))
         )
-    with Session(state.engine) as session:
+    with Session(db) as session:
         rows, info = paginate(session, query, page, {"q": q, "tenant": tenant})  # type: ignore[arg-type]
         tokens = list(
             session.exec(
@@ -104,25 +104,25 @@ def _fleet_page(
 
 
 @get("/fleet", sync_to_thread=True)
-def fleet(request: Request[Any, Any, Any], state: State, q: str = "", tenant: str = "", page: int = 1) -> Template:
+def fleet(request: Request[Any, Any, Any], db: Engine, q: str = "", tenant: str = "", page: int = 1) -> Template:
     """Devices, most recently seen first, and the latest enrollment tokens."""
-    return _fleet_page(request, state, q=q.strip()[:64], tenant=tenant.strip()[:64], page=page)
+    return _fleet_page(request, db, q=q.strip()[:64], tenant=tenant.strip()[:64], page=page)
 
 
 @post("/fleet/enrollment-tokens", sync_to_thread=True)
-def enrollment_token_create(request: Request[Any, Any, Any], state: State, data: Form) -> Template:
+def enrollment_token_create(request: Request[Any, Any, Any], db: Engine, data: Form) -> Template:
     """A one-time token for ``tierline edge enroll``, shown once."""
     user = session_user(request)
     try:
         tenant = text(data, "tenant", max_length=64, required=True)
         ttl = optional_float(data, "ttl_hours", minimum=0.1, maximum=24 * 30) or 24.0
-        with write_session(state) as session:
+        with write_session(db) as session:
             issued = changes.create_enrollment_token(session, tenant, labels(data, "labels"), ttl, actor=user.actor)
     except ApplicationError as exc:
         if isinstance(exc, NotFoundError):
             exc.param = "tenant"
-        return _fleet_page(request, state, status_code=400, form=data, errors=errors_of(exc))
-    return _fleet_page(request, state, status_code=201, new_token=issued.secret)
+        return _fleet_page(request, db, status_code=400, form=data, errors=errors_of(exc))
+    return _fleet_page(request, db, status_code=201, new_token=issued.secret)
 
 
 @get("/fleet/enrollment-tokens/{token_id:int}/revoke", sync_to_thread=False)
@@ -139,8 +139,8 @@ def enrollment_token_revoke_confirm(request: Request[Any, Any, Any], token_id: i
 
 
 @post("/fleet/enrollment-tokens/{token_id:int}/revoke", sync_to_thread=True)
-def enrollment_token_revoke(request: Request[Any, Any, Any], state: State, token_id: int, data: Form) -> Redirect:
-    with write_session(state) as session:
+def enrollment_token_revoke(request: Request[Any, Any, Any], db: Engine, token_id: int, data: Form) -> Redirect:
+    with write_session(db) as session:
         changes.revoke_enrollment_token(session, token_id, actor=session_user(request).actor)
     return see_other("/fleet")
 
@@ -159,8 +159,8 @@ def device_revoke_confirm(request: Request[Any, Any, Any], device_id: str) -> Te
 
 
 @post("/fleet/devices/{device_id:str}/revoke", sync_to_thread=True)
-def device_revoke(request: Request[Any, Any, Any], state: State, device_id: str, data: Form) -> Redirect:
-    with write_session(state) as session:
+def device_revoke(request: Request[Any, Any, Any], db: Engine, device_id: str, data: Form) -> Redirect:
+    with write_session(db) as session:
         changes.revoke_device(session, device_id, actor=session_user(request).actor)
     return see_other("/fleet")
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from litestar import Request, get, post
-from litestar.datastructures import State
 from litestar.response import Redirect, Template
+from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from console.auth import session_user
@@ -52,20 +52,20 @@ def _void_confirm(
 
 
 @get("/billing/invoices/{invoice_id:int}/void", sync_to_thread=True)
-def invoice_void_confirm(request: Request[Any, Any, Any], state: State, invoice_id: int) -> Template:
+def invoice_void_confirm(request: Request[Any, Any, Any], db: Engine, invoice_id: int) -> Template:
     """Asks for a reason before voiding."""
-    with Session(state.engine) as session:
+    with Session(db) as session:
         number = _number(session, invoice_id)
     return _void_confirm(request, invoice_id, number, {})
 
 
 @post("/billing/invoices/{invoice_id:int}/void", sync_to_thread=True)
-def invoice_void(request: Request[Any, Any, Any], state: State, invoice_id: int, data: Form) -> Template | Redirect:
+def invoice_void(request: Request[Any, Any, Any], db: Engine, invoice_id: int, data: Form) -> Template | Redirect:
     """Void a finalized invoice; a missing reason comes back under the field, a draft or void one is a 409."""
-    with Session(state.engine) as session:
+    with Session(db) as session:
         number = _number(session, invoice_id)
     try:
-        with write_session(state) as session:
+        with write_session(db) as session:
             billing_service.void(
                 session, number, reason=text(data, "reason", max_length=500), actor=session_user(request).actor
             )
@@ -77,12 +77,10 @@ def invoice_void(request: Request[Any, Any, Any], state: State, invoice_id: int,
 
 
 @post("/billing/invoices/{invoice_id:int}/credit-notes", sync_to_thread=True)
-def credit_note_issue(
-    request: Request[Any, Any, Any], state: State, invoice_id: int, data: Form
-) -> Template | Redirect:
+def credit_note_issue(request: Request[Any, Any, Any], db: Engine, invoice_id: int, data: Form) -> Template | Redirect:
     """Credit part of a finalized invoice's total (at most what is left of it), with a reason."""
     try:
-        with write_session(state) as session:
+        with write_session(db) as session:
             billing_service.credit(
                 session,
                 _number(session, invoice_id),
@@ -94,7 +92,7 @@ def credit_note_issue(
         if exc.status_code == 404:
             raise
         errors = errors_of(exc) if exc.param in ("amount", "reason") else {"_form": exc.message}
-        return invoice_page(request, state, invoice_id, exc.status_code, credit_form=data, credit_errors=errors)
+        return invoice_page(request, db, invoice_id, exc.status_code, credit_form=data, credit_errors=errors)
     return see_other(f"/billing/invoices/{invoice_id}#credit-notes")
 
 

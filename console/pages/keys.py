@@ -6,9 +6,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from litestar import Request, get, post
-from litestar.datastructures import State
 from litestar.response import Redirect, Template
 from sqlalchemy import func, or_
+from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from console.auth import session_user
@@ -20,7 +20,7 @@ from shared.errors import ApplicationError, NotFoundError
 
 def _keys_page(
     request: Request[Any, Any, Any],
-    state: State,
+    db: Engine,
     *,
     q: str = "",
     tenant: str = "",
@@ -39,7 +39,7 @@ def _keys_page(
                 func.lower(Tenant.name).like(like(q), escape="\\"),
             )
         )
-    with Session(state.engine) as session:
+    with Session(db) as session:
         rows, info = paginate(session, query, page, {"q": q, "tenant": tenant})  # type: ignore[arg-type]
         tenants = changes.tenant_names(session)
     extra.setdefault("form", {"tenant": tenant})
@@ -59,34 +59,32 @@ def _keys_page(
 
 
 @get("/keys", sync_to_thread=True)
-def keys_list(request: Request[Any, Any, Any], state: State, q: str = "", tenant: str = "", page: int = 1) -> Template:
+def keys_list(request: Request[Any, Any, Any], db: Engine, q: str = "", tenant: str = "", page: int = 1) -> Template:
     """API keys, newest first, with the tenant, state and last use; search by name, prefix or tenant."""
-    return _keys_page(request, state, q=q.strip()[:64], tenant=tenant.strip()[:64], page=page)
+    return _keys_page(request, db, q=q.strip()[:64], tenant=tenant.strip()[:64], page=page)
 
 
 @post("/keys", sync_to_thread=True)
-def key_create(request: Request[Any, Any, Any], state: State, data: Form) -> Template:
+def key_create(request: Request[Any, Any, Any], db: Engine, data: Form) -> Template:
     """Create a key and show it this once; only its hash is stored."""
     user = session_user(request)
     try:
         tenant = text(data, "tenant", max_length=64, required=True)
         name = text(data, "name", max_length=200)
         days = optional_int(data, "expires_in_days", minimum=1, maximum=3650)
-        with write_session(state) as session:
+        with write_session(db) as session:
             issued = changes.create_api_key(session, tenant, name, days, actor=user.actor)
     except ApplicationError as exc:
         if isinstance(exc, NotFoundError):
             exc.param = "tenant"
-        return _keys_page(request, state, status_code=400, form=data, errors=errors_of(exc))
-    return _keys_page(
-        request, state, tenant=tenant, status_code=201, new_key=issued.secret, new_key_record=issued.record
-    )
+        return _keys_page(request, db, status_code=400, form=data, errors=errors_of(exc))
+    return _keys_page(request, db, tenant=tenant, status_code=201, new_key=issued.secret, new_key_record=issued.record)
 
 
 @get("/keys/{key_id:int}/revoke", sync_to_thread=True)
-def key_revoke_confirm(request: Request[Any, Any, Any], state: State, key_id: int) -> Template:
+def key_revoke_confirm(request: Request[Any, Any, Any], db: Engine, key_id: int) -> Template:
     """Asks before revoking: a revoked key stops working at once and cannot be restored."""
-    with Session(state.engine) as session:
+    with Session(db) as session:
         row = session.exec(select(ApiKey, Tenant).join(Tenant).where(ApiKey.id == key_id)).first()
     if row is None:
         raise NotFoundError(f"no API key with id {key_id}", param="id")
@@ -104,9 +102,9 @@ def key_revoke_confirm(request: Request[Any, Any, Any], state: State, key_id: in
 
 
 @post("/keys/{key_id:int}/revoke", sync_to_thread=True)
-def key_revoke(request: Request[Any, Any, Any], state: State, key_id: int, data: Form) -> Redirect:
+def key_revoke(request: Request[Any, Any, Any], db: Engine, key_id: int, data: Form) -> Redirect:
     user = session_user(request)
-    with write_session(state) as session:
+    with write_session(db) as session:
         key = changes.revoke_api_key(session, key_id, actor=user.actor)
         tenant = session.get(Tenant, key.tenant_id)
     return see_other(f"/tenants/{tenant.name}" if tenant else "/keys")

@@ -12,9 +12,10 @@ from typing import Any
 
 import anyio.to_thread
 from litestar import Request, Response, get, post
-from litestar.datastructures import Cookie, State
+from litestar.datastructures import Cookie
 from litestar.response import Redirect, Template
 from sqlalchemy import update
+from sqlalchemy.engine import Engine
 from sqlmodel import col
 
 from console.auth import (
@@ -82,9 +83,8 @@ def _login_page(
 
 
 @get("/login", sync_to_thread=False)
-def login_form(request: Request[Any, Any, Any], state: State, next: str | None = None) -> Template:
+def login_form(request: Request[Any, Any, Any], auth: ConsoleAuth, next: str | None = None) -> Template:
     """The sign-in form; sets a pre-session cookie its CSRF token is bound to."""
-    auth: ConsoleAuth = state.auth
     data = auth.codec.decode(request.cookies.get(SESSION_COOKIE))
     if data is None or data.user_id is not None:
         data = new_session()
@@ -92,9 +92,8 @@ def login_form(request: Request[Any, Any, Any], state: State, next: str | None =
 
 
 @post("/login")
-async def login(request: Request[Any, Any, Any], state: State, data: Form) -> Response[Any]:
+async def login(request: Request[Any, Any, Any], db: Engine, auth: ConsoleAuth, data: Form) -> Response[Any]:
     """Count the attempt, then check the password; a fresh session id (and record) on success."""
-    auth: ConsoleAuth = state.auth
     pre = auth.codec.decode(request.cookies.get(SESSION_COOKIE))
     next_path = _safe_next(data.get("next"))
     if pre is None or not auth.codec.is_valid_csrf(pre.sid, data.get(CSRF_FIELD)):
@@ -109,7 +108,7 @@ async def login(request: Request[Any, Any, Any], state: State, data: Form) -> Re
     username = data.get("username", "").strip()[:64]
     client = request.client.host if request.client else ""
     key = throttle_key(username, client)
-    wait = await anyio.to_thread.run_sync(auth.throttle.hit, state.engine, key)
+    wait = await anyio.to_thread.run_sync(auth.throttle.hit, db, key)
     if wait is not None:
         return _login_page(
             request,
@@ -121,7 +120,7 @@ async def login(request: Request[Any, Any, Any], state: State, data: Form) -> Re
             status_code=429,
             headers={"Retry-After": str(max(1, round(wait)))},
         )
-    user = await anyio.to_thread.run_sync(check_password, state.engine, username, data.get("password", ""))
+    user = await anyio.to_thread.run_sync(check_password, db, username, data.get("password", ""))
     if user is None or user.id is None:
         return _login_page(
             request,
@@ -132,16 +131,16 @@ async def login(request: Request[Any, Any, Any], state: State, data: Form) -> Re
             error="Wrong username or password.",
             status_code=401,
         )
-    await anyio.to_thread.run_sync(auth.throttle.clear, state.engine, key)
+    await anyio.to_thread.run_sync(auth.throttle.clear, db, key)
     signed_in = new_session(user.id, password_fingerprint(user.password_hash))
     agent = request.headers.get("user-agent", "")
-    await anyio.to_thread.run_sync(_open_session, state, auth, signed_in, client, agent)
+    await anyio.to_thread.run_sync(_open_session, db, auth, signed_in, client, agent)
     return Redirect(next_path, status_code=303, cookies=[_cookie(auth, request, signed_in)])
 
 
-def _open_session(state: State, auth: ConsoleAuth, data: SessionData, client: str, user_agent: str) -> None:
+def _open_session(db: Engine, auth: ConsoleAuth, data: SessionData, client: str, user_agent: str) -> None:
     assert data.user_id is not None
-    with session_scope(state.engine) as session:
+    with session_scope(db) as session:
         sessions.open_session(
             session,
             data.user_id,
@@ -156,17 +155,16 @@ def _open_session(state: State, auth: ConsoleAuth, data: SessionData, client: st
 
 
 @post("/logout", sync_to_thread=True)
-def logout(request: Request[Any, Any, Any], state: State, data: Form) -> Redirect:
+def logout(request: Request[Any, Any, Any], db: Engine, auth: ConsoleAuth, data: Form) -> Redirect:
     """End the session: its record is revoked (so every copy of the cookie is refused) and the cookie cleared.
 
     Needs the page's CSRF token, like every change.
     """
-    auth: ConsoleAuth = state.auth
     current = auth.codec.decode(request.cookies.get(SESSION_COOKIE))
     if current is not None and not auth.codec.is_valid_csrf(current.sid, data.get(CSRF_FIELD)):
         raise PermissionDeniedError("missing or invalid CSRF token; reload the page and try again", code="csrf")
     if current is not None and current.user_id is not None:
-        with session_scope(state.engine) as session:
+        with session_scope(db) as session:
             sessions.revoke_session(session, current.sid)
     return Redirect("/login", status_code=303, cookies=[_cookie(auth, request, None)])
 

@@ -14,16 +14,17 @@ from typing import Any
 
 import anyio.to_thread
 from litestar import Request, post
-from litestar.datastructures import State
 from litestar.plugins.htmx import ClientRedirect, HTMXRequest
 from litestar.response import Redirect, Template
+from sqlalchemy.engine import Engine
 
 from console.auth import session_user
 from console.pages.common import Form, optional_float, see_other, write_session
 from console.pages.models import detail_page, list_page
-from console.uploads import StagedUpload, VersionUpload, artifact_store, receive_upload, register_upload
+from console.uploads import StagedUpload, VersionUpload, receive_upload, register_upload
 from controlplane.registry.edge_derive import DeriveRunner, start_derive
-from shared.errors import ApplicationError, ServiceUnavailableError
+from controlplane.registry.store import ArtifactStore
+from shared.errors import ApplicationError
 
 UPLOAD_FIELDS = ("name", "kind", "label", "tags", "alias", "description", "target", "format")
 
@@ -43,14 +44,16 @@ def _form_of(upload: StagedUpload) -> VersionUpload:
 
 
 @post("/model-uploads", status_code=200, request_max_body_size=None)
-async def version_upload(request: HTMXRequest, state: State) -> Template | Redirect | ClientRedirect:
+async def version_upload(
+    request: HTMXRequest, db: Engine, artifacts: ArtifactStore
+) -> Template | Redirect | ClientRedirect:
     """Upload a new version's files (the model is created with its first version)."""
     actor = session_user(request).actor
-    store = artifact_store(state)
+    store = artifacts
     upload = StagedUpload()
     try:
         await receive_upload(request, store, upload, fields=UPLOAD_FIELDS, ignore_unknown_fields=True, base_names=True)
-        version = await anyio.to_thread.run_sync(register_upload, state.engine, store, upload, _form_of(upload), actor)
+        version = await anyio.to_thread.run_sync(register_upload, db, store, upload, _form_of(upload), actor)
     except ApplicationError as exc:
         where = "file" if exc.param in (None, "sha256") else exc.param
         errors = {where if where in (*UPLOAD_FIELDS, "file") else "_form": exc.message}
@@ -58,7 +61,7 @@ async def version_upload(request: HTMXRequest, state: State) -> Template | Redir
         return await anyio.to_thread.run_sync(
             lambda: list_page(
                 request,
-                state,
+                db,
                 "",
                 1,
                 status_code=status_code,
@@ -74,22 +77,19 @@ async def version_upload(request: HTMXRequest, state: State) -> Template | Redir
 
 @post("/models/{name:str}/versions/{number:int}/derive", sync_to_thread=True)
 def version_derive(
-    request: Request[Any, Any, Any], state: State, name: str, number: int, data: Form
+    request: Request[Any, Any, Any], db: Engine, derive_runner: DeriveRunner, name: str, number: int, data: Form
 ) -> Template | Redirect:
     """Derive edge artifacts (ONNX fp32, INT8 behind the quality guard) of a cloud causal-lm checkpoint version;
     the new version's artifacts are pending until the background job finishes."""
-    runner = state.get("derive_runner")
-    if not isinstance(runner, DeriveRunner):
-        raise ServiceUnavailableError("this console runs no derive jobs")
     try:
         bound = optional_float(data, "min_int8_agreement", maximum=1.0)
-        with write_session(state) as session:
+        with write_session(db) as session:
             job = start_derive(session, name, number, actor=session_user(request).actor, min_int8_agreement=bound)
     except ApplicationError as exc:
         if exc.status_code == 404:  # no such model or version: the not-found page
             raise
-        return detail_page(request, state, name, status_code=exc.status_code, derive_errors={number: exc.message})
-    runner.submit(job)
+        return detail_page(request, db, name, status_code=exc.status_code, derive_errors={number: exc.message})
+    derive_runner.submit(job)
     return see_other(f"/models/{name}#v{job.number}")
 
 

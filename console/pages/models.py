@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from litestar import Request, get, post
-from litestar.datastructures import State
 from litestar.response import Redirect, Template
 from sqlalchemy import func, or_
+from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from console.auth import session_user
@@ -30,15 +30,13 @@ from shared.errors import ApplicationError, NotFoundError, ValidationError
 
 
 @get("/models", sync_to_thread=True)
-def models_list(
-    request: Request[Any, Any, Any], state: State, q: str = "", page: int = 1, upload: str = ""
-) -> Template:
+def models_list(request: Request[Any, Any, Any], db: Engine, q: str = "", page: int = 1, upload: str = "") -> Template:
     """Models by name with their number of versions and their aliases; ``upload``: open the upload form for it."""
-    return list_page(request, state, q.strip()[:128], page, upload_form={"name": upload[:128]} if upload else {})
+    return list_page(request, db, q.strip()[:128], page, upload_form={"name": upload[:128]} if upload else {})
 
 
 def list_page(
-    request: Request[Any, Any, Any], state: State, q: str, page: int, status_code: int = 200, **extra: Any
+    request: Request[Any, Any, Any], db: Engine, q: str, page: int, status_code: int = 200, **extra: Any
 ) -> Template:
     query = select(Model).order_by(Model.name)
     if q:
@@ -48,7 +46,7 @@ def list_page(
                 func.lower(Model.description).like(like(q), escape="\\"),
             )
         )
-    with Session(state.engine) as session:
+    with Session(db) as session:
         rows, info = paginate(session, query, page, {"q": q})
         ids = [m.id for m in rows]
         counts = dict(
@@ -89,7 +87,7 @@ def list_page(
 
 
 @post("/models", sync_to_thread=True)
-def version_register(request: Request[Any, Any, Any], state: State, data: Form) -> Template | Redirect:
+def version_register(request: Request[Any, Any, Any], db: Engine, data: Form) -> Template | Redirect:
     """Register the next version of a model (the model is created on its first version); artifacts follow with
     ``tierline models push`` or the registry API."""
     actor = session_user(request).actor
@@ -97,7 +95,7 @@ def version_register(request: Request[Any, Any, Any], state: State, data: Form) 
         name = registry.check_name(text(data, "name", max_length=128, required=True))
         derived = optional_int(data, "derived_from", minimum=1)
         tags = [t.strip() for t in text(data, "tags", max_length=2000).split(",") if t.strip()]
-        with write_session(state) as session:
+        with write_session(db) as session:
             model = registry.ensure_model(
                 session,
                 name,
@@ -119,12 +117,12 @@ def version_register(request: Request[Any, Any, Any], state: State, data: Form) 
     except ApplicationError as exc:
         if exc.param == "version":
             exc.param = "derived_from"
-        return list_page(request, state, "", 1, status_code=400, form=data, errors=errors_of(exc))
+        return list_page(request, db, "", 1, status_code=400, form=data, errors=errors_of(exc))
     return see_other(f"/models/{name}#v{number}")
 
 
-def detail_page(request: Request[Any, Any, Any], state: State, name: str, **extra: Any) -> Template:
-    with Session(state.engine) as session:
+def detail_page(request: Request[Any, Any, Any], db: Engine, name: str, **extra: Any) -> Template:
+    with Session(db) as session:
         model = session.exec(select(Model).where(Model.name == name)).first()
         if model is None:
             raise NotFoundError(f"no model named {name!r}", param="name")
@@ -197,27 +195,27 @@ def detail_page(request: Request[Any, Any, Any], state: State, name: str, **extr
 
 
 @get("/models/{name:str}", sync_to_thread=True)
-def model_detail(request: Request[Any, Any, Any], state: State, name: str) -> Template:
+def model_detail(request: Request[Any, Any, Any], db: Engine, name: str) -> Template:
     """One model: versions (newest first) with status, tags, lineage and artifacts; aliases."""
-    return detail_page(request, state, name)
+    return detail_page(request, db, name)
 
 
 @post("/models/{name:str}/aliases", sync_to_thread=True)
-def alias_move(request: Request[Any, Any, Any], state: State, name: str, data: Form) -> Template | Redirect:
+def alias_move(request: Request[Any, Any, Any], db: Engine, name: str, data: Form) -> Template | Redirect:
     """Point an alias (``stable``, ``canary``...) at a version; created the first time."""
     try:
         alias = text(data, "alias", max_length=64, required=True)
         number = optional_int(data, "version", minimum=1)
         if number is None:
             raise ValidationError("version is required", param="version")
-        with write_session(state) as session:
+        with write_session(db) as session:
             registry.move_alias(
                 session, registry.get_model(session, name), alias, number, actor=session_user(request).actor
             )
     except ApplicationError as exc:
         if exc.status_code == 404 and exc.param != "version":
             raise
-        return detail_page(request, state, name, status_code=400, form=data, errors=errors_of(exc))
+        return detail_page(request, db, name, status_code=400, form=data, errors=errors_of(exc))
     return see_other(f"/models/{name}")
 
 
@@ -237,9 +235,9 @@ def version_retire_confirm(request: Request[Any, Any, Any], name: str, number: i
 
 
 @post("/models/{name:str}/versions/{number:int}/status", sync_to_thread=True)
-def version_status(request: Request[Any, Any, Any], state: State, name: str, number: int, data: Form) -> Redirect:
+def version_status(request: Request[Any, Any, Any], db: Engine, name: str, number: int, data: Form) -> Redirect:
     """Move a version forward: registered → validated → active, or retire it."""
-    with write_session(state) as session:
+    with write_session(db) as session:
         registry.set_status(
             session,
             registry.get_model(session, name),

@@ -8,9 +8,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from litestar import Request, get
-from litestar.datastructures import State
 from litestar.response import Template
 from sqlalchemy import Integer, case, cast, func
+from sqlalchemy.engine import Engine
 from sqlalchemy.sql.elements import ColumnElement
 from sqlmodel import Session, col, select
 
@@ -131,9 +131,9 @@ def _window(minutes: int | None) -> int:
     return minutes if minutes in WINDOWS_MIN else WINDOWS_MIN[0]
 
 
-def _stats(state: State, minutes: int, tenant: str) -> dict[str, Any]:
+def _stats(db: Engine, minutes: int, tenant: str) -> dict[str, Any]:
     now = datetime.now(UTC)
-    with Session(state.engine) as session:
+    with Session(db) as session:
         tenant_id = None
         if tenant:
             tenant_id = tenancy.get_tenant(session, tenant).id
@@ -163,17 +163,17 @@ def _stats(state: State, minutes: int, tenant: str) -> dict[str, Any]:
 
 
 @get("/", sync_to_thread=True)
-def overview(request: Request[Any, Any, Any], state: State, window: int | None = None, tenant: str = "") -> Template:
+def overview(request: Request[Any, Any, Any], db: Engine, window: int | None = None, tenant: str = "") -> Template:
     """The installation at a glance: traffic now (of every tenant, or one) and what is configured."""
-    return render(request, "overview.html.j2", **_stats(state, _window(window), tenant.strip()[:64]))
+    return render(request, "overview.html.j2", **_stats(db, _window(window), tenant.strip()[:64]))
 
 
 @get("/overview/stats", sync_to_thread=True)
 def overview_stats(
-    request: Request[Any, Any, Any], state: State, window: int | None = None, tenant: str = ""
+    request: Request[Any, Any, Any], db: Engine, window: int | None = None, tenant: str = ""
 ) -> Template:
     """The numbers alone, polled by the overview page every 5 s."""
-    return render(request, "partials/overview_stats.html.j2", **_stats(state, _window(window), tenant.strip()[:64]))
+    return render(request, "partials/overview_stats.html.j2", **_stats(db, _window(window), tenant.strip()[:64]))
 
 
 HANDLERS = [overview, overview_stats]

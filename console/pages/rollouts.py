@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from litestar import Request, get, post
-from litestar.datastructures import State
 from litestar.response import Redirect, Template
+from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from console.auth import session_user
@@ -68,20 +68,20 @@ def _spec(form: dict[str, str]) -> rollouts.RolloutSpec:
 
 
 @get("/rollouts", sync_to_thread=True)
-def rollouts_list(request: Request[Any, Any, Any], state: State, status: str = "", page: int = 1) -> Template:
+def rollouts_list(request: Request[Any, Any, Any], db: Engine, status: str = "", page: int = 1) -> Template:
     """Rollouts, newest first; filter by status."""
     query = select(Rollout).order_by(col(Rollout.id).desc())
     if status in STATUSES:
         query = query.where(Rollout.status == status)
-    with Session(state.engine) as session:
+    with Session(db) as session:
         rows, info = paginate(session, query, page, {"status": status})
     return render(request, "rollouts.html.j2", rollouts=rows, page=info, status=status, statuses=STATUSES)
 
 
 def _form_page(
-    request: Request[Any, Any, Any], state: State, form: dict[str, str], errors: dict[str, str], status_code: int = 200
+    request: Request[Any, Any, Any], db: Engine, form: dict[str, str], errors: dict[str, str], status_code: int = 200
 ) -> Template:
-    with Session(state.engine) as session:
+    with Session(db) as session:
         tenants = changes.tenant_names(session)
     return render(
         request, "rollout_form.html.j2", status_code, form=form, errors=errors, tenants=tenants, scopes=rollouts.SCOPES
@@ -89,26 +89,26 @@ def _form_page(
 
 
 @get("/rollouts/new", sync_to_thread=True)
-def rollout_new(request: Request[Any, Any, Any], state: State) -> Template:
+def rollout_new(request: Request[Any, Any, Any], db: Engine) -> Template:
     form = {"scope": "cloud", "steps": "5, 25, 50, 100", "min_step_s": "300", "min_samples": "100"}
-    return _form_page(request, state, form, {})
+    return _form_page(request, db, form, {})
 
 
 @post("/rollouts", sync_to_thread=True)
-def rollout_create(request: Request[Any, Any, Any], state: State, data: Form) -> Template | Redirect:
+def rollout_create(request: Request[Any, Any, Any], db: Engine, data: Form) -> Template | Redirect:
     """Create a rollout; it is pending until the controller's next pass (or Resume) starts it."""
     user = session_user(request)
     try:
         spec = _spec(data)
-        with write_session(state) as session:
+        with write_session(db) as session:
             rollout = rollouts.create_rollout(session, spec, actor=user.actor)
     except ApplicationError as exc:
-        return _form_page(request, state, data, errors_of(exc), 400)
+        return _form_page(request, db, data, errors_of(exc), 400)
     return see_other(f"/rollouts/{rollout.id}")
 
 
-def _detail(state: State, rollout_id: int) -> dict[str, Any]:
-    with Session(state.engine) as session:
+def _detail(db: Engine, rollout_id: int) -> dict[str, Any]:
+    with Session(db) as session:
         rollout = rollouts.get_rollout(session, rollout_id)
         events = rollouts.rollout_events(session, rollout_id)
         pins = rollouts.rollout_pins(session, rollout_id)
@@ -126,23 +126,23 @@ def _detail(state: State, rollout_id: int) -> dict[str, Any]:
 
 
 @get("/rollouts/{rollout_id:int}", sync_to_thread=True)
-def rollout_detail(request: Request[Any, Any, Any], state: State, rollout_id: int) -> Template:
+def rollout_detail(request: Request[Any, Any, Any], db: Engine, rollout_id: int) -> Template:
     """Step progress, the last analysis's checks (candidate vs baseline), the event timeline, actions."""
-    return render(request, "rollout.html.j2", **_detail(state, rollout_id))
+    return render(request, "rollout.html.j2", **_detail(db, rollout_id))
 
 
 @get("/rollouts/{rollout_id:int}/live", sync_to_thread=True)
-def rollout_live(request: Request[Any, Any, Any], state: State, rollout_id: int) -> Template:
+def rollout_live(request: Request[Any, Any, Any], db: Engine, rollout_id: int) -> Template:
     """The changing part of the detail page, polled every 5 s while the rollout is active."""
-    return render(request, "partials/rollout_live.html.j2", **_detail(state, rollout_id))
+    return render(request, "partials/rollout_live.html.j2", **_detail(db, rollout_id))
 
 
 @get("/rollouts/{rollout_id:int}/{action:str}", sync_to_thread=True)
-def rollout_action_confirm(request: Request[Any, Any, Any], state: State, rollout_id: int, action: str) -> Template:
+def rollout_action_confirm(request: Request[Any, Any, Any], db: Engine, rollout_id: int, action: str) -> Template:
     """Asks before promoting or aborting (both are final)."""
     if action not in ACTIONS:
         raise NotFoundError(f"no rollout action {action!r}", param="action")
-    with Session(state.engine) as session:
+    with Session(db) as session:
         rollout = rollouts.get_rollout(session, rollout_id)
     _, label, effect = ACTIONS[action]
     return render(
@@ -159,13 +159,13 @@ def rollout_action_confirm(request: Request[Any, Any, Any], state: State, rollou
 
 
 @post("/rollouts/{rollout_id:int}/{action:str}", sync_to_thread=True)
-def rollout_action(request: Request[Any, Any, Any], state: State, rollout_id: int, action: str, data: Form) -> Redirect:
+def rollout_action(request: Request[Any, Any, Any], db: Engine, rollout_id: int, action: str, data: Form) -> Redirect:
     """Pause, resume, promote or abort; a transition the rollout's state does not allow is a 409."""
     if action not in ACTIONS:
         raise NotFoundError(f"no rollout action {action!r}", param="action")
     do, _, _ = ACTIONS[action]
     reason = text(data, "reason", max_length=500)
-    with write_session(state) as session:
+    with write_session(db) as session:
         do(session, rollout_id, actor=session_user(request).actor, reason=reason)
     return see_other(f"/rollouts/{rollout_id}")
 

@@ -8,10 +8,10 @@ from decimal import Decimal
 from typing import Any
 
 from litestar import Request, get, post
-from litestar.datastructures import State
 from litestar.plugins.htmx import HTMXRequest
 from litestar.response import Redirect, Template
 from sqlalchemy import func, or_
+from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from console.auth import session_user
@@ -71,7 +71,7 @@ def _edit_from(form: dict[str, str], *, is_new: bool = False) -> changes.TenantE
 
 
 @get("/tenants", sync_to_thread=True)
-def tenants_list(request: HTMXRequest, state: State, q: str = "", page: int = 1) -> Template:
+def tenants_list(request: HTMXRequest, db: Engine, q: str = "", page: int = 1) -> Template:
     """Tenants by name; ``q`` searches name and display name. HTMX searches get the rows alone."""
     q = q.strip()[:64]
     query = select(Tenant).order_by(Tenant.name)
@@ -82,7 +82,7 @@ def tenants_list(request: HTMXRequest, state: State, q: str = "", page: int = 1)
                 func.lower(Tenant.display_name).like(like(q), escape="\\"),
             )
         )
-    with Session(state.engine) as session:
+    with Session(db) as session:
         rows, info = paginate(session, query, page, {"q": q})
         usage = usage_by_tenant(session, [t.id for t in rows if t.id], _month_start(datetime.now(UTC)))
     # Search as you type swaps the rows in (the page pushes the URL, so a reload shows the same list).
@@ -96,12 +96,12 @@ def tenant_new(request: Request[Any, Any, Any]) -> Template:
 
 
 @post("/tenants", sync_to_thread=True)
-def tenant_create(request: Request[Any, Any, Any], state: State, data: Form) -> Template | Redirect:
+def tenant_create(request: Request[Any, Any, Any], db: Engine, data: Form) -> Template | Redirect:
     """Create a tenant; a bad field re-renders the form with the message under it."""
     user = session_user(request)
     try:
         name = text(data, "name", max_length=64, required=True)
-        with write_session(state) as session:
+        with write_session(db) as session:
             tenant = changes.create_tenant(session, name, _edit_from(data, is_new=True), actor=user.actor)
     except ApplicationError as exc:
         return render(request, "tenant_form.html.j2", 400, tenant=None, form=data, errors=errors_of(exc))
@@ -109,10 +109,10 @@ def tenant_create(request: Request[Any, Any, Any], state: State, data: Form) -> 
 
 
 @get("/tenants/{name:str}", sync_to_thread=True)
-def tenant_detail(request: Request[Any, Any, Any], state: State, name: str) -> Template:
+def tenant_detail(request: Request[Any, Any, Any], db: Engine, name: str) -> Template:
     """A tenant: limits, budget and this month's spend, usage to date, alerts and keys."""
     now = datetime.now(UTC)
-    with Session(state.engine) as session:
+    with Session(db) as session:
         tenant = tenancy.get_tenant(session, name)
         assert tenant.id is not None
         period = period_of(now)
@@ -145,8 +145,8 @@ def tenant_detail(request: Request[Any, Any, Any], state: State, name: str) -> T
 
 
 @get("/tenants/{name:str}/edit", sync_to_thread=True)
-def tenant_edit(request: Request[Any, Any, Any], state: State, name: str) -> Template:
-    with Session(state.engine) as session:
+def tenant_edit(request: Request[Any, Any, Any], db: Engine, name: str) -> Template:
+    with Session(db) as session:
         tenant = tenancy.get_tenant(session, name)
     form = {
         "display_name": tenant.display_name,
@@ -160,17 +160,17 @@ def tenant_edit(request: Request[Any, Any, Any], state: State, name: str) -> Tem
 
 
 @post("/tenants/{name:str}/edit", sync_to_thread=True)
-def tenant_update(request: Request[Any, Any, Any], state: State, name: str, data: Form) -> Template | Redirect:
+def tenant_update(request: Request[Any, Any, Any], db: Engine, name: str, data: Form) -> Template | Redirect:
     """Change limits, budget, display name or whether the tenant is active."""
     user = session_user(request)
     try:
         edit = _edit_from(data)
-        with write_session(state) as session:
+        with write_session(db) as session:
             changes.update_tenant(session, name, edit, actor=user.actor)
     except ApplicationError as exc:
         if exc.status_code == 404:
             raise
-        with Session(state.engine) as session:
+        with Session(db) as session:
             tenant = tenancy.get_tenant(session, name)
         return render(request, "tenant_form.html.j2", 400, tenant=tenant, form=data, errors=errors_of(exc))
     return see_other(f"/tenants/{name}")

@@ -7,7 +7,7 @@ from sqlalchemy.engine import Connection
 from sqlmodel import SQLModel
 
 import controlplane.storage.tables  # noqa: F401  (registers the tables on SQLModel.metadata)
-from controlplane.storage.database import make_engine
+from controlplane.storage.database import create_db
 
 config = context.config
 target_metadata = SQLModel.metadata
@@ -29,7 +29,7 @@ def run_migrations_online() -> None:
     if connection is not None:
         _run(connection)
         return
-    engine = make_engine(config.get_main_option("sqlalchemy.url") or "")
+    engine = create_db(config.get_main_option("sqlalchemy.url") or "")
     with engine.connect() as conn:
         _run(conn)
     engine.dispose()

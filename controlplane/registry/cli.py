@@ -214,14 +214,14 @@ def models_derive(name: str, version: int, min_int8_agreement: float | None, tfl
     from controlplane.registry import artifacts as registry_artifacts
     from controlplane.registry.edge_derive import run_derive, start_derive
     from controlplane.registry.store import store_from_settings
-    from controlplane.storage.session import get_engine, session_scope
+    from controlplane.storage.session import get_db, session_scope
 
     store = store_from_settings()
     key = registry_artifacts.platform_signing_key()
     with session_scope() as session:
         job = start_derive(session, name, version, actor=_actor(), min_int8_agreement=min_int8_agreement, tflite=tflite)
     click.echo(f"deriving {name} version {job.number} from version {version}", err=True)
-    result = run_derive(get_engine(), store, job, key, lambda msg: click.echo(f"[derive] {msg}", err=True))
+    result = run_derive(get_db(), store, job, key, lambda msg: click.echo(f"[derive] {msg}", err=True))
     if result.error:
         raise click.ClickException(f"derive failed: {result.error}")
     click.echo(f"{name} version {job.number}: " + ", ".join(f"{f} {s}" for f, s in result.statuses.items()))
@@ -442,9 +442,9 @@ def rollouts_pin(rollout_id: int, device: str | None, tenant: str | None, value:
 def rollouts_tick(as_json: bool) -> None:
     """Run one controller pass now: start pending rollouts, judge running ones (for cron and tests)."""
     from controlplane.rollouts.service import run_controller_pass
-    from controlplane.storage.session import get_engine
+    from controlplane.storage.session import get_db
 
-    results = run_controller_pass(get_engine(), actor=f"{_actor()} (tick)")
+    results = run_controller_pass(get_db(), actor=f"{_actor()} (tick)")
     if not results:
         click.echo("no pending or running rollouts", err=True)
     for r in results:

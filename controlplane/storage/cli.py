@@ -25,6 +25,6 @@ def upgrade(revision: str) -> None:
 def current() -> None:
     """Print the database's revision and the code's head revision."""
     from controlplane.storage.migrate import current_revision, head_revision
-    from controlplane.storage.session import get_engine
+    from controlplane.storage.session import get_db
 
-    click.echo(f"current: {current_revision(get_engine())}  head: {head_revision()}")
+    click.echo(f"current: {current_revision(get_db())}  head: {head_revision()}")

@@ -1,4 +1,4 @@
-"""Engine factory: SQLite in WAL mode with foreign keys on, or PostgreSQL through psycopg 3."""
+"""The database handle: SQLite in WAL mode with foreign keys on, or PostgreSQL through psycopg 3."""
 
 from __future__ import annotations
 
@@ -34,13 +34,14 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.close()
 
 
-def make_engine(url: str, *, echo: bool = False, pool_size: int = 10) -> Engine:
+def create_db(url: str, *, echo: bool = False, pool_size: int = 10) -> Engine:
+    """A SQLAlchemy engine for ``url``: the database handle the services call ``db``."""
     url = normalize_url(url)
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
             Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, echo=echo, connect_args={"check_same_thread": False})
-        event.listen(engine, "connect", _sqlite_pragmas)
-        return engine
+        db = create_engine(url, echo=echo, connect_args={"check_same_thread": False})
+        event.listen(db, "connect", _sqlite_pragmas)
+        return db
     return create_engine(url, echo=echo, pool_size=pool_size, pool_pre_ping=True)

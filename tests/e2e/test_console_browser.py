@@ -64,11 +64,11 @@ def _january_usage(db_url: str, tenant: str) -> None:
     """Two cloud requests of ``tenant`` in January 2026 (2.00 USD), to invoice."""
     from sqlmodel import select
 
-    from controlplane.storage.database import make_engine
+    from controlplane.storage.database import create_db
     from controlplane.storage.session import session_scope
     from controlplane.storage.tables import Tenant, UsageRecord
 
-    engine = make_engine(db_url)
+    engine = create_db(db_url)
     try:
         with session_scope(engine) as session:
             tenant_id = session.exec(select(Tenant.id).where(Tenant.name == tenant)).one()

@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy.engine import Engine
 
 from console.passwords import create_user
-from controlplane.storage.database import make_engine
+from controlplane.storage.database import create_db
 from controlplane.storage.migrate import upgrade
 from controlplane.storage.session import session_scope
 from tests.conftest import PG_URL, _postgres_schema, base_env, free_port, run_server
@@ -76,7 +76,7 @@ def console_server(tmp: Path, backend: str, **settings: str) -> Iterator[Console
     """``tierline console serve`` on a fresh, migrated SQLite file or PostgreSQL schema (``settings``: more env)."""
     with _database(tmp, backend) as url:
         upgrade(url)
-        engine = make_engine(url)
+        engine = create_db(url)
         env = base_env(tmp, TIERLINE_DATABASE_URL=url, TIERLINE_SECRET_KEY="test-" + uuid.uuid4().hex, **settings)
         port = free_port()
         try:

@@ -43,7 +43,7 @@ from schemathesis.schemas import BaseSchema
 from sqlmodel import Session
 
 from controlplane.fleet.devices import create_enrollment_token
-from controlplane.storage.database import make_engine
+from controlplane.storage.database import create_db
 from controlplane.tenancy.service import create_api_key, create_tenant
 from tests.conftest import base_env, free_port, migrated_sqlite, seed_data_dir, server_process
 
@@ -87,7 +87,7 @@ def fuzz_api(
         TIERLINE_CLOUD_USAGE_FLUSH_MS="50",
     )
 
-    engine = make_engine(env["TIERLINE_DATABASE_URL"])
+    engine = create_db(env["TIERLINE_DATABASE_URL"])
     with Session(engine) as session:  # in-process: a CLI subprocess per secret would cost seconds
         tenant = create_tenant(session, "acme")
         key = create_api_key(session, tenant).secret

@@ -15,10 +15,10 @@ import httpx
 import pytest
 from sqlmodel import Session
 
+from console.management_api import create_token
 from console.passwords import create_user
-from console.rollouts_api import create_token
 from controlplane.billing.ledger import NewUsage, ingest_usage
-from controlplane.storage.database import make_engine
+from controlplane.storage.database import create_db
 from controlplane.tenancy.service import create_api_key, create_tenant
 from tests.conftest import base_env, free_port, run_server
 
@@ -28,7 +28,7 @@ JAN = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def test_billing_api_end_to_end(migrated_db: str, tmp_path: Path) -> None:
-    engine = make_engine(migrated_db)
+    engine = create_db(migrated_db)
     with Session(engine) as s:
         create_user(s, "ops", "correct horse battery", "admin")
         create_user(s, "auditor", "correct horse battery", "viewer")
@@ -66,7 +66,7 @@ def test_billing_api_end_to_end(migrated_db: str, tmp_path: Path) -> None:
         assert [p["model"] for p in listed] == ["acme/lm"]
 
         # Usage arrives (rated at ingestion with the price in force).
-        engine = make_engine(migrated_db)
+        engine = create_db(migrated_db)
         with Session(engine) as s:
             records = [
                 NewUsage(

@@ -11,7 +11,7 @@ import pytest
 from sqlmodel import Session, col, select
 
 from controlplane.fleet.devices import enroll
-from controlplane.storage.database import make_engine
+from controlplane.storage.database import create_db
 from controlplane.storage.tables import AuditLog
 from tests.conftest import REPO, base_env, migrated_sqlite, tierline_cmd
 
@@ -30,7 +30,7 @@ def test_cli_changes_write_audit_rows_without_secrets(tmp_path: Path) -> None:
     cli("tenants", "create", "acme", "--budget", "25.00")
     key_secret = cli("keys", "create", "--tenant", "acme", "--name", "ci").stdout.strip()
     token_secret = cli("devices", "enrollment-token", "--tenant", "acme", "--label", "site=lab").stdout.strip()
-    engine = make_engine(db_url)
+    engine = create_db(db_url)
     with Session(engine) as s:
         key_id = s.exec(select(AuditLog.target).where(AuditLog.action == "api_key.create")).first()
         device, _, _ = enroll(s, token_secret, name="cam-1", labels={}, agent_version="1", runtime={})

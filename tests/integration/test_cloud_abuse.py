@@ -14,7 +14,7 @@ import pytest
 from sqlmodel import Session, select
 
 from cloud.idempotency import request_hash, usage_id
-from controlplane.storage.database import make_engine
+from controlplane.storage.database import create_db
 from controlplane.storage.tables import IdempotentResponse, UsageRecord
 from controlplane.tenancy.service import create_api_key, create_tenant
 from shared.openai_schema import CompletionRequest
@@ -37,7 +37,7 @@ def _prompt(num_bytes: int) -> str:
 def cloud(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_data_dir: Path) -> Iterator[dict[str, Any]]:
     data = seed_data_dir(tmp_path_factory.mktemp("abuse"), tiny_zoo, session_data_dir)
     db_url = migrated_sqlite(data)
-    engine = make_engine(db_url)
+    engine = create_db(db_url)
     with Session(engine) as s:
         tenant = create_tenant(s, "acme")
         key = create_api_key(s, tenant).secret

@@ -22,7 +22,7 @@ from controlplane.registry import service as registry
 from controlplane.registry.artifacts import push_path
 from controlplane.registry.store import LocalArtifactStore
 from controlplane.rollouts import service as rollouts
-from controlplane.storage.database import make_engine
+from controlplane.storage.database import create_db
 from controlplane.storage.tables import UsageRecord
 from controlplane.tenancy.service import create_api_key, create_tenant
 from shared.artifacts import load_or_create_signing_key
@@ -87,7 +87,7 @@ def cloud(migrated_db: str, tmp_path: Path, tiny_zoo: Path, session_data_dir: Pa
     store = LocalArtifactStore(data / "artifacts")
     key = load_or_create_signing_key(data / "keys" / "artifact-signing.ed25519")
     checkpoint = data / "zoo" / "tiny" / "artifacts" / "lm-cloud"
-    db = make_engine(migrated_db)
+    db = create_db(migrated_db)
     with Session(db) as s:
         for _ in range(2):
             push_path(s, store, checkpoint, name=NAME, actor=ACTOR, signing_key=key)
@@ -216,7 +216,7 @@ def test_a_cached_checkpoint_is_checked_and_a_damaged_one_fetched_again(
 ) -> None:
     store = LocalArtifactStore(tmp_path / "artifacts")
     key = load_or_create_signing_key(tmp_path / "keys" / "artifact-signing.ed25519")
-    db = make_engine(migrated_db)
+    db = create_db(migrated_db)
     with Session(db) as s:
         push_path(s, store, tiny_zoo / "artifacts" / "lm-cloud", name=NAME, actor=ACTOR, signing_key=key)
         s.commit()

@@ -22,7 +22,7 @@ from controlplane.accounts.login_throttle import (
     RedisLoginThrottle,
     throttle_key,
 )
-from controlplane.storage.database import make_engine
+from controlplane.storage.database import create_db
 from controlplane.storage.session import session_scope
 from controlplane.storage.tables import AuditLog, ConsoleLoginAttempt, ConsoleSession
 from shared.errors import ConflictError, ValidationError
@@ -35,7 +35,7 @@ REDIS_URL = os.environ.get("TIERLINE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"
 
 @pytest.fixture
 def engine(migrated_db: str) -> Iterator[Engine]:
-    db = make_engine(migrated_db)
+    db = create_db(migrated_db)
     yield db
     db.dispose()
 

@@ -17,9 +17,9 @@ import pytest
 from sqlalchemy import func
 from sqlmodel import Session, col, select
 
+from console.management_api import create_token
 from console.pages import PAGES_ROUTER
 from console.pages.rollouts import ACTIONS
-from console.rollouts_api import create_token
 from controlplane.storage.session import session_scope
 from controlplane.storage.tables import AuditLog, ConsoleUser, Tenant
 from tests.conftest import DB_BACKENDS, REPO, base_env, free_port, run_server, tierline_cmd
@@ -254,12 +254,12 @@ def test_the_session_cookie_is_secure_behind_tls_or_when_configured(
     from console.app import create_app
     from console.auth import ConsoleAuthSettings
     from console.passwords import create_user
-    from controlplane.storage.database import make_engine
+    from controlplane.storage.database import create_db
     from controlplane.storage.migrate import upgrade
 
     url = f"sqlite:///{tmp_path / 'console.db'}"
     upgrade(url)
-    engine = make_engine(url)
+    engine = create_db(url)
     with session_scope(engine) as session:
         create_user(session, "tls-admin", PASSWORD, "admin")
     app = create_app(engine, ConsoleAuthSettings(secure_cookies=secure_setting))

@@ -8,13 +8,13 @@ from concurrent.futures import ThreadPoolExecutor
 from sqlmodel import Session
 
 from cloud.idempotency import IdempotencyInProgressError, IdempotencyStore
-from controlplane.storage.database import make_engine
+from controlplane.storage.database import create_db
 from controlplane.storage.tables import IdempotentResponse, utcnow
 from controlplane.tenancy.service import create_tenant
 
 
 def test_retries_racing_for_a_lapsed_claim_take_it_once_and_fence_the_old_holder(migrated_db: str) -> None:
-    engine = make_engine(migrated_db)
+    engine = create_db(migrated_db)
     with Session(engine) as s:
         tenant_id = create_tenant(s, "acme").id or 0
         s.commit()
@@ -25,7 +25,7 @@ def test_retries_racing_for_a_lapsed_claim_take_it_once_and_fence_the_old_holder
         row.claimed_at = utcnow().replace(year=2000)
         s.add(row)
         s.commit()
-    replicas = [IdempotencyStore(make_engine(migrated_db), lease_s=60) for _ in range(6)]
+    replicas = [IdempotencyStore(create_db(migrated_db), lease_s=60) for _ in range(6)]
     barrier = threading.Barrier(len(replicas))
 
     def retry(store: IdempotencyStore) -> str | None:

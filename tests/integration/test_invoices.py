@@ -20,8 +20,8 @@ from sqlmodel import Session, col, select
 
 from controlplane.billing import invoicing as billing
 from controlplane.billing.ledger import NewUsage, ingest_usage
-from controlplane.storage.database import make_engine
-from controlplane.storage.session import get_engine
+from controlplane.storage.database import create_db
+from controlplane.storage.session import get_db
 from controlplane.storage.tables import Invoice, InvoiceLine, UsageRecord
 from controlplane.tenancy.service import create_tenant
 from shared.errors import ConflictError, ValidationError
@@ -64,7 +64,7 @@ def add_prices(session: Session) -> None:
 
 
 def test_an_invoice_bills_every_record_once_through_late_records_voids_and_credits(migrated_db: str) -> None:
-    engine = make_engine(migrated_db)
+    engine = create_db(migrated_db)
     with Session(engine, expire_on_commit=False) as s:
         add_prices(s)
         tenant = create_tenant(s, "acme")
@@ -161,7 +161,7 @@ def test_an_invoice_bills_every_record_once_through_late_records_voids_and_credi
 
 
 def test_a_price_in_another_currency_is_refused_at_finalize(migrated_db: str) -> None:
-    engine = make_engine(migrated_db)
+    engine = create_db(migrated_db)
     with Session(engine, expire_on_commit=False) as s:
         billing.add_price(
             s,
@@ -183,7 +183,7 @@ def test_the_cli_invoices_exports_and_refuses_bad_input_in_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     migrated_db = migrated_sqlite(tmp_path)  # the CLI runs the same service code on either database
-    engine = make_engine(migrated_db)
+    engine = create_db(migrated_db)
     with Session(engine) as s:
         add_prices(s)
         tenant = create_tenant(s, "acme")
@@ -237,11 +237,11 @@ def test_the_cli_invoices_exports_and_refuses_bad_input_in_one_line(
     with Session(engine) as s:
         assert s.exec(select(UsageRecord).where(col(UsageRecord.invoice_id).is_not(None))).all() == []
     engine.dispose()
-    get_engine().dispose()
+    get_db().dispose()
 
 
 def test_racing_finalizers_of_one_month_issue_one_invoice(migrated_db: str) -> None:
-    engine = make_engine(migrated_db)
+    engine = create_db(migrated_db)
     with Session(engine, expire_on_commit=False) as s:
         add_prices(s)
         tenant = create_tenant(s, "acme")

@@ -26,7 +26,7 @@ from sqlmodel import Session, col, select
 
 from cloud.jobs import JobStore
 from cloud.webhooks import is_valid_signature
-from controlplane.storage.database import make_engine
+from controlplane.storage.database import create_db
 from controlplane.storage.tables import Job, UsageRecord, WebhookDelivery, utcnow
 from controlplane.tenancy.service import create_api_key, create_tenant
 from tests.conftest import base_env, free_port, migrated_sqlite, seed_data_dir, server_process
@@ -97,7 +97,7 @@ def _env(data: Path, db_url: str, **extra: str) -> dict[str, str]:
 
 def _tenant_keys(db_url: str, *names: str) -> list[str]:
     """A tenant and an API key for each name."""
-    engine = make_engine(db_url)
+    engine = create_db(db_url)
     with Session(engine) as s:
         keys = [create_api_key(s, create_tenant(s, name)).secret for name in names]
         s.commit()
@@ -389,11 +389,11 @@ def test_jobs_survive_sigterm_and_a_crash_and_each_is_billed_once(
 
 # -- the job store on each database ----------------------------------------------------------------------------
 def test_replicas_never_claim_one_job_twice_and_a_lapsed_lease_is_retaken(migrated_db: str) -> None:
-    engine = make_engine(migrated_db)
+    engine = create_db(migrated_db)
     with Session(engine) as s:
         tenant_id = create_tenant(s, "acme").id or 0
         s.commit()
-    replicas = [JobStore(make_engine(migrated_db)) for _ in range(2)]
+    replicas = [JobStore(create_db(migrated_db)) for _ in range(2)]
     ids = [
         replicas[0].create(Job(id=f"job_{i:02d}", tenant_id=tenant_id, endpoint="/v1/completions", model=MODEL))[0].id
         for i in range(12)

@@ -20,7 +20,7 @@ from controlplane.billing.invoices import round_line
 from controlplane.billing.ledger import usage_totals
 from controlplane.billing.pricing import period_bounds, period_of
 from controlplane.rollouts.metrics import candidate_usage, collect_windows
-from controlplane.storage.database import make_engine
+from controlplane.storage.database import create_db
 from controlplane.storage.migrate import downgrade, upgrade
 from controlplane.storage.tables import Price, Rollout, Tenant, UsageRecord
 
@@ -70,7 +70,7 @@ def _insert_records(session: Session, tenant_id: int, price_id: int, start: date
 
 @pytest.mark.postgres
 def test_100k_costs_sum_to_the_same_decimal_on_every_page(migrated_db: str) -> None:
-    engine = make_engine(migrated_db)
+    engine = create_db(migrated_db)
     now = datetime.now(UTC)
     month_start, _ = period_bounds(period_of(now))
     start = max(month_start, now - timedelta(hours=6))  # one month, so one invoice bills them all
@@ -123,7 +123,7 @@ def test_100k_costs_sum_to_the_same_decimal_on_every_page(migrated_db: str) -> N
 def test_the_migration_to_micros_keeps_every_cost_and_back(db_url: str) -> None:
     costs = {"a": "0.000125", "b": "12.345678", "c": "123456789.123456", "d": None, "e": "0"}
     upgrade(db_url, "0012")
-    engine = make_engine(db_url)
+    engine = create_db(db_url)
     at = datetime(2026, 1, 5, 12, tzinfo=UTC)
     with Session(engine) as session:
         tenant = Tenant(name="acme")

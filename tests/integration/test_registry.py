@@ -17,7 +17,7 @@ from controlplane.registry import artifacts as registry_artifacts
 from controlplane.registry import service as registry
 from controlplane.registry.cli import models
 from controlplane.registry.store import LocalArtifactStore
-from controlplane.storage.database import make_engine
+from controlplane.storage.database import create_db
 from controlplane.storage.session import session_scope
 from controlplane.storage.tables import AuditLog
 from shared.artifacts import FileEntry, Manifest, load_or_create_signing_key, verify_signature
@@ -66,7 +66,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def audit(engine_url: str, target_prefix: str) -> list[tuple[str, str]]:
-    engine = make_engine(engine_url)
+    engine = create_db(engine_url)
     with Session(engine) as s:
         rows = s.exec(
             select(AuditLog.action, AuditLog.target)
@@ -79,7 +79,7 @@ def audit(engine_url: str, target_prefix: str) -> list[tuple[str, str]]:
 
 
 def test_concurrent_pushes_get_consecutive_version_numbers(migrated_db: str) -> None:
-    engine = make_engine(migrated_db)
+    engine = create_db(migrated_db)
     with session_scope(engine) as s:
         registry.create_model(s, "race", "causal-lm", actor=ACTOR)
     errors: list[BaseException] = []
@@ -110,7 +110,7 @@ def test_concurrent_pushes_get_consecutive_version_numbers(migrated_db: str) -> 
 
 
 def test_an_alias_moves_in_one_step_and_readers_always_see_a_version(migrated_db: str) -> None:
-    engine = make_engine(migrated_db)
+    engine = create_db(migrated_db)
     with session_scope(engine) as s:
         model = registry.create_model(s, "aliased", "tensor", actor=ACTOR)
         for _ in range(3):
@@ -150,7 +150,7 @@ def test_an_alias_moves_in_one_step_and_readers_always_see_a_version(migrated_db
 
 
 def test_status_moves_forward_only_and_is_audited(migrated_db: str) -> None:
-    engine = make_engine(migrated_db)
+    engine = create_db(migrated_db)
     with session_scope(engine) as s:
         model = registry.create_model(s, "lifecycle", "causal-lm", actor=ACTOR)
         registry.register_version(s, model, label="rc1", tags=["nightly"], actor=ACTOR)
@@ -184,7 +184,7 @@ def test_status_moves_forward_only_and_is_audited(migrated_db: str) -> None:
 def test_a_pushed_checkpoint_is_stored_once_signed_and_comes_back_intact(
     migrated_db: str, checkpoint: Path, tmp_path: Path
 ) -> None:
-    engine = make_engine(migrated_db)
+    engine = create_db(migrated_db)
     store = LocalArtifactStore(tmp_path / "artifacts")
     key = load_or_create_signing_key(tmp_path / "keys" / "signing.ed25519")
     with session_scope(engine) as s:
@@ -301,7 +301,7 @@ def test_an_exported_edge_artifact_publishes_to_the_fleet(tmp_path: Path) -> Non
         models, ["export", "tiny-edge", "1", "--format", "tflite", "--out", str(tmp_path / "x")], env=env
     )
     assert "has no tflite artifact" in str(missing.exception)
-    engine = make_engine(env["TIERLINE_DATABASE_URL"])
+    engine = create_db(env["TIERLINE_DATABASE_URL"])
     with session_scope(engine) as s:  # what the INT8 guard rejected never reaches devices
         model = registry.get_model(s, "tiny-edge")
         version = registry.register_version(s, model, actor=ACTOR)
@@ -329,7 +329,7 @@ def test_derive_jobs_left_pending_by_a_stopped_console_are_failed(migrated_db: s
 
     from controlplane.registry.edge_derive import fail_stale_jobs
 
-    engine = make_engine(migrated_db)
+    engine = create_db(migrated_db)
     with session_scope(engine) as s:
         model = registry.create_model(s, "stale", "causal-lm", actor=ACTOR)
         version = registry.register_version(s, model, actor=ACTOR)

@@ -19,10 +19,10 @@ import pytest
 from moto.server import ThreadedMotoServer
 from sqlmodel import Session, col, select
 
+from console.management_api import create_token
 from console.passwords import create_user
-from console.rollouts_api import create_token
 from controlplane.registry.store import S3ArtifactStore
-from controlplane.storage.database import make_engine
+from controlplane.storage.database import create_db
 from controlplane.storage.tables import AuditLog, ModelArtifact
 from shared.artifacts import FileEntry, Manifest, load_public_key, verify_signature
 from tests.conftest import base_env, free_port, migrated_sqlite, run_server
@@ -72,7 +72,7 @@ def console(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Console]:
     crushed = make_checkpoint(tmp / "crushed", crush_int8=True)
     data = tmp / "data"
     db_url = migrated_sqlite(data)
-    engine = make_engine(db_url)
+    engine = create_db(db_url)
     with Session(engine) as s:
         create_user(s, "ops", "correct horse battery", "admin")
         create_user(s, "auditor", "correct horse battery", "viewer")
@@ -251,7 +251,7 @@ def test_aliases_and_status_move_and_are_audited(console: Console) -> None:
         assert resp.status_code == 200 and resp.json()["status"] == status
     tagged = console.api("POST", "/models/aliased/versions/2/tags", json={"add": ["prod"]})
     assert tagged.json()["tags"] == ["prod"]
-    engine = make_engine(console.db_url)
+    engine = create_db(console.db_url)
     with Session(engine) as s:
         rows = s.exec(
             select(AuditLog.actor, AuditLog.action, AuditLog.before, AuditLog.after)
@@ -294,7 +294,7 @@ def test_edge_artifacts_are_derived_in_the_background_signed_and_guarded(console
 
     # Signed with the platform key, derived from the checkpoint's digest, and the bytes run.
     key = load_public_key(console.data_dir / "keys" / "artifact-signing.ed25519.pub")
-    engine = make_engine(console.db_url)
+    engine = create_db(console.db_url)
     with Session(engine) as s:
         rows = {
             a.format: a

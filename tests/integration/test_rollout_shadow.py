@@ -18,13 +18,13 @@ from safetensors.torch import load_file, save_file
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
+from console.management_api import create_token
 from console.passwords import create_user
-from console.rollouts_api import create_token
 from controlplane.registry import service as registry
 from controlplane.registry.artifacts import push_path
 from controlplane.registry.store import LocalArtifactStore
 from controlplane.rollouts import service as rollouts
-from controlplane.storage.database import make_engine
+from controlplane.storage.database import create_db
 from controlplane.storage.tables import RolloutShadowSample, UsageRecord
 from controlplane.tenancy.service import create_api_key, create_tenant
 from shared.artifacts import load_or_create_signing_key
@@ -64,7 +64,7 @@ def shadowed(migrated_db: str, tmp_path: Path, tiny_zoo: Path, session_data_dir:
     key = load_or_create_signing_key(data / "keys" / "artifact-signing.ed25519")
     checkpoint = data / "zoo" / "tiny" / "artifacts" / "lm-cloud"
     other = _different_weights(checkpoint, tmp_path / "lm-cloud-other")
-    db = make_engine(migrated_db)
+    db = create_db(migrated_db)
     secrets: dict[str, str] = {}
     ids: dict[str, int] = {}
     with Session(db) as s:
@@ -182,7 +182,7 @@ def test_the_management_api_creates_a_rollout_with_a_shadow_step_and_names_bad_f
 ) -> None:
     data = seed_data_dir(tmp_path / "data", tiny_zoo, session_data_dir)
     db_url = migrated_sqlite(data)
-    db = make_engine(db_url)
+    db = create_db(db_url)
     with Session(db) as s:
         create_user(s, "ops", "correct horse battery", "admin")
         token = create_token(s, "ops").secret

@@ -25,8 +25,8 @@ from click.testing import CliRunner
 from sqlmodel import Session, col, select
 
 from cloud.edge_releases import publish_command
+from console.management_api import create_token
 from console.passwords import create_user
-from console.rollouts_api import create_token
 from controlplane.fleet.devices import create_enrollment_token
 from controlplane.rollouts.assignment import arm, cloud_subject
 from controlplane.rollouts.service import (
@@ -38,7 +38,7 @@ from controlplane.rollouts.service import (
     resolve_cloud_arm,
     run_controller_pass,
 )
-from controlplane.storage.database import make_engine
+from controlplane.storage.database import create_db
 from controlplane.storage.tables import AuditLog, Device, DeviceEvent, Rollout, RolloutEvent, UsageRecord
 from controlplane.tenancy.service import create_tenant
 from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, seed_data_dir, tierline_cmd
@@ -153,7 +153,7 @@ def platform(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_d
     for version in ("b1", "c1", "c2", "c3"):
         out = CliRunner().invoke(publish_command, [str(artifact), "--as-version", version], env={**env})
         assert out.exit_code == 0, out.output
-    engine = make_engine(db_url)
+    engine = create_db(db_url)
     with Session(engine) as s:
         tenant = create_tenant(s, "acme")
         create_user(s, "ops", "correct horse battery", "admin")
@@ -171,7 +171,7 @@ def platform(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_d
         return proc.stdout.strip()
 
     token = cli("console", "create-token", "--username", "ops")
-    engine = make_engine(db_url)
+    engine = create_db(db_url)
     with Session(engine) as s:
         viewer_token = create_token(s, "auditor").secret
         s.commit()
@@ -193,7 +193,7 @@ def platform(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_d
 
 
 def audit_rows(platform: Platform, rollout_id: int) -> list[tuple[str, str]]:
-    engine = make_engine(platform.db_url)
+    engine = create_db(platform.db_url)
     with Session(engine) as s:
         rows = s.exec(
             select(AuditLog.actor, AuditLog.action)
@@ -288,7 +288,7 @@ def test_a_candidate_with_injected_errors_rolls_back_by_itself_and_devices_retur
     # Every device is told to return to the baseline at its next sync.
     assert set(platform.sync_all().values()) == {"b1"}
     # Usage records are stamped with the arm of the version that served them (billing tells them apart).
-    engine = make_engine(platform.db_url)
+    engine = create_db(platform.db_url)
     with Session(engine) as s:
         arms = {(u.device_id, u.rollout_arm) for u in s.exec(select(UsageRecord).where(UsageRecord.tier == "edge"))}
     engine.dispose()
@@ -391,7 +391,7 @@ def usage(tenant_id: int, which: str, version: int, *, status: str = "ok", laten
 
 
 def test_cloud_traffic_is_judged_from_usage_records_by_arm(migrated_db: str, tmp_path: Path) -> None:
-    engine = make_engine(migrated_db)
+    engine = create_db(migrated_db)
     with Session(engine) as s:
         tenant = create_tenant(s, "acme")
         spec = RolloutSpec(
@@ -444,7 +444,7 @@ def test_cloud_traffic_is_judged_from_usage_records_by_arm(migrated_db: str, tmp
 
 
 def test_two_controllers_never_apply_a_transition_twice(migrated_db: str) -> None:
-    engine = make_engine(migrated_db)
+    engine = create_db(migrated_db)
     with Session(engine) as s:
         spec = RolloutSpec(model="m", baseline_version="1", candidate_version="2", min_step_s=0, min_samples=1)
         create_rollout(s, spec, actor="test")
@@ -460,7 +460,7 @@ def test_two_controllers_never_apply_a_transition_twice(migrated_db: str) -> Non
 
 def test_window_starts_exclude_older_usage(migrated_db: str) -> None:
     """Records from before a step started never count in its analysis."""
-    engine = make_engine(migrated_db)
+    engine = create_db(migrated_db)
     with Session(engine) as s:
         tenant = create_tenant(s, "acme")
         spec = RolloutSpec(model="m", baseline_version="1", candidate_version="2", min_step_s=0, min_samples=1)
@@ -501,7 +501,7 @@ def telemetry(device: str, tenant_id: int, at: datetime, **versions: tuple[int, 
 def test_fleet_windows_count_what_devices_served_inside_them(migrated_db: str) -> None:
     """Cumulative agent counters become increases inside the window: a restart counts from zero, and a device
     with no sample before the window counts from its first one inside, never its whole history."""
-    engine = make_engine(migrated_db)
+    engine = create_db(migrated_db)
     start = datetime.now(UTC) - timedelta(minutes=5)
     with Session(engine) as s:
         tenant = create_tenant(s, "acme")
@@ -545,7 +545,7 @@ def test_fleet_windows_count_what_devices_served_inside_them(migrated_db: str) -
 def test_a_rolled_back_candidate_is_billed_as_served_and_its_usage_is_summed(migrated_db: str) -> None:
     """The billing rule: a rollback never re-rates or voids what the candidate served; the rollback (and an
     abort) event carries the candidate's usage and rated cost per tenant, the basis of a credit note."""
-    engine = make_engine(migrated_db)
+    engine = create_db(migrated_db)
     with Session(engine) as s:
         acme, globex = create_tenant(s, "acme"), create_tenant(s, "globex")
         spec = RolloutSpec(

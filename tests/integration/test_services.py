@@ -104,7 +104,7 @@ def test_console_overview_renders(data_dir: Path, db_url: str) -> None:
 def test_console_create_admin_stores_an_argon2id_hash(data_dir: Path, db_url: str) -> None:
     from sqlmodel import select
 
-    from controlplane.storage.database import make_engine
+    from controlplane.storage.database import create_db
     from controlplane.storage.tables import ConsoleUser
 
     upgrade(db_url)
@@ -127,7 +127,7 @@ def test_console_create_admin_stores_an_argon2id_hash(data_dir: Path, db_url: st
         capture_output=True,
     )
     assert short.returncode == 1 and "at least 12 characters" in short.stderr
-    engine = make_engine(db_url)
+    engine = create_db(db_url)
     with session_scope(engine) as s:
         user = s.exec(select(ConsoleUser).where(ConsoleUser.username == "ops")).one()
         assert user.password_hash.startswith("$argon2id$")

@@ -12,7 +12,7 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, text
 from sqlmodel import Session, SQLModel
 
-from controlplane.storage.database import make_engine
+from controlplane.storage.database import create_db
 from controlplane.storage.migrate import current_revision, downgrade, head_revision, upgrade
 from controlplane.storage.tables import UsageRecord
 from controlplane.tenancy.service import authenticate, create_api_key, create_tenant, revoke_api_key
@@ -35,7 +35,7 @@ EXPECTED_TABLES = {
 
 def test_migrations_apply_from_empty_and_match_the_models(db_url: str) -> None:
     upgrade(db_url)
-    engine = make_engine(db_url)
+    engine = create_db(db_url)
     assert current_revision(engine) == head_revision()
     assert set(inspect(engine).get_table_names()) >= EXPECTED_TABLES
     with engine.connect() as conn:
@@ -47,7 +47,7 @@ def test_migrations_apply_from_empty_and_match_the_models(db_url: str) -> None:
 def test_downgrade_to_base_and_up_again(db_url: str) -> None:
     upgrade(db_url)
     downgrade(db_url, "base")
-    engine = make_engine(db_url)
+    engine = create_db(db_url)
     assert not EXPECTED_TABLES & set(inspect(engine).get_table_names())
     upgrade(db_url)
     assert set(inspect(engine).get_table_names()) >= EXPECTED_TABLES
@@ -55,7 +55,7 @@ def test_downgrade_to_base_and_up_again(db_url: str) -> None:
 
 
 def test_sqlite_runs_in_wal_mode_with_foreign_keys(tmp_path: Path) -> None:
-    engine = make_engine(f"sqlite:///{tmp_path / 'wal.db'}")
+    engine = create_db(f"sqlite:///{tmp_path / 'wal.db'}")
     with engine.connect() as conn:
         assert conn.execute(text("PRAGMA journal_mode")).scalar() == "wal"
         assert conn.execute(text("PRAGMA foreign_keys")).scalar() == 1
@@ -63,7 +63,7 @@ def test_sqlite_runs_in_wal_mode_with_foreign_keys(tmp_path: Path) -> None:
 
 
 def test_keys_authenticate_revoke_and_expire(migrated_db: str) -> None:
-    engine = make_engine(migrated_db)
+    engine = create_db(migrated_db)
     with Session(engine) as s:
         acme = create_tenant(s, "acme", budget=Decimal("12.50"))
         other = create_tenant(s, "other")
@@ -92,7 +92,7 @@ def test_keys_authenticate_revoke_and_expire(migrated_db: str) -> None:
 
 
 def test_tenant_names_are_validated_and_unique(migrated_db: str) -> None:
-    engine = make_engine(migrated_db)
+    engine = create_db(migrated_db)
     with Session(engine) as s:
         create_tenant(s, "acme")
         with pytest.raises(ConflictError):
@@ -105,7 +105,7 @@ def test_tenant_names_are_validated_and_unique(migrated_db: str) -> None:
 def test_usage_record_id_is_unique(migrated_db: str) -> None:
     from sqlalchemy.exc import IntegrityError
 
-    engine = make_engine(migrated_db)
+    engine = create_db(migrated_db)
     with Session(engine) as s:
         tenant = create_tenant(s, "acme")
         s.add(UsageRecord(id="req-1", tenant_id=tenant.id or 0, model="m", tier="edge", prompt_tokens=3))

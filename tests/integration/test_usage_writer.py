@@ -10,14 +10,14 @@ import pytest
 from sqlmodel import Session, select
 
 from cloud.metering import UsageWriter
-from controlplane.storage.database import make_engine
+from controlplane.storage.database import create_db
 from controlplane.storage.tables import Tenant, UsageRecord
 
 pytestmark = pytest.mark.integration
 
 
 def test_records_are_written_once_in_batches_and_duplicates_are_skipped(migrated_db: str) -> None:
-    engine = make_engine(migrated_db)
+    engine = create_db(migrated_db)
     with Session(engine) as session:
         tenant = Tenant(name="acme")
         session.add(tenant)
@@ -58,6 +58,6 @@ def test_records_are_written_once_in_batches_and_duplicates_are_skipped(migrated
 
 
 def test_a_column_the_table_lacks_is_refused_when_submitted(migrated_db: str) -> None:
-    writer = UsageWriter(make_engine(migrated_db))
+    writer = UsageWriter(create_db(migrated_db))
     with pytest.raises(TypeError, match="no column completion_tokenz"):
         writer.submit("r1", 1, "m", "cloud", completion_tokenz=3)

@@ -32,7 +32,7 @@ from sqlmodel import Session, col, select
 from controlplane.billing import invoicing as billing
 from controlplane.billing.ledger import GROUP_BY, NewUsage, ingest_usage, usage_totals
 from controlplane.billing.pricing import Tokens, cost, period_of, price_for
-from controlplane.storage.database import make_engine
+from controlplane.storage.database import create_db
 from controlplane.storage.migrate import upgrade
 from controlplane.storage.tables import Invoice, InvoiceLine, Price, Tenant, UsageRecord
 
@@ -59,7 +59,7 @@ def ledger_db(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 
 def _with_prices(url: str) -> Iterator[Engine]:
     upgrade(url)
-    engine = make_engine(url)
+    engine = create_db(url)
     with Session(engine) as s:
         for model, start, prompt, completion, tier, version in (
             ("m0", START - timedelta(days=30), "1.10", "3.30", None, None),
