@@ -253,6 +253,7 @@ def create_app(engine: Engine | None = None, zoo_root: Path | None = None) -> Li
             settings.jwt_audience,
             settings.jwt_public_key_file,
             settings.jwt_jwks_file,
+            verify_audience=settings.jwt_verify_audience,
         )
         if settings.jwt_issuer
         else None
