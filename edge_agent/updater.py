@@ -13,7 +13,9 @@
 
 Every step is reported through ``report(kind, payload)``. Anything that fails verification is deleted and
 answered "rejected" (the cloud's desired state will offer it again; a smoke-test failure or a health rollback
-blocks the version for good); a network or disk problem is "failed" and resumes at the next call.
+blocks the version); a network or disk problem is "failed" and resumes at the next call. A block is lifted
+after ``block_s``, or at once when the cloud desires another version of the model (the control plane has
+moved on; desiring the version again later is a new decision).
 Idempotent GETs have a timeout and are retried with full-jitter exponential backoff.
 
 ``HealthWatch`` rolls a model back to its previous version when the new one's error rate over its first
@@ -94,6 +96,8 @@ class Updater:
         max_bytes_per_s: float | None = None,
         smoke_max_s: float = 30.0,
         num_threads: int = 1,
+        block_s: float = 86400.0,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         if not trusted_keys:
             raise ValueError("the updater needs at least one pinned signing key")
@@ -101,6 +105,7 @@ class Updater:
         self.trusted_keys, self.max_artifact_bytes, self._report = trusted_keys, max_artifact_bytes, report
         self.timeout_s, self.max_attempts, self.retry_base_s = timeout_s, max_attempts, retry_base_s
         self.max_bytes_per_s, self.smoke_max_s, self.num_threads = max_bytes_per_s, smoke_max_s, num_threads
+        self.block_s, self.wall_clock = block_s, wall_clock
         self._quiet: set[tuple[str, str]] = set()
         self._fetched = 0
 
@@ -115,6 +120,7 @@ class Updater:
             self.report("update.rejected", {**info, "reason": exc.message})
             return "rejected"
         try:
+            self._lift_blocks(name, version)
             state = self.store.state(name)
             if state.current == version:
                 if self.store.manifest(name, version).sha256 == desired.sha256:
@@ -147,6 +153,19 @@ class Updater:
             return "failed"
         self.report("update.activated", {**info, "previous": state.current})
         return "installed"
+
+    def _lift_blocks(self, name: str, desired: str) -> None:
+        """Unblock ``name``'s versions the cloud no longer desires, and ``desired`` once its block expired."""
+        for version, blocked_at in self.store.state(name).blocked.items():
+            if version != desired:
+                reason = f"the cloud now desires {desired}"
+            elif self.wall_clock() - blocked_at >= self.block_s:
+                reason = f"blocked for {self.block_s:g} s"
+            else:
+                continue
+            self.store.unblock(name, version)
+            self._quiet.discard((name, version))
+            self.report("update.unblocked", {"model": name, "version": version, "reason": reason})
 
     def report(self, kind: str, payload: dict[str, Any]) -> None:
         logger.log(

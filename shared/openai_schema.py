@@ -1,7 +1,8 @@
 """OpenAI-compatible request schemas shared by the cloud API and the edge agent's local API.
 
 Unknown fields are ignored (clients send fields newer than this server); known ones are validated strictly,
-and ``shared.http`` turns a failure into the OpenAI error shape naming the field (``param``).
+types included (pydantic strict mode: ``"5"`` and ``true`` are not integers, ``"0.5"`` is not a number; an
+integer is a number), and ``shared.http`` turns a failure into the OpenAI error shape naming the field (``param``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ MAX_STOP_SEQUENCES = 4
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", str_strip_whitespace=False)
+    model_config = ConfigDict(extra="ignore", str_strip_whitespace=False, strict=True)
 
 
 class StreamOptions(_Request):
