@@ -14,8 +14,8 @@
 Every step is reported through ``report(kind, payload)``. Anything that fails verification is deleted and
 answered "rejected" (the cloud's desired state will offer it again; a smoke-test failure or a health rollback
 blocks the version); a network or disk problem is "failed" and resumes at the next call. A block is lifted
-after ``block_s``, or at once when the cloud desires another version of the model (the control plane has
-moved on; desiring the version again later is a new decision).
+after ``block_s``, or at once when the cloud's desired version of the model changes to the blocked one (a new
+decision of the control plane, such as an operator publishing it again after a fix).
 Idempotent GETs have a timeout and are retried with full-jitter exponential backoff.
 
 ``HealthWatch`` rolls a model back to its previous version when the new one's error rate over its first
@@ -107,6 +107,7 @@ class Updater:
         self.max_bytes_per_s, self.smoke_max_s, self.num_threads = max_bytes_per_s, smoke_max_s, num_threads
         self.block_s, self.wall_clock = block_s, wall_clock
         self._quiet: set[tuple[str, str]] = set()
+        self._desired: dict[str, str] = {}  # model -> the version the cloud desired at the last call
         self._fetched = 0
 
     def apply(self, desired: DesiredModel) -> Outcome:
@@ -155,17 +156,20 @@ class Updater:
         return "installed"
 
     def _lift_blocks(self, name: str, desired: str) -> None:
-        """Unblock ``name``'s versions the cloud no longer desires, and ``desired`` once its block expired."""
-        for version, blocked_at in self.store.state(name).blocked.items():
-            if version != desired:
-                reason = f"the cloud now desires {desired}"
-            elif self.wall_clock() - blocked_at >= self.block_s:
-                reason = f"blocked for {self.block_s:g} s"
-            else:
-                continue
-            self.store.unblock(name, version)
-            self._quiet.discard((name, version))
-            self.report("update.unblocked", {"model": name, "version": version, "reason": reason})
+        """Unblock ``desired`` when the cloud has just changed to it from another version, or its block expired."""
+        before, self._desired[name] = self._desired.get(name), desired
+        blocked_at = self.store.state(name).blocked.get(desired)
+        if blocked_at is None:
+            return
+        if before is not None and before != desired:
+            reason = f"the cloud desires it again, after {before}"
+        elif self.wall_clock() - blocked_at >= self.block_s:
+            reason = f"blocked for {self.block_s:g} s"
+        else:
+            return
+        self.store.unblock(name, desired)
+        self._quiet.discard((name, desired))
+        self.report("update.unblocked", {"model": name, "version": desired, "reason": reason})
 
     def report(self, kind: str, payload: dict[str, Any]) -> None:
         logger.log(
