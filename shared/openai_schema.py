@@ -20,7 +20,9 @@ def _json_type(value: Any) -> str:
     for kind, name in ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string")):
         if isinstance(value, kind):
             return name
-    return {list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
+    if isinstance(value, list):
+        return "an array"
+    return "an object" if isinstance(value, dict) else type(value).__name__
 
 
 def _exactly(what: str, *kinds: type) -> BeforeValidator:

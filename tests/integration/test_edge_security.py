@@ -97,7 +97,7 @@ def test_the_local_api_key_is_required_and_compared_in_constant_time(
 ) -> None:
     assert httpx.get(f"{local.url}/v1/models").status_code == 401
     assert httpx.get(f"{local.url}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
-    assert httpx.get(f"{local.url}/v1/models", headers={"Authorization": "Bearer é".encode()}).status_code == 401
+    assert httpx.get(f"{local.url}/v1/models", headers={b"Authorization": "Bearer é".encode()}).status_code == 401
     assert httpx.get(f"{local.url}/v1/models", headers=local.auth).status_code == 200
 
     compared: list[tuple[Any, Any]] = []
