@@ -3,9 +3,9 @@
 Every artifact is verified (Ed25519 signature against the pinned keys, sha256 of every file) at start-up and
 on every swap, and an LM's files are hashed again against the verified manifest when it is loaded on first
 use. ``tierline/lm-edge`` names the INT8 or the fp32 export: the faster where both verify, else the one that
-does. A swap loads the new version first and then switches the model id
-to it under a lock: requests in flight keep the runtime object they started with and finish on the old
-version; no request waits for a load or fails because of the swap.
+does. A swap loads the new version first and then switches the model id to it under a lock: requests in
+flight keep the runtime object they started with and finish on the old version; no request waits for a load
+or fails because of the swap.
 """
 
 from __future__ import annotations

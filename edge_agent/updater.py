@@ -121,7 +121,7 @@ class Updater:
             self.report("update.rejected", {**info, "reason": exc.message})
             return "rejected"
         try:
-            self._lift_blocks(name, version)
+            self._lift_block(name, version)
             state = self.store.state(name)
             if state.current == version:
                 if self.store.manifest(name, version).sha256 == desired.sha256:
@@ -155,7 +155,7 @@ class Updater:
         self.report("update.activated", {**info, "previous": state.current})
         return "installed"
 
-    def _lift_blocks(self, name: str, desired: str) -> None:
+    def _lift_block(self, name: str, desired: str) -> None:
         """Unblock ``desired`` when the cloud has just changed to it from another version, or its block expired."""
         before, self._desired[name] = self._desired.get(name), desired
         blocked_at = self.store.state(name).blocked.get(desired)
