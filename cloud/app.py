@@ -289,6 +289,7 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
             settings.jwt_audience,
             settings.jwt_public_key_file,
             settings.jwt_jwks_file,
+            verify_audience=settings.jwt_verify_audience,
         )
         if settings.jwt_issuer
         else None

@@ -71,7 +71,10 @@ class CloudSettings(BaseSettings):
     jwt_issuer: str | None = Field(None, description="accept JWT bearer tokens from this issuer (iss)")
     jwt_public_key_file: Path | None = Field(None, description="the issuer's public key (PEM)")
     jwt_jwks_file: Path | None = Field(None, description="the issuer's JWKS (JSON file)")
-    jwt_audience: str | None = Field(None, description="required aud claim, when set")
+    jwt_audience: str | None = Field(None, description="the aud claim every JWT must carry (required with an issuer)")
+    jwt_verify_audience: bool = Field(
+        True, description="false: accept the issuer's tokens for any audience (only for an issuer minting for us alone)"
+    )
     jwt_tenant_claim: str = Field("tenant", description="claim naming the tenant")
     usage_flush_ms: int = Field(200, ge=10, description="how often usage records are written, in batches")
     edge_sync_interval_s: float = Field(30.0, gt=0, description="how often enrolled agents sync (told at enroll)")

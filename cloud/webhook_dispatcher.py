@@ -1,6 +1,12 @@
 """Sends webhook deliveries: a background task in the cloud process takes due deliveries from the database
 (so deliveries pending at a restart resume, and replicas share the work) and POSTs them, a bounded number at
-a time."""
+a time.
+
+Unless private networks are allowed, a receiver's host name is resolved once per attempt, every address it
+resolves to must be public, and the POST connects to one of those very addresses (the URL's host sent as
+``Host`` and as the TLS server name, which the certificate is checked against): a name that resolves to a
+public address for the check and to an internal one for the connection (DNS rebinding) reaches nothing
+internal."""
 
 from __future__ import annotations
 
@@ -8,8 +14,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 import time
-from urllib.parse import urlsplit
+from typing import Any
 
 import httpx
 
@@ -30,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 MAX_CONCURRENT_DELIVERIES = 16
 CLAIM_MARGIN_S = 30.0
+DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 def webhook_body(claimed: ClaimedDelivery) -> bytes:
@@ -46,7 +54,9 @@ class WebhookDispatcher:
         self.timeout_s = settings.webhook_timeout_s
         self.poll_s = settings.job_poll_s
         self.allow_private = settings.webhook_allow_private_networks
-        self._client = httpx.AsyncClient(timeout=self.timeout_s, follow_redirects=False)
+        # No kept-alive connections: one pinned to an address for one host name must not carry another's POST.
+        limits = httpx.Limits(max_connections=100, max_keepalive_connections=20 if self.allow_private else 0)
+        self._client = httpx.AsyncClient(timeout=self.timeout_s, follow_redirects=False, limits=limits)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._inflight: set[asyncio.Task[None]] = set()
@@ -93,19 +103,55 @@ class WebhookDispatcher:
         if not task.cancelled() and task.exception() is not None:
             logger.error("webhook attempt crashed", exc_info=task.exception())
 
-    async def _refusal(self, url: str) -> str | None:
-        """Why ``url`` may not be called: its host resolves to a non-public address (unless allowed)."""
-        if self.allow_private:
-            return None
-        parts = urlsplit(url)
-        host = parts.hostname or ""
+    async def _resolve(self, url: httpx.URL) -> tuple[list[str], str | None]:
+        """The addresses ``url``'s host resolves to, all public; or, with none, why it may not be called."""
+        host = url.raw_host.decode("ascii")
+        port = url.port or DEFAULT_PORTS.get(url.scheme, 443)
         try:
-            infos = await asyncio.get_running_loop().getaddrinfo(host, parts.port or 443)
+            infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except OSError as exc:
-            return f"cannot resolve {host}: {exc}"
-        if any(not is_public_address(str(info[4][0])) for info in infos):
-            return f"refused: {host} resolves to a non-public address"
-        return None
+            return [], f"cannot resolve {host}: {exc}"
+        addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
+        if not addresses or any(not is_public_address(a) for a in addresses):
+            return [], f"refused: {host} resolves to a non-public address"
+        return addresses, None
+
+    async def _post(
+        self, url: httpx.URL, body: bytes, headers: dict[str, str], extensions: dict[str, Any]
+    ) -> tuple[int | None, str | None, bool]:
+        """POST once: the receiver's status code, or what went wrong (its body is not read), and whether no
+        connection could be made at all."""
+        try:
+            async with self._client.stream(
+                "POST", url, content=body, headers=headers, extensions=extensions
+            ) as response:
+                return response.status_code, None, False
+        except httpx.TimeoutException:
+            return None, f"no answer within {self.timeout_s:g}s", False
+        except httpx.HTTPError as exc:
+            error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            return None, error, isinstance(exc, httpx.ConnectError)
+
+    async def _deliver(self, url: str, body: bytes, headers: dict[str, str]) -> tuple[int | None, str | None, bool]:
+        """POST ``body`` to ``url``: (status code, error, whether retrying is pointless)."""
+        try:
+            target = httpx.URL(url)
+        except httpx.InvalidURL as exc:
+            return None, f"invalid URL: {exc}", True
+        if self.allow_private:
+            status_code, error, _ = await self._post(target, body, headers, {})
+            return status_code, error, False
+        addresses, refusal = await self._resolve(target)
+        if refusal is not None:
+            return None, refusal, True
+        pinned = {**headers, "host": target.netloc.decode("ascii")}
+        tls = {"sni_hostname": target.raw_host.decode("ascii")} if target.scheme == "https" else {}
+        status_code, error = None, None
+        for address in addresses:
+            status_code, error, is_unreachable = await self._post(target.copy_with(host=address), body, pinned, tls)
+            if not is_unreachable:
+                break
+        return status_code, error, False
 
     async def _attempt(self, claimed: ClaimedDelivery) -> None:
         body = webhook_body(claimed)
@@ -115,8 +161,6 @@ class WebhookDispatcher:
         started = time.monotonic()
         if claimed.secret is None:
             error, is_final = "the tenant has no webhook secret", True
-        elif (refusal := await self._refusal(claimed.url)) is not None:
-            error, is_final = refusal, True
         else:
             headers = {
                 "content-type": "application/json",
@@ -126,13 +170,8 @@ class WebhookDispatcher:
                 EVENT_HEADER: claimed.event,
                 TIMESTAMP_HEADER: str(int(time.time())),
             }
-            try:
-                async with self._client.stream("POST", claimed.url, content=body, headers=headers) as response:
-                    status_code = response.status_code  # the receiver's body is not read
-            except httpx.TimeoutException:
-                error = f"no answer within {self.timeout_s:g}s"
-            except httpx.HTTPError as exc:
-                error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            status_code, error, is_refused = await self._deliver(claimed.url, body, headers)
+            is_final = is_final or is_refused
         duration_ms = round((time.monotonic() - started) * 1000, 2)
         is_ok = status_code is not None and 200 <= status_code < 300
         retry_in_s = None if is_ok or is_final else retry_delay(claimed.attempt, self.base_delay_s)

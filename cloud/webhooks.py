@@ -16,7 +16,9 @@ import hashlib
 import hmac
 import ipaddress
 import random
+import re
 import secrets
+import socket
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -39,6 +41,8 @@ SECRET_PREFIX = "whsec_"  # noqa: S105 (a prefix, not a secret)
 MAX_URL_LENGTH = 2048
 MAX_DELAY_S = 3600.0
 PENDING, DELIVERED, FAILED = "pending", "delivered", "failed"
+# WHATWG URL: a host whose last label is a number is an IPv4 address, in whatever form the resolver reads.
+_NUMERIC_LABEL = re.compile(r"(?:0[xX][0-9a-fA-F]*|[0-9]+)")
 
 
 def new_secret() -> str:
@@ -81,9 +85,27 @@ def _is_private_literal(host: str) -> bool:
         return False
 
 
+def _numeric_host_problem(host: str) -> str | None:
+    """Why ``host`` may not name an address: a number the resolver reads as IPv4 (``2130706433``, ``0177.0.0.1``,
+    ``0``, ``0x7f.1``) but not in dotted-decimal form, which this check and the resolver could read apart."""
+    if ":" in host or not _NUMERIC_LABEL.fullmatch(host.rsplit(".", 1)[-1]):
+        return None  # an IPv6 literal, or a name
+    try:
+        ipaddress.IPv4Address(host)
+        return None
+    except ValueError:
+        pass
+    try:
+        read_as = socket.inet_ntoa(socket.inet_aton(host))
+    except OSError:
+        return f"host {host!r} is not a valid IPv4 address"
+    return f"host {host!r} is an IPv4 address ({read_as}) not written as four decimal numbers"
+
+
 def validate_webhook_url(value: Any, *, allow_private: bool) -> str:
-    """An http(s) URL with a host; with ``allow_private`` off, a literal non-public address is refused here
-    (host names are checked when delivering, after they resolve)."""
+    """An http(s) URL with a host; a numeric host must be a dotted-decimal IPv4 address; with ``allow_private``
+    off, a literal non-public address is refused here (host names are checked when delivering, after they
+    resolve, and the delivery connects to the address that was checked)."""
     if not isinstance(value, str):
         raise ValidationError("webhook_url: must be a string", param="webhook_url")
     if len(value) > MAX_URL_LENGTH:
@@ -100,6 +122,11 @@ def validate_webhook_url(value: Any, *, allow_private: bool) -> str:
         raise ValidationError("webhook_url: has no host", param="webhook_url")
     if parts.username is not None or parts.password is not None:
         raise ValidationError("webhook_url: must not carry credentials", param="webhook_url")
+    if "%" in host and ":" not in host:
+        raise ValidationError(f"webhook_url: host {host!r} must not be percent-encoded", param="webhook_url")
+    host = host.removesuffix(".")
+    if (problem := _numeric_host_problem(host)) is not None:
+        raise ValidationError(f"webhook_url: {problem}", param="webhook_url")
     if not allow_private and _is_private_literal(host):
         raise ValidationError("webhook_url: must be a public address", param="webhook_url")
     return value

@@ -145,8 +145,8 @@ class Agent:
         self.stats.observe(served)
         if served.tier != "edge":
             return  # the cloud metered it under the same request id
-        if self.on_outcome is not None:
-            self.on_outcome(served.model, self.stats.versions.get(served.model), served.status == "ok")
+        if self.on_outcome is not None:  # a client that hangs up mid-stream ("abandoned") is no model fault
+            self.on_outcome(served.model, self.stats.versions.get(served.model), served.status != "error")
         item = UsageItem(
             id=served.request_id,
             model=served.model,

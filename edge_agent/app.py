@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -53,7 +54,7 @@ def _local_key_guard(api_key: str | None, request: Request[Any, Any, Any]) -> No
     if api_key is None:
         return
     scheme, _, secret = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or secret.strip() != api_key:
+    if scheme.lower() != "bearer" or not hmac.compare_digest(secret.strip().encode(), api_key.encode()):
         raise AuthenticationError("missing or wrong local API key")
 
 
@@ -87,10 +88,10 @@ def list_models(served: ServedModels, _auth: None) -> dict[str, Any]:
                 "object": "model",
                 "created": 0,
                 "owned_by": "tierline-edge",
-                "format": choice.chosen,
-                "int8_guard": choice.as_json(),
+                "format": served.models[model_id].format,
+                **({"int8_guard": served.guards[alias].as_json()} if alias in served.guards else {}),
             }
-            for alias, choice in served.guards.items()
+            for alias, model_id in served.aliases.items()
         ],
     }
 
@@ -163,7 +164,7 @@ def create_app(settings: EdgeSettings) -> Litestar:
     served = ServedModels(zoo_root, store, keys, settings.num_threads)
     logger.info("edge agent serving %d verified model(s) from %s and %s", len(served.models), zoo_root, home)
     api_key = settings.api_key.get_secret_value() if settings.api_key else None
-    policies = _policies(policy_dir(settings), [*served.ids(), *served.guards])
+    policies = _policies(policy_dir(settings), [*served.ids(), *served.aliases])
 
     @asynccontextmanager
     async def start() -> AsyncIterator[EdgeState]:
@@ -231,6 +232,7 @@ class Updates:
             agent.event,
             num_threads=settings.num_threads,
             max_bytes_per_s=settings.update_max_bytes_per_s,
+            block_s=settings.rollback_block_s,
         )
         self.health = HealthWatch(
             served.store,

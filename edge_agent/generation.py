@@ -5,18 +5,34 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 from edge_agent.runtime.lm import CausalLMRuntime, load_causal_lm
 from shared.chat_tokenizer import ChatTokenizer, IncrementalDetokenizer
-from shared.errors import ValidationError
+from shared.errors import ApplicationError, ValidationError
 from shared.escalation import StepSignal, step_signal
 from shared.openai_responses import Logprob
 from shared.sampling import choose, logprob_of
+
+
+class ModelFaultError(RuntimeError):
+    """The runtime failed on a request that passed validation: a fault of the model version (the health watch
+    counts these, and only these, towards rolling a freshly installed version back)."""
+
+
+def run_model(model: str, call: Callable[[], np.ndarray]) -> np.ndarray:
+    """``call()`` (a runtime step), its unexpected failure raised as the model's fault."""
+    try:
+        return call()
+    except ApplicationError:
+        raise
+    except Exception as exc:
+        raise ModelFaultError(f"{model}: {type(exc).__name__}: {exc}") from exc
 
 
 @dataclass(slots=True)
@@ -53,6 +69,7 @@ class LocalLM:
         eos = generation.get("eos_token_id", [])
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos])
         self.max_context = self.runtime.max_context
+        self.vocab_size = self.runtime.vocab_size or self.tokenizer.vocab_size
         self._lock = threading.Lock()
 
     def check(self, req: LocalRequest) -> int:
@@ -60,6 +77,13 @@ class LocalLM:
         n = len(req.prompt_ids)
         if n == 0:
             raise ValidationError("prompt: must not be empty", param="prompt")
+        bad = next((t for t in req.prompt_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValidationError(
+                f"prompt: token id {bad} is outside this model's vocabulary (0 to {self.vocab_size - 1})",
+                param="prompt",
+                code="invalid_token_id",
+            )
         if n >= self.max_context:
             raise ValidationError(
                 f"This model's maximum context length is {self.max_context} tokens. However, your prompt is "
@@ -83,9 +107,10 @@ class LocalLM:
         rng = np.random.default_rng(req.seed)
         detok = IncrementalDetokenizer(self.tokenizer, req.stop)
         out: list[int] = []
+        model = self.runtime.model_dir.name
         with self._lock:
             self.runtime.reset()
-            logits = self.runtime.prefill(req.prompt_ids)
+            logits = run_model(model, partial(self.runtime.prefill, req.prompt_ids))
             while True:
                 token = choose(logits, rng, req.temperature, req.top_p, req.top_k, req.min_p)
                 lp = logprob_of(logits, token, req.logprobs) if req.logprobs is not None else None
@@ -101,4 +126,4 @@ class LocalLM:
                 yield LocalStep(token, delta, lp, reason, step_signal(logits, token))
                 if reason is not None:
                     return
-                logits = self.runtime.decode(token)
+                logits = run_model(model, partial(self.runtime.decode, token))

@@ -17,7 +17,9 @@ Crash safety (kill -9 or power loss at any point):
   leaves over (trash, versions no state names) is removed when the store next opens.
 
 At most two versions of a model stay on disk: current and previous (the updater's staging area is its own).
-A version rolled back for bad health is ``blocked``: the updater will not install it again.
+A version rolled back for bad health (or failing its smoke test) is ``blocked``, with the time it was blocked:
+the updater does not install it again until the block is lifted (it expires, or the cloud desires another
+version of the model).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from shared.errors import ConflictError, NotFoundError, ValidationError
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "state.json"
+MAX_BLOCKED = 16  # versions remembered per model, the most recently blocked
 _SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
 _TRASH, _INCOMING = ".trash-", ".incoming-"
 
@@ -57,7 +60,7 @@ class ModelState:
     current: str | None = None
     previous: str | None = None
     activated_at: float | None = None
-    blocked: list[str] = field(default_factory=list)
+    blocked: dict[str, float] = field(default_factory=dict)  # version -> when it was blocked (unix seconds)
 
     def referenced(self) -> set[str]:
         return {v for v in (self.current, self.previous) if v is not None}
@@ -82,7 +85,7 @@ class ModelStore:
     def state(self, name: str) -> ModelState:
         with self._lock:
             s = self._states.get(name, ModelState())
-            return ModelState(s.current, s.previous, s.activated_at, list(s.blocked))
+            return ModelState(s.current, s.previous, s.activated_at, dict(s.blocked))
 
     def current(self, name: str) -> str | None:
         return self.state(name).current
@@ -147,7 +150,7 @@ class ModelStore:
             old = self._states.get(name, ModelState())
             if old.current == version:
                 return
-            blocked = [v for v in old.blocked if v != version]
+            blocked = {v: at for v, at in old.blocked.items() if v != version}
             self._commit(name, ModelState(version, old.current, time.time(), blocked))
 
     def rollback(self, name: str, *, block: bool = True) -> str:
@@ -159,8 +162,8 @@ class ModelStore:
             old = self._states.get(name, ModelState())
             if old.current is None or old.previous is None:
                 raise NotFoundError(f"{name}: no previous version to roll back to")
-            blocked = old.blocked + ([old.current] if block and old.current not in old.blocked else [])
-            self._commit(name, ModelState(old.previous, None, time.time(), blocked[-16:]))
+            blocked = _with_block(old.blocked, old.current) if block else old.blocked
+            self._commit(name, ModelState(old.previous, None, time.time(), blocked))
             return old.previous
 
     def block(self, name: str, version: str) -> None:
@@ -169,8 +172,16 @@ class ModelStore:
             old = self._states.get(name, ModelState())
             if version not in old.blocked:
                 self._commit(
-                    name, ModelState(old.current, old.previous, old.activated_at, [*old.blocked, version][-16:])
+                    name, ModelState(old.current, old.previous, old.activated_at, _with_block(old.blocked, version))
                 )
+
+    def unblock(self, name: str, version: str) -> None:
+        """Let ``version`` be installed again (its block expired, or the cloud moved on and may come back to it)."""
+        with self._lock:
+            old = self._states.get(name, ModelState())
+            if version in old.blocked:
+                blocked = {v: at for v, at in old.blocked.items() if v != version}
+                self._commit(name, ModelState(old.current, old.previous, old.activated_at, blocked))
 
     # --- internals ---------------------------------------------------------------------------------------
 
@@ -241,14 +252,22 @@ class ModelStore:
                 self._prune(model_dir.name)
 
 
+def _with_block(blocked: dict[str, float], version: str) -> dict[str, float]:
+    kept = sorted({**blocked, version: time.time()}.items(), key=lambda item: item[1])[-MAX_BLOCKED:]
+    return dict(kept)
+
+
 def _parse_state(rec: dict[str, Any]) -> ModelState:
-    current, previous, at, blocked = rec["current"], rec["previous"], rec.get("activated_at"), rec.get("blocked", [])
+    current, previous, at, blocked = rec["current"], rec["previous"], rec.get("activated_at"), rec.get("blocked", {})
+    if isinstance(blocked, list):  # written before blocks carried their time: they count from now
+        blocked = dict.fromkeys(blocked, time.time())
     for version in (current, previous, *blocked):
         if version is not None:
             check_segment(version, "version")
-    if at is not None and not isinstance(at, int | float):
-        raise TypeError(f"activated_at is {at!r}")
-    return ModelState(current, previous, at, list(blocked))
+    for value in (at, *blocked.values()):
+        if value is not None and not isinstance(value, int | float):
+            raise TypeError(f"a time in the state is {value!r}")
+    return ModelState(current, previous, at, {v: float(t) for v, t in blocked.items()})
 
 
 def _fsync_tree(root: Path) -> None:

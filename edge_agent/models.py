@@ -1,16 +1,18 @@
 """The models a device serves: the built zoo's edge artifacts, overlaid by versions the updater installed.
 
-Every artifact is verified (Ed25519 signature against the pinned keys, sha256 of every file) before it is
-loaded, at start-up and on every swap. A swap loads the new version first and then switches the model id
-to it under a lock: requests in flight keep the runtime object they started with and finish on the old
-version; no request waits for a load or fails because of the swap.
+Every artifact is verified (Ed25519 signature against the pinned keys, sha256 of every file) at start-up and
+on every swap, and an LM's files are hashed again against the verified manifest when it is loaded on first
+use. ``tierline/lm-edge`` names the INT8 or the fp32 export: the faster where both verify, else the one that
+does. A swap loads the new version first and then switches the model id to it under a lock: requests in
+flight keep the runtime object they started with and finish on the old version; no request waits for a load
+or fails because of the swap.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -39,6 +41,7 @@ class LocalModel:
     version: str
     kind: str
     source: str  # zoo | store
+    manifest: Manifest = field(compare=False, repr=False)  # the verified one: the files are checked against it
 
     @property
     def name(self) -> str:
@@ -49,7 +52,7 @@ def _verified(name: str, manifest: Manifest, directory: Path, keys: list[Ed25519
     verify_signature(manifest, keys)
     verify_files(manifest, directory)
     m = manifest
-    return LocalModel(PREFIX + name, m.format, m.sha256, directory, m.version, m.kind, source)
+    return LocalModel(PREFIX + name, m.format, m.sha256, directory, m.version, m.kind, source, m)
 
 
 def zoo_models(zoo_root: Path, keys: list[Ed25519PublicKey]) -> dict[str, LocalModel]:
@@ -91,17 +94,22 @@ class ServedModels:
             installed = store_model(store, name, keys)
             if installed is not None:
                 self.models[installed.id] = installed
-        self.lms = serving.LocalModels({m.id: m.path for m in self.models.values() if _is_lm(m)}, num_threads)
+        self.lms = serving.LocalModels(
+            {m.id: (m.path, m.manifest) for m in self.models.values() if _is_lm(m)}, num_threads
+        )
         self.classifiers = {
             m.id: LocalClassifier.load(m.id, m.path, num_threads) for m in self.models.values() if _is_classifier(m)
         }
         self.guards: dict[str, int8_guard.Int8Choice] = {}
+        self.aliases: dict[str, str] = {}  # a plain model id -> the id of the export served under it
         self._lock = threading.Lock()
-        int8, fp32 = self.models.get(EDGE_LM_INT8), self.models.get(EDGE_LM_FP32)
-        if int8 is not None and fp32 is not None and _is_lm(int8) and _is_lm(fp32):
+        int8, fp32 = (
+            m if m is not None and _is_lm(m) else None for m in map(self.models.get, (EDGE_LM_INT8, EDGE_LM_FP32))
+        )
+        if int8 is not None and fp32 is not None:
             choice = int8_guard.choose(int8.path, fp32.path, num_threads)
             self.guards[EDGE_LM] = choice
-            self.lms.paths[EDGE_LM] = self._guarded().path
+            self._alias(EDGE_LM, int8 if choice.chosen == "onnx-int8" else fp32)
             logger.info(
                 "INT8 guard: serving %s as %s (%.3f ms/token INT8, %.3f fp32)",
                 EDGE_LM,
@@ -109,14 +117,18 @@ class ServedModels:
                 choice.int8_ms_per_token,
                 choice.fp32_ms_per_token,
             )
+        elif (only := int8 or fp32) is not None:
+            self._alias(EDGE_LM, only)
+            logger.info("serving %s as %s, the one export of it that verified", EDGE_LM, only.format)
 
-    def _guarded(self) -> LocalModel:
-        return self.models[EDGE_LM_INT8 if self.guards[EDGE_LM].chosen == "onnx-int8" else EDGE_LM_FP32]
+    def _alias(self, alias: str, model: LocalModel) -> None:
+        self.aliases[alias] = model.id
+        self.lms.alias(alias, model.id)
 
     def versions(self) -> dict[str, str]:
         out = {m.id: m.version for m in self.models.values()}
-        if EDGE_LM in self.guards:
-            out[EDGE_LM] = self._guarded().version
+        for alias, model_id in self.aliases.items():
+            out[alias] = self.models[model_id].version
         return out
 
     def ids(self) -> list[str]:
@@ -132,9 +144,9 @@ class ServedModels:
             runtime = LocalLM(new.path, self.num_threads)  # load before the switch: no request waits for it
             with self._lock:
                 self.models[new.id] = new
-                self.lms.replace(new.id, new.path, runtime)
-                if EDGE_LM in self.guards and self._guarded().id == new.id:
-                    self.lms.replace(EDGE_LM, new.path, runtime)
+                self.lms.replace(new.id, new.path, new.manifest, runtime)
+                for alias in [a for a, model_id in self.aliases.items() if model_id == new.id]:
+                    self.lms.replace(alias, new.path, new.manifest, runtime)
         elif _is_classifier(new):
             classifier = LocalClassifier.load(new.id, new.path, self.num_threads)
             with self._lock:

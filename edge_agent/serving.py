@@ -11,6 +11,7 @@ tokens before it commits a stream to the edge.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import uuid
@@ -19,41 +20,67 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from edge_agent.generation import LocalLM, LocalRequest, LocalStep
-from shared.errors import NotFoundError, ValidationError
+from edge_agent.generation import LocalLM, LocalRequest, LocalStep, ModelFaultError
+from shared.artifacts import Manifest, verify_files
+from shared.errors import ApplicationError, ArtifactVerificationError, NotFoundError, ValidationError
 from shared.escalation import StepSignal, lm_signals
 from shared.openai_responses import SSE_DONE, chat_logprob, completion_logprobs, sse
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest
+
+logger = logging.getLogger(__name__)
 
 LM_FORMATS = ("onnx-int8", "onnx", "tflite")
 
 
 class LocalModels:
-    """The verified LM artifacts, each loaded on first use."""
+    """The verified LM artifacts, each loaded on first use, its files verified again just before: a file
+    changed since start-up (or since the swap that brought it) is refused, never served."""
 
-    def __init__(self, paths: dict[str, Path], num_threads: int) -> None:
-        self.paths = paths
+    def __init__(self, models: dict[str, tuple[Path, Manifest]], num_threads: int) -> None:
+        self.paths = {model_id: path for model_id, (path, _) in models.items()}
+        self.manifests = {model_id: manifest for model_id, (_, manifest) in models.items()}
         self.num_threads = num_threads
         self._loaded: dict[str, LocalLM] = {}
         self._lock = threading.Lock()
 
-    def replace(self, model_id: str, path: Path, runtime: LocalLM) -> None:
+    def alias(self, alias: str, model_id: str) -> None:
+        """Serve ``model_id`` under ``alias`` too (the same files, loaded and verified on their own)."""
+        with self._lock:
+            self.paths[alias], self.manifests[alias] = self.paths[model_id], self.manifests[model_id]
+
+    def replace(self, model_id: str, path: Path, manifest: Manifest, runtime: LocalLM) -> None:
         """Serve ``model_id`` from ``runtime`` from now on; requests holding the old runtime finish on it."""
         with self._lock:
-            self.paths[model_id] = path
+            self.paths[model_id], self.manifests[model_id] = path, manifest
             self._loaded[model_id] = runtime
 
     def has(self, model_id: str) -> bool:
         return model_id in self.paths
 
     def get(self, model_id: str) -> LocalLM:
-        path = self.paths.get(model_id)
-        if path is None:
-            raise NotFoundError(f"The model '{model_id}' does not exist on this device", param="model")
         with self._lock:
+            path = self.paths.get(model_id)
+            if path is None:
+                raise NotFoundError(f"The model '{model_id}' does not exist on this device", param="model")
             if model_id not in self._loaded:
-                self._loaded[model_id] = LocalLM(path, self.num_threads)
+                self._loaded[model_id] = self._load(model_id, path)
             return self._loaded[model_id]
+
+    def _load(self, model_id: str, path: Path) -> LocalLM:
+        try:
+            verify_files(self.manifests[model_id], path)
+        except ArtifactVerificationError as exc:
+            logger.error("refusing %s: its files changed since they were verified (%s)", model_id, exc.message)
+            del self.paths[model_id]
+            raise NotFoundError(
+                f"The model '{model_id}' failed verification on this device and is not served", param="model"
+            ) from None
+        try:
+            return LocalLM(path, self.num_threads)
+        except ApplicationError:
+            raise
+        except Exception as exc:  # a verified file the runtime cannot load: the version's fault
+            raise ModelFaultError(f"{model_id}: cannot load: {type(exc).__name__}: {exc}") from exc
 
 
 def _request(

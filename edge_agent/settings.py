@@ -44,6 +44,12 @@ class EdgeSettings(BaseSettings):
     rollback_window_s: float = Field(300.0, gt=0, description="how long a new version is watched after a swap")
     rollback_max_error_rate: float = Field(0.2, ge=0, le=1, description="error rate that rolls a new version back")
     rollback_min_requests: int = Field(20, ge=1, description="requests seen before the error rate counts")
+    rollback_block_s: float = Field(
+        86400.0,
+        gt=0,
+        description="how long a version rolled back (or failing its smoke test) stays blocked on this device; the "
+        "block is lifted sooner when the cloud desires another version of the model",
+    )
     state_dir: Path | None = Field(
         None, description="the agent's own state: credentials, outbox, policies (default $TIERLINE_DATA_DIR/edge)"
     )

@@ -35,7 +35,7 @@ import numpy as np
 from edge_agent import serving
 from edge_agent.allowance import QUOTA_REASON, AllowanceGuard
 from edge_agent.cloud_link import CloudLink, CloudUnavailableError
-from edge_agent.generation import LocalStep
+from edge_agent.generation import LocalStep, ModelFaultError
 from edge_agent.tensors import LocalClassifier, classifier_confidence
 from shared.errors import ApplicationError, NotFoundError, ServiceUnavailableError, ValidationError
 from shared.escalation import CLASSIFIER_SIGNALS, MODES, EdgePolicy
@@ -129,11 +129,10 @@ class Tiering:
         request_id = server_request_id()
         try:
             return await self._handle(endpoint, req, header, request_id, started)
-        except ApplicationError:
-            raise
-        except Exception:
-            # A runtime failure on the device: counted against the model version (the health watch rolls a
-            # freshly installed version back on these), then answered as a 500 by the error handler.
+        except ModelFaultError:
+            # The runtime failed on a valid request: counted against the model version (the health watch rolls
+            # a freshly installed version back on these), then answered as a 500 by the error handler. Bad
+            # input is refused before the runtime sees it and counts against nothing.
             self._served(
                 Served(
                     request_id=request_id,
@@ -309,6 +308,8 @@ class Tiering:
             return "model-not-local"
         if exc.code == "context_length_exceeded":
             return "prompt-too-long"
+        if exc.code == "invalid_token_id":
+            return None  # token ids name this model's vocabulary; the cloud's model would not read them alike
         if exc.param in ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt"):
             return "cloud-feature"
         return None

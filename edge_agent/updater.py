@@ -13,7 +13,9 @@
 
 Every step is reported through ``report(kind, payload)``. Anything that fails verification is deleted and
 answered "rejected" (the cloud's desired state will offer it again; a smoke-test failure or a health rollback
-blocks the version for good); a network or disk problem is "failed" and resumes at the next call.
+blocks the version); a network or disk problem is "failed" and resumes at the next call. A block is lifted
+after ``block_s``, or at once when the cloud's desired version of the model changes to the blocked one (a new
+decision of the control plane, such as an operator publishing it again after a fix).
 Idempotent GETs have a timeout and are retried with full-jitter exponential backoff.
 
 ``HealthWatch`` rolls a model back to its previous version when the new one's error rate over its first
@@ -94,6 +96,8 @@ class Updater:
         max_bytes_per_s: float | None = None,
         smoke_max_s: float = 30.0,
         num_threads: int = 1,
+        block_s: float = 86400.0,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         if not trusted_keys:
             raise ValueError("the updater needs at least one pinned signing key")
@@ -101,7 +105,9 @@ class Updater:
         self.trusted_keys, self.max_artifact_bytes, self._report = trusted_keys, max_artifact_bytes, report
         self.timeout_s, self.max_attempts, self.retry_base_s = timeout_s, max_attempts, retry_base_s
         self.max_bytes_per_s, self.smoke_max_s, self.num_threads = max_bytes_per_s, smoke_max_s, num_threads
+        self.block_s, self.wall_clock = block_s, wall_clock
         self._quiet: set[tuple[str, str]] = set()
+        self._desired: dict[str, str] = {}  # model -> the version the cloud desired at the last call
         self._fetched = 0
 
     def apply(self, desired: DesiredModel) -> Outcome:
@@ -115,6 +121,7 @@ class Updater:
             self.report("update.rejected", {**info, "reason": exc.message})
             return "rejected"
         try:
+            self._lift_block(name, version)
             state = self.store.state(name)
             if state.current == version:
                 if self.store.manifest(name, version).sha256 == desired.sha256:
@@ -147,6 +154,22 @@ class Updater:
             return "failed"
         self.report("update.activated", {**info, "previous": state.current})
         return "installed"
+
+    def _lift_block(self, name: str, desired: str) -> None:
+        """Unblock ``desired`` when the cloud has just changed to it from another version, or its block expired."""
+        before, self._desired[name] = self._desired.get(name), desired
+        blocked_at = self.store.state(name).blocked.get(desired)
+        if blocked_at is None:
+            return
+        if before is not None and before != desired:
+            reason = f"the cloud desires it again, after {before}"
+        elif self.wall_clock() - blocked_at >= self.block_s:
+            reason = f"blocked for {self.block_s:g} s"
+        else:
+            return
+        self.store.unblock(name, desired)
+        self._quiet.discard((name, desired))
+        self.report("update.unblocked", {"model": name, "version": desired, "reason": reason})
 
     def report(self, kind: str, payload: dict[str, Any]) -> None:
         logger.log(

@@ -1,18 +1,45 @@
 """OpenAI-compatible request schemas shared by the cloud API and the edge agent's local API.
 
 Unknown fields are ignored (clients send fields newer than this server); known ones are validated strictly,
-and ``shared.http`` turns a failure into the OpenAI error shape naming the field (``param``).
+JSON types included (``"5"`` and ``true`` are not integers, ``"0.5"`` is not a number, an integer is), and
+``shared.http`` turns a failure into the OpenAI error shape naming the field (``param``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from shared.errors import ValidationError
 
 MAX_STOP_SEQUENCES = 4
+
+
+def _json_type(value: Any) -> str:
+    for kind, name in ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string")):
+        if isinstance(value, kind):
+            return name
+    if isinstance(value, list):
+        return "an array"
+    return "an object" if isinstance(value, dict) else type(value).__name__
+
+
+def _exactly(what: str, *kinds: type) -> BeforeValidator:
+    """Refuse a value of another JSON type before pydantic's lax mode (which Litestar validates bodies in, whatever
+    the model's config says) turns ``"5"`` or ``true`` into 5 or 1; null is left to the field's own type."""
+
+    def check(value: Any) -> Any:
+        if value is None or (isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool))):
+            return value
+        raise ValueError(f"expected {what}, got {_json_type(value)}")
+
+    return BeforeValidator(check)
+
+
+_INTEGER = _exactly("an integer", int)
+_NUMBER = _exactly("a number", int, float)
+_BOOLEAN = _exactly("a boolean", bool)
 
 
 class _Request(BaseModel):
@@ -20,7 +47,7 @@ class _Request(BaseModel):
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: Annotated[bool, _BOOLEAN] = False
 
 
 class ContentPart(_Request):
@@ -47,21 +74,21 @@ class _Sampling(_Request):
     """Fields the chat and completions requests share (OpenAI's, then tierline's extensions)."""
 
     model: str = Field(min_length=1, max_length=256)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=16)
-    stream: bool = False
+    temperature: Annotated[float, _NUMBER] = Field(1.0, ge=0.0, le=2.0)
+    top_p: Annotated[float, _NUMBER] = Field(1.0, gt=0.0, le=1.0)
+    n: Annotated[int, _INTEGER] = Field(1, ge=1, le=16)
+    stream: Annotated[bool, _BOOLEAN] = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    seed: Annotated[int | None, _INTEGER] = None
+    presence_penalty: Annotated[float, _NUMBER] = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: Annotated[float, _NUMBER] = Field(0.0, ge=-2.0, le=2.0)
     user: str | None = Field(None, max_length=256)
     # tierline extensions
-    top_k: int = Field(0, ge=0)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
-    ignore_eos: bool = False
+    top_k: Annotated[int, _INTEGER] = Field(0, ge=0)
+    min_p: Annotated[float, _NUMBER] = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: Annotated[float, _NUMBER] = Field(1.0, gt=0.0, le=10.0)
+    ignore_eos: Annotated[bool, _BOOLEAN] = False
     speculation: Literal["off", "draft", "ngram"] | None = None
     tier: Literal["edge", "cloud", "local-first", "cloud-first", "local-only", "cloud-only"] | None = None
     quality: Literal["standard", "high"] | None = None
@@ -105,10 +132,10 @@ class _Sampling(_Request):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    max_tokens: Annotated[int | None, _INTEGER] = Field(None, ge=1)
+    max_completion_tokens: Annotated[int | None, _INTEGER] = Field(None, ge=1)
+    logprobs: Annotated[bool, _BOOLEAN] = False
+    top_logprobs: Annotated[int | None, _INTEGER] = Field(None, ge=0, le=20)
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
@@ -127,10 +154,19 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=5)
-    echo: bool = False
+    max_tokens: Annotated[int | None, _INTEGER] = Field(16, ge=1)
+    logprobs: Annotated[int | None, _INTEGER] = Field(None, ge=0, le=5)
+    echo: Annotated[bool, _BOOLEAN] = False
     suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _token_ids(cls, v: Any) -> Any:
+        for item in v if isinstance(v, list) else []:
+            for token in item if isinstance(item, list) else [item]:
+                if isinstance(token, bool | float):
+                    raise ValueError(f"token ids must be integers, got {_json_type(token)}")
+        return v
 
     @field_validator("prompt")
     @classmethod

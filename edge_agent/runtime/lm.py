@@ -26,6 +26,7 @@ class CausalLMRuntime(ABC):
         self.meta = meta
         self.format: str = meta["format"]
         self.max_context: int = int(meta.get("cache_len") or meta["max_context"])
+        self.vocab_size: int | None = int(meta["vocab_size"]) if "vocab_size" in meta else None
         self.num_tokens = 0
 
     @abstractmethod

@@ -11,6 +11,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -390,3 +391,39 @@ def test_an_engine_that_dies_mid_stream_ends_the_stream_with_an_error_and_the_cl
         assert ready.status_code == 503 and "engine not running" in ready.json()["error"]["message"]
     (row,) = usage_rows(db_url, usage_id)
     assert row.status == "error" and 0 < row.completion_tokens < 200  # billed for what was generated
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "value"),
+    [
+        ("/v1/completions", "max_tokens", "5"),
+        ("/v1/completions", "max_tokens", True),
+        ("/v1/completions", "max_tokens", 2.0),
+        ("/v1/chat/completions", "max_tokens", "5"),
+        ("/v1/chat/completions", "max_completion_tokens", True),
+        ("/v1/chat/completions", "temperature", "0.5"),
+        ("/v1/completions", "stream", "false"),
+        ("/v1/completions", "seed", False),
+        ("/v1/completions", "prompt", [1, True]),
+    ],
+)
+def test_values_of_the_wrong_json_type_are_refused_naming_the_field(
+    cloud_api: dict[str, str], path: str, field: str, value: Any
+) -> None:
+    """``"5"`` is not an integer and ``true`` is not 1: refused, not coerced (as /v1/inference does)."""
+    body: dict[str, Any] = {"model": MODEL, field: value}
+    if path == "/v1/chat/completions":
+        body.setdefault("messages", [{"role": "user", "content": "hi"}])
+    else:
+        body.setdefault("prompt", "hi")
+    r = httpx.post(f"{cloud_api['url']}{path}", json=body, headers={"Authorization": f"Bearer {cloud_api['key']}"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field and r.json()["error"]["message"].startswith(field)
+    fine = {**body, "temperature": 0, "max_tokens": 2}
+    fine.pop("max_completion_tokens", None)
+    if field == "prompt":
+        fine["prompt"] = [1, 2]
+    for name in ("stream", "seed"):
+        fine.pop(name, None)
+    ok = httpx.post(f"{cloud_api['url']}{path}", json=fine, headers={"Authorization": f"Bearer {cloud_api['key']}"})
+    assert ok.status_code == 200, ok.text  # an integer where a number is wanted is still a number

@@ -323,6 +323,36 @@ def test_a_version_failing_on_the_device_is_rolled_back_and_not_reinstalled(clou
     assert device.updater.apply(bad) == "rejected" and len(device.events) == 1  # said once, not every sync
 
 
+def test_a_block_expires_or_is_lifted_when_the_cloud_desires_the_version_anew(cloud: Cloud, device: Device) -> None:
+    name = "lm-edge-onnx-int8"
+    cloud.publish(name, "b1")
+    assert device.updater.apply(cloud.desired(name)) == "installed"
+    cloud.publish(name, "b2")
+    b2 = cloud.desired(name)
+    assert device.updater.apply(b2) == "installed"
+    now = [time.time()]
+    device.updater.block_s, device.updater.wall_clock = 600.0, lambda: now[0]
+
+    assert device.store.rollback(name) == "b1"  # as the health watch does: b2 is blocked
+    assert device.updater.apply(b2) == "rejected"
+    now[0] += 599
+    assert device.updater.apply(b2) == "rejected"  # not yet
+    now[0] += 2
+    assert device.updater.apply(b2) == "installed"  # the block expired: a device is not locked out for good
+    assert ("update.unblocked", {"model": name, "version": "b2", "reason": "blocked for 600 s"}) in device.events
+
+    now[0] = time.time()
+    device.store.rollback(name)
+    assert device.updater.apply(b2) == "rejected"
+    cloud.publish(name, "b3")
+    assert device.updater.apply(cloud.desired(name)) == "installed"
+    assert device.store.is_blocked(name, "b2")  # moving on to another version lifts nothing
+    cloud.publish(name, "b2")  # an operator sends b2 out again (fixed elsewhere): a new decision
+    assert device.updater.apply(cloud.desired(name)) == "installed"
+    reason = "the cloud desires it again, after b3"
+    assert ("update.unblocked", {"model": name, "version": "b2", "reason": reason}) in device.events
+
+
 def raw_get(url: str, path: str, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
     """GET ``path`` exactly as written (httpx would normalise dot segments away)."""
     host, port = url.removeprefix("http://").split(":")

@@ -207,3 +207,15 @@ def test_bad_input_gets_a_clear_error(tmp_path: Path) -> None:
             box.put("usage", {}, record_id="")
     with pytest.raises(RuntimeError, match="is closed"):
         box.put("usage", {})
+
+
+def test_the_outbox_connection_syncs_every_commit_to_disk(tmp_path: Path) -> None:
+    """``synchronous=FULL`` on the outbox's own connection (the setting is per connection): with WAL's NORMAL a
+    power cut could undo an ``ack`` or a ``put`` that had already returned, losing or duplicating a batch."""
+    path = tmp_path / "edge" / "outbox.db"
+    for _ in ("new file", "reopened"):
+        with Outbox(path) as box:
+            db = box._conn()
+            assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+            assert db.execute("PRAGMA synchronous").fetchone()[0] == 2  # 2 = FULL (1 = NORMAL)
+            box.put("usage", {"tokens": 1})

@@ -108,3 +108,33 @@ def test_the_job_json_has_every_field_the_api_documents() -> None:
         "result",
         "error",
     }
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("http://2130706433/", "'2130706433' is an IPv4 address (127.0.0.1) not written as four decimal numbers"),
+        ("http://0177.0.0.1/", "'0177.0.0.1' is an IPv4 address (127.0.0.1) not written as four decimal numbers"),
+        ("http://0/", "'0' is an IPv4 address (0.0.0.0) not written as four decimal numbers"),
+        ("http://0x7f.1:8080/hook", "'0x7f.1' is an IPv4 address (127.0.0.1)"),
+        ("http://127.1/", "'127.1' is an IPv4 address (127.0.0.1)"),
+        ("http://1.2.3.999/", "'1.2.3.999' is not a valid IPv4 address"),
+        ("http://%31%32%37.0.0.1/", "must not be percent-encoded"),
+    ],
+)
+@pytest.mark.parametrize("allow_private", [False, True])
+def test_numbers_a_resolver_reads_as_an_address_are_refused_at_submission(
+    url: str, reason: str, allow_private: bool
+) -> None:
+    with pytest.raises(ValidationError) as exc:
+        validate_webhook_url(url, allow_private=allow_private)
+    assert reason in exc.value.message and exc.value.param == "webhook_url" and exc.value.status_code == 400
+
+
+def test_a_trailing_dot_neither_hides_loopback_nor_refuses_a_public_address() -> None:
+    with pytest.raises(ValidationError, match="public"):
+        validate_webhook_url("http://localhost./hook", allow_private=False)
+    with pytest.raises(ValidationError, match="public"):
+        validate_webhook_url("http://127.0.0.1./hook", allow_private=False)
+    assert validate_webhook_url("https://8.8.8.8./hook", allow_private=False)
+    assert validate_webhook_url("https://[2001:4860:4860::8888]/hook", allow_private=False)
