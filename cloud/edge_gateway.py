@@ -138,7 +138,7 @@ def _sync(state: State, caller: DeviceCaller, data: SyncRequest) -> tuple[SyncRe
     for attempt in (1, 2):
         try:
             with Session(state.engine) as session:
-                accepted, duplicates = ingest(session, caller.device, data.usage, data.events, _prices(state))
+                counts = ingest(session, caller.device, data.usage, data.events, _prices(state))
                 device = session.get(Device, caller.device.id)
                 assert device is not None
                 device.last_seen_at = datetime.now(UTC)
@@ -157,8 +157,10 @@ def _sync(state: State, caller: DeviceCaller, data: SyncRequest) -> tuple[SyncRe
     desired = releases.desired(caller.device) if releases is not None else []
     allowance, fired = _allowance(state, caller.device.tenant_id)
     answer = SyncResponse(
-        accepted=accepted,
-        duplicates=duplicates,
+        accepted=counts.accepted,
+        duplicates=counts.duplicates,
+        conflicts=counts.conflicts,
+        clamped=counts.clamped,
         desired=desired,
         config={"sync_interval_s": state.edge_sync_interval_s},
         server_time=time.time(),
