@@ -141,7 +141,7 @@ class EdgeGateway:
         for attempt in (1, 2):
             try:
                 with Session(self.db) as session:
-                    accepted, duplicates = ingest(session, caller.device, data.usage, data.events, self.prices)
+                    counts = ingest(session, caller.device, data.usage, data.events, self.prices)
                     device = session.get(Device, caller.device.id)
                     assert device is not None
                     device.last_seen_at = datetime.now(UTC)
@@ -158,8 +158,10 @@ class EdgeGateway:
                     raise
         allowance, fired = self._allowance(caller.device.tenant_id)
         answer = SyncResponse(
-            accepted=accepted,
-            duplicates=duplicates,
+            accepted=counts.accepted,
+            duplicates=counts.duplicates,
+            conflicts=counts.conflicts,
+            clamped=counts.clamped,
             desired=self.releases.desired(caller.device),
             config={"sync_interval_s": self.sync_interval_s},
             server_time=time.time(),

@@ -29,7 +29,9 @@ class UsageWriter:
     A record arrives rated: the request's budget hold settled at the cost the price book gave it, so the ledger
     stores that price and cost (and counts no spend: the hold did). The request's path builds no ORM object
     (~80 µs each on the event loop); the writer's thread inserts a batch with one statement. Insertion is
-    idempotent by record id (``controlplane.billing.ledger.ingest_usage``): a retried id is skipped.
+    idempotent by record id (``controlplane.billing.ledger.ingest_usage``): a retried id is skipped
+    (``num_duplicates``), and one whose stored record differs is also counted in ``num_conflicts`` (and logged
+    by the ledger).
     ``close()`` writes everything still queued (graceful shutdown loses nothing).
     """
 
@@ -41,6 +43,7 @@ class UsageWriter:
         self._task: asyncio.Task[None] | None = None
         self.num_written = 0
         self.num_duplicates = 0
+        self.num_conflicts = 0
         self.num_refused = 0
 
     def submit(self, id: str, tenant_id: int, model: str, tier: str, **columns: Any) -> None:
@@ -107,4 +110,6 @@ class UsageWriter:
             result = ingest_usage(session, batch, count_spend=False)
             session.commit()
         self.num_written += result.accepted
-        self.num_duplicates += result.duplicates
+        # A retry of the cloud's own id is skipped whatever it carries; the conflicting ones are also counted apart.
+        self.num_duplicates += result.duplicates + result.conflicts
+        self.num_conflicts += result.conflicts

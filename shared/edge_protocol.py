@@ -1,7 +1,8 @@
 """The wire protocol between edge agents and the cloud: enroll, sync (outbox up, desired state down), escalate.
 
 Pydantic models, so both sides validate the same shapes and errors name the field. Record ids are chosen by
-the device (uuid4 hex) and are the cloud's primary keys: re-sending a batch never counts a record twice.
+the device (uuid4 hex); the cloud stores a device's usage under an id namespaced by its tenant and device, so
+re-sending a batch never counts a record twice and no device can take an id another source uses.
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ class Allowance(_Strict):
 class SyncResponse(_Strict):
     accepted: int = Field(description="records new to the cloud")
     duplicates: int = Field(description="records the cloud already had (a retried batch)")
+    conflicts: int = Field(0, description="usage records not stored: their id holds a record with another payload")
+    clamped: int = Field(0, description="usage records dated outside the accepted window, booked at its edge")
     desired: list[DesiredModel] = Field(default_factory=list)
     config: dict[str, Any] = Field(default_factory=dict)
     server_time: float

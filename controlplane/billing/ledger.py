@@ -2,8 +2,12 @@
 
 Cloud metering (``cloud.metering.UsageWriter``) and edge sync (``controlplane.fleet.devices.ingest``) both hand
 their records to ``ingest_usage``. Ingestion is one multi-row ``INSERT ... ON CONFLICT (id) DO NOTHING
-RETURNING id`` per batch: a record id the ledger already holds (a retried sync batch, a request the cloud
-metered itself) is skipped, never overwritten, so replaying a batch changes nothing. Each new record is rated
+RETURNING id`` per batch: a record id the ledger already holds is never overwritten. A replay of the same record
+(a retried sync batch) is a silent duplicate, so replaying a batch changes nothing; the same id with a different
+payload is a *conflict*, logged and counted, never a silent skip. Ids are namespaced by their source, so one
+source cannot take another's: the cloud's own ids (request uuids, ``idem-``, ``job_``) and a device's, which
+are stored as ``edge-...`` derived from tenant, device and the device's own id
+(``controlplane.fleet.devices.device_usage_id``). Each new record is rated
 with the price in force at its own time (``controlplane.billing.pricing.rate``; price id and cost stamped on it)
 unless it arrives rated (the cloud rates a request when it settles its budget hold); a record with no price is
 stored unpriced (flagged), never dropped.
@@ -14,6 +18,7 @@ in SQL (``cost_total``) is exact on SQLite and PostgreSQL alike.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -32,15 +37,32 @@ from controlplane.storage.tables import Price, UsageRecord
 from controlplane.storage.types import as_utc, from_micros, to_micros
 from shared.errors import ValidationError
 
+logger = logging.getLogger(__name__)
+
 GROUP_BY = ("day", "month", "model", "version", "tier")
+
+# What makes two records with one id the same record: the billed facts, as the source reported them.
+_IDENTITY = (
+    "tenant_id",
+    "device_id",
+    "model",
+    "model_version",
+    "tier",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_prompt_tokens",
+    "status",
+)
 
 
 @dataclass(frozen=True, slots=True)
 class NewUsage:
     """A usage record on its way into the ledger.
 
-    ``rating`` is ``(price id, cost)`` when the record arrives rated (the cloud's, rated when its budget hold
-    settled; ``(None, None)`` is unpriced); None has the ledger rate it.
+    ``reported_at`` is the source's own time when it lay outside the accepted window and ``occurred_at`` is
+    the clamped time the record is booked at (None: booked at the reported time). ``rating`` is
+    ``(price id, cost)`` when the record arrives rated (the cloud's, rated when its budget hold settled;
+    ``(None, None)`` is unpriced); None has the ledger rate it.
     """
 
     id: str
@@ -61,6 +83,7 @@ class NewUsage:
     rollout_arm: str | None = None
     escalation_reason: str | None = None
     rating: Rating | None = None
+    reported_at: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +92,8 @@ class IngestResult:
     duplicates: int
     unpriced: int
     accepted_ids: frozenset[str]
+    conflicts: int = 0
+    """records not stored because their id is held by a record with a different payload"""
 
 
 def load_prices(session: Session) -> PriceIndex:
@@ -112,6 +137,7 @@ def _row(u: NewUsage, rating: Rating, now: datetime) -> dict[str, Any]:
         "cost": amount,
         "invoice_id": None,
         "occurred_at": as_utc(u.occurred_at),
+        "reported_at": as_utc(u.reported_at) if u.reported_at is not None else None,
         "ingested_at": now,
     }
 
@@ -162,9 +188,12 @@ def ingest_usage(
     """
     batch: dict[str, NewUsage] = {}
     num_in = 0
+    conflicting: list[str] = []
     for u in records:
         num_in += 1
-        batch.setdefault(u.id, u)
+        first = batch.setdefault(u.id, u)
+        if first is not u and _identity(first) != _identity(u):
+            conflicting.append(u.id)
     if not batch:
         return IngestResult(0, num_in, 0, frozenset())
     rate_usage: Rate | None = None
@@ -175,6 +204,15 @@ def ingest_usage(
             rate_usage = rater(prices if prices is not None else load_prices(session))
         rows.append(_row(u, u.rating if u.rating is not None else rate_usage(u), now))  # type: ignore[misc]
     accepted = _insert_new(session, rows)
+    skipped = [u for u in batch.values() if u.id not in accepted]
+    if skipped:
+        conflicting += _conflicts(session, skipped)
+    if conflicting:
+        logger.warning(
+            "%d usage record(s) reuse a stored id with a different payload and were not stored: %s",
+            len(conflicting),
+            ", ".join(sorted(set(conflicting))[:20]),
+        )
     unpriced = 0
     spend: dict[tuple[int, str], Decimal] = {}
     for row in rows:
@@ -188,7 +226,24 @@ def ingest_usage(
     if count_spend:
         for (tenant_id, period), amount in sorted(spend.items()):
             add_spend(session, tenant_id, period_bounds(period)[0], amount)
-    return IngestResult(len(accepted), num_in - len(accepted), unpriced, accepted)
+    num_conflicts = len(conflicting)
+    return IngestResult(len(accepted), num_in - len(accepted) - num_conflicts, unpriced, accepted, num_conflicts)
+
+
+def _identity(u: NewUsage | UsageRecord) -> tuple[Any, ...]:
+    reported = u.reported_at if u.reported_at is not None else u.occurred_at
+    # Microseconds dropped: a source's float timestamp need not survive the database's rounding exactly.
+    return (*(getattr(u, name) for name in _IDENTITY), as_utc(reported).replace(microsecond=0))
+
+
+def _conflicts(session: Session, skipped: list[NewUsage]) -> list[str]:
+    """The ids of ``skipped`` whose stored record differs from the one offered (a missing one is a race: not)."""
+    stored: dict[str, UsageRecord] = {}
+    ids = [u.id for u in skipped]
+    for start in range(0, len(ids), 500):
+        chunk = ids[start : start + 500]
+        stored.update((r.id, r) for r in session.exec(select(UsageRecord).where(col(UsageRecord.id).in_(chunk))))
+    return [u.id for u in skipped if u.id in stored and _identity(stored[u.id]) != _identity(u)]
 
 
 # --- totals ---------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ the device's tenant.
 from __future__ import annotations
 
 import hashlib
+import logging
 import secrets
 import uuid
 from dataclasses import dataclass
@@ -20,8 +21,11 @@ from controlplane.billing.ledger import NewUsage, ingest_usage
 from controlplane.billing.pricing import PriceLookup
 from controlplane.rollouts.service import load_plans, usage_arm
 from controlplane.storage.tables import Device, DeviceEvent, EnrollmentToken, Tenant
+from controlplane.storage.types import as_utc
 from shared.edge_protocol import EventItem, UsageItem, version_number
 from shared.errors import AuthenticationError, ValidationError
+
+logger = logging.getLogger(__name__)
 
 ENROLL_PREFIX = "tle-"
 DEVICE_PREFIX = "tld-"
@@ -118,11 +122,52 @@ def revoke_device(session: Session, tenant: Tenant, device_id: str) -> Device:
     return device
 
 
+# The latest representable instant; a device's float beyond it (or NaN) is read as "far future".
+_MAX_UNIX = datetime(9999, 12, 31, tzinfo=UTC).timestamp()
+_USAGE_ID_LEN = 64  # usage_record.id
+
+
+@dataclass(frozen=True, slots=True)
+class UsageWindow:
+    """When a device's usage may have occurred; a record outside it is booked at the nearest edge and flagged.
+
+    Attributes:
+        max_future: how far ahead of the cloud's clock a device's clock may run.
+        max_age: how old a record may be when it is synced (an outbox kept offline longer is booked at the edge).
+        enrollment_margin: how long before its enrollment a device may date a record (clock skew at enroll).
+    """
+
+    max_future: timedelta = timedelta(minutes=5)
+    max_age: timedelta = timedelta(days=35)
+    enrollment_margin: timedelta = timedelta(hours=1)
+
+    def clamp(self, reported: datetime, enrolled_at: datetime, now: datetime) -> datetime:
+        earliest = max(as_utc(enrolled_at) - self.enrollment_margin, now - self.max_age)
+        return min(max(reported, earliest), now + self.max_future)
+
+
+@dataclass(frozen=True, slots=True)
+class SyncCounts:
+    accepted: int
+    duplicates: int
+    conflicts: int = 0
+    clamped: int = 0
+
+
+def device_usage_id(tenant_id: int, device_id: str, item_id: str) -> str:
+    """The stored id of a device's usage record: namespaced by tenant and device, so a device can neither take
+    an id the cloud meters under (its own ids never start ``edge-``) nor one of another device or tenant."""
+    digest = hashlib.sha256(f"{tenant_id}:{device_id}:{item_id}".encode()).hexdigest()
+    readable = f"edge-{tenant_id}-{device_id}-"
+    if len(readable) + 24 > _USAGE_ID_LEN:  # an unusually long device id: the hash alone still namespaces it
+        readable = "edge-"
+    return readable + digest[: _USAGE_ID_LEN - len(readable)]
+
+
 def _ts(unix: float) -> datetime:
-    try:
-        return datetime.fromtimestamp(unix, UTC)
-    except (OverflowError, OSError, ValueError):
-        return datetime.now(UTC)
+    if not unix <= _MAX_UNIX:
+        unix = _MAX_UNIX
+    return datetime.fromtimestamp(max(unix, 0.0), UTC)
 
 
 def ingest(
@@ -131,11 +176,14 @@ def ingest(
     usage: list[UsageItem],
     events: list[EventItem],
     prices: PriceLookup | None = None,
-) -> tuple[int, int]:
-    """Store what is new, skip what the cloud already has. Returns ``(accepted, duplicates)``.
+    window: UsageWindow | None = None,
+) -> SyncCounts:
+    """Store what is new, skip what the cloud already has; count what conflicts and what was clamped.
 
-    Ids already present (a retried batch, or a request the cloud metered itself on escalation) are skipped,
-    never overwritten; the caller commits, so a batch is stored whole or not at all. Usage goes to the ledger
+    Usage is stored under ``device_usage_id`` (the device's tenant, the device and its own id). The same record
+    again (a retried batch) is a duplicate; the same id with another payload is a conflict, not stored. A record
+    dated outside ``window`` is booked at the window's edge with the device's time kept in ``reported_at``.
+    The caller commits, so a batch is stored whole or not at all. Usage goes to the ledger
     (``controlplane.billing.ledger.ingest_usage``), which rates each new record at its own time with ``prices``
     (the cloud's cached price book; without it the price book is read once for the batch) and counts its cost
     against the tenant's budget period of that time.
@@ -143,30 +191,41 @@ def ingest(
     ids = [u.id for u in usage]
     if len(set(ids)) != len(ids):
         raise ValidationError("usage: record ids must be unique within a batch", param="usage")
+    window = window or UsageWindow()
+    now = datetime.now(UTC)
     plans = load_plans(session, "edge") if usage else []
-    records = [
-        NewUsage(
-            id=u.id,
-            tenant_id=device.tenant_id,
-            device_id=device.id,
-            model=u.model,
-            model_version=version_number(u.model_version),
-            tier=u.tier,
-            prompt_tokens=u.prompt_tokens,
-            completion_tokens=u.completion_tokens,
-            status=u.status if u.status != "degraded" else "ok",
-            latency_ms=u.latency_ms,
-            ttft_ms=u.ttft_ms,
-            escalation_reason=u.escalation_reason,
-            # The arm of the rollout governing the model, by the version that served it (for billing).
-            rollout_arm=usage_arm(
-                plans, model=u.model.removeprefix("tierline/"), tenant_id=device.tenant_id, version=u.model_version
-            ),
-            occurred_at=_ts(u.occurred_at),
+    records = []
+    for u in usage:
+        reported = _ts(u.occurred_at)
+        booked = window.clamp(reported, device.enrolled_at, now)
+        records.append(
+            NewUsage(
+                id=device_usage_id(device.tenant_id, device.id, u.id),
+                tenant_id=device.tenant_id,
+                device_id=device.id,
+                model=u.model,
+                model_version=version_number(u.model_version),
+                tier=u.tier,
+                prompt_tokens=u.prompt_tokens,
+                completion_tokens=u.completion_tokens,
+                status=u.status if u.status != "degraded" else "ok",
+                latency_ms=u.latency_ms,
+                ttft_ms=u.ttft_ms,
+                escalation_reason=u.escalation_reason,
+                # The arm of the rollout governing the model, by the version that served it (for billing).
+                rollout_arm=usage_arm(
+                    plans, model=u.model.removeprefix("tierline/"), tenant_id=device.tenant_id, version=u.model_version
+                ),
+                occurred_at=booked,
+                reported_at=reported if booked != reported else None,
+            )
         )
-        for u in usage
-    ]
     result = ingest_usage(session, records, prices)
+    clamped = sum(1 for r in records if r.reported_at is not None and r.id in result.accepted_ids)
+    if clamped:
+        logger.warning(
+            "device %s: %d usage record(s) dated outside the accepted window were clamped", device.id, clamped
+        )
     accepted, duplicates = result.accepted, result.duplicates
     eids = [e.id for e in events]
     seen = set(session.exec(select(DeviceEvent.id).where(col(DeviceEvent.id).in_(eids)))) if eids else set()
@@ -182,8 +241,8 @@ def ingest(
                 tenant_id=device.tenant_id,
                 kind=e.kind,
                 payload=e.payload,
-                occurred_at=_ts(e.occurred_at),
+                occurred_at=min(_ts(e.occurred_at), now + window.max_future),
             )
         )
         accepted += 1
-    return accepted, duplicates
+    return SyncCounts(accepted, duplicates, result.conflicts, clamped)

@@ -151,7 +151,9 @@ class UsageRecord(SQLModel, table=True):
     __tablename__ = "usage_record"
     __table_args__ = (Index("ix_usage_record_tenant_time", "tenant_id", "occurred_at"),)
 
-    id: str = Field(primary_key=True, max_length=64, description="request id")
+    id: str = Field(
+        primary_key=True, max_length=64, description="the cloud's request id, or edge-... for a device's record"
+    )
     tenant_id: int = Field(foreign_key="tenant.id")
     api_key_id: int | None = Field(default=None, foreign_key="api_key.id")
     device_id: str | None = Field(default=None, max_length=64)
@@ -178,6 +180,11 @@ class UsageRecord(SQLModel, table=True):
     )
     occurred_at: datetime = _ts()
     ingested_at: datetime = _ts()
+    reported_at: datetime | None = Field(
+        default=None,
+        sa_type=UTCDateTime,
+        description="the source's own time when it lay outside the accepted window (booked at occurred_at, clamped)",
+    )
 
 
 class Device(SQLModel, table=True):

@@ -20,6 +20,7 @@ import pytest
 from sqlalchemy import create_engine, update
 from sqlmodel import Session, col, select
 
+from controlplane.fleet.devices import device_usage_id
 from controlplane.storage.tables import BudgetAlert, BudgetPeriod, Tenant, UsageRecord
 from shared.escalation import EdgePolicy, save_policy
 from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, seed_data_dir, tierline_cmd
@@ -106,7 +107,11 @@ def test_the_agent_refuses_local_answers_once_the_allowance_is_used_up(fleet: di
 
     engine = create_engine(fleet["db"])
     with Session(engine) as s:
-        rows = [u for u in s.exec(select(UsageRecord)) if u.id in served]
+        rows = [
+            u
+            for u in s.exec(select(UsageRecord))
+            if u.id in {device_usage_id(u.tenant_id, u.device_id or "", r) for r in served}
+        ]
         period = s.exec(select(BudgetPeriod)).one()
         alerts = s.exec(select(BudgetAlert).order_by(col(BudgetAlert.threshold))).all()
     engine.dispose()

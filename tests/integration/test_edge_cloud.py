@@ -22,6 +22,7 @@ import pytest
 from sqlalchemy import create_engine
 from sqlmodel import Session, select
 
+from controlplane.fleet.devices import device_usage_id
 from controlplane.storage.tables import Device, DeviceEvent, UsageRecord
 from shared.escalation import EdgePolicy, save_policy
 from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, seed_data_dir, tierline_cmd
@@ -360,7 +361,7 @@ def test_cloud_outage_degrades_locally_and_every_record_lands_once(client: opena
     assert cloud_only.value.status_code == 503
     pending = httpx.get(f"{fleet.edge_url}/v1/agent").json()["outbox"]["pending"]["usage"]
     assert pending >= len(during_outage)
-    assert not set(during_outage) & served_ids()
+    assert not {device_usage_id(fleet.device().tenant_id, device_id, rid) for rid in during_outage} & served_ids()
 
     fleet.start_cloud()
     deadline = time.monotonic() + 30
@@ -369,7 +370,8 @@ def test_cloud_outage_degrades_locally_and_every_record_lands_once(client: opena
             break
         time.sleep(0.2)
     have = served_ids()
-    assert set(during_outage) <= have
+    tenant_id = fleet.device().tenant_id
+    assert {device_usage_id(tenant_id, device_id, rid) for rid in during_outage} <= have
     rows = [r for r in fleet.rows() if r.device_id == device_id]
     assert len(rows) == len({r.id for r in rows})  # exactly once: no id twice (primary key) ...
     metrics = httpx.get(f"{fleet.edge_url}/metrics").text

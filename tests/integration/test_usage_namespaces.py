@@ -1,0 +1,140 @@
+"""A device cannot plant usage under ids the cloud uses, nor date it out of the billing period.
+
+One real cloud server, two tenants: a device of tenant A syncs records under the ids tenant B's idempotent
+request and async job would be metered under, then B makes both; B is billed exactly once for each, A's
+records live in A's namespace, a replay stores nothing, a changed payload under a used id is a conflict, and
+a record dated 2100 is booked now and flagged.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlmodel import Session, select
+
+from cloud.idempotency import usage_id
+from cloud.jobs import new_job_id
+from controlplane.fleet.devices import create_enrollment_token, device_usage_id
+from controlplane.storage.database import create_db
+from controlplane.storage.tables import UsageRecord
+from controlplane.tenancy.service import create_api_key, create_tenant
+from tests.conftest import base_env, free_port, migrated_sqlite, seed_data_dir, server_process
+
+pytestmark = pytest.mark.integration
+
+MODEL = "tierline/lm-cloud"
+
+
+@pytest.fixture(scope="module")
+def cloud(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_data_dir: Path) -> Iterator[dict[str, Any]]:
+    data = seed_data_dir(tmp_path_factory.mktemp("usage-ns"), tiny_zoo, session_data_dir)
+    db_url = migrated_sqlite(data)
+    engine = create_db(db_url)
+    with Session(engine) as s:
+        a, b = create_tenant(s, "tenant-a"), create_tenant(s, "tenant-b")
+        key_b = create_api_key(s, b).secret
+        enroll_token = create_enrollment_token(s, a).secret
+        s.commit()
+        ids = {"a": a.id, "b": b.id}
+    env = base_env(
+        data,
+        TIERLINE_DATABASE_URL=db_url,
+        TIERLINE_CLOUD_ZOO_PRESET="tiny",
+        TIERLINE_CLOUD_KV_CACHE_MB="16",
+        TIERLINE_CLOUD_USAGE_FLUSH_MS="50",
+        TIERLINE_CLOUD_JOB_POLL_S="0.2",
+    )
+    port = free_port()
+    with server_process(["cloud", "serve"], env, port, ready_path="/readyz", timeout=120, stop_timeout=60):
+        url = f"http://127.0.0.1:{port}"
+        enrolled = httpx.post(f"{url}/v1/edge/enroll", json={"token": enroll_token, "name": "a-1"}).json()
+        yield {"url": url, "key_b": key_b, "engine": engine, "tenant": ids, "device": enrolled}
+    engine.dispose()
+
+
+def _sync(cloud: dict[str, Any], usage: list[dict[str, Any]]) -> dict[str, Any]:
+    resp = httpx.post(
+        f"{cloud['url']}/v1/edge/sync",
+        json={"usage": usage},
+        headers={"Authorization": f"Bearer {cloud['device']['device_token']}"},
+    )
+    assert resp.status_code == 200, resp.text
+    return dict(resp.json())
+
+
+def _records(cloud: dict[str, Any], tenant_id: int) -> list[UsageRecord]:
+    with Session(cloud["engine"]) as s:
+        return list(s.exec(select(UsageRecord).where(UsageRecord.tenant_id == tenant_id)))
+
+
+def _planted(rid: str, *, completion_tokens: int = 0, occurred_at: float | None = None) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "model": MODEL,
+        "tier": "cloud",
+        "prompt_tokens": 0,
+        "completion_tokens": completion_tokens,
+        "occurred_at": time.time() if occurred_at is None else occurred_at,
+    }
+
+
+def test_a_device_cannot_make_another_tenants_usage_be_skipped(cloud: dict[str, Any]) -> None:
+    a, b = cloud["tenant"]["a"], cloud["tenant"]["b"]
+    idem_id, job_id = usage_id(b, "pay-once"), new_job_id(b, "job-once")
+    batch = [_planted(idem_id), _planted(job_id)]
+    first = _sync(cloud, batch)
+    assert first["accepted"] == 2 and first["duplicates"] == 0
+
+    auth = {"Authorization": f"Bearer {cloud['key_b']}"}
+    body = {"model": MODEL, "prompt": "def f():", "max_tokens": 4, "temperature": 0}
+    served = httpx.post(f"{cloud['url']}/v1/completions", json=body, headers={**auth, "Idempotency-Key": "pay-once"})
+    assert served.status_code == 200, served.text
+    job = httpx.post(
+        f"{cloud['url']}/v1/completions", json={**body, "async": True}, headers={**auth, "Idempotency-Key": "job-once"}
+    ).json()
+    deadline = time.monotonic() + 60
+    while httpx.get(f"{cloud['url']}/v1/jobs/{job['id']}", headers=auth).json()["status"] != "succeeded":
+        assert time.monotonic() < deadline, "the job did not finish"
+        time.sleep(0.2)
+
+    usage_header = served.headers["x-tierline-usage-id"]
+    deadline = time.monotonic() + 10
+    while len(billed := _records(cloud, b)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    # B is billed exactly once for each, for what was generated, under ids the cloud chose.
+    assert sorted(r.id for r in billed) == sorted([usage_header, job["id"]])
+    assert all(r.completion_tokens > 0 and r.device_id is None for r in billed)
+
+    device = cloud["device"]["device_id"]
+    mine = _records(cloud, a)
+    assert sorted(r.id for r in mine) == sorted(device_usage_id(a, device, rid) for rid in (idem_id, job_id))
+    assert all(r.id.startswith("edge-") and r.device_id == device for r in mine)
+
+    replay = _sync(cloud, batch)
+    assert (replay["accepted"], replay["duplicates"], replay["conflicts"]) == (0, 2, 0)
+    assert len(_records(cloud, a)) == 2
+
+    changed = _sync(cloud, [_planted(idem_id, completion_tokens=500)])
+    assert (changed["accepted"], changed["conflicts"]) == (0, 1)
+    assert all(r.completion_tokens == 0 for r in _records(cloud, a))
+
+
+def test_a_far_future_record_is_booked_now_and_flagged(cloud: dict[str, Any]) -> None:
+    a = cloud["tenant"]["a"]
+    future = datetime(2100, 1, 1, tzinfo=UTC)
+    answer = _sync(cloud, [_planted("future-0001", completion_tokens=3, occurred_at=future.timestamp())])
+    assert answer["accepted"] == 1 and answer["clamped"] == 1
+    with Session(cloud["engine"]) as s:
+        row = s.get(UsageRecord, device_usage_id(a, cloud["device"]["device_id"], "future-0001"))
+    assert row is not None
+    assert abs(row.occurred_at - datetime.now(UTC)) < timedelta(minutes=10)
+    assert row.reported_at == future
+    # A replay is the same record, however much later it arrives.
+    again = _sync(cloud, [_planted("future-0001", completion_tokens=3, occurred_at=future.timestamp())])
+    assert (again["accepted"], again["duplicates"], again["conflicts"]) == (0, 1, 0)
