@@ -21,6 +21,7 @@ from pydantic import ValidationError as PydanticValidationError
 from cloud.budget_watch import BudgetAlerts
 from cloud.canary import CanaryRouter
 from cloud.engine.outputs import RequestOutput
+from cloud.engine.prompts import check_context_length
 from cloud.engine.sampling_params import SamplingParams
 from cloud.engine_pool import EnginePool, ServedLM, split_model
 from cloud.limits import RateLimiter, RateLimitGrant
@@ -183,23 +184,7 @@ class CompletionService:
         ids: list[str | list[int]] = []
         for prompt in prompts:
             prompt_ids = engine.encode_prompt(prompt)
-            if not prompt_ids:
-                raise ValidationError("prompt: must not be empty", param="prompt")
-            if len(prompt_ids) >= limit:
-                raise ValidationError(
-                    f"This model's maximum context length is {limit} tokens. However, your prompt is "
-                    f"{len(prompt_ids)} tokens, leaving no room for a completion.",
-                    param="prompt",
-                    code="context_length_exceeded",
-                )
-            if max_tokens is not None and len(prompt_ids) + max_tokens > limit:
-                raise ValidationError(
-                    f"This model's maximum context length is {limit} tokens. However, you requested "
-                    f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, {max_tokens} in the "
-                    "completion). Please reduce the prompt or max_tokens.",
-                    param="max_tokens",
-                    code="context_length_exceeded",
-                )
+            check_context_length(len(prompt_ids), max_tokens, limit)
             ids.append(prompt_ids)
         return ids
 
