@@ -94,22 +94,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings, 1 << 20)
         dtype = resolve_dtype(model_config, self.device, config.dtype)
         self.dtype = dtype
-        block_bytes = ModelRunner.kv_bytes_per_block(model_config, config.block_size, dtype)
-        draft_config = ModelConfig.from_dir(config.draft_model_dir) if config.draft_model_dir else None
-        if draft_config is not None:
-            if draft_config.vocab_size != model_config.vocab_size:
-                raise ConfigurationError(
-                    f"draft vocab_size {draft_config.vocab_size} differs from the model's {model_config.vocab_size}"
-                )
-            block_bytes += ModelRunner.kv_bytes_per_block(draft_config, config.block_size, dtype)
-        budget = config.kv_cache_bytes or int(available_memory_bytes(self.device) * config.kv_cache_fraction)
-        num_blocks = budget // block_bytes
-        min_blocks = -(-self.max_model_len // config.block_size) + 1
-        if num_blocks < min_blocks:
-            raise ConfigurationError(
-                f"KV budget of {budget} bytes holds {num_blocks} blocks; one max-length sequence needs {min_blocks}"
-            )
-        self.num_blocks = int(num_blocks)
+        self.num_blocks = self._num_kv_blocks()
         self.runner = ModelRunner(
             config.model_dir, self.device, dtype, config.block_size, self.num_blocks, self.max_model_len
         )
@@ -133,13 +118,7 @@ class LLMEngine:
         )
         self.eos_token_ids = set(model_config.eos_token_ids)
         self.drafter = DraftProposer(self.draft_runner, self.sampler) if self.draft_runner is not None else None
-        self.spec: SpecController | None = None
-        if config.speculation != "off" or self.draft_runner is not None:
-            target_cost = StepCost.measure(self.runner, config.max_num_batched_tokens)
-            draft_cost = StepCost.measure(self.draft_runner, config.max_num_seqs) if self.draft_runner else None
-            self.spec = SpecController(
-                config.num_speculative_tokens, target_cost, draft_cost, adaptive=config.adaptive_speculation
-            )
+        self.spec = self._spec_controller()
         self._requests: dict[str, _Request] = {}
         self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval) if process_outputs else None
         self._seq_ids = itertools.count()
@@ -152,6 +131,37 @@ class LLMEngine:
             self.num_blocks,
             config.block_size,
             config.speculation,
+        )
+
+    def _num_kv_blocks(self) -> int:
+        """As many blocks (of the model's K/V and the draft's) as the budget holds; at least one max-length
+        sequence's."""
+        config, model_config = self.config, self.model_config
+        block_bytes = ModelRunner.kv_bytes_per_block(model_config, config.block_size, self.dtype)
+        draft_config = ModelConfig.from_dir(config.draft_model_dir) if config.draft_model_dir else None
+        if draft_config is not None:
+            if draft_config.vocab_size != model_config.vocab_size:
+                raise ConfigurationError(
+                    f"draft vocab_size {draft_config.vocab_size} differs from the model's {model_config.vocab_size}"
+                )
+            block_bytes += ModelRunner.kv_bytes_per_block(draft_config, config.block_size, self.dtype)
+        budget = config.kv_cache_bytes or int(available_memory_bytes(self.device) * config.kv_cache_fraction)
+        num_blocks = budget // block_bytes
+        min_blocks = -(-self.max_model_len // config.block_size) + 1
+        if num_blocks < min_blocks:
+            raise ConfigurationError(
+                f"KV budget of {budget} bytes holds {num_blocks} blocks; one max-length sequence needs {min_blocks}"
+            )
+        return int(num_blocks)
+
+    def _spec_controller(self) -> SpecController | None:
+        config = self.config
+        if config.speculation == "off" and self.draft_runner is None:
+            return None
+        target_cost = StepCost.measure(self.runner, config.max_num_batched_tokens)
+        draft_cost = StepCost.measure(self.draft_runner, config.max_num_seqs) if self.draft_runner else None
+        return SpecController(
+            config.num_speculative_tokens, target_cost, draft_cost, adaptive=config.adaptive_speculation
         )
 
     # -- requests -----------------------------------------------------------------------------------------------

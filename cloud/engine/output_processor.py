@@ -114,36 +114,12 @@ class OutputProcessor:
 
     @staticmethod
     def _output(req: _Request, stopped: list[tuple[str, int]]) -> RequestOutput:
-        choices = []
-        finished = True
-        for i, out in enumerate(req.outputs):
-            detok = out.detokenizer
-            delta_text, is_stopped = detok.update(out.token_ids, out.finish_reason is not None)
-            if is_stopped and out.finish_reason is None:
-                out.finish_reason = "stop"
-                stopped.append((req.request_id, i))
-            finished = finished and out.finish_reason is not None
-            emitted = detok.num_emitted_tokens
-            detok.num_emitted_tokens = len(out.token_ids)
-            choices.append(
-                CompletionOutput(
-                    index=i,
-                    text=detok.text,
-                    token_ids=list(out.token_ids),
-                    logprobs=list(out.logprobs) if out.logprobs is not None else None,
-                    finish_reason=out.finish_reason,
-                    delta_text=delta_text,
-                    delta_token_ids=out.token_ids[emitted:],
-                    delta_logprobs=out.logprobs[emitted:] if out.logprobs is not None else [],
-                    num_spec_proposed=out.num_spec_proposed,
-                    num_spec_accepted=out.num_spec_accepted,
-                )
-            )
+        choices = [_choice(req, i, stopped) for i in range(len(req.outputs))]
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
             outputs=choices,
-            finished=finished,
+            finished=all(out.finish_reason is not None for out in req.outputs),
             usage=Usage(
                 prompt_tokens=len(req.prompt_token_ids),
                 completion_tokens=sum(len(o.token_ids) for o in req.outputs),
@@ -151,6 +127,30 @@ class OutputProcessor:
             ),
             ttft_s=(req.first_token_time - req.arrival_time) if req.first_token_time is not None else None,
         )
+
+
+def _choice(req: _Request, index: int, stopped: list[tuple[str, int]]) -> CompletionOutput:
+    """Output ``index`` as of now: its new text (a stop string found in it finishes it) and what else is new."""
+    out = req.outputs[index]
+    detok = out.detokenizer
+    delta_text, is_stopped = detok.update(out.token_ids, out.finish_reason is not None)
+    if is_stopped and out.finish_reason is None:
+        out.finish_reason = "stop"
+        stopped.append((req.request_id, index))
+    emitted = detok.num_emitted_tokens
+    detok.num_emitted_tokens = len(out.token_ids)
+    return CompletionOutput(
+        index=index,
+        text=detok.text,
+        token_ids=list(out.token_ids),
+        logprobs=list(out.logprobs) if out.logprobs is not None else None,
+        finish_reason=out.finish_reason,
+        delta_text=delta_text,
+        delta_token_ids=out.token_ids[emitted:],
+        delta_logprobs=out.logprobs[emitted:] if out.logprobs is not None else [],
+        num_spec_proposed=out.num_spec_proposed,
+        num_spec_accepted=out.num_spec_accepted,
+    )
 
 
 def _merge(held: RequestOutput, later: RequestOutput) -> RequestOutput:

@@ -47,7 +47,7 @@ class EngineCoreResponseType(enum.IntEnum):
     STEP_FAILED = 3
 
 
-_OPTS: dict[str, Any] = {"array_like": True, "tag_field": "type", "omit_defaults": False}
+_OPTS: dict[str, Any] = {"array_like": True, "tag_field": "type"}
 
 
 # -- requests ---------------------------------------------------------------------------------------------------------
