@@ -21,6 +21,7 @@ from pydantic import ValidationError as PydanticValidationError
 from cloud.budget_watch import BudgetAlerts
 from cloud.canary import CanaryRouter
 from cloud.engine.outputs import RequestOutput
+from cloud.engine.prompts import check_context_length
 from cloud.engine.sampling_params import SamplingParams
 from cloud.engine_pool import EnginePool, ServedLM, split_model
 from cloud.limits import RateLimiter, RateLimitGrant
@@ -219,23 +220,7 @@ class CompletionService:
             else:
                 prompt_ids = engine.encode_prompt(prompt)
                 num_tokens = len(prompt_ids)
-            if not num_tokens:
-                raise ValidationError("prompt: must not be empty", param="prompt")
-            if num_tokens >= limit:
-                raise ValidationError(
-                    f"This model's maximum context length is {limit} tokens. However, your prompt is "
-                    f"{num_tokens} tokens, leaving no room for a completion.",
-                    param="prompt",
-                    code="context_length_exceeded",
-                )
-            if max_tokens is not None and num_tokens + max_tokens > limit:
-                raise ValidationError(
-                    f"This model's maximum context length is {limit} tokens. However, you requested "
-                    f"{num_tokens + max_tokens} tokens ({num_tokens} in the prompt, {max_tokens} in the "
-                    "completion). Please reduce the prompt or max_tokens.",
-                    param="max_tokens",
-                    code="context_length_exceeded",
-                )
+            check_context_length(num_tokens, max_tokens, limit)
             ids.append(prompt_ids)
         return ids
 

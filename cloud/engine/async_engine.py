@@ -20,34 +20,27 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from cloud.engine.config import EngineConfig
 from cloud.engine.llm_engine import LLMEngine
 from cloud.engine.outputs import RequestOutput
+from cloud.engine.protocol import (
+    AbortRequest,
+    AddRequest,
+    EngineCoreRequest,
+    EngineSnapshot,
+    MetricsRequest,
+    ShutdownRequest,
+    StopSequences,
+)
 from cloud.engine.sampling_params import SamplingParams
 from cloud.engine.tokenizer import ChatTokenizer
 from shared.errors import ServiceUnavailableError
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSnapshot:
-    """The engine's load, for metrics and for unloading idle engines."""
-
-    running: int = 0
-    waiting: int = 0
-    kv_usage: float = 0.0
-    prefix_hit_rate: float = 0.0
-    spec_proposed: Mapping[str, int] = field(default_factory=dict)
-    spec_accepted: Mapping[str, int] = field(default_factory=dict)
-
-    @property
-    def idle(self) -> bool:
-        return not self.running and not self.waiting
 
 
 def snapshot_of(engine: LLMEngine) -> EngineSnapshot:
@@ -65,7 +58,6 @@ def snapshot_of(engine: LLMEngine) -> EngineSnapshot:
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput | BaseException]
-    last: RequestOutput | None = None  # the latest update (EngineProcess applies the next one's changes to it)
 
     def put(self, item: RequestOutput | BaseException) -> None:
         with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody is listening any more
@@ -110,12 +102,12 @@ class EngineClient(abc.ABC):
     def shutdown(self, timeout: float = 10.0) -> None: ...
 
     @abc.abstractmethod
-    def _submit(self, op: str, *args: Any) -> concurrent.futures.Future[Any]:
-        """Run ``op`` (add, abort, metrics) on the engine's loop with ``args``."""
+    def _submit(self, request: EngineCoreRequest) -> concurrent.futures.Future[Any]:
+        """Hand ``request`` to the engine's loop; a future of its result."""
 
-    def _call(self, op: str, *args: Any) -> Awaitable[Any]:
+    def _call(self, request: EngineCoreRequest) -> Awaitable[Any]:
         """``_submit``, awaitable on the running event loop."""
-        return asyncio.wrap_future(self._submit(op, *args))
+        return asyncio.wrap_future(self._submit(request))
 
     # -- event-loop side ----------------------------------------------------------------------------------------
     async def generate(
@@ -128,12 +120,13 @@ class EngineClient(abc.ABC):
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream updates for one request; the last one has ``finished`` set and the final usage."""
         rid = request_id or f"{self.name}-{next(self._ids)}"
+        prompt_ids = self.encode_prompt(prompt)
         arrival = time.monotonic()  # the hand-over: the wait for the engine's loop to take it counts as engine time
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[rid] = stream
         finished = False
         try:
-            await self._call("add", rid, prompt, params, priority, cache_salt, arrival)
+            await self._call(AddRequest(rid, prompt_ids, params, priority, cache_salt, arrival))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -145,13 +138,13 @@ class EngineClient(abc.ABC):
         finally:
             self._streams.pop(rid, None)
             if not finished and not self._closed:
-                self._submit("abort", rid)
+                self._submit(AbortRequest([rid]))
 
     async def abort(self, request_id: str) -> None:
-        await self._call("abort", request_id)
+        await self._call(AbortRequest([request_id]))
 
     async def metrics(self) -> dict[str, Any]:
-        result: dict[str, Any] = await self._call("metrics")
+        result: dict[str, Any] = await self._call(MetricsRequest())
         return result
 
     # -- loop side ----------------------------------------------------------------------------------------------
@@ -178,18 +171,23 @@ class EngineClient(abc.ABC):
                 stream.put(exc)
 
 
-def run_command(engine: LLMEngine, op: str, args: tuple[Any, ...]) -> Any:
-    """One command on the engine's own loop."""
-    if op == "add":
-        rid, prompt, params, priority, cache_salt, arrival = args
-        engine.add_request(rid, prompt, params, priority=priority, cache_salt=cache_salt, arrival_time=arrival)
-        return None
-    if op == "abort":
-        engine.abort_request(args[0])
-        return None
-    if op == "metrics":
-        return engine.metrics()
-    raise ValueError(f"unknown engine command {op!r}")
+def run_command(engine: LLMEngine, request: EngineCoreRequest) -> dict[str, Any] | None:
+    """One request on the engine's own loop (``ShutdownRequest`` is the loop's to act on)."""
+    match request:
+        case AddRequest():
+            engine.add(request)
+        case AbortRequest():
+            for request_id in request.request_ids:
+                engine.abort_request(request_id)
+        case StopSequences():
+            engine.stop_sequences(request.sequences)
+        case MetricsRequest():
+            return engine.metrics()
+        case ShutdownRequest():
+            pass
+        case _:
+            raise TypeError(f"unknown engine request {type(request).__name__}")
+    return None
 
 
 class AsyncLLMEngine(EngineClient):
@@ -220,14 +218,14 @@ class AsyncLLMEngine(EngineClient):
     def snapshot(self) -> EngineSnapshot:
         return snapshot_of(self.engine)
 
-    def _submit(self, op: str, *args: Any) -> concurrent.futures.Future[Any]:
+    def _submit(self, request: EngineCoreRequest) -> concurrent.futures.Future[Any]:
         if self._closed:
             raise ServiceUnavailableError(f"engine {self.name} is shut down")
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
         def run() -> None:
             try:
-                fut.set_result(run_command(self.engine, op, args))
+                fut.set_result(run_command(self.engine, request))
             except BaseException as exc:
                 fut.set_exception(exc)
 

@@ -1,10 +1,14 @@
-"""The step loop: schedule, propose, run the model, verify or sample, append tokens, report progress."""
+"""The step loop: schedule → run (propose, the model, sample or verify) → postprocess (append tokens, finish, fork).
+
+The step produces token ids (``EngineCoreOutputs``); ``OutputProcessor`` turns them into text after the step, here
+(``step``) or in the API process (``EngineProcess`` runs ``step_core`` in a process of its own)."""
 
 from __future__ import annotations
 
 import itertools
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,13 +20,16 @@ from cloud.engine.config import EngineConfig
 from cloud.engine.loader import resolve_dtype
 from cloud.engine.model_config import ModelConfig
 from cloud.engine.model_runner import Feed, ModelRunner
-from cloud.engine.outputs import CompletionOutput, RequestOutput, Usage
+from cloud.engine.output_processor import OutputProcessor
+from cloud.engine.outputs import RequestOutput
+from cloud.engine.prompts import check_context_length, encode_prompt
+from cloud.engine.protocol import AddRequest, EngineCoreOutput, EngineCoreOutputs, SequenceOutput
 from cloud.engine.sampler import Sampler
 from cloud.engine.sampling_params import SamplingParams
 from cloud.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from cloud.engine.sequence import FinishReason, Sequence
 from cloud.engine.speculator import DraftProposer, SpecController, StepCost, ngram_proposal
-from cloud.engine.tokenizer import ChatTokenizer, IncrementalDetokenizer
+from cloud.engine.tokenizer import ChatTokenizer
 from shared.errors import ConfigurationError, ValidationError
 
 logger = logging.getLogger(__name__)
@@ -32,13 +39,20 @@ logger = logging.getLogger(__name__)
 class _Request:
     request_id: str
     seqs: list[Sequence]
-    detokenizers: list[IncrementalDetokenizer]
     pending_siblings: list[Sequence]
-    arrival_time: float
-    first_token_time: float | None = None
-    emitted_tokens: list[int] = field(default_factory=list)
-    streamed: bool = False  # an update with tokens has gone out
-    held: RequestOutput | None = None  # what the stream interval holds back, merged into the next update
+
+
+@dataclass(slots=True)
+class _Work:
+    """One scheduled sequence's part of a step: what it feeds the model and the tokens it gets."""
+
+    seq: Sequence
+    start: int  # tokens computed before the step
+    num_base: int  # tokens fed that are not proposals
+    spec: list[int]  # proposals to verify
+    feed: Feed
+    row: int  # its first row of the step's logits
+    new_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -49,15 +63,6 @@ class EngineStats:
     num_preemptions: int = 0
     spec_proposed: dict[str, int] = field(default_factory=dict)
     spec_accepted: dict[str, int] = field(default_factory=dict)
-
-
-def encode_prompt(tokenizer: ChatTokenizer, vocab_size: int, prompt: str | list[int]) -> list[int]:
-    """A prompt's token ids: a string encoded, a list of ids checked against the vocabulary."""
-    if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
-    if not prompt or not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt):
-        raise ValidationError(f"prompt: token ids must be integers in [0, {vocab_size})", param="prompt")
-    return list(prompt)
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -74,7 +79,9 @@ class LLMEngine:
     """One model (plus an optional draft) behind a continuous-batching step loop. Not thread-safe: one
     thread calls ``add_request`` / ``abort_request`` / ``step`` (``AsyncLLMEngine`` provides that thread)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, process_outputs: bool = True) -> None:
+        """Load the model (and draft). ``process_outputs=False``: a core only (``step_core``), whose outputs are
+        turned into text elsewhere (``EngineProcess`` does so in the API process)."""
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -87,22 +94,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings, 1 << 20)
         dtype = resolve_dtype(model_config, self.device, config.dtype)
         self.dtype = dtype
-        block_bytes = ModelRunner.kv_bytes_per_block(model_config, config.block_size, dtype)
-        draft_config = ModelConfig.from_dir(config.draft_model_dir) if config.draft_model_dir else None
-        if draft_config is not None:
-            if draft_config.vocab_size != model_config.vocab_size:
-                raise ConfigurationError(
-                    f"draft vocab_size {draft_config.vocab_size} differs from the model's {model_config.vocab_size}"
-                )
-            block_bytes += ModelRunner.kv_bytes_per_block(draft_config, config.block_size, dtype)
-        budget = config.kv_cache_bytes or int(available_memory_bytes(self.device) * config.kv_cache_fraction)
-        num_blocks = budget // block_bytes
-        min_blocks = -(-self.max_model_len // config.block_size) + 1
-        if num_blocks < min_blocks:
-            raise ConfigurationError(
-                f"KV budget of {budget} bytes holds {num_blocks} blocks; one max-length sequence needs {min_blocks}"
-            )
-        self.num_blocks = int(num_blocks)
+        self.num_blocks = self._num_kv_blocks()
         self.runner = ModelRunner(
             config.model_dir, self.device, dtype, config.block_size, self.num_blocks, self.max_model_len
         )
@@ -126,14 +118,9 @@ class LLMEngine:
         )
         self.eos_token_ids = set(model_config.eos_token_ids)
         self.drafter = DraftProposer(self.draft_runner, self.sampler) if self.draft_runner is not None else None
-        self.spec: SpecController | None = None
-        if config.speculation != "off" or self.draft_runner is not None:
-            target_cost = StepCost.measure(self.runner, config.max_num_batched_tokens)
-            draft_cost = StepCost.measure(self.draft_runner, config.max_num_seqs) if self.draft_runner else None
-            self.spec = SpecController(
-                config.num_speculative_tokens, target_cost, draft_cost, adaptive=config.adaptive_speculation
-            )
+        self.spec = self._spec_controller()
         self._requests: dict[str, _Request] = {}
+        self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval) if process_outputs else None
         self._seq_ids = itertools.count()
         self.stats = EngineStats()
         logger.info(
@@ -144,6 +131,37 @@ class LLMEngine:
             self.num_blocks,
             config.block_size,
             config.speculation,
+        )
+
+    def _num_kv_blocks(self) -> int:
+        """As many blocks (of the model's K/V and the draft's) as the budget holds; at least one max-length
+        sequence's."""
+        config, model_config = self.config, self.model_config
+        block_bytes = ModelRunner.kv_bytes_per_block(model_config, config.block_size, self.dtype)
+        draft_config = ModelConfig.from_dir(config.draft_model_dir) if config.draft_model_dir else None
+        if draft_config is not None:
+            if draft_config.vocab_size != model_config.vocab_size:
+                raise ConfigurationError(
+                    f"draft vocab_size {draft_config.vocab_size} differs from the model's {model_config.vocab_size}"
+                )
+            block_bytes += ModelRunner.kv_bytes_per_block(draft_config, config.block_size, self.dtype)
+        budget = config.kv_cache_bytes or int(available_memory_bytes(self.device) * config.kv_cache_fraction)
+        num_blocks = budget // block_bytes
+        min_blocks = -(-self.max_model_len // config.block_size) + 1
+        if num_blocks < min_blocks:
+            raise ConfigurationError(
+                f"KV budget of {budget} bytes holds {num_blocks} blocks; one max-length sequence needs {min_blocks}"
+            )
+        return int(num_blocks)
+
+    def _spec_controller(self) -> SpecController | None:
+        config = self.config
+        if config.speculation == "off" and self.draft_runner is None:
+            return None
+        target_cost = StepCost.measure(self.runner, config.max_num_batched_tokens)
+        draft_cost = StepCost.measure(self.draft_runner, config.max_num_seqs) if self.draft_runner else None
+        return SpecController(
+            config.num_speculative_tokens, target_cost, draft_cost, adaptive=config.adaptive_speculation
         )
 
     # -- requests -----------------------------------------------------------------------------------------------
@@ -160,29 +178,22 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> None:
         """Validate and queue one request. Raises ValidationError (too long, bad params) or QueueFull."""
+        now = arrival_time if arrival_time is not None else time.monotonic()
+        self.add(AddRequest(request_id, self.encode_prompt(prompt), params, priority, cache_salt, now))
+
+    def add(self, request: AddRequest) -> None:
+        """``add_request`` with the request as it crosses the engine's boundary."""
+        self.add_core_request(request)
+        if self.output_processor is not None:
+            self.output_processor.add_request(request)
+
+    def add_core_request(self, request: AddRequest) -> None:
+        """Queue a request in the core (its outputs are token ids); raises as ``add_request``."""
+        request_id, prompt_ids, params = request.request_id, request.prompt_token_ids, request.params
         if request_id in self._requests:
             raise ValidationError(f"request id {request_id!r} is already in flight", param="request_id")
-        prompt_ids = self.encode_prompt(prompt)
-        if not prompt_ids:
-            raise ValidationError("prompt: must not be empty", param="prompt")
-        limit = self.max_model_len
-        if len(prompt_ids) >= limit:
-            raise ValidationError(
-                f"This model's maximum context length is {limit} tokens. However, your prompt is "
-                f"{len(prompt_ids)} tokens, leaving no room for a completion.",
-                param="prompt",
-                code="context_length_exceeded",
-            )
-        max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(prompt_ids)
-        if len(prompt_ids) + max_tokens > limit:
-            raise ValidationError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, {max_tokens} in the "
-                "completion). Please reduce the prompt or max_tokens.",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        now = arrival_time if arrival_time is not None else time.monotonic()
+        self.encode_prompt(prompt_ids)  # ids from another process are checked against the vocabulary too
+        max_tokens = check_context_length(len(prompt_ids), params.max_tokens, self.max_model_len)
         seqs = [
             Sequence(
                 seq_id=next(self._seq_ids),
@@ -190,25 +201,21 @@ class LLMEngine:
                 token_ids=list(prompt_ids),
                 num_prompt_tokens=len(prompt_ids),
                 params=params,
-                arrival_time=now,
-                priority=priority,
-                cache_salt=cache_salt,
+                arrival_time=request.arrival_time,
+                priority=request.priority,
+                cache_salt=request.cache_salt,
                 max_tokens=max_tokens,
                 sibling_index=i,
             )
             for i in range(params.n)
         ]
         self.scheduler.add(seqs[:1])
-        self._requests[request_id] = _Request(
-            request_id,
-            seqs,
-            [IncrementalDetokenizer(self.tokenizer, params.stop) for _ in seqs],
-            seqs[1:],
-            now,
-        )
+        self._requests[request_id] = _Request(request_id, seqs, seqs[1:])
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its blocks at once (unknown or finished ids are ignored)."""
+        if self.output_processor is not None:
+            self.output_processor.abort_request(request_id)
         req = self._requests.pop(request_id, None)
         if req is None:
             return
@@ -223,6 +230,18 @@ class LLMEngine:
             self.abort_request(rid)
         return ids
 
+    def stop_sequences(self, sequences: Iterable[tuple[str, int]]) -> None:
+        """Finish outputs (request id, index) that a stop string ended, and free their blocks."""
+        for request_id, index in sequences:
+            req = self._requests.get(request_id)
+            if req is None:
+                continue
+            seq = req.seqs[index]
+            self.scheduler.finish(seq, FinishReason.STOP)
+            self.sampler.release(seq)
+            if all(s.is_finished for s in req.seqs):
+                del self._requests[request_id]
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
@@ -231,6 +250,33 @@ class LLMEngine:
         return len(self._requests)
 
     # -- the step -----------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns an update for every request that progressed or finished (detokenised,
+        stop strings applied, held back to the stream interval)."""
+        if self.output_processor is None:
+            raise RuntimeError("this engine is a core only (process_outputs=False): call step_core")
+        processed = self.output_processor.process(self.step_core())
+        self.stop_sequences(processed.stopped)
+        return processed.outputs
+
+    def step_core(self) -> EngineCoreOutputs:
+        """One step of model work: schedule → run → postprocess. Token ids out, no text."""
+        batch = self._schedule()
+        outputs: list[EngineCoreOutput] = []
+        token_time = time.monotonic()
+        if batch.scheduled:
+            works, logits = self._run(batch)
+            token_time = time.monotonic()
+            outputs = self._postprocess(works, logits)
+        self.stats.num_steps += 1
+        return EngineCoreOutputs(outputs, token_time, time.monotonic())
+
+    def _schedule(self) -> SchedulerOutput:
+        self._plan_speculation()
+        batch = self.scheduler.schedule()
+        self.stats.num_preemptions = self.scheduler.num_preemptions
+        return batch
+
     def _plan_speculation(self) -> None:
         if self.spec is None:
             return
@@ -256,122 +302,96 @@ class LLMEngine:
             seq.spec_method = method
             by_method[method].append(seq)
         for method, seqs in by_method.items():
-            if not seqs:
-                continue
-            k = self.spec.choose_k(method, len(seqs), other_tokens)
-            for seq in seqs:
-                room = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
-                look = max(0, min(k, room))
-                if method == "ngram" and look:
-                    seq.spec_token_ids = ngram_proposal(seq.token_ids, look)
-                    look = len(seq.spec_token_ids)
-                seq.num_lookahead = look
+            if seqs:
+                self._plan_lookahead(method, seqs, other_tokens)
 
-    def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns an update for every request that progressed or finished."""
-        self._plan_speculation()
-        out = self.scheduler.schedule()
-        self.stats.num_preemptions = self.scheduler.num_preemptions
-        touched: dict[str, _Request] = {}
-        if out.scheduled:
-            self._run(out, touched)
-        self.stats.num_steps += 1
-        outputs: list[RequestOutput] = []
-        interval = self.config.stream_interval
-        now = time.monotonic()  # the step hands its updates back now: a finished request's engine latency ends here
-        for req in touched.values():
-            output = self._output(req)  # every step: stop strings end a sequence as soon as they appear
-            if req.held is not None:
-                output, req.held = _merge(req.held, output), None
-            if output.finished:
-                output.engine_s = now - req.arrival_time
-            elif req.streamed and max(len(c.delta_token_ids) for c in output.outputs) < interval:
-                req.held = output  # neither the first tokens, nor the last, nor stream_interval of them yet
-                continue
-            req.streamed = True
-            outputs.append(output)
-        return outputs
+    def _plan_lookahead(self, method: str, seqs: list[Sequence], other_tokens: int) -> None:
+        assert self.spec is not None
+        k = self.spec.choose_k(method, len(seqs), other_tokens)
+        for seq in seqs:
+            room = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+            look = max(0, min(k, room))
+            if method == "ngram" and look:
+                seq.spec_token_ids = ngram_proposal(seq.token_ids, look)
+                look = len(seq.spec_token_ids)
+            seq.num_lookahead = look
 
-    def _run(self, out: SchedulerOutput, touched: dict[str, _Request]) -> None:
+    def _run(self, batch: SchedulerOutput) -> tuple[list[_Work], torch.Tensor]:
+        """Draft proposals, one forward over every scheduled sequence, then sampling or verification."""
+        draft_probs = self._propose_drafts(batch)
+        works = self._plan_work(batch)
+        logits = self.runner.execute([w.feed for w in works])  # logits: [sum of num_logits, V]
+        self._sample(works, logits, draft_probs)
+        return works, logits
+
+    def _propose_drafts(self, batch: SchedulerOutput) -> dict[int, torch.Tensor | None]:
         drafts: list[Sequence] = []
-        for item in out.scheduled:
-            seq = item.seq
-            if item.num_lookahead and seq.spec_method == "draft":
-                drafts.append(seq)
+        for item in batch.scheduled:
+            if item.num_lookahead and item.seq.spec_method == "draft":
+                drafts.append(item.seq)
             elif not item.num_lookahead:
-                seq.spec_token_ids = []
-        draft_probs = self.drafter.propose(drafts) if drafts and self.drafter is not None else {}
-        feeds: list[Feed] = []
-        plans: list[tuple[Sequence, int, int, list[int]]] = []  # seq, start, base tokens, proposals
-        for item in out.scheduled:
+                item.seq.spec_token_ids = []
+        return self.drafter.propose(drafts) if drafts and self.drafter is not None else {}
+
+    @staticmethod
+    def _plan_work(batch: SchedulerOutput) -> list[_Work]:
+        works: list[_Work] = []
+        row = 0
+        for item in batch.scheduled:
             seq = item.seq
             spec = seq.spec_token_ids[: item.num_lookahead] if item.num_lookahead else []
             base = item.num_new_tokens - item.num_lookahead
             start = seq.num_computed_tokens
-            reaches_end = start + base == seq.num_tokens
-            feeds.append(
-                Feed(
-                    seq.block_table,
-                    seq.token_ids[start : start + base] + spec,
-                    start,
-                    (1 + len(spec)) if reaches_end else 0,
-                )
-            )
-            plans.append((seq, start, base, spec))
-        logits = self.runner.execute(feeds)
+            num_logits = (1 + len(spec)) if start + base == seq.num_tokens else 0
+            feed = Feed(seq.block_table, seq.token_ids[start : start + base] + spec, start, num_logits)
+            works.append(_Work(seq, start, base, spec, feed, row))
+            row += num_logits
+        return works
+
+    def _sample(self, works: list[_Work], logits: torch.Tensor, draft_probs: dict[int, torch.Tensor | None]) -> None:
         # Plain sampling for every sequence that reached its end without proposals, in one batch.
-        row = 0
-        plain_rows: list[int] = []
-        plain_seqs: list[Sequence] = []
-        spec_rows: dict[int, int] = {}
-        for feed, (seq, _start, _base, spec) in zip(feeds, plans, strict=True):
-            if feed.num_logits and not spec:
-                plain_rows.append(row)
-                plain_seqs.append(seq)
-            elif spec:
-                spec_rows[seq.seq_id] = row
-            row += feed.num_logits
-        sampled: dict[int, list[int]] = {}
-        plain_row_of = {seq.seq_id: r for seq, r in zip(plain_seqs, plain_rows, strict=True)}
-        if plain_seqs:
-            plain_logits = logits[plain_rows]
-            for seq, tok in zip(plain_seqs, self.sampler.sample(plain_logits, plain_seqs), strict=True):
-                sampled[seq.seq_id] = [tok]
-        now = time.monotonic()
-        for feed, (seq, start, base, spec) in zip(feeds, plans, strict=True):
-            if seq.is_prefilling or start < seq.num_prompt_tokens:
-                self.stats.num_prompt_tokens_computed += min(base, max(0, seq.num_prompt_tokens - start))
-            if not feed.num_logits:
-                seq.num_computed_tokens = start + base
-                self.block_manager.register_full_blocks(seq)
+        plain = [w for w in works if w.feed.num_logits and not w.spec]
+        if plain:
+            tokens = self.sampler.sample(logits[[w.row for w in plain]], [w.seq for w in plain])
+            for w, tok in zip(plain, tokens, strict=True):
+                w.new_token_ids = [tok]
+        for w in works:
+            if w.spec and w.feed.num_logits:
+                rows = logits[w.row : w.row + 1 + len(w.spec)]  # [K+1, V]
+                w.new_token_ids = self.sampler.verify(rows, w.seq, w.spec, draft_probs.get(w.seq.seq_id))
+
+    def _postprocess(self, works: list[_Work], logits: torch.Tensor) -> list[EngineCoreOutput]:
+        """Advance each sequence past what it computed, append its new tokens, finish what ended; the progress of
+        every request that gained tokens."""
+        progress: dict[str, list[SequenceOutput]] = {}
+        for w in works:
+            self._advance(w)
+            req = self._requests.get(w.seq.request_id)
+            if not w.feed.num_logits or req is None:
                 continue
-            first_row = spec_rows.get(seq.seq_id, -1)
-            if spec:
-                rows = logits[first_row : first_row + 1 + len(spec)]
-                new = self.sampler.verify(rows, seq, spec, draft_probs.get(seq.seq_id))
-                self._record_speculation(seq, len(spec), len(new) - 1)
-                seq.num_computed_tokens = start + base + len(new) - 1
-                seq.draft_num_computed_tokens = min(seq.draft_num_computed_tokens, seq.num_computed_tokens)
-                seq.spec_token_ids = []
-                self.block_manager.trim(seq)
-            else:
-                new = sampled[seq.seq_id]
-                seq.num_computed_tokens = start + base
-                first_row = plain_row_of[seq.seq_id]
-            self.block_manager.register_full_blocks(seq)
-            if seq.params.logprobs is not None:
-                seq.logprobs.extend(
-                    Sampler.logprobs(logits[first_row : first_row + len(new)], new, seq.params.logprobs)
-                )
-            req = self._requests.get(seq.request_id)
-            if req is None:
-                continue
-            touched[req.request_id] = req
-            if req.first_token_time is None:
-                req.first_token_time = now
-            self._append(req, seq, new)
-        for req in list(touched.values()):
+            progress.setdefault(req.request_id, []).append(self._append(w, logits))
+        outputs = []
+        for request_id, sequences in progress.items():
+            req = self._requests[request_id]
             self._fork_siblings(req)
+            outputs.append(EngineCoreOutput(request_id, sequences, req.seqs[0].num_cached_tokens))
+            if all(s.is_finished for s in req.seqs):
+                del self._requests[request_id]
+        return outputs
+
+    def _advance(self, w: _Work) -> None:
+        seq = w.seq
+        if seq.is_prefilling or w.start < seq.num_prompt_tokens:
+            self.stats.num_prompt_tokens_computed += min(w.num_base, max(0, seq.num_prompt_tokens - w.start))
+        seq.num_computed_tokens = w.start + w.num_base
+        if w.spec and w.feed.num_logits:
+            accepted = len(w.new_token_ids) - 1
+            self._record_speculation(seq, len(w.spec), accepted)
+            seq.num_computed_tokens += accepted
+            seq.draft_num_computed_tokens = min(seq.draft_num_computed_tokens, seq.num_computed_tokens)
+            seq.spec_token_ids = []
+            self.block_manager.trim(seq)
+        self.block_manager.register_full_blocks(seq)
 
     def _record_speculation(self, seq: Sequence, proposed: int, accepted: int) -> None:
         seq.num_spec_proposed += proposed
@@ -382,23 +402,38 @@ class LLMEngine:
             self.stats.spec_proposed[method] = self.stats.spec_proposed.get(method, 0) + proposed
             self.stats.spec_accepted[method] = self.stats.spec_accepted.get(method, 0) + accepted
 
-    def _append(self, req: _Request, seq: Sequence, tokens: list[int]) -> None:
-        params = seq.params
+    def _append(self, w: _Work, logits: torch.Tensor) -> SequenceOutput:
+        """Append a sequence's new tokens up to the first that ends it (EOS, a stop token, a length limit)."""
+        seq, tokens = w.seq, w.new_token_ids
+        num_before = seq.num_output_tokens
+        if seq.params.logprobs is not None:
+            seq.logprobs.extend(Sampler.logprobs(logits[w.row : w.row + len(tokens)], tokens, seq.params.logprobs))
         for i, tok in enumerate(tokens):
             seq.token_ids.append(tok)
             self.stats.num_generated_tokens += 1
-            reason: FinishReason | None = None
-            if (not params.ignore_eos and tok in self.eos_token_ids) or tok in params.stop_token_ids:
-                reason = FinishReason.STOP
-            elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-                reason = FinishReason.LENGTH
+            reason = self._finish_reason(seq, tok)
             if reason is not None:
-                if len(seq.logprobs) > seq.num_output_tokens:
-                    del seq.logprobs[seq.num_output_tokens :]
+                del seq.logprobs[seq.num_output_tokens :]
                 del tokens[i + 1 :]
                 self.scheduler.finish(seq, reason)
                 self.sampler.release(seq)
-                return
+                break
+        return SequenceOutput(
+            seq.sibling_index,
+            tokens,
+            seq.logprobs[num_before:] if seq.params.logprobs is not None else None,
+            seq.finish_reason.value if seq.finish_reason is not None else None,
+            seq.num_spec_proposed,
+            seq.num_spec_accepted,
+        )
+
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        params = seq.params
+        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
 
     def _fork_siblings(self, req: _Request) -> None:
         """n > 1: once the first sequence has its prompt computed, its siblings share the prompt's full blocks."""
@@ -418,51 +453,7 @@ class LLMEngine:
             self.scheduler.add_forked(child)
         req.pending_siblings = []
 
-    # -- outputs ------------------------------------------------------------------------------------------------
-    def _output(self, req: _Request) -> RequestOutput:
-        outputs = []
-        finished = True
-        for i, (seq, detok) in enumerate(zip(req.seqs, req.detokenizers, strict=True)):
-            is_final = seq.is_finished
-            out_ids = seq.output_token_ids
-            delta_text, stopped = detok.update(out_ids, is_final)
-            if stopped and not seq.is_finished:
-                self.scheduler.finish(seq, FinishReason.STOP)
-                self.sampler.release(seq)
-            finished = finished and seq.is_finished
-            emitted = detok.num_emitted_tokens
-            detok.num_emitted_tokens = len(out_ids)
-            outputs.append(
-                CompletionOutput(
-                    index=i,
-                    text=detok.text,
-                    token_ids=list(out_ids),
-                    logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-                    finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-                    delta_text=delta_text,
-                    delta_token_ids=out_ids[emitted:],
-                    delta_logprobs=seq.logprobs[emitted:] if seq.params.logprobs is not None else [],
-                    num_spec_proposed=seq.num_spec_proposed,
-                    num_spec_accepted=seq.num_spec_accepted,
-                )
-            )
-        first = req.seqs[0]
-        usage = Usage(
-            prompt_tokens=first.num_prompt_tokens,
-            completion_tokens=sum(s.num_output_tokens for s in req.seqs),
-            cached_tokens=first.num_cached_tokens,
-        )
-        if finished:
-            del self._requests[req.request_id]
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt_token_ids=first.prompt_token_ids,
-            outputs=outputs,
-            finished=finished,
-            usage=usage,
-            ttft_s=(req.first_token_time - req.arrival_time) if req.first_token_time else None,
-        )
-
+    # -- metrics ------------------------------------------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:
         s = self.stats
         return {
@@ -475,12 +466,3 @@ class LLMEngine:
             "prefix_cache_hit_rate": round(self.block_manager.prefix_cache_hit_rate(), 4),
             "spec_acceptance": {m: round(s.spec_accepted.get(m, 0) / p, 4) for m, p in s.spec_proposed.items() if p},
         }
-
-
-def _merge(held: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """``later`` carrying the deltas of ``held`` (an update the stream interval held back) before its own."""
-    for before, choice in zip(held.outputs, later.outputs, strict=True):
-        choice.delta_text = before.delta_text + choice.delta_text
-        choice.delta_token_ids = before.delta_token_ids + choice.delta_token_ids
-        choice.delta_logprobs = before.delta_logprobs + choice.delta_logprobs
-    return later

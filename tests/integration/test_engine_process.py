@@ -120,6 +120,38 @@ def test_every_update_crosses_the_pipe_as_the_in_process_engine_makes_it(lm_dir:
     asyncio.run(main())
 
 
+def test_a_stop_string_found_in_the_api_process_ends_the_sequence_in_the_child(lm_dir: Path) -> None:
+    """Stop strings are found where the text is made, in this process: the answer ends there, the child frees the
+    sequence, and the same request id used again at once never receives the tokens the child made meanwhile."""
+
+    async def main() -> None:
+        child = EngineProcess.from_config(EngineConfig(lm_dir, kv_cache_bytes=KV), name="child")
+        try:
+            free = [o async for o in child.generate(PROMPTS[1], greedy(40))][-1]
+            text = free.text
+            stop = next(text[i : i + 3] for i in range(10, len(text) - 3) if text.index(text[i : i + 3]) == i)
+            params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, stop=[stop])
+            for _ in range(4):
+                ids: list[int] = []
+                async for out in child.generate(PROMPTS[1], params, request_id="same"):
+                    (c,) = out.outputs
+                    assert c.token_ids == ids + c.delta_token_ids
+                    ids = c.token_ids
+                assert out.finished and c.finish_reason == "stop" and c.text == text[: text.index(stop)]
+                assert ids == free.token_ids[: len(ids)] and len(ids) < 40
+            for _ in range(100):
+                metrics = await child.metrics()
+                if metrics["num_running"] == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert metrics["num_running"] == 0 and metrics["kv_cache_usage"] == 0.0
+            assert metrics["num_generated_tokens"] < 40 + 4 * 60  # stopped, not run on to max_tokens
+        finally:
+            child.shutdown()
+
+    asyncio.run(main())
+
+
 def test_many_streams_get_every_update_in_order_when_steps_are_delivered_in_slices(lm_dir: Path) -> None:
     """More streams than one delivery slice: every stream still gets each of its updates once, in order, and the
     changes it is given add up to its final answer (a delta applied out of order would not)."""

@@ -16,6 +16,9 @@ PURE_MODULES = (
     "cloud.engine.sequence",
     "cloud.engine.sampling_params",
     "cloud.engine.config",
+    "cloud.engine.protocol",
+    "cloud.engine.prompts",
+    "cloud.engine.output_processor",
 )
 
 _PROBE = r"""
