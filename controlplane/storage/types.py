@@ -56,7 +56,11 @@ def from_micros(micros: int | Decimal) -> Decimal:
 
 
 class Micros(TypeDecorator[Decimal]):
-    """A money column kept as integer micros (``BIGINT``); Python sees ``Decimal``, and so does ``SUM`` of it."""
+    """A money column kept as integer micros (``BIGINT``); Python sees ``Decimal``, and so does ``SUM`` of it.
+
+    Comparisons with a Python value convert it; SQL arithmetic (``column + amount``) does not (SQLAlchemy binds the
+    operand as the ``BIGINT`` underneath), so wrap such an operand: ``literal(amount, Micros())``.
+    """
 
     impl = BigInteger
     cache_ok = True
