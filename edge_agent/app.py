@@ -11,12 +11,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from litestar import Litestar, Request, Response, get, post
 from litestar.di import Provide
+from litestar.params import SkipValidation
 
 from edge_agent.agent import Agent, AgentStats
 from edge_agent.allowance import AllowanceGuard
@@ -59,6 +60,8 @@ def _local_key_guard(api_key: str | None, request: Request[Any, Any, Any]) -> No
 
 
 LOCAL_AUTH = {"_auth": Provide(_local_key_guard, sync_to_thread=False)}
+# Passed to handlers as is: a dataclass holding a lock, which Litestar's signature model (msgspec) cannot describe.
+TieringDependency: TypeAlias = SkipValidation[Tiering]
 
 
 @get("/readyz", sync_to_thread=False, include_in_schema=False)
@@ -105,7 +108,7 @@ def _respond(answer: Answer) -> Response[Any]:
 
 @post("/v1/chat/completions", dependencies=LOCAL_AUTH, status_code=200)
 async def chat_completions(
-    request: Request[Any, Any, Any], tiering: Tiering, _auth: None, data: ChatCompletionRequest
+    request: Request[Any, Any, Any], tiering: TieringDependency, _auth: None, data: ChatCompletionRequest
 ) -> Response[Any]:
     """OpenAI chat completions: answered on the device or escalated (``x-tierline-tier`` says which)."""
     return _respond(await tiering.handle("chat.completions", data, request.headers.get("x-tierline-tier")))
@@ -113,7 +116,7 @@ async def chat_completions(
 
 @post("/v1/completions", dependencies=LOCAL_AUTH, status_code=200)
 async def completions(
-    request: Request[Any, Any, Any], tiering: Tiering, _auth: None, data: CompletionRequest
+    request: Request[Any, Any, Any], tiering: TieringDependency, _auth: None, data: CompletionRequest
 ) -> Response[Any]:
     """OpenAI completions: answered on the device or escalated (``x-tierline-tier`` says which)."""
     return _respond(await tiering.handle("completions", data, request.headers.get("x-tierline-tier")))
@@ -121,7 +124,7 @@ async def completions(
 
 @post("/v1/inference", dependencies=LOCAL_AUTH, status_code=200)
 async def inference(
-    request: Request[Any, Any, Any], tiering: Tiering, _auth: None, data: InferenceRequest
+    request: Request[Any, Any, Any], tiering: TieringDependency, _auth: None, data: InferenceRequest
 ) -> Response[Any]:
     """Rows of numbers for a tensor model; low-confidence rows are escalated (``tiers`` says per row)."""
     return _respond(await tiering.infer(data, request.headers.get("x-tierline-tier")))
@@ -135,7 +138,7 @@ def metrics(agent: Agent, link: CloudLink | None) -> Response[str]:
 
 
 @get("/v1/agent", dependencies=LOCAL_AUTH, sync_to_thread=True)
-def agent_status(agent: Agent, link: CloudLink | None, tiering: Tiering, _auth: None) -> dict[str, Any]:
+def agent_status(agent: Agent, link: CloudLink | None, tiering: TieringDependency, _auth: None) -> dict[str, Any]:
     """The agent's own state: enrollment, cloud link, outbox, per-version stats."""
     return {
         "pid": os.getpid(),

@@ -56,7 +56,11 @@ def from_micros(micros: int | Decimal) -> Decimal:
 
 
 class Micros(TypeDecorator[Decimal]):
-    """A money column kept as integer micros (``BIGINT``); Python sees ``Decimal``, and so does ``SUM`` of it."""
+    """A money column kept as integer micros (``BIGINT``); Python sees ``Decimal``, and so does ``SUM`` of it.
+
+    A Python value compared with the column itself is converted; an expression built from it (``column + amount``)
+    is a plain ``BIGINT`` of micros, so wrap the values used with such an expression: ``literal(amount, Micros())``.
+    """
 
     impl = BigInteger
     cache_ok = True
