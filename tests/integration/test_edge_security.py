@@ -113,12 +113,9 @@ def test_the_local_api_key_is_required_and_compared_in_constant_time(
         def __init__(self, authorization: str) -> None:
             self.headers = {"authorization": authorization}
 
-    class _State:
-        api_key = LOCAL_KEY
-
-    _local_key_guard(_State(), _Request(f"Bearer {LOCAL_KEY}"))  # type: ignore[arg-type]
+    _local_key_guard(LOCAL_KEY, _Request(f"Bearer {LOCAL_KEY}"))  # type: ignore[arg-type]
     with pytest.raises(AuthenticationError):
-        _local_key_guard(_State(), _Request("Bearer x" + LOCAL_KEY[1:]))  # type: ignore[arg-type]
+        _local_key_guard(LOCAL_KEY, _Request("Bearer x" + LOCAL_KEY[1:]))  # type: ignore[arg-type]
     assert len(compared) == 2  # both answers came from hmac.compare_digest, not from ==
 
 
