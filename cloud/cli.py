@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 
@@ -26,6 +28,37 @@ def serve(host: str | None, port: int | None) -> None:
         port if port is not None else svc.cloud_port,
         log_level=CoreSettings().log_level,
     )
+
+
+@click.group()
+def engine() -> None:
+    """The built-in LLM engine on its own: an OpenAI-compatible model server (no tenants, no database)."""
+
+
+@engine.command("serve")
+@click.option(
+    "--model",
+    "model_dir",
+    required=True,
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="model directory (config.json, safetensors, tokenizer)",
+)
+@click.option("--name", default=None, help="the model's id on the wire (default: the directory's name)")
+@click.option("--host", default="127.0.0.1", show_default=True, help="bind address")
+@click.option("--port", type=int, default=8000, show_default=True, help="port")
+def engine_serve(model_dir: Path, name: str | None, host: str, port: int) -> None:
+    """Serve one model with /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics.
+
+    Engine settings are the cloud's (TIERLINE_CLOUD_KV_CACHE_MB, _MAX_NUM_SEQS, _DEVICE, ...); SIGTERM drains
+    in-flight requests first.
+    """
+    if not (model_dir / "config.json").is_file():
+        raise click.BadParameter(f"{model_dir} has no config.json", param_hint="--model")
+    from cloud.engine_server import create_engine_app
+    from shared.http import serve as run
+    from shared.settings import CoreSettings
+
+    run(create_engine_app(model_dir, name), host, port, log_level=CoreSettings().log_level)
 
 
 def _register() -> None:

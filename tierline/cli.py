@@ -13,6 +13,7 @@ from shared.errors import ApplicationError
 LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
     "up": ("tierline.up", "up", "Run the whole platform on localhost: cloud API, console and one edge agent."),
     "cloud": ("cloud.cli", "cloud", "The cloud tier: inference API and LLM engine."),
+    "engine": ("cloud.cli", "engine", "The built-in LLM engine as a standalone OpenAI-compatible model server."),
     "console": ("console.cli", "console", "The web console and management API."),
     "edge": ("edge_agent.cli", "edge", "The edge agent daemon for devices."),
     "zoo": ("shared.zoo.cli", "zoo", "Build and verify the project's own models."),
