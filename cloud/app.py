@@ -23,6 +23,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
 from cloud.auth_cache import AuthCache
+from cloud.backends.upstream import Backends
 from cloud.budget_watch import BudgetAlerts, ReservationSweeper
 from cloud.canary import CanaryRouter
 from cloud.completions import Caller, CompletionService
@@ -84,9 +85,11 @@ def _model_json(m: ServedModel) -> dict[str, Any]:
     return {"id": m.id, "object": "model", "created": m.created, "owned_by": "tierline"}
 
 
-def _catalog(catalog: list[ServedModel], pool: EnginePool) -> list[ServedModel]:
-    """The zoo's models, then the registry models served by name."""
-    return [*catalog, *registry_catalog(pool.registry)]
+def _catalog(catalog: list[ServedModel], pool: EnginePool, completions: CompletionService) -> list[ServedModel]:
+    """The zoo's models, the registry models served by name, then those of upstream servers (``openai`` backends)."""
+    remote = completions.remote
+    upstream = [ServedModel(m, "causal-lm", "", 0) for m in remote.model_ids()] if remote is not None else []
+    return [*catalog, *registry_catalog(pool.registry), *upstream]
 
 
 def _lookup(db: Engine, verifier: JwtVerifier | None, secret: str) -> tuple[Tenant, ApiKey | None]:
@@ -158,8 +161,10 @@ def render_metrics(metrics: Metrics) -> Response[bytes]:
 
 
 @get("/v1/models", dependencies=CALLER, sync_to_thread=False, security=BEARER, responses=error_responses(401))
-def list_models(catalog: list[ServedModel], pool: EnginePool, caller: Caller) -> dict[str, Any]:
-    return {"object": "list", "data": [_model_json(m) for m in _catalog(catalog, pool)]}
+def list_models(
+    catalog: list[ServedModel], pool: EnginePool, completions: CompletionService, caller: Caller
+) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_json(m) for m in _catalog(catalog, pool, completions)]}
 
 
 @get(
@@ -169,8 +174,10 @@ def list_models(catalog: list[ServedModel], pool: EnginePool, caller: Caller) ->
     security=BEARER,
     responses=error_responses(400, 401, 404),
 )
-def get_model(catalog: list[ServedModel], pool: EnginePool, caller: Caller, model_id: str) -> dict[str, Any]:
-    return _model_json(find(_catalog(catalog, pool), model_id.lstrip("/")))
+def get_model(
+    catalog: list[ServedModel], pool: EnginePool, completions: CompletionService, caller: Caller, model_id: str
+) -> dict[str, Any]:
+    return _model_json(find(_catalog(catalog, pool, completions), model_id.lstrip("/")))
 
 
 async def _idempotent(
@@ -333,6 +340,12 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
             canary=canary,
             max_prompt_bytes=settings.prompt_byte_limit(),
         )
+        backends = None
+        if settings.backends is not None:  # served models that upstream servers answer, billed here
+            backends = Backends.from_file(settings.backends, completions, settings.request_timeout_s, set(pool.engines))
+            completions.remote = backends
+            observed.registry.register(backends.collector)
+            await backends.start()
         # Start-up made ~280k objects (torch, transformers, the app) that live as long as the process; a full
         # collection walked them all in ~125 ms, a stall every few seconds under load (p99 latency 270 → 147 ms
         # at 64 streams with them frozen out of the collector's reach).
@@ -359,6 +372,8 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
                     edge=EdgeGateway(db, prices, releases, budget_alerts, settings.edge_sync_interval_s),
                 )
         finally:
+            if backends is not None:
+                await backends.close()
             await canary.close()
             await sweeper.close()
             await prices.close()

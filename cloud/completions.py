@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from decimal import Decimal
 from functools import partial
-from typing import Any, get_type_hints
+from typing import Any, Protocol, get_type_hints
 
 from pydantic import TypeAdapter
 from pydantic import ValidationError as PydanticValidationError
@@ -76,6 +76,17 @@ def _check_parameters(parameters: dict[str, Any]) -> None:
             raise ValidationError(f"parameters.{name}: {exc.errors()[0]['msg']}", param=f"parameters.{name}") from None
 
 
+class Metered(Protocol):
+    """What billing needs of the model that served a request: an engine here (``ServedLM``) or an upstream server
+    (``cloud.backends.upstream.RemoteLM``)."""
+
+    @property
+    def model_id(self) -> str: ...
+
+    @property
+    def version(self) -> int | None: ...
+
+
 @dataclass(slots=True)
 class Caller:
     tenant: Tenant
@@ -89,6 +100,19 @@ class Caller:
     rollout_arm: str | None = None  # the rollout arm routing put a registry model's request in
     shadow: tuple[int, ServedLM] | None = None  # (rollout id, candidate) to mirror the answer to, when sampled
     is_job: bool = False  # an async job's run: counted against requests/min when it was submitted
+
+
+class RemoteModels(Protocol):
+    """Served models that an upstream OpenAI-compatible server answers (``cloud.backends.upstream.Backends``): the
+    service hands their chat and completions requests over whole; they bill through ``reserve`` and ``_settle``."""
+
+    def serves(self, model: str) -> bool: ...
+
+    def model_ids(self) -> list[str]: ...
+
+    async def chat(self, caller: Caller, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[bytes]: ...
+
+    async def completions(self, caller: Caller, req: CompletionRequest) -> dict[str, Any] | AsyncIterator[bytes]: ...
 
 
 @dataclass(slots=True)
@@ -149,6 +173,7 @@ class CompletionService:
         self.budget_lease_s = budget_lease_s or request_timeout_s + 60.0
         self.canary = canary
         self.max_prompt_bytes = max_prompt_bytes
+        self.remote: RemoteModels | None = None  # set by the backends that bill through this service
 
     async def _admit(
         self,
@@ -170,11 +195,15 @@ class CompletionService:
             reserved += len(p) + max_new * params.n
             prompt_worst += len(p) * params.n
             completion_worst += max_new * params.n
+        return ids, await self.reserve(caller, served, reserved, Tokens(prompt_worst, completion_worst))
+
+    async def reserve(self, caller: Caller, served: Metered, reserved: int, worst_case: Tokens) -> _Meter:
+        """Reserve ``reserved`` tokens against the rate limits and ``worst_case``'s cost against the budget (429 or
+        402-type errors before any engine work); the meter that ``_settle`` gives back and bills."""
         meter = _Meter(rollout_arm=caller.rollout_arm)
         meter.rate_limit = await self.limiter.acquire(caller.tenant, caller.key, reserved, is_counted=caller.is_job)
         budget = caller.tenant.monthly_budget
         if budget is not None:
-            worst_case = Tokens(prompt_worst, completion_worst)
             _, worst = self.prices.cost(served.model_id, served.version, "cloud", worst_case)
             if worst is not None:
                 try:
@@ -189,7 +218,7 @@ class CompletionService:
                     await self.limiter.release(meter.rate_limit, 0)
                     meter.rate_limit = None
                     raise
-        return ids, meter
+        return meter
 
     def _checked_size(self, texts: Iterable[str]) -> int:
         """The prompt's size in UTF-8 bytes, refused (413) above ``max_prompt_bytes`` before any tokenising."""
@@ -278,8 +307,11 @@ class CompletionService:
             **req.token_choice(),
         )
 
-    async def _settle(self, caller: Caller, served: ServedLM, meter: _Meter, status: str) -> None:
-        """Give back unused reservations, then meter the request (once, whatever its outcome)."""
+    async def _settle(
+        self, caller: Caller, served: Metered, meter: _Meter, status: str, usage_source: str | None = None
+    ) -> None:
+        """Give back unused reservations, then meter the request (once, whatever its outcome). ``usage_source``: who
+        counted the tokens when not this process's engine (``upstream``, or ``gateway``: the upstream sent none)."""
         if meter.rate_limit is not None:
             await self.limiter.release(meter.rate_limit, meter.prompt_tokens + meter.completion_tokens)
             meter.rate_limit = None
@@ -319,6 +351,7 @@ class CompletionService:
             completion_tokens=meter.completion_tokens,
             cached_prompt_tokens=meter.cached_tokens,
             status=status,
+            usage_source=usage_source,
             latency_ms=round((now - caller.started) * 1000, 2),
             ttft_ms=round(ttft_s * 1000, 2) if ttft_s is not None else None,
             engine_ms=round(meter.engine_s * 1000, 2) if meter.engine_s is not None else None,
@@ -415,6 +448,8 @@ class CompletionService:
         return served.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
     async def chat(self, caller: Caller, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[bytes]:
+        if self.remote is not None and self.remote.serves(req.model):
+            return await self.remote.chat(caller, req)
         served = self._resolve(caller, req.model, req.user)
         params = self._params(req, req.max_new_tokens, req.num_logprobs)
         (prompt,), meter = await self._admit(caller, served, [self._chat_prompt(served, req)], params)
@@ -557,6 +592,8 @@ class CompletionService:
 
     # -- completions --------------------------------------------------------------------------------------------
     async def completions(self, caller: Caller, req: CompletionRequest) -> dict[str, Any] | AsyncIterator[bytes]:
+        if self.remote is not None and self.remote.serves(req.model):
+            return await self.remote.completions(caller, req)
         served = self._resolve(caller, req.model, req.user)
         params = self._params(req, req.max_tokens, req.logprobs)
         prompts, meter = await self._admit(caller, served, req.prompts(), params)

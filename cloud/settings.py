@@ -47,6 +47,10 @@ class CloudSettings(BaseSettings):
     budget_lease_margin_s: float = Field(
         60.0, gt=0, description="a budget reservation's lease outlasts the request deadline by this much"
     )
+    backends: Path | None = Field(
+        None,
+        description="a JSON file of served models backed by OpenAI-compatible servers (docs/cloud-api.md#backends)",
+    )
     registry_models: str = Field(
         "",
         description="registry models to serve, comma-separated, or 'all' (every causal-lm model); empty: none",

@@ -84,6 +84,7 @@ class NewUsage:
     escalation_reason: str | None = None
     rating: Rating | None = None
     reported_at: datetime | None = None
+    usage_source: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +139,7 @@ def _row(u: NewUsage, rating: Rating, now: datetime) -> dict[str, Any]:
         "invoice_id": None,
         "occurred_at": as_utc(u.occurred_at),
         "reported_at": as_utc(u.reported_at) if u.reported_at is not None else None,
+        "usage_source": u.usage_source,
         "ingested_at": now,
     }
 

@@ -185,6 +185,12 @@ class UsageRecord(SQLModel, table=True):
         sa_type=UTCDateTime,
         description="the source's own time when it lay outside the accepted window (booked at occurred_at, clamped)",
     )
+    usage_source: str | None = Field(
+        default=None,
+        max_length=16,
+        description="who counted the tokens: None the engine or device; 'upstream' an upstream model server's "
+        "usage; 'gateway' the gateway's tokenizer (the upstream sent no usage)",
+    )
 
 
 class Device(SQLModel, table=True):

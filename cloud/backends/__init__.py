@@ -1,0 +1,7 @@
+"""Model servers behind the gateway: served models backed by an OpenAI-compatible server (``openai`` backends).
+
+``config``: the static backends file (``TIERLINE_CLOUD_BACKENDS``); ``pool``: a replica pool per backend (least
+outstanding requests, a breaker per endpoint, active re-admission probes, per-endpoint metrics); ``upstream``: the
+gateway's side of a request to one (admission, billing from the upstream's usage, SSE relay, failover before the
+first byte). See docs/cloud-api.md#backends.
+"""

@@ -1,0 +1,434 @@
+"""The gateway's side of a request to an ``openai`` backend: the same admission, limits, budget and metering as
+the built-in engine, the generation done by an upstream OpenAI-compatible server.
+
+- **Admission**: the prompt is counted with the model's tokenizer (``tokenizer`` in the backends file) and
+  prompt + ``max_tokens`` (else the room left in the context) is reserved against the rate limits and the
+  budget before any upstream call, exactly as for the built-in engine (``CompletionService.reserve``).
+- **Billing**: settled from the upstream's ``usage``; streams always ask for it (``stream_options.include_usage``)
+  and the client sees the usage chunk only when it asked. An upstream that sends no usage is counted here with the
+  tokenizer (prompt, and the text it sent), and the usage record says so (``usage_source = "gateway"``). A stream
+  cut mid-way is billed for what was relayed.
+- **Errors**: an upstream 4xx passes through with its status and message in the OpenAI error shape; a connection
+  error, timeout or 5xx ejects towards the endpoint's breaker and the request is retried on another endpoint as
+  long as no byte reached the client (for a stream: until its first event is relayed); when none can take it:
+  502 (upstream failed) or 503 (no healthy endpoint), both with ``Retry-After``. After the first byte, a failure
+  ends the stream with an error event.
+- **Disconnects**: a client that leaves closes the upstream response, which aborts the upstream request.
+- **Isolation**: ``cache_salt`` (vLLM's per-request prefix-cache salt) is the tenant's, as in the built-in engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import msgspec
+
+from cloud.backends.config import OpenAIBackendConfig, load_backends
+from cloud.backends.pool import BadGatewayError, Endpoint, PoolCollector, ReplicaPool, UpstreamUnavailableError
+from cloud.completions import Caller, CompletionService
+from cloud.engine.prompts import check_context_length
+from controlplane.billing.pricing import Tokens
+from shared.chat_tokenizer import ChatTokenizer
+from shared.errors import ApplicationError, ConfigurationError, DeadlineExceededError, PermissionDeniedError
+from shared.openai_responses import SSE_DONE, sse
+from shared.openai_schema import ChatCompletionRequest, CompletionRequest
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Fields of tierline's schemas that steer the gateway, not the model: never sent upstream.
+GATEWAY_FIELDS = ("tier", "quality", "speculation")
+_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+
+
+class UpstreamRequestError(ApplicationError):
+    """The upstream refused the request (4xx): its status and message, in the OpenAI error shape (and its
+    ``Retry-After``, as on a 429)."""
+
+    def __init__(self, status: int, message: str, param: str | None, code: str | None) -> None:
+        super().__init__(message, param=param, code=code)
+        self.status_code = status
+        self.error_type = _ERROR_TYPES.get(status, "invalid_request_error")
+        self.retry_after: float | None = None
+
+
+@dataclass(slots=True)
+class RemoteLM:
+    """One served model backed by an upstream server (``cloud.completions.Metered``)."""
+
+    model_id: str
+    config: OpenAIBackendConfig
+    pool: ReplicaPool
+    tokenizer: ChatTokenizer
+    max_model_len: int
+    headers: dict[str, str] = field(default_factory=dict)
+    version: int | None = None
+
+
+@dataclass(slots=True)
+class _Relay:
+    """What a request got from the upstream so far: its usage, else the text relayed per choice."""
+
+    usage: dict[str, Any] | None = None
+    texts: dict[int, list[str]] = field(default_factory=dict)
+
+    def add(self, chunk: dict[str, Any], chat: bool) -> None:
+        usage = chunk.get("usage")
+        if _valid_usage(usage):
+            self.usage = usage
+        for choice in chunk.get("choices") or ():
+            if not isinstance(choice, dict):
+                continue
+            index = choice.get("index", 0)
+            source = (choice.get("delta") or choice.get("message") or {}) if chat else choice
+            part = source.get("text" if not chat else "content") if isinstance(source, dict) else None
+            if isinstance(part, str) and part:
+                self.texts.setdefault(index if isinstance(index, int) else 0, []).append(part)
+
+
+def _valid_usage(usage: Any) -> bool:
+    return (
+        isinstance(usage, dict)
+        and isinstance(usage.get("prompt_tokens"), int)
+        and isinstance(usage.get("completion_tokens"), int)
+        and usage["prompt_tokens"] >= 0
+        and usage["completion_tokens"] >= 0
+    )
+
+
+def _upstream_error(response: httpx.Response, body: bytes) -> UpstreamRequestError:
+    message, param, code = f"upstream answered {response.status_code}", None, None
+    with contextlib.suppress(ValueError, AttributeError, TypeError):
+        error = json.loads(body)["error"]
+        if isinstance(error, dict):
+            message = str(error.get("message") or message)
+            param = error.get("param") if isinstance(error.get("param"), str) else None
+            code = error.get("code") if isinstance(error.get("code"), str) else None
+        elif isinstance(error, str):
+            message = error
+    if not message and body:
+        message = body[:500].decode(errors="replace")
+    error = UpstreamRequestError(response.status_code, message, param, code)
+    with contextlib.suppress(ValueError):
+        if "retry-after" in response.headers:
+            error.retry_after = float(response.headers["retry-after"])
+    return error
+
+
+async def _sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The ``data`` of each server-sent event (multi-line data joined, comments and other fields skipped)."""
+    data: list[str] = []
+    async for line in lines:
+        if not line:
+            if data:
+                yield "\n".join(data)
+                data = []
+        elif line.startswith("data:"):
+            data.append(line[5:].removeprefix(" "))
+    if data:
+        yield "\n".join(data)
+
+
+class Backends:
+    """The ``openai`` backends of this gateway, by served model id."""
+
+    def __init__(self, models: dict[str, RemoteLM], service: CompletionService, request_timeout_s: float) -> None:
+        self.models = models
+        self.service = service
+        self.request_timeout_s = request_timeout_s
+        slots = sum(len(m.pool.endpoints) * m.config.max_concurrency for m in models.values()) + 8
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(request_timeout_s, connect=2.0),
+            limits=httpx.Limits(max_connections=slots, max_keepalive_connections=slots),
+        )
+        self.collector = PoolCollector([m.pool for m in models.values()])
+
+    @classmethod
+    def from_file(
+        cls, path: Path, service: CompletionService, request_timeout_s: float, taken: Collection[str] = ()
+    ) -> Backends:
+        spec = load_backends(path)
+        models: dict[str, RemoteLM] = {}
+        for model_id, cfg in spec.models.items():
+            if model_id in taken:
+                raise ConfigurationError(f"{path}: model '{model_id}' is already served by the built-in engine")
+            if not (cfg.tokenizer / "tokenizer.json").is_file() and not (cfg.tokenizer / "config.json").is_file():
+                raise ConfigurationError(f"{path}: models.{model_id}.tokenizer: {cfg.tokenizer} holds no tokenizer")
+            key = cfg.api_key()
+            pool = ReplicaPool(
+                model_id,
+                [Endpoint(root, cfg.max_concurrency) for root in cfg.roots()],
+                eject_after_failures=cfg.eject_after_failures,
+                eject_s=cfg.eject_s,
+                probe_interval_s=cfg.probe_interval_s,
+                queue_timeout_s=cfg.queue_timeout_s,
+                health_path=cfg.health_path,
+            )
+            models[model_id] = RemoteLM(
+                model_id,
+                cfg,
+                pool,
+                ChatTokenizer(cfg.tokenizer),
+                cfg.context_length(),
+                headers={"Authorization": f"Bearer {key}"} if key else {},
+            )
+        return cls(models, service, request_timeout_s)
+
+    async def start(self) -> None:
+        for remote in self.models.values():
+            remote.pool.start(self.client)
+
+    async def close(self) -> None:
+        for remote in self.models.values():
+            await remote.pool.close()
+        await self.client.aclose()
+
+    def serves(self, model: str) -> bool:
+        return model in self.models
+
+    def model_ids(self) -> list[str]:
+        return sorted(self.models)
+
+    def _get(self, caller: Caller, model: str) -> RemoteLM:
+        allowed = caller.key.allowed_models if caller.key is not None else None
+        if allowed and model not in allowed:
+            raise PermissionDeniedError(f"this API key may not use model '{model}'", param="model")
+        return self.models[model]
+
+    # -- requests -----------------------------------------------------------------------------------------------
+    async def chat(self, caller: Caller, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[bytes]:
+        remote = self._get(caller, req.model)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        self.service._checked_size(m["content"] for m in messages)
+        prompt = remote.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        counts = [remote.tokenizer.encode_counted(prompt, remote.max_model_len)[1]]
+        return await self._run(caller, remote, req, "/v1/chat/completions", counts, req.max_new_tokens, chat=True)
+
+    async def completions(self, caller: Caller, req: CompletionRequest) -> dict[str, Any] | AsyncIterator[bytes]:
+        remote = self._get(caller, req.model)
+        prompts = req.prompts()
+        self.service._checked_size(p for p in prompts if isinstance(p, str))
+        counts = [
+            remote.tokenizer.encode_counted(p, remote.max_model_len)[1] if isinstance(p, str) else len(p)
+            for p in prompts
+        ]
+        return await self._run(caller, remote, req, "/v1/completions", counts, req.max_tokens, chat=False)
+
+    async def _run(
+        self,
+        caller: Caller,
+        remote: RemoteLM,
+        req: ChatCompletionRequest | CompletionRequest,
+        path: str,
+        counts: list[int],
+        max_tokens: int | None,
+        *,
+        chat: bool,
+    ) -> dict[str, Any] | AsyncIterator[bytes]:
+        reserved = prompt_worst = completion_worst = 0
+        for num in counts:  # refused as the built-in engine refuses: the prompt and its completion must fit
+            max_new = check_context_length(num, max_tokens, remote.max_model_len)
+            reserved += num + max_new * req.n
+            prompt_worst += num * req.n
+            completion_worst += max_new * req.n
+        caller.model_version = None
+        meter = await self.service.reserve(caller, remote, reserved, Tokens(prompt_worst, completion_worst))
+        body = req.model_dump(mode="json", exclude_unset=True)
+        for name in GATEWAY_FIELDS:
+            body.pop(name, None)
+        body["model"] = remote.config.upstream_model
+        body["cache_salt"] = f"tenant:{caller.tenant.id}"
+        if req.stream:
+            body["stream_options"] = {"include_usage": True}
+        prefix = "chatcmpl" if chat else "cmpl"
+        rewrite = {"id": f"{prefix}-{caller.request_id}", "model": remote.model_id}
+        relay = _Relay()
+
+        billed = False
+
+        async def bill(status: str) -> dict[str, Any]:
+            """Settle once (reservations back, one usage record); the usage billed."""
+            nonlocal billed
+            if billed:
+                return meter.usage()
+            billed = True
+            usage = relay.usage
+            if usage is not None:
+                meter.prompt_tokens = usage["prompt_tokens"]
+                meter.completion_tokens = usage["completion_tokens"]
+                details = usage.get("prompt_tokens_details")
+                cached = details.get("cached_tokens") if isinstance(details, dict) else None
+                meter.cached_tokens = cached if isinstance(cached, int) and cached >= 0 else 0
+                source = "upstream"
+            else:  # counted here: what the upstream was sent and what it sent back
+                meter.prompt_tokens = sum(counts) if relay.texts or status == "ok" else 0
+                meter.completion_tokens = sum(
+                    len(remote.tokenizer.encode("".join(parts))) for parts in relay.texts.values()
+                )
+                source = "gateway"
+            await self.service._settle(caller, remote, meter, status, usage_source=source)
+            return meter.usage()
+
+        if not req.stream:
+            status = "error"
+            try:
+                async with asyncio.timeout(self.request_timeout_s):
+                    endpoint, response, answer = await self._call(remote, path, body, _read_json)
+                    await response.aclose()  # read whole: the endpoint is done with it
+                    remote.pool.release(endpoint, True)
+                relay.add(answer, chat)
+                if relay.usage is None and relay.texts:
+                    meter.first_token_at = time.monotonic()
+                status = "ok"
+            except TimeoutError:
+                status = "deadline"
+                raise DeadlineExceededError(
+                    f"the request ran past the {self.request_timeout_s:.0f}s deadline"
+                ) from None
+            except asyncio.CancelledError:
+                status = "abandoned"
+                raise
+            finally:
+                await bill(status)
+            answer.update(rewrite)
+            if relay.usage is None:
+                answer["usage"] = meter.usage()
+            return answer
+
+        try:
+            endpoint, response, (events, first) = await self._call(remote, path, body, _first_event)
+        except BaseException:
+            await bill("error")
+            raise
+        include_usage = req.include_usage
+        return self._relay(remote, endpoint, response, events, first, relay, rewrite, include_usage, chat, bill)
+
+    async def _relay(
+        self,
+        remote: RemoteLM,
+        endpoint: Endpoint,
+        response: httpx.Response,
+        events: AsyncIterator[str],
+        first: str | None,
+        relay: _Relay,
+        rewrite: dict[str, str],
+        include_usage: bool,
+        chat: bool,
+        bill: Callable[[str], Awaitable[dict[str, Any]]],
+    ) -> AsyncIterator[bytes]:
+        status, ok = "abandoned", None
+        try:
+            async with asyncio.timeout(self.request_timeout_s):
+                data = first
+                while data is not None and data != "[DONE]":
+                    try:
+                        chunk = json.loads(data)
+                    except ValueError:
+                        raise httpx.DecodingError(f"upstream sent an event that is not JSON: {data[:80]!r}") from None
+                    if not isinstance(chunk, dict):
+                        raise httpx.DecodingError("upstream sent an event that is not a JSON object")
+                    if "error" in chunk:  # the upstream failed the stream itself: relayed as it is
+                        status, ok = "error", False
+                        yield sse(chunk)
+                        return
+                    relay.add(chunk, chat)
+                    if not include_usage:
+                        chunk.pop("usage", None)
+                    if chunk.get("choices") or include_usage:
+                        yield sse({**chunk, **rewrite})
+                    data = await anext(events, None)
+                if data is None:
+                    raise httpx.RemoteProtocolError("upstream closed the stream before [DONE]")
+            status, ok = "ok", True
+            if include_usage and relay.usage is None:  # counted here: the client still gets its usage chunk
+                counted = await bill("ok")
+                yield sse({**rewrite, "object": _chunk_object(chat), "choices": [], "usage": counted})
+            yield SSE_DONE
+        except (httpx.HTTPError, OSError) as exc:
+            status, ok = "error", False
+            logger.warning("backend %s: stream from %s failed: %s", remote.model_id, endpoint.root, exc)
+            err = BadGatewayError(f"upstream {remote.model_id} failed mid-stream: {type(exc).__name__}")
+            yield sse(err.to_openai())
+        except TimeoutError:
+            status = "deadline"
+            err2 = DeadlineExceededError(f"the request ran past the {self.request_timeout_s:.0f}s deadline")
+            yield sse(err2.to_openai())
+        finally:
+            await response.aclose()  # a client that left: closing the connection aborts the upstream request
+            remote.pool.release(endpoint, ok)
+            await bill(status)  # once: a no-usage stream that asked for usage was billed before its usage chunk
+
+    async def _call(
+        self, remote: RemoteLM, path: str, body: dict[str, Any], read: Callable[[httpx.Response], Awaitable[T]]
+    ) -> tuple[Endpoint, httpx.Response, T]:
+        """Send ``body`` to an endpoint of ``remote`` and ``read`` the start of its answer (non-stream: all of it;
+        stream: the first event), failing over to another endpoint while nothing has reached the client."""
+        tried: set[str] = set()
+        last: str | None = None
+        while True:
+            try:
+                endpoint = await remote.pool.acquire(tried)
+            except UpstreamUnavailableError as exc:
+                if last is None:
+                    raise
+                raise BadGatewayError(
+                    f"model '{remote.model_id}': upstream failed ({last}) on {len(tried)} endpoint(s)",
+                    retry_after=exc.retry_after,
+                ) from None
+            tried.add(endpoint.root)
+            request = self.client.build_request("POST", f"{endpoint.root}{path}", json=body, headers=remote.headers)
+            response: httpx.Response | None = None
+            try:
+                response = await self.client.send(request, stream=True)
+                if response.status_code >= 500:
+                    last = f"{endpoint.root} answered {response.status_code}"
+                    await response.aclose()
+                    remote.pool.release(endpoint, False)
+                    continue
+                if response.status_code >= 400:  # the request's fault, not the endpoint's: passed through
+                    raise _upstream_error(response, await response.aread())
+                result = await read(response)
+            except (httpx.HTTPError, OSError) as exc:
+                last = f"{endpoint.root}: {type(exc).__name__}"
+                if response is not None:
+                    await response.aclose()
+                remote.pool.release(endpoint, False)
+                continue
+            except BaseException:
+                if response is not None:
+                    await response.aclose()
+                    remote.pool.release(endpoint, None)
+                raise
+            return endpoint, response, result
+
+
+async def _read_json(response: httpx.Response) -> dict[str, Any]:
+    data = await response.aread()
+    try:
+        answer = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        raise httpx.DecodingError("upstream answered with a body that is not JSON") from None
+    if not isinstance(answer, dict):
+        raise httpx.DecodingError("upstream answered with a body that is not a JSON object")
+    return answer
+
+
+async def _first_event(response: httpx.Response) -> tuple[AsyncIterator[str], str | None]:
+    events = _sse_data(response.aiter_lines())
+    first = await anext(events, None)
+    if first is None:
+        raise httpx.RemoteProtocolError("upstream closed the stream before its first event")
+    return events, first
+
+
+def _chunk_object(chat: bool) -> str:
+    return "chat.completion.chunk" if chat else "text_completion"

@@ -1,0 +1,328 @@
+"""A served model backed by two ``tierline engine serve`` processes behind a real ``tierline cloud serve`` (an
+``openai`` backend): the openai SDK through the gateway, billing from the upstream's usage, errors passed
+through, and a SIGKILL of one upstream under concurrent streams (failover, ejection, re-admission)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from sqlalchemy import create_engine
+from sqlmodel import Session, col, select
+
+from cloud.engine.llm import LLM
+from cloud.engine.sampling_params import SamplingParams
+from controlplane.storage.tables import UsageRecord
+from shared.zoo.registry import ZooLayout
+from tests.conftest import REPO, base_env, free_port, migrated_sqlite, seed_data_dir, server_process, tierline_cmd
+
+pytestmark = pytest.mark.integration
+MODEL = "remote-lm"
+RETRY_MODEL = "remote-lm-retry"  # one endpoint refuses every connection and is never ejected: each request retries
+PROMPT = "The quick brown fox"
+
+
+class Upstream:
+    """One ``tierline engine serve`` on a fixed port, which a test may SIGKILL and start again."""
+
+    def __init__(self, lm_dir: Path, env: dict[str, str], log: Path) -> None:
+        self.lm_dir, self.env, self.log = lm_dir, env, log
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._stack = contextlib.ExitStack()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        args = ["engine", "serve", "--model", str(self.lm_dir), "--name", "lm-cloud"]
+        self.proc = self._stack.enter_context(
+            server_process(args, self.env, self.port, ready_path="/health", timeout=120, log=self.log)
+        )
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)  # a real SIGKILL: its engine child sees its pipe close and exits
+        self.proc.wait()
+        self._stack.close()
+        self._stack = contextlib.ExitStack()
+
+    def stop(self) -> None:
+        self._stack.close()
+
+
+@pytest.fixture(scope="module")
+def lm_dir(tiny_zoo: Path) -> Path:
+    return ZooLayout(tiny_zoo).artifact_dir("lm-cloud")
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_data_dir: Path, lm_dir: Path
+) -> Iterator[dict[str, Any]]:
+    data = seed_data_dir(tmp_path_factory.mktemp("backends"), tiny_zoo, session_data_dir)
+    upstream_env = base_env(data, TIERLINE_CLOUD_KV_CACHE_MB="32", TIERLINE_CLOUD_NUM_THREADS="1")
+    upstreams = [Upstream(lm_dir, upstream_env, data / f"upstream-{i}.log") for i in range(2)]
+    key_file = data / "upstream.key"
+    key_file.write_text("sk-upstream-secret\n")
+    key_file.chmod(0o600)
+    backends = data / "backends.json"
+    spec = {
+        "type": "openai",
+        "endpoints": [u.url for u in upstreams],
+        "upstream_model": "lm-cloud",
+        "tokenizer": str(lm_dir),
+        "api_key_file": str(key_file),
+        "max_concurrency": 16,
+        "eject_after_failures": 2,
+        "eject_s": 1.0,
+        "probe_interval_s": 0.3,
+    }
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there: every connection is refused
+    never_ejected = {**spec, "endpoints": [dead, upstreams[1].url], "eject_after_failures": 1000}
+    backends.write_text(json.dumps({"models": {MODEL: spec, RETRY_MODEL: never_ejected}}))
+    db_url = migrated_sqlite(data)
+    env = base_env(
+        data,
+        TIERLINE_DATABASE_URL=db_url,
+        TIERLINE_CLOUD_ZOO_PRESET="none",  # a gateway only: no engine of its own
+        TIERLINE_CLOUD_USAGE_FLUSH_MS="50",
+        TIERLINE_CLOUD_BACKENDS=str(backends),
+    )
+
+    def cli(*args: str) -> str:
+        proc = subprocess.run(tierline_cmd(*args), env=env, cwd=REPO, capture_output=True, text=True, check=True)
+        return proc.stdout.strip()
+
+    cli("tenants", "create", "acme")
+    key = cli("keys", "create", "--tenant", "acme")
+    try:
+        for u in upstreams:
+            u.start()
+        port = free_port()
+        with server_process(["cloud", "serve"], env, port, timeout=120, log=data / "gateway.log"):
+            yield {
+                "url": f"http://127.0.0.1:{port}",
+                "key": key,
+                "db": db_url,
+                "upstreams": upstreams,
+                "dead": dead,
+            }
+    finally:
+        for u in upstreams:
+            u.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(lm_dir: Path) -> LLM:
+    return LLM(lm_dir, kv_cache_bytes=32 << 20)
+
+
+@pytest.fixture
+def client(gateway: dict[str, Any]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway['url']}/v1", api_key=gateway["key"], max_retries=0)
+
+
+def usage_rows(db_url: str, ids: list[str], timeout: float = 5.0) -> list[UsageRecord]:
+    engine = create_engine(db_url)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            with Session(engine) as s:
+                rows = list(s.exec(select(UsageRecord).where(col(UsageRecord.id).in_(ids))))
+            if len(rows) >= len(ids) or time.monotonic() > deadline:
+                return rows
+            time.sleep(0.05)
+    finally:
+        engine.dispose()
+
+
+def test_the_model_is_listed_and_a_chat_is_billed_once_from_the_upstreams_usage(
+    client: openai.OpenAI, gateway: dict[str, Any], offline: LLM
+) -> None:
+    assert MODEL in [m.id for m in client.models.list()]
+    messages = [{"role": "user", "content": "Say something about foxes."}]
+    prompt = offline.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    expected = offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=9))[0]
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say something about foxes."}],
+        max_tokens=9,
+        temperature=0,
+    )
+    answer = raw.parse()
+    assert answer.model == MODEL and answer.choices[0].message.content == expected.text
+    assert answer.usage is not None
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (len(expected.prompt_token_ids), 9)
+    usage_id = raw.headers["x-tierline-usage-id"]
+    assert answer.id == f"chatcmpl-{usage_id}" and raw.headers["x-tierline-tier"] == "cloud"
+    (row,) = usage_rows(gateway["db"], [usage_id])
+    assert (row.model, row.status, row.usage_source) == (MODEL, "ok", "upstream")
+    assert (row.prompt_tokens, row.completion_tokens) == (len(expected.prompt_token_ids), 9)
+
+
+def test_a_stream_relays_the_upstream_text_and_is_billed_even_when_the_client_wants_no_usage(
+    client: openai.OpenAI, gateway: dict[str, Any], offline: LLM
+) -> None:
+    expected = offline.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=11))[0]
+    with_usage = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=11,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in with_usage if c.choices) == expected.text
+    assert with_usage[-1].usage is not None and with_usage[-1].usage.completion_tokens == 11
+    assert with_usage[-1].usage.prompt_tokens == len(expected.prompt_token_ids)
+    raw = httpx.post(
+        f"{gateway['url']}/v1/completions",
+        headers={"Authorization": f"Bearer {gateway['key']}"},
+        json={"model": MODEL, "prompt": PROMPT, "max_tokens": 11, "temperature": 0, "stream": True},
+    )
+    events = [line[6:] for line in raw.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all("usage" not in c and c["choices"] for c in chunks), "the client asked for no usage chunk"
+    assert "".join(c["choices"][0]["text"] for c in chunks) == expected.text
+    (row,) = usage_rows(gateway["db"], [raw.headers["x-tierline-usage-id"]])
+    assert (row.prompt_tokens, row.completion_tokens, row.usage_source) == (
+        len(expected.prompt_token_ids),
+        11,
+        "upstream",
+    )
+
+
+def test_an_upstream_4xx_passes_through_with_its_message_and_bills_nothing(
+    client: openai.OpenAI, gateway: dict[str, Any]
+) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=[10**7, 5], max_tokens=2)
+    assert err.value.status_code == 400
+    body = err.value.body
+    assert isinstance(body, dict) and "token ids must be integers" in body["message"]
+    assert body["param"] == "prompt"
+    # refused by the gateway itself before any upstream call: the context is checked with the model's tokenizer
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="fox " * 400, max_tokens=2)
+
+
+def test_an_idempotent_retry_is_replayed_and_billed_once(gateway: dict[str, Any]) -> None:
+    headers = {"Authorization": f"Bearer {gateway['key']}", "Idempotency-Key": "backend-retry-1"}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    first = httpx.post(f"{gateway['url']}/v1/completions", headers=headers, json=body)
+    second = httpx.post(f"{gateway['url']}/v1/completions", headers=headers, json=body)
+    assert first.status_code == second.status_code == 200
+    assert second.headers["x-tierline-idempotent-replay"] == "true"
+    assert first.json() == second.json()
+    assert len(usage_rows(gateway["db"], [first.headers["x-tierline-usage-id"]])) == 1
+
+
+def test_a_request_refused_by_one_endpoint_is_retried_on_another_before_any_byte(
+    client: openai.OpenAI, gateway: dict[str, Any]
+) -> None:
+    """Half the picks land on the dead endpoint (least outstanding, then least recently used): each is retried."""
+    for _ in range(4):
+        answer = client.completions.create(model=RETRY_MODEL, prompt=PROMPT, max_tokens=3)
+        assert answer.usage is not None and answer.usage.completion_tokens == 3
+        chunks = list(client.completions.create(model=RETRY_MODEL, prompt=PROMPT, max_tokens=3, stream=True))
+        assert "".join(c.choices[0].text for c in chunks if c.choices)
+    metrics = httpx.get(f"{gateway['url']}/metrics").text
+    assert _metric(metrics, "tierline_backend_failures_total", gateway["dead"], RETRY_MODEL) >= 3
+
+
+def _metric(text: str, name: str, endpoint: str, model: str = MODEL) -> float:
+    for line in text.splitlines():
+        if line.startswith(name) and f'endpoint="{endpoint}"' in line and f'model="{model}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} for {endpoint} not in /metrics")
+
+
+async def _stream(
+    http: httpx.AsyncClient, started: asyncio.Event | None = None
+) -> tuple[str, str, list[dict[str, Any]]]:
+    """One streamed completion: (usage id, how it ended: done | error, its chunks)."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+    async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        assert response.status_code == 200, await response.aread()
+        chunks: list[dict[str, Any]] = []
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                return response.headers["x-tierline-usage-id"], "done", chunks
+            event = json.loads(line[6:])
+            if "error" in event:
+                return response.headers["x-tierline-usage-id"], "error", chunks
+            chunks.append(event)
+            if started is not None:
+                started.set()
+        return response.headers["x-tierline-usage-id"], "cut", chunks
+
+
+def test_sigkill_of_one_upstream_under_16_streams_fails_over_ejects_and_readmits(gateway: dict[str, Any]) -> None:
+    a, b = gateway["upstreams"]
+    url = gateway["url"]
+
+    async def scenario() -> tuple[list[tuple[str, str, list[dict[str, Any]]]], list[tuple[str, str, Any]]]:
+        headers = {"Authorization": f"Bearer {gateway['key']}"}
+        async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120) as http:
+            flags = [asyncio.Event() for _ in range(8)]
+            started = [asyncio.create_task(_stream(http, f)) for f in flags]
+            await asyncio.wait_for(asyncio.gather(*(f.wait() for f in flags)), 60)  # each has streamed a byte
+            a.kill()
+            fresh = [asyncio.create_task(_stream(http)) for _ in range(8)]  # none has streamed a byte yet
+            return await asyncio.gather(*started), await asyncio.gather(*fresh)
+
+    before = httpx.get(f"{url}/metrics").text
+    assert _metric(before, "tierline_backend_endpoint_admitted", a.url) == 1.0
+    started, fresh = asyncio.run(scenario())
+    # Not one request that had not streamed a byte failed: those sent to the dead endpoint went to the other.
+    assert [how for _, how, _ in fresh] == ["done"] * 8
+    assert all(len(chunks) >= 120 for _, _, chunks in fresh)
+    ended = [how for _, how, _ in started]
+    assert "error" in ended, "some started streams were on the killed upstream"
+    assert set(ended) <= {"done", "error"}
+    rows = {r.id: r for r in usage_rows(gateway["db"], [rid for rid, _, _ in started + fresh])}
+    assert len(rows) == 16, "one usage record per request"
+    for rid, how, chunks in started:
+        row = rows[rid]
+        if how == "error":  # billed for what it was sent before the upstream died, counted by the gateway
+            assert row.status == "error" and row.usage_source == "gateway"
+            text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+            assert 0 < row.completion_tokens <= len(text) and row.prompt_tokens > 0
+        else:
+            assert (row.status, row.completion_tokens, row.usage_source) == ("ok", 120, "upstream")
+    for rid, _, _ in fresh:
+        assert (rows[rid].status, rows[rid].completion_tokens) == ("ok", 120)
+    metrics = httpx.get(f"{url}/metrics").text
+    assert _metric(metrics, "tierline_backend_endpoint_admitted", a.url) == 0.0
+    assert _metric(metrics, "tierline_backend_ejections_total", a.url) >= 1
+    # While it is out, requests go to the other endpoint only.
+    sent_b = _metric(metrics, "tierline_backend_requests_total", b.url)
+    headers = {"Authorization": f"Bearer {gateway['key']}"}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+    assert httpx.post(f"{url}/v1/completions", headers=headers, json=body).status_code == 200
+    assert _metric(httpx.get(f"{url}/metrics").text, "tierline_backend_requests_total", b.url) == sent_b + 1
+
+    a.start()  # back: the active probe re-admits it
+    deadline = time.monotonic() + 15
+    while _metric(httpx.get(f"{url}/metrics").text, "tierline_backend_endpoint_admitted", a.url) != 1.0:
+        assert time.monotonic() < deadline, "the restarted endpoint was not re-admitted"
+        time.sleep(0.2)
+    sent_a = _metric(httpx.get(f"{url}/metrics").text, "tierline_backend_requests_total", a.url)
+    for _ in range(4):
+        assert httpx.post(f"{url}/v1/completions", headers=headers, json=body).status_code == 200
+    assert _metric(httpx.get(f"{url}/metrics").text, "tierline_backend_requests_total", a.url) > sent_a
