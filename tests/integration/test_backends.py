@@ -29,6 +29,7 @@ from tests.conftest import REPO, base_env, free_port, migrated_sqlite, seed_data
 
 pytestmark = pytest.mark.integration
 MODEL = "remote-lm"
+DOWN_MODEL = "remote-lm-down"  # its only endpoint refuses connections: ejected after the first failure
 RETRY_MODEL = "remote-lm-retry"  # one endpoint refuses every connection and is never ejected: each request retries
 PROMPT = "The quick brown fox"
 
@@ -89,7 +90,8 @@ def gateway(
     }
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there: every connection is refused
     never_ejected = {**spec, "endpoints": [dead, upstreams[1].url], "eject_after_failures": 1000}
-    backends.write_text(json.dumps({"models": {MODEL: spec, RETRY_MODEL: never_ejected}}))
+    down = {**spec, "endpoints": [dead], "eject_after_failures": 1, "eject_s": 60.0}
+    backends.write_text(json.dumps({"models": {MODEL: spec, RETRY_MODEL: never_ejected, DOWN_MODEL: down}}))
     db_url = migrated_sqlite(data)
     env = base_env(
         data,
@@ -241,6 +243,56 @@ def test_a_request_refused_by_one_endpoint_is_retried_on_another_before_any_byte
         assert "".join(c.choices[0].text for c in chunks if c.choices)
     metrics = httpx.get(f"{gateway['url']}/metrics").text
     assert _metric(metrics, "tierline_backend_failures_total", gateway["dead"], RETRY_MODEL) >= 3
+
+
+def test_an_unreachable_upstream_is_502_then_503_with_retry_after_and_bills_nothing(
+    gateway: dict[str, Any],
+) -> None:
+    headers = {"Authorization": f"Bearer {gateway['key']}"}
+    body = {"model": DOWN_MODEL, "prompt": PROMPT, "max_tokens": 2}
+    failed = httpx.post(f"{gateway['url']}/v1/completions", headers=headers, json=body)
+    assert failed.status_code == 502, failed.text
+    assert failed.json()["error"]["type"] == "server_error" and "upstream" in failed.json()["error"]["message"]
+    assert int(failed.headers["retry-after"]) >= 1
+    ejected = httpx.post(f"{gateway['url']}/v1/completions", headers=headers, json={**body, "stream": True})
+    assert ejected.status_code == 503, ejected.text
+    assert "no healthy upstream endpoint" in ejected.json()["error"]["message"]
+    assert int(ejected.headers["retry-after"]) >= 1
+    time.sleep(0.3)  # past the usage writer's flush interval
+    engine = create_engine(gateway["db"])
+    with Session(engine) as s:
+        assert list(s.exec(select(UsageRecord).where(UsageRecord.model == DOWN_MODEL))) == []
+    engine.dispose()
+
+
+def _upstream_abandoned(url: str) -> float:
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("tierline_engine_requests_total") and 'status="abandoned"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_client_that_leaves_mid_stream_aborts_the_upstream_request_and_is_billed_for_what_it_got(
+    gateway: dict[str, Any],
+) -> None:
+    upstreams = gateway["upstreams"]
+    before = sum(_upstream_abandoned(u.url) for u in upstreams)
+    headers = {"Authorization": f"Bearer {gateway['key']}"}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    received = 0
+    with httpx.stream("POST", f"{gateway['url']}/v1/completions", headers=headers, json=body) as response:
+        usage_id = response.headers["x-tierline-usage-id"]
+        for line in response.iter_lines():
+            received += line.startswith("data: ")
+            if received == 3:
+                break  # and the connection closes
+    deadline = time.monotonic() + 10
+    while sum(_upstream_abandoned(u.url) for u in upstreams) == before:
+        assert time.monotonic() < deadline, "the upstream request was not aborted"
+        time.sleep(0.1)
+    (row,) = usage_rows(gateway["db"], [usage_id])
+    # counted by the gateway (the upstream's usage comes at the end): the text relayed, re-tokenised
+    assert row.status == "abandoned" and row.usage_source == "gateway" and 1 <= row.completion_tokens < 200
 
 
 def _metric(text: str, name: str, endpoint: str, model: str = MODEL) -> float:

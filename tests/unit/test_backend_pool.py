@@ -1,0 +1,101 @@
+"""The replica pool's choices and the backends file's checks, without any server: least outstanding requests,
+the breaker, the concurrency bound, and a key file others can read."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from cloud.backends.config import load_backends
+from cloud.backends.pool import Endpoint, ReplicaPool, UpstreamUnavailableError
+from shared.errors import ConfigurationError
+
+
+def _pool(*bounds: int, eject_after: int = 2, queue_timeout_s: float = 0.2) -> ReplicaPool:
+    return ReplicaPool(
+        "m",
+        [Endpoint(f"http://e{i}", b) for i, b in enumerate(bounds)],
+        eject_after_failures=eject_after,
+        queue_timeout_s=queue_timeout_s,
+    )
+
+
+def test_requests_go_to_the_endpoint_with_fewest_outstanding() -> None:
+    async def run() -> list[str]:
+        pool = _pool(8, 8)
+        a = await pool.acquire()
+        b = await pool.acquire()
+        c = await pool.acquire()  # both have one: the one used longest ago
+        pool.release(b, True)
+        d = await pool.acquire()  # b has none now
+        return [a.root, b.root, c.root, d.root]
+
+    assert asyncio.run(run()) == ["http://e0", "http://e1", "http://e0", "http://e1"]
+
+
+def test_consecutive_failures_eject_and_a_success_resets_the_count() -> None:
+    async def run() -> None:
+        pool = _pool(8, 8, eject_after=2)
+        e0 = pool.endpoints[0]
+        pool.release(await pool.acquire(), False)  # e0 fails once
+        pool.release(await pool.acquire(exclude={"http://e1"}), True)  # then succeeds: count reset
+        assert e0.admitted and e0.consecutive_failures == 0
+        for _ in range(2):
+            pool.release(await pool.acquire(exclude={"http://e1"}), False)
+        assert not e0.admitted and e0.ejections == 1
+        assert [(await pool.acquire()).root for _ in range(3)] == ["http://e1"] * 3
+        with pytest.raises(UpstreamUnavailableError) as err:
+            await pool.acquire(exclude={"http://e1"})
+        assert err.value.retry_after >= 1
+
+    asyncio.run(run())
+
+
+def test_a_full_endpoint_makes_requests_wait_for_a_slot_then_503() -> None:
+    async def run() -> None:
+        pool = _pool(1, queue_timeout_s=0.2)
+        held = await pool.acquire()
+        waiter = asyncio.create_task(pool.acquire())
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        pool.release(held, True)
+        assert (await asyncio.wait_for(waiter, 1)).root == "http://e0"
+        with pytest.raises(UpstreamUnavailableError, match="concurrency bound"):
+            await pool.acquire()
+
+    asyncio.run(run())
+
+
+def _spec(tmp_path: Path, **fields: object) -> Path:
+    model = {"type": "openai", "endpoints": ["http://127.0.0.1:9"], "upstream_model": "x", "tokenizer": str(tmp_path)}
+    path = tmp_path / "backends.json"
+    path.write_text(json.dumps({"models": {"m": {**model, **fields}}}))
+    return path
+
+
+def test_a_field_the_file_does_not_know_is_an_error_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError, match=r"models\.m\.max_concurrancy"):
+        load_backends(_spec(tmp_path, max_concurrancy=4))
+
+
+def test_an_upstream_key_file_others_can_read_is_refused(tmp_path: Path) -> None:
+    key = tmp_path / "key"
+    key.write_text("sk-1\n")
+    key.chmod(0o644)
+    spec = load_backends(_spec(tmp_path, api_key_file=str(key))).models["m"]
+    with pytest.raises(ConfigurationError, match="chmod 600"):
+        spec.api_key()
+    key.chmod(0o600)
+    assert spec.api_key() == "sk-1"
+
+
+def test_an_unset_key_variable_is_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TL_TEST_UPSTREAM_KEY", raising=False)
+    spec = load_backends(_spec(tmp_path, api_key_env="TL_TEST_UPSTREAM_KEY")).models["m"]
+    with pytest.raises(ConfigurationError, match="TL_TEST_UPSTREAM_KEY"):
+        spec.api_key()
+    monkeypatch.setenv("TL_TEST_UPSTREAM_KEY", "sk-2")
+    assert spec.api_key() == "sk-2"
