@@ -1,0 +1,252 @@
+"""``bench backends``: what the gateway costs in front of a model server, and how fast it fails over.
+
+Three ways to the same model (the zoo's ``lm-cloud``, greedy, ``ignore_eos``, streamed chat completions), each a
+real process on 127.0.0.1:
+
+- ``direct``: the client talks to ``tierline engine serve`` itself (no gateway: the baseline);
+- ``builtin``: ``tierline cloud serve`` with the model in its own engine child (the in-process path);
+- ``remote``: ``tierline cloud serve`` as a gateway only (no local engine), the model an ``openai`` backend
+  pointing at the same ``engine serve``.
+
+For each, ``requests`` streams at concurrency 1 and at ``concurrency``: latency p50/p99 and time to first token.
+``gateway_overhead_ms`` is ``remote`` minus ``direct`` (what the gateway adds over the same upstream: auth,
+limits, metering, the SSE relay). Then failover: a second ``engine serve`` joins the backend, ``kills`` times one
+upstream is SIGKILLed while streams run; ``failover_s`` is kill → the first request sent after the kill that
+succeeded, and ``failed_not_started`` the requests sent after the kill that failed (target 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+CLI = [sys.executable, "-m", "tierline.cli"]
+PROMPTS = ("def parse(line):\n", "import os\n\n\nclass ", "    for key, value in ", "# Copyright", "return ")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return round(float(np.percentile(values, q)) * 1000, 2) if values else None
+
+
+@contextlib.contextmanager
+def _server(args: list[str], env: dict[str, str], port: int, ready: str) -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen(
+        [*CLI, *args, "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{' '.join(args)} exited with {proc.returncode} during start-up")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}{ready}", timeout=1).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{' '.join(args)} did not start")
+            time.sleep(0.2)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+async def _one(http: httpx.AsyncClient, model: str, i: int, max_tokens: int) -> tuple[float, float | None, bool]:
+    """One streamed chat: (latency, time to first content, ok)."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    started = time.monotonic()
+    first: float | None = None
+    ok = False
+    try:
+        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                return time.monotonic() - started, None, False
+            async for line in response.aiter_lines():
+                if first is None and '"content":"' in line and '"content":""' not in line:
+                    first = time.monotonic() - started
+                if line == "data: [DONE]":
+                    ok = True
+                elif line.startswith('data: {"error"'):
+                    break
+    except httpx.HTTPError:
+        ok = False
+    return time.monotonic() - started, first, ok
+
+
+async def _load(
+    url: str, key: str | None, model: str, requests: int, concurrency: int, max_tokens: int
+) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=300, limits=limits) as http:
+        await _one(http, model, 0, 2)  # warm: connections, caches
+        sem = asyncio.Semaphore(concurrency)
+
+        async def bounded(i: int) -> tuple[float, float | None, bool]:
+            async with sem:
+                return await _one(http, model, i, max_tokens)
+
+        started = time.monotonic()
+        results = await asyncio.gather(*(bounded(i) for i in range(requests)))
+        elapsed = time.monotonic() - started
+    latencies = [r[0] for r in results if r[2]]
+    ttfts = [r[1] for r in results if r[2] and r[1] is not None]
+    return {
+        "requests": requests,
+        "errors": sum(not r[2] for r in results),
+        "requests_per_s": round(len(latencies) / elapsed, 2),
+        "p50_ms": _pct(latencies, 50),
+        "p99_ms": _pct(latencies, 99),
+        "ttft_p50_ms": _pct(ttfts, 50),
+        "ttft_p99_ms": _pct(ttfts, 99),
+    }
+
+
+async def _failover(url: str, key: str, model: str, kill: Any, streams: int, max_tokens: int) -> dict[str, Any]:
+    """``streams`` streams run; ``kill()``; then requests one after another until one succeeds."""
+    headers = {"Authorization": f"Bearer {key}"}
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=300) as http:
+        running = [asyncio.create_task(_one(http, model, i, max_tokens)) for i in range(streams)]
+        await asyncio.sleep(0.5)
+        killed_at = time.monotonic()
+        kill()
+        failed = 0
+        while True:
+            _, _, ok = await _one(http, model, 0, 4)
+            if ok:
+                failover_s = time.monotonic() - killed_at
+                break
+            failed += 1
+        after = await asyncio.gather(*(_one(http, model, i, 4) for i in range(streams)))
+        cut = await asyncio.gather(*running)
+    return {
+        "failover_s": round(failover_s, 4),
+        "failed_not_started": failed + sum(not ok for _, _, ok in after),
+        "started_streams_cut": sum(not ok for _, _, ok in cut),
+    }
+
+
+def run_backends_bench(
+    zoo_root: Path,
+    data_dir: Path,
+    requests: int = 32,
+    concurrency: int = 16,
+    max_tokens: int = 32,
+    kills: int = 1,
+) -> dict[str, Any]:
+    from controlplane.storage.migrate import upgrade
+
+    model_dir = zoo_root / "artifacts" / "lm-cloud"
+    with tempfile.TemporaryDirectory(prefix="tierline-bench-backends-") as tmp:
+        d = Path(tmp)
+        shutil.copytree(data_dir / "keys", d / "keys")
+        shutil.copytree(zoo_root, d / "zoo" / zoo_root.name)
+        db_url = f"sqlite:///{d / 'tierline.db'}"
+        upgrade(db_url)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TIERLINE_")}
+        env.update(
+            {
+                "TIERLINE_DATA_DIR": str(d),
+                "TIERLINE_DATABASE_URL": db_url,
+                "TIERLINE_LOG_LEVEL": "WARNING",
+                "TIERLINE_CLOUD_SPECULATION": "off",  # the same engine work on every path
+            }
+        )
+        subprocess.run([*CLI, "tenants", "create", "bench"], env=env, check=True, capture_output=True)
+        key = subprocess.run(
+            [*CLI, "keys", "create", "--tenant", "bench"], env=env, check=True, capture_output=True, text=True
+        ).stdout.strip()
+        ports = [_port(), _port()]
+        upstreams = [f"http://127.0.0.1:{p}" for p in ports]
+        spec = {"type": "openai", "upstream_model": "lm-cloud", "tokenizer": str(model_dir), "eject_s": 1.0}
+        spec |= {"max_concurrency": 64, "eject_after_failures": 2, "probe_interval_s": 0.2}
+        backends = d / "backends.json"
+        one = {"remote": {**spec, "endpoints": upstreams[:1]}, "remote-2": {**spec, "endpoints": upstreams}}
+        backends.write_text(json.dumps({"models": one}))
+        gateway_env = {**env, "TIERLINE_CLOUD_ZOO_PRESET": "none", "TIERLINE_CLOUD_BACKENDS": str(backends)}
+        builtin_env = {**env, "TIERLINE_CLOUD_ZOO_PRESET": zoo_root.name}
+        serve = ["engine", "serve", "--model", str(model_dir), "--name", "lm-cloud"]
+        result: dict[str, Any] = {"max_tokens": max_tokens, "requests": requests, "host_cores": os.cpu_count()}
+        paths: dict[str, dict[str, Any]] = {}
+        with _server(serve, env, ports[0], "/health"):
+            for c in (1, concurrency):
+                paths.setdefault("direct", {})[str(c)] = asyncio.run(
+                    _load(upstreams[0], None, "lm-cloud", requests, c, max_tokens)
+                )
+            gport = _port()
+            with _server(["cloud", "serve"], gateway_env, gport, "/readyz"):
+                for c in (1, concurrency):
+                    paths.setdefault("remote", {})[str(c)] = asyncio.run(
+                        _load(f"http://127.0.0.1:{gport}", key, "remote", requests, c, max_tokens)
+                    )
+                failovers = []
+                for _ in range(kills):
+                    with _server(serve, env, ports[1], "/health") as victim:
+                        time.sleep(1.0)  # admitted, and taking requests
+
+                        def kill(p: subprocess.Popen[bytes] = victim) -> None:
+                            os.kill(p.pid, signal.SIGKILL)
+
+                        failovers.append(
+                            asyncio.run(_failover(f"http://127.0.0.1:{gport}", key, "remote-2", kill, concurrency, 64))
+                        )
+        bport = _port()
+        with _server(["cloud", "serve"], builtin_env, bport, "/readyz"):
+            for c in (1, concurrency):
+                paths.setdefault("builtin", {})[str(c)] = asyncio.run(
+                    _load(f"http://127.0.0.1:{bport}", key, "tierline/lm-cloud", requests, c, max_tokens)
+                )
+    result["paths"] = paths
+    result["gateway_overhead_ms"] = {
+        c: {
+            q: round(paths["remote"][c][q] - paths["direct"][c][q], 2)
+            for q in ("p50_ms", "p99_ms")
+            if paths["remote"][c][q] is not None and paths["direct"][c][q] is not None
+        }
+        for c in paths["direct"]
+    }
+    times = [f["failover_s"] for f in failovers]
+    result["failover"] = {
+        "kills": kills,
+        "failover_p50_s": round(float(np.percentile(times, 50)), 4) if times else None,
+        "failover_p99_s": round(float(np.percentile(times, 99)), 4) if times else None,
+        "failed_not_started": sum(f["failed_not_started"] for f in failovers),
+        "started_streams_cut": sum(f["started_streams_cut"] for f in failovers),
+    }
+    return result
