@@ -46,7 +46,13 @@ def engine() -> None:
 @click.option("--name", default=None, help="the model's id on the wire (default: the directory's name)")
 @click.option("--host", default="127.0.0.1", show_default=True, help="bind address")
 @click.option("--port", type=int, default=8000, show_default=True, help="port")
-def engine_serve(model_dir: Path, name: str | None, host: str, port: int) -> None:
+@click.option(
+    "--api-key-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="require this key (Authorization: Bearer) on /v1/*; the file must be mode 0600",
+)
+def engine_serve(model_dir: Path, name: str | None, host: str, port: int, api_key_file: Path | None) -> None:
     """Serve one model with /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics.
 
     Engine settings are the cloud's (TIERLINE_CLOUD_KV_CACHE_MB, _MAX_NUM_SEQS, _DEVICE, ...); SIGTERM drains
@@ -54,11 +60,12 @@ def engine_serve(model_dir: Path, name: str | None, host: str, port: int) -> Non
     """
     if not (model_dir / "config.json").is_file():
         raise click.BadParameter(f"{model_dir} has no config.json", param_hint="--model")
-    from cloud.engine_server import create_engine_app
+    from cloud.engine_server import create_engine_app, read_key_file
     from shared.http import serve as run
     from shared.settings import CoreSettings
 
-    run(create_engine_app(model_dir, name), host, port, log_level=CoreSettings().log_level)
+    key = read_key_file(api_key_file) if api_key_file is not None else None
+    run(create_engine_app(model_dir, name, api_key=key), host, port, log_level=CoreSettings().log_level)
 
 
 def _register() -> None:

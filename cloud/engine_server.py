@@ -15,6 +15,8 @@ for the same request. ``cache_salt`` (vLLM's field) salts the prefix cache as th
 from __future__ import annotations
 
 import asyncio
+import hmac
+import stat
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from litestar import Litestar, Response, get, post
+from litestar import Litestar, Request, Response, get, post
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from pydantic import Field
@@ -36,7 +38,7 @@ from cloud.engine.sampling_params import SamplingParams
 from cloud.engine_pool import engine_config, start_engine
 from cloud.responses import SSE_HEADERS
 from cloud.settings import CloudSettings
-from shared.errors import NotFoundError, ServiceUnavailableError
+from shared.errors import AuthenticationError, ConfigurationError, NotFoundError, ServiceUnavailableError
 from shared.http import EventStream
 from shared.openai_responses import SSE_DONE, chat_logprob, completion_logprobs, sse
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest
@@ -392,8 +394,34 @@ class _State:
     engine_server: EngineServerState
 
 
+def _key_guard(api_key: str | None) -> Callable[[Request[Any, Any, Any]], None]:
+    """With a key: ``/v1/*`` needs ``Authorization: Bearer KEY`` (401 otherwise); ``/health`` and ``/metrics`` stay
+    open, as a probe and a scraper have no key."""
+    expected = api_key.encode() if api_key else None
+
+    def check(request: Request[Any, Any, Any]) -> None:
+        if expected is None or not request.url.path.startswith("/v1/"):
+            return
+        scheme, _, secret = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(secret.strip().encode(), expected):
+            raise AuthenticationError("missing or wrong API key (Authorization: Bearer ...)")
+
+    return check
+
+
+def read_key_file(path: Path) -> str:
+    """The server's API key from ``path``: a file only its owner can read (mode 0600 or stricter)."""
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigurationError(f"{path} is readable by others (mode {mode:o}); chmod 600 it")
+    key = path.read_text().strip()
+    if not key:
+        raise ConfigurationError(f"{path} is empty")
+    return key
+
+
 def create_engine_app(
-    model_dir: Path, model_name: str | None = None, settings: CloudSettings | None = None
+    model_dir: Path, model_name: str | None = None, settings: CloudSettings | None = None, api_key: str | None = None
 ) -> Litestar:
     """The server's app; the engine starts (and loads) in the app's start-up, and stops at its shutdown."""
     settings = settings or CloudSettings()
@@ -423,5 +451,6 @@ def create_engine_app(
         start=start,
         state_type=_State,
         request_max_body_size=settings.max_body_bytes,
+        before_request=_key_guard(api_key),
         signature_namespace={"EngineClient": EngineClient, "EngineServerState": EngineServerState},
     )

@@ -37,17 +37,18 @@ PROMPT = "The quick brown fox"
 class Upstream:
     """One ``tierline engine serve`` on a fixed port, which a test may SIGKILL and start again."""
 
-    def __init__(self, lm_dir: Path, env: dict[str, str], log: Path) -> None:
-        self.lm_dir, self.env, self.log = lm_dir, env, log
+    def __init__(self, lm_dir: Path, env: dict[str, str], log: Path, key_file: Path) -> None:
+        self.lm_dir, self.env, self.log, self.key = lm_dir, env, log, str(key_file)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._stack = contextlib.ExitStack()
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        args = ["engine", "serve", "--model", str(self.lm_dir), "--name", "lm-cloud"]
+        # the upstream requires the key the gateway is configured with: every relayed request proves it is sent
+        args = ["engine", "serve", "--model", str(self.lm_dir), "--name", "lm-cloud", "--api-key-file", self.key]
         self.proc = self._stack.enter_context(
-            server_process(args, self.env, self.port, ready_path="/health", timeout=120, log=self.log)
+            server_process(args, self.env, self.port, ready_path="/health", timeout=180, log=self.log)
         )
 
     def kill(self) -> None:
@@ -72,10 +73,10 @@ def gateway(
 ) -> Iterator[dict[str, Any]]:
     data = seed_data_dir(tmp_path_factory.mktemp("backends"), tiny_zoo, session_data_dir)
     upstream_env = base_env(data, TIERLINE_CLOUD_KV_CACHE_MB="32", TIERLINE_CLOUD_NUM_THREADS="1")
-    upstreams = [Upstream(lm_dir, upstream_env, data / f"upstream-{i}.log") for i in range(2)]
     key_file = data / "upstream.key"
     key_file.write_text("sk-upstream-secret\n")
     key_file.chmod(0o600)
+    upstreams = [Upstream(lm_dir, upstream_env, data / f"upstream-{i}.log", key_file) for i in range(2)]
     backends = data / "backends.json"
     spec = {
         "type": "openai",
@@ -111,7 +112,7 @@ def gateway(
         for u in upstreams:
             u.start()
         port = free_port()
-        with server_process(["cloud", "serve"], env, port, timeout=120, log=data / "gateway.log"):
+        with server_process(["cloud", "serve"], env, port, timeout=180, log=data / "gateway.log"):
             yield {
                 "url": f"http://127.0.0.1:{port}",
                 "key": key,
@@ -263,6 +264,11 @@ def test_an_unreachable_upstream_is_502_then_503_with_retry_after_and_bills_noth
     with Session(engine) as s:
         assert list(s.exec(select(UsageRecord).where(UsageRecord.model == DOWN_MODEL))) == []
     engine.dispose()
+
+
+def test_the_upstream_refuses_a_request_without_the_key_the_gateway_sends(gateway: dict[str, Any]) -> None:
+    body = {"model": "lm-cloud", "prompt": PROMPT, "max_tokens": 2}
+    assert httpx.post(f"{gateway['upstreams'][0].url}/v1/completions", json=body).status_code == 401
 
 
 def _upstream_abandoned(url: str) -> float:

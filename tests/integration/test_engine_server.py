@@ -17,6 +17,7 @@ from shared.zoo.registry import ZooLayout
 from tests.conftest import base_env, free_port, server_process
 
 PROMPT = "The quick brown fox"
+KEY = "sk-engine-test"
 
 
 @pytest.fixture(scope="module")
@@ -27,14 +28,19 @@ def lm_dir(tiny_zoo: Path) -> Path:
 @pytest.fixture(scope="module")
 def server(lm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
-    env = base_env(tmp_path_factory.mktemp("engine-server"), TIERLINE_CLOUD_KV_CACHE_MB="32")
-    with server_process(["engine", "serve", "--model", str(lm_dir)], env, port, ready_path="/health"):
+    data = tmp_path_factory.mktemp("engine-server")
+    key_file = data / "key"
+    key_file.write_text(KEY + "\n")
+    key_file.chmod(0o600)
+    env = base_env(data, TIERLINE_CLOUD_KV_CACHE_MB="32")
+    args = ["engine", "serve", "--model", str(lm_dir), "--api-key-file", str(key_file)]
+    with server_process(args, env, port, ready_path="/health", timeout=180):  # a loaded 2-core host: ~40 s
         yield f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="module")
 def client(server: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +50,14 @@ def offline(lm_dir: Path) -> LLM:
 
 def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list()] == ["lm-cloud"]
+
+
+def test_with_a_key_file_v1_needs_the_key_and_health_does_not(server: str) -> None:
+    body = {"model": "lm-cloud", "prompt": PROMPT, "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer sk-wrong"}):
+        refused = httpx.post(f"{server}/v1/completions", json=body, headers=headers)
+        assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{server}/health").status_code == 200
 
 
 def test_completion_is_the_in_process_engines_greedy_output_with_exact_usage(
@@ -91,11 +105,14 @@ def test_bad_requests_get_400_in_openais_error_shape(client: openai.OpenAI, serv
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model="lm-cloud", prompt=PROMPT, max_tokens=0)
     assert err.value.status_code == 400
-    body = httpx.post(f"{server}/v1/completions", json={"model": "lm-cloud", "prompt": PROMPT, "max_tokens": "8"})
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = httpx.post(
+        f"{server}/v1/completions", headers=auth, json={"model": "lm-cloud", "prompt": PROMPT, "max_tokens": "8"}
+    )
     assert body.status_code == 400
     assert body.json()["error"]["param"] == "max_tokens"
     assert set(body.json()["error"]) == {"message", "type", "param", "code"}
-    too_long = httpx.post(f"{server}/v1/completions", json={"model": "lm-cloud", "prompt": "fox " * 400})
+    too_long = httpx.post(f"{server}/v1/completions", headers=auth, json={"model": "lm-cloud", "prompt": "fox " * 400})
     assert too_long.status_code == 400, too_long.text
     assert too_long.json()["error"]["type"] == "invalid_request_error"
     with pytest.raises(openai.NotFoundError):
