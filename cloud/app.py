@@ -305,7 +305,12 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
 
     @asynccontextmanager
     async def start() -> AsyncIterator[CloudState]:
-        usage = UsageWriter(db, settings.usage_flush_ms / 1000)
+        usage = UsageWriter(
+            db,
+            settings.usage_flush_ms / 1000,
+            checkpoint_tokens=settings.usage_checkpoint_tokens,
+            checkpoint_ms=settings.usage_checkpoint_ms,
+        )
         await usage.start()
         pool = EnginePool.from_zoo(root, settings)
         tensors = TensorPool.from_zoo(root, settings.num_threads)
@@ -314,7 +319,7 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
         limiter = RateLimiter(settings, core.redis_url)
         prices = PriceBook(db)
         await prices.start()  # the edge gateway rates synced usage with the same book
-        sweeper = ReservationSweeper(db, settings.budget_sweep_interval_s)
+        sweeper = ReservationSweeper(db, settings.budget_sweep_interval_s, prices)
         await sweeper.start()
         canary = CanaryRouter(db, settings.canary_refresh_s)
         if settings.registry_models.strip():  # loaded in the refresh's worker thread, at start-up and later

@@ -77,6 +77,18 @@ class CloudSettings(BaseSettings):
     )
     jwt_tenant_claim: str = Field("tenant", description="claim naming the tenant")
     usage_flush_ms: int = Field(200, ge=10, description="how often usage records are written, in batches")
+    usage_checkpoint_tokens: int = Field(
+        32,
+        ge=0,
+        description="a stream's usage so far is written durably before its first bytes and then before it sends "
+        "more once this many completion tokens were generated since the last write: a crash (kill -9) bills all "
+        "but this tail; 0: no checkpoints (a crash mid-stream bills nothing)",
+    )
+    usage_checkpoint_ms: int = Field(
+        1000,
+        ge=0,
+        description="... or once this many ms passed since the last write with new tokens (0: by tokens only)",
+    )
     edge_sync_interval_s: float = Field(30.0, gt=0, description="how often enrolled agents sync (told at enroll)")
 
     def idempotency_lease(self) -> float:

@@ -38,9 +38,7 @@ def upgrade() -> None:
         sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
         sa.ForeignKeyConstraint(["tenant_id"], ["tenant.id"], name=op.f("fk_usage_checkpoint_tenant_id_tenant")),
-        sa.ForeignKeyConstraint(
-            ["api_key_id"], ["api_key.id"], name=op.f("fk_usage_checkpoint_api_key_id_api_key")
-        ),
+        sa.ForeignKeyConstraint(["api_key_id"], ["api_key.id"], name=op.f("fk_usage_checkpoint_api_key_id_api_key")),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_usage_checkpoint")),
     )
     with op.batch_alter_table("usage_checkpoint", schema=None) as batch_op:
