@@ -126,6 +126,7 @@ def _checkpoints(engine: Engine) -> list[UsageCheckpoint]:
 
 
 def _wait_for(what: str, probe: Any, timeout: float) -> Any:
+    """``probe()``'s first truthy answer, polled until ``timeout``."""
     deadline = time.monotonic() + timeout
     while True:
         found = probe()
@@ -174,8 +175,10 @@ def test_tokens_streamed_before_a_kill_are_billed_after_the_restart(
         with httpx.stream("POST", url, json={**BODY, "max_tokens": 40}, headers=headers, timeout=60) as r:
             assert r.status_code == 200, r.read()
             events = list(_events(r))
-        usage = events[-2]["usage"]  # type: ignore[index]
-        request_id = events[0]["id"].removeprefix("cmpl-")  # type: ignore[index]
+        first, last = events[0], events[-2]
+        assert isinstance(first, dict) and isinstance(last, dict)
+        usage: dict[str, int] = last["usage"]
+        request_id = first["id"].removeprefix("cmpl-")
         assert events[-1] == "[DONE]" and sum(_tokens(e) for e in events) == usage["completion_tokens"] == 40
         (normal,) = _wait_for("the normal stream's record", lambda: _records(engine, request_id), 10)
         assert (normal.prompt_tokens, normal.completion_tokens, normal.status) == (usage["prompt_tokens"], 40, "ok")
