@@ -30,7 +30,8 @@ from cloud.edge_gateway import ROUTES as EDGE_ROUTES
 from cloud.edge_gateway import EdgeGateway
 from cloud.edge_releases import ARTIFACT_ROUTES, RELEASES_DIR, ReleaseStore
 from cloud.engine_pool import EnginePool
-from cloud.idempotency import IdempotencyStore, request_hash, usage_id
+from cloud.idempotency import IdempotencyStore, request_hash
+from cloud.ids import CloudIds
 from cloud.job_routes import JOB_ROUTES, JobIntake
 from cloud.job_worker import running_jobs
 from cloud.jobs import CHAT, COMPLETIONS, INFERENCE, JobSettings, JobStore
@@ -187,7 +188,7 @@ async def _idempotent(
         return respond(caller, await call())
     tenant_id = caller.tenant.id or 0
     claim = await asyncio.to_thread(store.claim, tenant_id, key, request_hash(body()), is_stream)
-    caller.request_id = usage_id(tenant_id, key)
+    caller.request_id = store.ids.usage_id(tenant_id, key)
     if claim.response is not None:
         replay = {"x-tierline-usage-id": caller.request_id, "x-tierline-idempotent-replay": "true"}
         return Response(claim.response, headers=replay)
@@ -295,7 +296,7 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
         else None
     )
     catalog = load_catalog(root)
-    idempotency = IdempotencyStore(db, settings.idempotency_lease())
+    idempotency = IdempotencyStore(db, settings.idempotency_lease(), CloudIds.from_keys_dir(core.keys_dir))
     auth_cache = AuthCache(settings.auth_cache_s)
     releases = ReleaseStore(core.data_dir / RELEASES_DIR)
     jobs = JobStore(db)
@@ -357,7 +358,7 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
                     jwt=verifier,
                     auth_cache=auth_cache,
                     jobs=jobs,
-                    job_intake=JobIntake(jobs, worker, webhooks, job_settings, pool, tensors, limiter),
+                    job_intake=JobIntake(jobs, worker, webhooks, job_settings, pool, tensors, limiter, idempotency.ids),
                     webhooks=webhooks,
                     job_settings=job_settings,
                     releases=releases,

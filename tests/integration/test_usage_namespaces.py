@@ -8,6 +8,8 @@ a record dated 2100 is booked now and flagged.
 
 from __future__ import annotations
 
+import hashlib
+import stat
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -18,8 +20,7 @@ import httpx
 import pytest
 from sqlmodel import Session, select
 
-from cloud.idempotency import usage_id
-from cloud.jobs import new_job_id
+from cloud.ids import ID_SECRET_FILE, CloudIds
 from controlplane.fleet.devices import create_enrollment_token, device_usage_id
 from controlplane.storage.database import create_db
 from controlplane.storage.tables import UsageRecord
@@ -54,7 +55,14 @@ def cloud(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_data
     with server_process(["cloud", "serve"], env, port, ready_path="/readyz", timeout=120, stop_timeout=60):
         url = f"http://127.0.0.1:{port}"
         enrolled = httpx.post(f"{url}/v1/edge/enroll", json={"token": enroll_token, "name": "a-1"}).json()
-        yield {"url": url, "key_b": key_b, "engine": engine, "tenant": ids, "device": enrolled}
+        yield {
+            "url": url,
+            "key_b": key_b,
+            "engine": engine,
+            "tenant": ids,
+            "device": enrolled,
+            "keys_dir": data / "keys",
+        }
     engine.dispose()
 
 
@@ -86,7 +94,9 @@ def _planted(rid: str, *, completion_tokens: int = 0, occurred_at: float | None 
 
 def test_a_device_cannot_make_another_tenants_usage_be_skipped(cloud: dict[str, Any]) -> None:
     a, b = cloud["tenant"]["a"], cloud["tenant"]["b"]
-    idem_id, job_id = usage_id(b, "pay-once"), new_job_id(b, "job-once")
+    # The worst case: the device somehow knows the ids (they are keyed with the server's secret, read here).
+    ids = CloudIds.from_keys_dir(cloud["keys_dir"])
+    idem_id, job_id = ids.usage_id(b, "pay-once"), ids.job_id(b, "job-once")
     batch = [_planted(idem_id), _planted(job_id)]
     first = _sync(cloud, batch)
     assert first["accepted"] == 2 and first["duplicates"] == 0
@@ -138,3 +148,45 @@ def test_a_far_future_record_is_booked_now_and_flagged(cloud: dict[str, Any]) ->
     # A replay is the same record, however much later it arrives.
     again = _sync(cloud, [_planted("future-0001", completion_tokens=3, occurred_at=future.timestamp())])
     assert (again["accepted"], again["duplicates"], again["conflicts"]) == (0, 1, 0)
+
+
+def test_the_clouds_ids_cannot_be_derived_without_its_secret(cloud: dict[str, Any]) -> None:
+    a, b = cloud["tenant"]["a"], cloud["tenant"]["b"]
+    # What anyone could compute before: sha256 of tenant and key. A device plants records under those.
+    old_idem = "idem-" + hashlib.sha256(f"{b}:guess-me".encode()).hexdigest()[:40]
+    old_job = "job_" + hashlib.sha256(f"{b}:guess-job".encode()).hexdigest()[:32]
+    planted = _sync(cloud, [_planted(old_idem), _planted(old_job)])
+    assert planted["accepted"] == 2
+
+    auth = {"Authorization": f"Bearer {cloud['key_b']}"}
+    body = {"model": MODEL, "prompt": "def g():", "max_tokens": 3, "temperature": 0}
+    served = httpx.post(f"{cloud['url']}/v1/completions", json=body, headers={**auth, "Idempotency-Key": "guess-me"})
+    assert served.status_code == 200, served.text
+    job = httpx.post(
+        f"{cloud['url']}/v1/completions", json={**body, "async": True}, headers={**auth, "Idempotency-Key": "guess-job"}
+    ).json()
+    usage_header = served.headers["x-tierline-usage-id"]
+    assert usage_header.startswith("idem-") and usage_header != old_idem
+    assert job["id"].startswith("job_") and job["id"] != old_job
+
+    secret = cloud["keys_dir"] / ID_SECRET_FILE
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    ids = CloudIds.from_keys_dir(cloud["keys_dir"])
+    assert (ids.usage_id(b, "guess-me"), ids.job_id(b, "guess-job")) == (usage_header, job["id"])
+    other = CloudIds(b"x" * 32)  # another secret (another deployment, an attacker's guess): other ids
+    assert other.usage_id(b, "guess-me") != usage_header and other.job_id(b, "guess-job") != job["id"]
+
+    deadline = time.monotonic() + 60
+    while httpx.get(f"{cloud['url']}/v1/jobs/{job['id']}", headers=auth).json()["status"] != "succeeded":
+        assert time.monotonic() < deadline, "the job did not finish"
+        time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    wanted = {usage_header, job["id"]}
+    while not wanted <= {r.id for r in _records(cloud, b)} and time.monotonic() < deadline:
+        time.sleep(0.1)
+    billed = {r.id: r for r in _records(cloud, b) if r.id in wanted}
+    assert set(billed) == wanted and all(r.completion_tokens > 0 and r.device_id is None for r in billed.values())
+    device = cloud["device"]["device_id"]
+    assert {device_usage_id(a, device, old_idem), device_usage_id(a, device, old_job)} <= {
+        r.id for r in _records(cloud, a)
+    }
