@@ -11,6 +11,7 @@ import gc
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ from cloud.tenant_routes import TENANT_ROUTES
 from cloud.tensor_models import TensorPool, unknown_model
 from cloud.webhooks import WebhookStore
 from controlplane.billing.budgets import PriceBook
+from controlplane.fleet.devices import UsageWindow
 from controlplane.registry.store import store_from_settings
 from controlplane.storage.migrate import is_up_to_date
 from controlplane.storage.session import get_db
@@ -312,6 +314,7 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
             checkpoint_tokens=settings.usage_checkpoint_tokens,
             checkpoint_ms=settings.usage_checkpoint_ms,
         )
+        usage.on_conflicts = observed.usage_id_conflicts.labels("cloud").inc
         await usage.start()
         pool = EnginePool.from_zoo(root, settings)
         tensors = TensorPool.from_zoo(root, settings.num_threads)
@@ -362,7 +365,19 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
                     webhooks=webhooks,
                     job_settings=job_settings,
                     releases=releases,
-                    edge=EdgeGateway(db, prices, releases, budget_alerts, settings.edge_sync_interval_s),
+                    edge=EdgeGateway(
+                        db,
+                        prices,
+                        releases,
+                        budget_alerts,
+                        settings.edge_sync_interval_s,
+                        observed.count_edge_sync,
+                        UsageWindow(
+                            max_future=timedelta(seconds=settings.edge_usage_max_future_s),
+                            max_age=timedelta(days=settings.edge_usage_max_age_days),
+                            enrollment_margin=timedelta(seconds=settings.edge_usage_enrollment_margin_s),
+                        ),
+                    ),
                 )
         finally:
             await canary.close()

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+from collections.abc import Callable
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
@@ -57,6 +58,7 @@ class UsageWriter:
         self.num_conflicts = 0
         self.num_refused = 0
         self.num_checkpoints = 0
+        self.on_conflicts: Callable[[int], None] | None = None  # told how many records of a batch conflicted
 
     @staticmethod
     def record(id: str, tenant_id: int, model: str, tier: str, **columns: Any) -> NewUsage:
@@ -170,3 +172,5 @@ class UsageWriter:
         # A retry of the cloud's own id is skipped whatever it carries; the conflicting ones are also counted apart.
         self.num_duplicates += result.duplicates + result.conflicts
         self.num_conflicts += result.conflicts
+        if result.conflicts and self.on_conflicts is not None:
+            self.on_conflicts(result.conflicts)
