@@ -108,8 +108,10 @@ class _Meter:
     rate_limit: RateLimitGrant | None = None
     budget: BudgetHold | None = None
     rollout_arm: str | None = None
-    checkpoint_at: float | None = None  # when the stream's usage was last made durable (None: never)
+    checkpointed: bool = False  # a checkpoint was written (or tried): the end settles it through the ledger
+    checkpoint_at: float | None = None  # when the last one was written (None: never)
     checkpointed_tokens: int = 0  # completion tokens it held
+    checkpoint_write: asyncio.Future[None] | None = None  # the last write, awaited before settling
 
     def update(self, out: RequestOutput) -> None:
         u = out.usage
@@ -296,10 +298,12 @@ class CompletionService:
         price_id, cost = self.prices.cost(served.model_id, served.version, "cloud", tokens)
         now = time.monotonic()
         record = self._record(caller, served, meter, status, price_id, cost, now)
-        if meter.budget is not None or meter.checkpoint_at is not None:
+        if meter.checkpoint_write is not None:  # a write the client's leaving interrupted must land first
+            await asyncio.wait([meter.checkpoint_write])
+        if meter.budget is not None or meter.checkpointed:
             reservation, meter.budget = meter.budget, None
             spent: Decimal | None = None
-            if meter.checkpoint_at is not None:
+            if meter.checkpointed:
                 spent = await self.usage.settle_checkpointed(record, reservation)
             elif reservation is not None:
                 spent = await asyncio.to_thread(settle_budget, self.usage.engine, reservation, cost or Decimal(0))
@@ -317,7 +321,7 @@ class CompletionService:
             ttft_s,
             meter.engine_s,
         )
-        if meter.checkpoint_at is None:
+        if not meter.checkpointed:
             self.usage.enqueue(record)
 
     def _record(
@@ -362,13 +366,18 @@ class CompletionService:
         if not self.usage.is_checkpoint_due(meter.completion_tokens - meter.checkpointed_tokens, since):
             return
         record = self._record(caller, served, meter, "ok", None, None, time.monotonic())
+        meter.checkpointed = True
+        write = asyncio.ensure_future(self.usage.checkpoint(record, meter.budget, self.budget_lease_s))
+        meter.checkpoint_write = write
         try:
-            await self.usage.checkpoint(record, meter.budget, self.budget_lease_s)
+            await asyncio.shield(write)  # the client leaving does not cancel the write: _settle waits for it
+        except asyncio.CancelledError:
+            raise
         except Exception:
             logger.exception("writing the usage checkpoint of request %s failed", caller.request_id)
-            return
-        meter.checkpoint_at = time.monotonic()
-        meter.checkpointed_tokens = meter.completion_tokens
+        else:
+            meter.checkpointed_tokens = meter.completion_tokens
+        meter.checkpoint_at = time.monotonic()  # a failed write is retried an interval later, not on every event
 
     async def _merged(
         self, served: ServedLM, caller: Caller, prompts: list[str | list[int]], params: SamplingParams

@@ -327,6 +327,9 @@ def reconcile_checkpoints(
             if deleted.rowcount != 1:  # type: ignore[attr-defined]
                 session.rollback()
                 continue  # settled (or reconciled) meanwhile
+            if session.get(UsageRecord, cp.id) is not None:  # its stream settled; a late write left this behind
+                session.commit()
+                continue
             usage = NewUsage(
                 id=cp.id,
                 tenant_id=cp.tenant_id,

@@ -288,3 +288,21 @@ def test_a_dead_streams_checkpoint_is_billed_once_and_its_hold_released(migrated
     with Session(engine) as s:
         assert s.exec(select(BudgetReservation)).all() == [] and s.get(Tenant, tenant_id) is not None
     engine.dispose()
+
+
+def test_a_checkpoint_left_behind_by_a_settled_stream_adds_nothing(migrated_db: str) -> None:
+    engine, tenant_id, _ = _setup(migrated_db)
+    hold = reserve(engine, tenant_id, BUDGET, Decimal("1.0"))
+    with Session(engine) as s:
+        settle_checkpointed(s, _usage("req-late", tenant_id, 20, rating=(None, Decimal("0.25"))), hold)
+        s.commit()
+    with Session(engine) as s:  # a checkpoint write that landed after the stream settled
+        checkpoint(s, _usage("req-late", tenant_id, 16), hold, lease_s=0.0)
+        s.commit()
+    assert reconcile_checkpoints(engine, now=datetime.now(UTC) + timedelta(hours=1)) == 0
+    assert _checkpoints(engine) == []
+    (record,) = _records(engine, "req-late")
+    assert (record.completion_tokens, record.status) == (20, "ok")
+    period = _budget(engine, tenant_id)
+    assert (period.spent, period.reserved) == (Decimal("0.25"), 0)  # not billed twice
+    engine.dispose()
