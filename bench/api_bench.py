@@ -143,6 +143,7 @@ def run_api_bench(
     max_tokens: int = 16,
     model: str = "tierline/lm-cloud",
     stream_interval: int = 1,
+    usage_checkpoint_tokens: int | None = None,
 ) -> dict[str, Any]:
     from controlplane.storage.migrate import upgrade
 
@@ -162,6 +163,8 @@ def run_api_bench(
                 "TIERLINE_CLOUD_STREAM_INTERVAL": str(stream_interval),
             }
         )
+        if usage_checkpoint_tokens is not None:  # durable usage of streams: one write per this many tokens; 0: off
+            env["TIERLINE_CLOUD_USAGE_CHECKPOINT_TOKENS"] = str(usage_checkpoint_tokens)
         cli = [sys.executable, "-m", "tierline.cli"]
         subprocess.run([*cli, "tenants", "create", "bench"], env=env, check=True, capture_output=True)
         key = subprocess.run(
@@ -214,6 +217,7 @@ def run_api_bench(
         "model": model,
         "concurrency": concurrency,
         "stream_interval": stream_interval,
+        "usage_checkpoint_tokens": usage_checkpoint_tokens,
         "duration_s": duration_s,
         "max_tokens": max_tokens,
         "requests": n_api,

@@ -101,6 +101,12 @@ def bench_prefix(preset: str, zoo_dir: Path | None, as_json: bool, num_requests:
     show_default=True,
     help="the server's TIERLINE_CLOUD_STREAM_INTERVAL: tokens per streamed event at least",
 )
+@click.option(
+    "--usage-checkpoint-tokens",
+    type=click.IntRange(min=0),
+    default=None,
+    help="the server's TIERLINE_CLOUD_USAGE_CHECKPOINT_TOKENS (0: streams not checkpointed; default: its default)",
+)
 def bench_api(
     preset: str,
     zoo_dir: Path | None,
@@ -109,6 +115,7 @@ def bench_api(
     concurrency: int,
     max_tokens: int,
     stream_interval: int,
+    usage_checkpoint_tokens: int | None,
 ) -> None:
     """Concurrent streaming clients against a real cloud server: throughput, errors, TTFT, API overhead."""
     from bench.api_bench import run_api_bench
@@ -117,7 +124,13 @@ def bench_api(
     root = zoo_root(preset, zoo_dir)
     emit(
         run_api_bench(
-            root, CoreSettings().data_dir, duration, concurrency, max_tokens, stream_interval=stream_interval
+            root,
+            CoreSettings().data_dir,
+            duration,
+            concurrency,
+            max_tokens,
+            stream_interval=stream_interval,
+            usage_checkpoint_tokens=usage_checkpoint_tokens,
         ),
         as_json,
     )

@@ -11,6 +11,7 @@ import gc
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,8 @@ from cloud.edge_gateway import ROUTES as EDGE_ROUTES
 from cloud.edge_gateway import EdgeGateway
 from cloud.edge_releases import ARTIFACT_ROUTES, RELEASES_DIR, ReleaseStore
 from cloud.engine_pool import EnginePool
-from cloud.idempotency import IdempotencyStore, request_hash, usage_id
+from cloud.idempotency import IdempotencyStore, request_hash
+from cloud.ids import CloudIds
 from cloud.job_routes import JOB_ROUTES, JobIntake
 from cloud.job_worker import running_jobs
 from cloud.jobs import CHAT, COMPLETIONS, INFERENCE, JobSettings, JobStore
@@ -47,6 +49,7 @@ from cloud.tenant_routes import TENANT_ROUTES
 from cloud.tensor_models import TensorPool, unknown_model
 from cloud.webhooks import WebhookStore
 from controlplane.billing.budgets import PriceBook
+from controlplane.fleet.devices import UsageWindow
 from controlplane.registry.store import store_from_settings
 from controlplane.storage.migrate import is_up_to_date
 from controlplane.storage.session import get_db
@@ -194,7 +197,7 @@ async def _idempotent(
         return respond(caller, await call())
     tenant_id = caller.tenant.id or 0
     claim = await asyncio.to_thread(store.claim, tenant_id, key, request_hash(body()), is_stream)
-    caller.request_id = usage_id(tenant_id, key)
+    caller.request_id = store.ids.usage_id(tenant_id, key)
     if claim.response is not None:
         replay = {"x-tierline-usage-id": caller.request_id, "x-tierline-idempotent-replay": "true"}
         return Response(claim.response, headers=replay)
@@ -302,7 +305,7 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
         else None
     )
     catalog = load_catalog(root)
-    idempotency = IdempotencyStore(db, settings.idempotency_lease())
+    idempotency = IdempotencyStore(db, settings.idempotency_lease(), CloudIds.from_keys_dir(core.keys_dir))
     auth_cache = AuthCache(settings.auth_cache_s)
     releases = ReleaseStore(core.data_dir / RELEASES_DIR)
     jobs = JobStore(db)
@@ -312,7 +315,13 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
 
     @asynccontextmanager
     async def start() -> AsyncIterator[CloudState]:
-        usage = UsageWriter(db, settings.usage_flush_ms / 1000)
+        usage = UsageWriter(
+            db,
+            settings.usage_flush_ms / 1000,
+            checkpoint_tokens=settings.usage_checkpoint_tokens,
+            checkpoint_ms=settings.usage_checkpoint_ms,
+        )
+        usage.on_conflicts = observed.usage_id_conflicts.labels("cloud").inc
         await usage.start()
         pool = EnginePool.from_zoo(root, settings)
         tensors = TensorPool.from_zoo(root, settings.num_threads)
@@ -321,7 +330,7 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
         limiter = RateLimiter(settings, core.redis_url)
         prices = PriceBook(db)
         await prices.start()  # the edge gateway rates synced usage with the same book
-        sweeper = ReservationSweeper(db, settings.budget_sweep_interval_s)
+        sweeper = ReservationSweeper(db, settings.budget_sweep_interval_s, prices)
         await sweeper.start()
         canary = CanaryRouter(db, settings.canary_refresh_s)
         if settings.registry_models.strip():  # loaded in the refresh's worker thread, at start-up and later
@@ -365,11 +374,23 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
                     jwt=verifier,
                     auth_cache=auth_cache,
                     jobs=jobs,
-                    job_intake=JobIntake(jobs, worker, webhooks, job_settings, pool, tensors, limiter),
+                    job_intake=JobIntake(jobs, worker, webhooks, job_settings, pool, tensors, limiter, idempotency.ids),
                     webhooks=webhooks,
                     job_settings=job_settings,
                     releases=releases,
-                    edge=EdgeGateway(db, prices, releases, budget_alerts, settings.edge_sync_interval_s),
+                    edge=EdgeGateway(
+                        db,
+                        prices,
+                        releases,
+                        budget_alerts,
+                        settings.edge_sync_interval_s,
+                        observed.count_edge_sync,
+                        UsageWindow(
+                            max_future=timedelta(seconds=settings.edge_usage_max_future_s),
+                            max_age=timedelta(days=settings.edge_usage_max_age_days),
+                            enrollment_margin=timedelta(seconds=settings.edge_usage_enrollment_margin_s),
+                        ),
+                    ),
                 )
         finally:
             if backends is not None:

@@ -21,6 +21,8 @@ from sqlmodel import Session
 
 from cloud.webhooks import WebhookStore
 from controlplane.billing.budgets import reclaim_expired, thresholds_reached
+from controlplane.billing.ledger import reconcile_checkpoints
+from controlplane.billing.pricing import PriceLookup
 from controlplane.storage.tables import BudgetAlert, Tenant
 from shared.periodic import Periodic
 
@@ -105,15 +107,20 @@ class BudgetAlerts:
 
 
 class ReservationSweeper:
-    """Every ``interval_s``, releases budget reservations whose lease expired (``controlplane.billing.budgets``)."""
+    """Every ``interval_s`` (and at start-up), bills the usage checkpoints of streams whose process died
+    (``controlplane.billing.ledger.reconcile_checkpoints``: what was streamed is billed, the rest of the reservation
+    released), then releases the budget reservations whose lease expired (``controlplane.billing.budgets``)."""
 
-    def __init__(self, engine: Engine, interval_s: float) -> None:
+    def __init__(self, engine: Engine, interval_s: float, prices: PriceLookup | None = None) -> None:
         self.engine = engine
         self.interval_s = interval_s
+        self.prices = prices
         self.num_released = 0
+        self.num_reconciled = 0
         self._sweeper = Periodic("releasing expired budget reservations", lambda: self.sweep(), interval_s)
 
     def sweep(self) -> None:
+        self.num_reconciled += reconcile_checkpoints(self.engine, self.prices)
         self.num_released += reclaim_expired(self.engine)
 
     async def start(self) -> None:

@@ -7,6 +7,7 @@ abandoned (billed for what was generated; generation stops at once) and a reques
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
@@ -31,6 +32,7 @@ from cloud.shadow import Mirror
 from controlplane.billing.budgets import BudgetHold, PriceBook
 from controlplane.billing.budgets import reserve as reserve_budget
 from controlplane.billing.budgets import settle as settle_budget
+from controlplane.billing.ledger import NewUsage
 from controlplane.billing.pricing import Tokens
 from controlplane.storage.tables import ApiKey, Tenant
 from shared.errors import (
@@ -52,6 +54,8 @@ _PARAMETER_TYPES: dict[str, TypeAdapter[Any]] = {
     if name not in ("n", "speculation")
 }
 
+
+logger = logging.getLogger(__name__)
 
 MAX_INLINE_PROMPT_BYTES = 4 << 10  # prompts up to this are tokenised on the event loop (a thread hop costs more)
 
@@ -128,6 +132,10 @@ class _Meter:
     rate_limit: RateLimitGrant | None = None
     budget: BudgetHold | None = None
     rollout_arm: str | None = None
+    checkpointed: bool = False  # a checkpoint was written (or tried): the end settles it through the ledger
+    checkpoint_at: float | None = None  # when the last one was written (None: never)
+    checkpointed_tokens: int = 0  # completion tokens it held
+    checkpoint_write: asyncio.Future[None] | None = None  # the last write, awaited before settling
 
     def update(self, out: RequestOutput) -> None:
         u = out.usage
@@ -311,20 +319,30 @@ class CompletionService:
         self, caller: Caller, served: Metered, meter: _Meter, status: str, usage_source: str | None = None
     ) -> None:
         """Give back unused reservations, then meter the request (once, whatever its outcome). ``usage_source``: who
-        counted the tokens when not this process's engine (``upstream``, or ``gateway``: the upstream sent none)."""
+        counted the tokens when not this process's engine (``upstream``, or ``gateway``: the upstream sent none).
+
+        A stream that wrote checkpoints settles in one transaction: its final record replaces its checkpoint.
+        """
         if meter.rate_limit is not None:
             await self.limiter.release(meter.rate_limit, meter.prompt_tokens + meter.completion_tokens)
             meter.rate_limit = None
         tokens = Tokens(meter.prompt_tokens, meter.completion_tokens, meter.cached_tokens)
         price_id, cost = self.prices.cost(served.model_id, served.version, "cloud", tokens)
-        if meter.budget is not None:
+        now = time.monotonic()
+        record = self._record(caller, served, meter, status, price_id, cost, now, usage_source)
+        if meter.checkpoint_write is not None:  # a write the client's leaving interrupted must land first
+            await asyncio.wait([meter.checkpoint_write])
+        if meter.budget is not None or meter.checkpointed:
             reservation, meter.budget = meter.budget, None
-            spent = await asyncio.to_thread(settle_budget, self.usage.engine, reservation, cost or Decimal(0))
-            if self.alerts is not None:
+            spent: Decimal | None = None
+            if meter.checkpointed:
+                spent = await self.usage.settle_checkpointed(record, reservation)
+            elif reservation is not None:
+                spent = await asyncio.to_thread(settle_budget, self.usage.engine, reservation, cost or Decimal(0))
+            if self.alerts is not None and reservation is not None and spent is not None:
                 await self.alerts.after_settle(reservation.tenant_id, reservation.period, spent, reservation.budget)
         if meter.prompt_tokens == 0 and meter.completion_tokens == 0:
             return
-        now = time.monotonic()
         ttft_s = (meter.first_token_at - caller.started) if meter.first_token_at else None
         self.metrics.observe_request(
             served.model_id,
@@ -335,7 +353,22 @@ class CompletionService:
             ttft_s,
             meter.engine_s,
         )
-        self.usage.submit(
+        if not meter.checkpointed:
+            self.usage.enqueue(record)
+
+    def _record(
+        self,
+        caller: Caller,
+        served: Metered,
+        meter: _Meter,
+        status: str,
+        price_id: int | None,
+        cost: Decimal | None,
+        now: float,
+        usage_source: str | None = None,
+    ) -> NewUsage:
+        ttft_s = (meter.first_token_at - caller.started) if meter.first_token_at else None
+        return self.usage.record(
             caller.request_id,
             caller.tenant.id or 0,
             served.model_id,
@@ -356,6 +389,29 @@ class CompletionService:
             ttft_ms=round(ttft_s * 1000, 2) if ttft_s is not None else None,
             engine_ms=round(meter.engine_s * 1000, 2) if meter.engine_s is not None else None,
         )
+
+    async def _checkpoint(self, caller: Caller, served: ServedLM, meter: _Meter) -> None:
+        """Make a stream's usage so far durable before its next bytes go out, when a checkpoint is due
+        (``TIERLINE_CLOUD_USAGE_CHECKPOINT_TOKENS`` / ``_MS``): a crash then loses at most the tokens sent since.
+
+        A failed write is logged and the stream goes on (billing falls back to the end-of-stream record).
+        """
+        since = time.monotonic() - meter.checkpoint_at if meter.checkpoint_at is not None else float("inf")
+        if not self.usage.is_checkpoint_due(meter.completion_tokens - meter.checkpointed_tokens, since):
+            return
+        record = self._record(caller, served, meter, "ok", None, None, time.monotonic())
+        meter.checkpointed = True
+        write = asyncio.ensure_future(self.usage.checkpoint(record, meter.budget, self.budget_lease_s))
+        meter.checkpoint_write = write
+        try:
+            await asyncio.shield(write)  # the client leaving does not cancel the write: _settle waits for it
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("writing the usage checkpoint of request %s failed", caller.request_id)
+        else:
+            meter.checkpointed_tokens = meter.completion_tokens
+        meter.checkpoint_at = time.monotonic()  # a failed write is retried an interval later, not on every event
 
     async def _merged(
         self, served: ServedLM, caller: Caller, prompts: list[str | list[int]], params: SamplingParams
@@ -513,12 +569,14 @@ class CompletionService:
                             done[i] = list(out.outputs[0].token_ids)
                         events.extend(sse({**base, "choices": [choice]}) for choice in render(i, out))
                         if len(done) < len(prompts) and events:
+                            await self._checkpoint(caller, served, meter)
                             yield b"".join(events)
                             events.clear()
                         item = await anext(updates, None)
                     if include_usage:
                         events.append(sse({**base, "choices": [], "usage": meter.usage()}))
                     events.append(SSE_DONE)
+                    await self._checkpoint(caller, served, meter)
                     yield b"".join(events)
                     status = "ok"
                     self._mirror(caller, prompts, params, done)

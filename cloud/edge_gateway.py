@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -34,7 +34,7 @@ from cloud.responses import respond
 from cloud.tensor_models import TensorPool
 from controlplane.billing.budgets import PriceBook, remaining
 from controlplane.billing.pricing import period_of
-from controlplane.fleet.devices import authenticate_device, enroll, ingest
+from controlplane.fleet.devices import SyncCounts, UsageWindow, authenticate_device, enroll, ingest
 from controlplane.storage.tables import BudgetAlert, BudgetPeriod, Device, Tenant
 from shared.artifacts import load_public_key, public_path, public_pem
 from shared.edge_protocol import (
@@ -95,6 +95,8 @@ class EdgeGateway:
     releases: DesiredState
     alerts: BudgetAlerts
     sync_interval_s: float
+    on_sync: Callable[[SyncCounts], None] | None = None  # told each sync's counts (Metrics.count_edge_sync)
+    window: UsageWindow | None = None  # when a device's usage may have occurred (None: UsageWindow's defaults)
 
     def enroll(self, data: EnrollRequest) -> EnrollResponse:
         with Session(self.db) as session:
@@ -141,7 +143,7 @@ class EdgeGateway:
         for attempt in (1, 2):
             try:
                 with Session(self.db) as session:
-                    counts = ingest(session, caller.device, data.usage, data.events, self.prices)
+                    counts = ingest(session, caller.device, data.usage, data.events, self.prices, window=self.window)
                     device = session.get(Device, caller.device.id)
                     assert device is not None
                     device.last_seen_at = datetime.now(UTC)
@@ -156,6 +158,8 @@ class EdgeGateway:
                 # A concurrent retry of the same batch stored some ids first; the second pass skips them.
                 if attempt == 2:
                     raise
+        if self.on_sync is not None:
+            self.on_sync(counts)
         allowance, fired = self._allowance(caller.device.tenant_id)
         answer = SyncResponse(
             accepted=counts.accepted,

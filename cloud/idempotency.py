@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,6 +26,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col
 
+from cloud.ids import SECRET_BYTES, CloudIds
 from controlplane.storage.tables import IdempotentResponse, utcnow
 from shared.errors import ApplicationError, ConflictError, ValidationError
 
@@ -58,11 +60,6 @@ def request_hash(body: Any) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def usage_id(tenant_id: int, key: str) -> str:
-    """The usage-record id of an idempotent request: the same for every retry, so metering dedups too."""
-    return "idem-" + hashlib.sha256(f"{tenant_id}:{key}".encode()).hexdigest()[:40]
-
-
 def _in_progress(retry_after: float) -> IdempotencyInProgressError:
     return IdempotencyInProgressError(
         "a request with this Idempotency-Key is in progress; retry later",
@@ -71,9 +68,11 @@ def _in_progress(retry_after: float) -> IdempotencyInProgressError:
 
 
 class IdempotencyStore:
-    def __init__(self, engine: Engine, lease_s: float) -> None:
+    def __init__(self, engine: Engine, lease_s: float, ids: CloudIds | None = None) -> None:
+        """``ids`` derive the usage ids of keyed requests (``cloud.ids``; a random secret when None: tests)."""
         self.engine = engine
         self.lease_s = lease_s
+        self.ids = ids or CloudIds(secrets.token_bytes(SECRET_BYTES))
 
     def claim(self, tenant_id: int, key: str, body_hash: str, is_stream: bool) -> Claim:
         """Claim the key for this request, or take over a claim whose lease ended; the stored response when the

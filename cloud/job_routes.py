@@ -22,8 +22,9 @@ from litestar.params import Parameter
 from cloud.completions import Caller
 from cloud.engine_pool import EnginePool, split_model
 from cloud.idempotency import MAX_KEY_LENGTH, IdempotencyMismatchError
+from cloud.ids import CloudIds
 from cloud.job_worker import JobWorker
-from cloud.jobs import INFERENCE, MAX_LIST_LIMIT, JobSettings, JobStore, job_json, new_job_id
+from cloud.jobs import INFERENCE, MAX_LIST_LIMIT, JobSettings, JobStore, job_json
 from cloud.limits import RateLimiter
 from cloud.tensor_models import TensorPool, unknown_model
 from cloud.webhooks import WebhookStore, attempt_json, validate_webhook_url
@@ -51,6 +52,7 @@ class JobIntake:
     pool: EnginePool
     tensors: TensorPool
     limiter: RateLimiter
+    ids: CloudIds  # the server-keyed ids of jobs submitted with an Idempotency-Key
 
     def _check_model(self, caller: Caller, endpoint: str, model: str) -> None:
         """Refuse now what the job would fail on at once: an unknown model, or one the key may not use."""
@@ -111,7 +113,7 @@ class JobIntake:
         # queueing is throttled like synchronous calls (a retried submission too: it is a request all the same).
         await self.limiter.count_request(caller.tenant, caller.key)
         job = Job(
-            id=new_job_id(tenant_id, key),
+            id=self.ids.job_id(tenant_id, key),
             tenant_id=tenant_id,
             api_key_id=caller.key.id if caller.key is not None else None,
             endpoint=endpoint,

@@ -14,8 +14,6 @@ generated (the usage record of an abandoned request), and its re-run's record is
 
 from __future__ import annotations
 
-import hashlib
-import uuid
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -58,13 +56,6 @@ class JobSettings(BaseSettings):
 
 def _unix(ts: datetime | None) -> int | None:
     return int(ts.timestamp()) if ts is not None else None
-
-
-def new_job_id(tenant_id: int, idempotency_key: str | None = None) -> str:
-    """A fresh id, or, for an ``Idempotency-Key``, the same id on every retry (so a retry finds its job)."""
-    if idempotency_key is None:
-        return f"job_{uuid.uuid4().hex}"
-    return "job_" + hashlib.sha256(f"{tenant_id}:{idempotency_key}".encode()).hexdigest()[:32]
 
 
 def job_json(job: Job) -> dict[str, Any]:

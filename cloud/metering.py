@@ -6,14 +6,17 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+from collections.abc import Callable
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any
 
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
 
-from controlplane.billing.ledger import NewUsage, ingest_usage
+from controlplane.billing.budgets import BudgetHold
+from controlplane.billing.ledger import NewUsage, checkpoint, ingest_usage, settle_checkpointed
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +38,17 @@ class UsageWriter:
     ``close()`` writes everything still queued (graceful shutdown loses nothing).
     """
 
-    def __init__(self, engine: Engine, flush_interval_s: float = 0.2, max_batch: int = 512) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        flush_interval_s: float = 0.2,
+        max_batch: int = 512,
+        checkpoint_tokens: int = 0,
+        checkpoint_ms: float = 0.0,
+    ) -> None:
         self.engine = engine
+        self.checkpoint_tokens = checkpoint_tokens
+        self.checkpoint_ms = checkpoint_ms
         self.flush_interval_s = flush_interval_s
         self.max_batch = max_batch
         self._queue: asyncio.Queue[NewUsage] = asyncio.Queue()
@@ -45,16 +57,63 @@ class UsageWriter:
         self.num_duplicates = 0
         self.num_conflicts = 0
         self.num_refused = 0
+        self.num_checkpoints = 0
+        self.on_conflicts: Callable[[int], None] | None = None  # told how many records of a batch conflicted
 
-    def submit(self, id: str, tenant_id: int, model: str, tier: str, **columns: Any) -> None:
-        """Queue one record: ``usage_record``'s columns, ``price_id`` and ``cost`` its rating (None: unpriced),
+    @staticmethod
+    def record(id: str, tenant_id: int, model: str, tier: str, **columns: Any) -> NewUsage:
+        """A record: ``usage_record``'s columns, ``price_id`` and ``cost`` its rating (None: unpriced),
         ``occurred_at`` now unless given."""
         unknown = columns.keys() - _COLUMNS_WITH_RATING
         if unknown:
             raise TypeError(f"usage_record has no column {', '.join(sorted(unknown))}")
         rating = (columns.pop("price_id", None), columns.pop("cost", None))
         columns.setdefault("occurred_at", datetime.now(UTC))
-        self._queue.put_nowait(NewUsage(id=id, tenant_id=tenant_id, model=model, tier=tier, rating=rating, **columns))
+        return NewUsage(id=id, tenant_id=tenant_id, model=model, tier=tier, rating=rating, **columns)
+
+    def submit(self, id: str, tenant_id: int, model: str, tier: str, **columns: Any) -> None:
+        """Queue one record (``record``'s arguments)."""
+        self.enqueue(self.record(id, tenant_id, model, tier, **columns))
+
+    def enqueue(self, usage: NewUsage) -> None:
+        self._queue.put_nowait(usage)
+
+    # -- streamed requests: their usage so far is durable before their tokens are sent -------------------------
+    @property
+    def checkpoints(self) -> bool:
+        return self.checkpoint_tokens > 0
+
+    def is_checkpoint_due(self, new_tokens: int, since_s: float) -> bool:
+        """Whether a stream that generated ``new_tokens`` since its last checkpoint, ``since_s`` seconds ago, must
+        write one before it sends them (always before its first bytes: ``since_s`` is inf then)."""
+        if not self.checkpoints:
+            return False
+        return (
+            since_s == float("inf")
+            or new_tokens >= self.checkpoint_tokens
+            or (new_tokens > 0 and self.checkpoint_ms > 0 and since_s * 1000 >= self.checkpoint_ms)
+        )
+
+    async def checkpoint(self, usage: NewUsage, hold: BudgetHold | None, lease_s: float) -> None:
+        """Write a stream's counts so far (``controlplane.billing.ledger.checkpoint``), committed on return."""
+        await asyncio.to_thread(self._checkpoint, usage, hold, lease_s)
+
+    def _checkpoint(self, usage: NewUsage, hold: BudgetHold | None, lease_s: float) -> None:
+        with Session(self.engine) as session:
+            checkpoint(session, usage, hold, lease_s)
+            session.commit()
+        self.num_checkpoints += 1
+
+    async def settle_checkpointed(self, usage: NewUsage, hold: BudgetHold | None) -> Decimal | None:
+        """A checkpointed stream's final record, hold and checkpoint, in one transaction (not queued)."""
+        return await asyncio.to_thread(self._settle_checkpointed, usage, hold)
+
+    def _settle_checkpointed(self, usage: NewUsage, hold: BudgetHold | None) -> Decimal | None:
+        with Session(self.engine) as session:
+            spent = settle_checkpointed(session, usage, hold)
+            session.commit()
+        self.num_written += 1
+        return spent
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="usage-writer")
@@ -113,3 +172,5 @@ class UsageWriter:
         # A retry of the cloud's own id is skipped whatever it carries; the conflicting ones are also counted apart.
         self.num_duplicates += result.duplicates + result.conflicts
         self.num_conflicts += result.conflicts
+        if result.conflicts and self.on_conflicts is not None:
+            self.on_conflicts(result.conflicts)

@@ -16,6 +16,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from cloud.engine_pool import EnginePool
+from controlplane.fleet.devices import SyncCounts
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
@@ -113,6 +114,27 @@ class Metrics:
         self.tokens = Counter(
             "tierline_tokens", "Tokens in and out", [*model_labels, "direction"], registry=self.registry
         )
+        self.usage_id_conflicts = Counter(
+            "tierline_usage_id_conflicts",
+            "Usage records not stored because their id is held by a record with a different payload "
+            "(source: cloud = this server's metering, edge = a device's sync)",
+            ["source"],
+            registry=self.registry,
+        )
+        self.usage_clamped = Counter(
+            "tierline_usage_clamped",
+            "Device usage records dated outside the accepted window, booked at its edge (reported_at kept)",
+            registry=self.registry,
+        )
+        for source in ("cloud", "edge"):  # exposed at 0 from the start, so an alert on an increase works
+            self.usage_id_conflicts.labels(source)
+
+    def count_edge_sync(self, counts: SyncCounts) -> None:
+        """A device's sync: its conflicting and clamped usage records."""
+        if counts.conflicts:
+            self.usage_id_conflicts.labels("edge").inc(counts.conflicts)
+        if counts.clamped:
+            self.usage_clamped.inc(counts.clamped)
 
     def watch(self, pool: EnginePool) -> None:
         self.registry.register(_EngineCollector(pool))

@@ -81,7 +81,35 @@ class CloudSettings(BaseSettings):
     )
     jwt_tenant_claim: str = Field("tenant", description="claim naming the tenant")
     usage_flush_ms: int = Field(200, ge=10, description="how often usage records are written, in batches")
+    usage_checkpoint_tokens: int = Field(
+        32,
+        ge=0,
+        description="a stream's usage so far is written durably before its first bytes and then before it sends "
+        "more once this many completion tokens were generated since the last write: a crash (kill -9) bills all "
+        "but this tail; 0: no checkpoints (a crash mid-stream bills nothing)",
+    )
+    usage_checkpoint_ms: int = Field(
+        1000,
+        ge=0,
+        description="... or once this many ms passed since the last write with new tokens (0: by tokens only)",
+    )
     edge_sync_interval_s: float = Field(30.0, gt=0, description="how often enrolled agents sync (told at enroll)")
+    edge_usage_max_future_s: float = Field(
+        300.0,
+        ge=0,
+        description="a device's usage record dated more than this ahead of the cloud's clock is booked now "
+        "(reported_at keeps the device's time; counted in tierline_usage_clamped_total)",
+    )
+    edge_usage_max_age_days: float = Field(
+        35.0,
+        gt=0,
+        description="... and one older than this when synced is booked at this age (a closed period stays closed)",
+    )
+    edge_usage_enrollment_margin_s: float = Field(
+        3600.0,
+        ge=0,
+        description="... and one dated more than this before its device's enrollment is booked at that time",
+    )
 
     def idempotency_lease(self) -> float:
         """How long an Idempotency-Key claim holds: past the request deadline, so a live request keeps its claim."""

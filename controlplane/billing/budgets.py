@@ -134,20 +134,27 @@ def settle(engine: Engine, hold: BudgetHold, actual: Decimal) -> Decimal:
     Returns the period's settled spend after this request. A reservation the sweeper already released (its
     lease ran out first) only adds the cost.
     """
-    actual = min(actual, hold.amount)
     with Session(engine) as session:
-        deleted = session.execute(delete(BudgetReservation).where(col(BudgetReservation.id) == hold.id))
-        is_held = deleted.rowcount == 1  # type: ignore[attr-defined]
-        values = {"spent": col(BudgetPeriod.spent) + actual}
-        if is_held:
-            values["reserved"] = col(BudgetPeriod.reserved) - hold.amount
-        spent = session.execute(
-            update(BudgetPeriod)
-            .where(col(BudgetPeriod.tenant_id) == hold.tenant_id, col(BudgetPeriod.period) == hold.period)
-            .values(**values)
-            .returning(col(BudgetPeriod.spent))
-        ).scalar_one()
+        spent = settle_in(session, hold, actual)
         session.commit()
+    return spent
+
+
+def settle_in(session: Session, hold: BudgetHold, actual: Decimal) -> Decimal:
+    """``settle`` in the caller's transaction (the caller commits): the ledger settles a streamed request's hold
+    in the transaction that writes its usage record."""
+    actual = min(actual, hold.amount)
+    deleted = session.execute(delete(BudgetReservation).where(col(BudgetReservation.id) == hold.id))
+    is_held = deleted.rowcount == 1  # type: ignore[attr-defined]
+    values = {"spent": col(BudgetPeriod.spent) + actual}
+    if is_held:
+        values["reserved"] = col(BudgetPeriod.reserved) - hold.amount
+    spent = session.execute(
+        update(BudgetPeriod)
+        .where(col(BudgetPeriod.tenant_id) == hold.tenant_id, col(BudgetPeriod.period) == hold.period)
+        .values(**values)
+        .returning(col(BudgetPeriod.spent))
+    ).scalar_one()
     return Decimal(spent)
 
 

@@ -20,20 +20,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from datetime import UTC, datetime
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import BigInteger, case, cast, func
+from sqlalchemy import BigInteger, case, cast, delete, func, update
 from sqlalchemy import select as sql_select
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Engine
 from sqlalchemy.sql.elements import ColumnElement
 from sqlmodel import Session, col, select
 
-from controlplane.billing.budgets import add_spend
+from controlplane.billing.budgets import BudgetHold, add_spend, settle_in
 from controlplane.billing.pricing import PriceIndex, PriceLookup, Rating, Tokens, period_bounds, period_of, rate
-from controlplane.storage.tables import Price, UsageRecord
+from controlplane.storage.tables import Price, UsageCheckpoint, UsageRecord
 from controlplane.storage.types import as_utc, from_micros, to_micros
 from shared.errors import ValidationError
 
@@ -246,6 +247,126 @@ def _conflicts(session: Session, skipped: list[NewUsage]) -> list[str]:
         chunk = ids[start : start + 500]
         stored.update((r.id, r) for r in session.exec(select(UsageRecord).where(col(UsageRecord.id).in_(chunk))))
     return [u.id for u in skipped if u.id in stored and _identity(stored[u.id]) != _identity(u)]
+
+
+# --- checkpoints of streamed usage ------------------------------------------------------------------------------
+#
+# A stream's tokens reach the client before its final record is written. So the cloud writes what it has
+# generated so far (``checkpoint``) before it sends them, every few tokens or ms, and the end of the stream settles
+# it (``settle_checkpointed``: the final record inserted, the budget hold settled and the checkpoint deleted, in one
+# transaction: the final record replaces the checkpoint, never adds to it). A checkpoint whose lease ran out was
+# left by a dead process; ``reconcile_checkpoints`` bills what it holds and releases the rest of its reservation.
+
+INTERRUPTED = "interrupted"  # the status of a record billed from a dead process's last checkpoint
+
+
+def checkpoint(session: Session, usage: NewUsage, hold: BudgetHold | None, lease_s: float) -> None:
+    """Store ``usage`` (the stream's counts so far) as its checkpoint, the first time with a lease of ``lease_s``
+    (the budget hold's: a live stream never outlasts it). The caller commits."""
+    now = datetime.now(UTC)
+    counts: dict[str, Any] = {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "cached_prompt_tokens": usage.cached_prompt_tokens,
+        "updated_at": now,
+    }
+    updated = session.execute(update(UsageCheckpoint).where(col(UsageCheckpoint.id) == usage.id).values(**counts))
+    if updated.rowcount == 1:  # type: ignore[attr-defined]
+        return
+    session.add(
+        UsageCheckpoint(
+            id=usage.id,
+            tenant_id=usage.tenant_id,
+            api_key_id=usage.api_key_id,
+            device_id=usage.device_id,
+            model=usage.model,
+            model_version=usage.model_version,
+            rollout_arm=usage.rollout_arm,
+            escalation_reason=usage.escalation_reason,
+            reservation_id=hold.id if hold is not None else None,
+            period=hold.period if hold is not None else None,
+            reserved=hold.amount if hold is not None else None,
+            started_at=now,
+            expires_at=now + timedelta(seconds=lease_s),
+            **counts,
+        )
+    )
+
+
+def settle_checkpointed(session: Session, usage: NewUsage, hold: BudgetHold | None) -> Decimal | None:
+    """A checkpointed stream's end: its final record (rated) stored, its hold settled at the record's cost, its
+    checkpoint deleted, all in the caller's transaction. The period's settled spend, or None without a hold."""
+    spent = None
+    if hold is not None:
+        cost = usage.rating[1] if usage.rating is not None else None
+        spent = settle_in(session, hold, cost or Decimal(0))
+    if usage.prompt_tokens or usage.completion_tokens:
+        ingest_usage(session, [usage], count_spend=False)
+    session.execute(delete(UsageCheckpoint).where(col(UsageCheckpoint.id) == usage.id))
+    return spent
+
+
+def reconcile_checkpoints(
+    engine: Engine, prices: PriceLookup | None = None, *, now: datetime | None = None, limit: int = 1000
+) -> int:
+    """Bill the checkpoints whose lease ran out (their process died mid-stream); how many were.
+
+    Each becomes a usage record (status ``interrupted``, booked at its last update, rated at that time, at most
+    its reservation) and its budget reservation is settled at that cost: released if the sweeper has not released
+    it yet, and the cost added to the period's spend either way. One transaction per checkpoint, which deletes
+    it first: a checkpoint is billed once, however many processes reconcile.
+    """
+    now = now or datetime.now(UTC)
+    stmt = select(UsageCheckpoint).where(col(UsageCheckpoint.expires_at) < now).limit(limit)
+    settled = 0
+    with Session(engine) as session:
+        expired = list(session.exec(stmt))
+        session.expunge_all()
+        session.rollback()
+        lookup = prices if prices is not None else (load_prices(session) if expired else None)
+        for cp in expired:
+            deleted = session.execute(delete(UsageCheckpoint).where(col(UsageCheckpoint.id) == cp.id))
+            if deleted.rowcount != 1:  # type: ignore[attr-defined]
+                session.rollback()
+                continue  # settled (or reconciled) meanwhile
+            if session.get(UsageRecord, cp.id) is not None:  # its stream settled; a late write left this behind
+                session.commit()
+                continue
+            usage = NewUsage(
+                id=cp.id,
+                tenant_id=cp.tenant_id,
+                model=cp.model,
+                tier="cloud",
+                occurred_at=as_utc(cp.updated_at),
+                model_version=cp.model_version,
+                prompt_tokens=cp.prompt_tokens,
+                completion_tokens=cp.completion_tokens,
+                cached_prompt_tokens=cp.cached_prompt_tokens,
+                api_key_id=cp.api_key_id,
+                device_id=cp.device_id,
+                status=INTERRUPTED,
+                rollout_arm=cp.rollout_arm,
+                escalation_reason=cp.escalation_reason,
+            )
+            price_id, cost = rater(lookup)(usage)  # type: ignore[arg-type]
+            if cost is not None and cp.reserved is not None:
+                cost = min(cost, cp.reserved)
+            if cp.reservation_id is not None and cp.period is not None and cp.reserved is not None:
+                hold = BudgetHold(cp.reservation_id, cp.tenant_id, cp.period, cp.reserved, Decimal(0))
+                settle_in(session, hold, cost or Decimal(0))
+            result = ingest_usage(session, [replace(usage, rating=(price_id, cost))], count_spend=False)
+            session.commit()
+            settled += 1
+            logger.warning(
+                "billed usage %s of tenant %s from the checkpoint of a dead process: %d prompt + %d completion "
+                "tokens%s",
+                cp.id,
+                cp.tenant_id,
+                cp.prompt_tokens,
+                cp.completion_tokens,
+                "" if result.accepted else " (a record with its id was stored already)",
+            )
+    return settled
 
 
 # --- totals ---------------------------------------------------------------------------------------------------

@@ -387,6 +387,35 @@ class BudgetPeriod(SQLModel, table=True):
     reserved: Decimal = Field(default=Decimal(0), sa_type=MONEY, description="sum of the period's open reservations")
 
 
+class UsageCheckpoint(SQLModel, table=True):
+    """A streamed request's usage so far, written before its tokens are sent (every ``checkpoint`` tokens or ms).
+
+    Settled when the request ends: its final ``usage_record`` (same id) is inserted and this row deleted in one
+    transaction. A row still here when its lease expires was left by a process that died mid-stream: the
+    reconciler bills what it holds (status ``interrupted``) and releases the rest of its budget reservation.
+    """
+
+    __tablename__ = "usage_checkpoint"
+
+    id: str = Field(primary_key=True, max_length=64, description="the usage record's id it settles into")
+    tenant_id: int = Field(foreign_key="tenant.id")
+    api_key_id: int | None = Field(default=None, foreign_key="api_key.id")
+    device_id: str | None = Field(default=None, max_length=64)
+    model: str = Field(max_length=128)
+    model_version: int | None = None
+    rollout_arm: str | None = Field(default=None, max_length=16)
+    escalation_reason: str | None = Field(default=None, max_length=32)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    reservation_id: str | None = Field(default=None, max_length=32, description="its budget reservation, if any")
+    period: str | None = Field(default=None, max_length=7, description="the period the reservation holds")
+    reserved: Decimal | None = Field(default=None, sa_type=MONEY, description="the amount the reservation holds")
+    started_at: datetime = _ts()
+    updated_at: datetime = _ts()
+    expires_at: datetime = _ts(index=True)
+
+
 class BudgetReservation(SQLModel, table=True):
     """One request's hold on its tenant's budget, counted in ``BudgetPeriod.reserved`` until it is settled or,
     when the process holding it died, until its lease expires and the sweeper gives it back."""

@@ -13,7 +13,8 @@ import httpx
 import pytest
 from sqlmodel import Session, select
 
-from cloud.idempotency import request_hash, usage_id
+from cloud.idempotency import request_hash
+from cloud.ids import CloudIds
 from controlplane.storage.database import create_db
 from controlplane.storage.tables import IdempotentResponse, UsageRecord
 from controlplane.tenancy.service import create_api_key, create_tenant
@@ -63,6 +64,7 @@ def cloud(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_data
             "jobs_key": jobs_key.secret,
             "engine": engine,
             "tenant_id": tenant_id,
+            "ids": CloudIds.from_keys_dir(data / "keys"),
         }
     engine.dispose()
 
@@ -98,7 +100,9 @@ def test_a_claim_left_by_a_crashed_process_is_taken_over_after_its_lease(cloud: 
     deadline = time.monotonic() + 10
     while True:  # billed once, under the key's usage id
         with Session(cloud["engine"]) as s:
-            rows = s.exec(select(UsageRecord).where(UsageRecord.id == usage_id(cloud["tenant_id"], key))).all()
+            rows = s.exec(
+                select(UsageRecord).where(UsageRecord.id == cloud["ids"].usage_id(cloud["tenant_id"], key))
+            ).all()
         if rows or time.monotonic() > deadline:
             break
         time.sleep(0.1)

@@ -10,6 +10,7 @@ import pytest
 from sqlmodel import Session, select
 
 from cloud.metering import UsageWriter
+from cloud.observability import Metrics
 from controlplane.storage.database import create_db
 from controlplane.storage.tables import Tenant, UsageRecord
 
@@ -24,8 +25,11 @@ def test_records_are_written_once_in_batches_and_duplicates_are_skipped(migrated
         session.commit()
         tenant_id = tenant.id or 0
 
+    metrics = Metrics()
+
     async def main() -> UsageWriter:
         writer = UsageWriter(engine, flush_interval_s=60.0, max_batch=64)
+        writer.on_conflicts = metrics.usage_id_conflicts.labels("cloud").inc
         for i in range(150):
             writer.submit(
                 f"r{i}",
@@ -46,7 +50,9 @@ def test_records_are_written_once_in_batches_and_duplicates_are_skipped(migrated
         return writer
 
     writer = asyncio.run(main())
-    assert writer.num_written == 151 and writer.num_duplicates == 3
+    assert writer.num_written == 151 and writer.num_duplicates == 3 and writer.num_conflicts == 3
+    # each retried id carried other numbers: a conflict, counted where Prometheus scrapes it
+    assert 'tierline_usage_id_conflicts_total{source="cloud"} 3.0' in metrics.render().decode()
     with Session(engine) as session:
         rows = {r.id: r for r in session.exec(select(UsageRecord))}
     assert len(rows) == 151

@@ -9,7 +9,8 @@ import random
 
 import pytest
 
-from cloud.jobs import job_json, new_job_id
+from cloud.ids import CloudIds
+from cloud.jobs import job_json
 from cloud.webhooks import is_valid_signature, new_secret, retry_delay, sign, validate_webhook_url
 from controlplane.storage.tables import Job
 from shared.errors import ValidationError
@@ -86,9 +87,10 @@ def test_retry_delays_grow_exponentially_with_bounded_jitter() -> None:
 
 
 def test_an_idempotency_key_names_one_job_per_tenant() -> None:
-    assert new_job_id(1, "k") == new_job_id(1, "k") != new_job_id(2, "k")
-    assert new_job_id(1) != new_job_id(1)
-    assert all(len(new_job_id(1, k)) <= 64 for k in ("k", "x" * 255))
+    ids = CloudIds(b"s" * 32)
+    assert ids.job_id(1, "k") == ids.job_id(1, "k") != ids.job_id(2, "k")
+    assert ids.job_id(1) != ids.job_id(1)
+    assert all(len(ids.job_id(1, k)) <= 64 for k in ("k", "x" * 255))
 
 
 def test_the_job_json_has_every_field_the_api_documents() -> None:
