@@ -11,12 +11,13 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from decimal import Decimal
-from functools import partial
 from typing import Any, get_type_hints
 
 from pydantic import TypeAdapter
 from pydantic import ValidationError as PydanticValidationError
+from sqlmodel import Session
 
 from cloud.budget_watch import BudgetAlerts
 from cloud.canary import CanaryRouter
@@ -32,6 +33,7 @@ from controlplane.billing.budgets import BudgetHold, PriceBook
 from controlplane.billing.budgets import reserve as reserve_budget
 from controlplane.billing.budgets import settle as settle_budget
 from controlplane.billing.pricing import Tokens
+from controlplane.billing.scopes import MAX_SUBJECT_LEN, applicable
 from controlplane.storage.tables import ApiKey, Tenant
 from shared.errors import (
     ApplicationError,
@@ -89,6 +91,13 @@ class Caller:
     rollout_arm: str | None = None  # the rollout arm routing put a registry model's request in
     shadow: tuple[int, ServedLM] | None = None  # (rollout id, candidate) to mirror the answer to, when sampled
     is_job: bool = False  # an async job's run: counted against requests/min when it was submitted
+    user: str | None = None  # the request's ``user`` field: the end user, unless x-tierline-subject names one
+
+    @property
+    def end_user(self) -> str | None:
+        """Whose end-user budget the request counts against: x-tierline-subject, else the request's user."""
+        subject = self.subject or self.user
+        return subject[:MAX_SUBJECT_LEN] if subject else None
 
 
 @dataclass(slots=True)
@@ -172,24 +181,38 @@ class CompletionService:
             completion_worst += max_new * params.n
         meter = _Meter(rollout_arm=caller.rollout_arm)
         meter.rate_limit = await self.limiter.acquire(caller.tenant, caller.key, reserved, is_counted=caller.is_job)
-        budget = caller.tenant.monthly_budget
-        if budget is not None:
-            worst_case = Tokens(prompt_worst, completion_worst)
-            _, worst = self.prices.cost(served.model_id, served.version, "cloud", worst_case)
-            if worst is not None:
-                try:
-                    meter.budget = await asyncio.to_thread(
-                        partial(reserve_budget, lease_s=self.budget_lease_s),
-                        self.usage.engine,
-                        caller.tenant.id or 0,
-                        budget,
-                        worst,
-                    )
-                except BaseException:
-                    await self.limiter.release(meter.rate_limit, 0)
-                    meter.rate_limit = None
-                    raise
+        worst_case = Tokens(prompt_worst, completion_worst)
+        _, worst = self.prices.cost(served.model_id, served.version, "cloud", worst_case)
+        if worst is not None:
+            try:
+                meter.budget = await asyncio.to_thread(self._reserve, caller, worst)
+            except BaseException:
+                await self.limiter.release(meter.rate_limit, 0)
+                meter.rate_limit = None
+                raise
         return ids, meter
+
+    def _reserve(self, caller: Caller, worst: Decimal) -> BudgetHold | None:
+        """Hold ``worst`` on the tenant's monthly budget and on every scoped budget that applies to the caller's
+        key, its project and its end user, all at once; None when no budget applies (nothing to hold)."""
+        tenant_id = caller.tenant.id or 0
+        key = caller.key
+        now = datetime.now(UTC)
+        with Session(self.usage.engine) as session:
+            windows = applicable(
+                session,
+                tenant_id,
+                now,
+                key_id=key.id if key is not None else None,
+                project_id=key.project_id if key is not None else None,
+                subject=caller.end_user,
+            )
+        budget = caller.tenant.monthly_budget
+        if budget is None and not windows:
+            return None
+        return reserve_budget(
+            self.usage.engine, tenant_id, budget, worst, at=now, lease_s=self.budget_lease_s, windows=windows
+        )
 
     def _checked_size(self, texts: Iterable[str]) -> int:
         """The prompt's size in UTF-8 bytes, refused (413) above ``max_prompt_bytes`` before any tokenising."""
@@ -232,6 +255,7 @@ class CompletionService:
         (``x-tierline-subject``, else ``user``) fall in, else its default version; ``NAME@REF`` pins a version
         (number or alias) and bypasses routing. An API key limited to ``NAME`` may use every version of it.
         """
+        caller.user = user or caller.user
         name, ref = split_model(model)
         allowed = caller.key.allowed_models if caller.key is not None else None
         if allowed and model not in allowed and name not in allowed:
@@ -288,7 +312,7 @@ class CompletionService:
         if meter.budget is not None:
             reservation, meter.budget = meter.budget, None
             spent = await asyncio.to_thread(settle_budget, self.usage.engine, reservation, cost or Decimal(0))
-            if self.alerts is not None:
+            if self.alerts is not None and reservation.budget is not None:
                 await self.alerts.after_settle(reservation.tenant_id, reservation.period, spent, reservation.budget)
         if meter.prompt_tokens == 0 and meter.completion_tokens == 0:
             return

@@ -165,3 +165,114 @@ def credit(number: str, amount: str, reason: str) -> None:
     with session_scope() as session:
         note = service.credit(session, number, amount, reason=reason, actor=_actor())
         click.echo(f"{note.number}: {note.amount} {note.currency} against {number}")
+
+
+@billing.group()
+def projects() -> None:
+    """Projects: named groups of a tenant's API keys, with budgets of their own."""
+
+
+@projects.command("create")
+@click.option("--tenant", required=True, help="tenant name (or id)")
+@click.argument("name")
+def projects_create(tenant: str, name: str) -> None:
+    """Create project NAME in a tenant."""
+    from controlplane.billing import budget_admin
+    from controlplane.billing.invoicing import resolve_tenant
+    from controlplane.storage.session import session_scope
+
+    with session_scope() as session:
+        project = budget_admin.create_project(session, resolve_tenant(session, tenant), name, _actor())
+        click.echo(f"project {project.id}: {project.name}")
+
+
+@projects.command("add-key")
+@click.option("--tenant", required=True, help="tenant name (or id)")
+@click.option("--project", required=True, help="project name (or id); 'none' takes the key out of its project")
+@click.argument("key_id", type=int)
+def projects_add_key(tenant: str, project: str, key_id: int) -> None:
+    """Put API key KEY_ID in a project (a key is in at most one)."""
+    from controlplane.billing import budget_admin
+    from controlplane.billing.invoicing import resolve_tenant
+    from controlplane.storage.session import session_scope
+
+    with session_scope() as session:
+        row = resolve_tenant(session, tenant)
+        target = None if project == "none" else budget_admin.get_project(session, row, project)
+        budget_admin.assign_key(session, row, key_id, target, _actor())
+        click.echo(f"key {key_id} is in project {target.name if target else '(none)'}")
+
+
+@projects.command("list")
+@click.option("--tenant", required=True, help="tenant name (or id)")
+def projects_list(tenant: str) -> None:
+    """List a tenant's projects and their keys."""
+    from controlplane.billing import budget_admin
+    from controlplane.billing.invoicing import resolve_tenant
+    from controlplane.storage.session import session_scope
+
+    with session_scope() as session:
+        for p in budget_admin.list_projects(session, resolve_tenant(session, tenant)):
+            click.echo(f"{p['id']}\t{p['name']}\tkeys {', '.join(map(str, p['key_ids'])) or '-'}")
+
+
+@billing.group()
+def budgets() -> None:
+    """Budgets per tenant, API key, project and end user; per day, month or in total; hard or soft."""
+
+
+@budgets.command("set")
+@click.option("--tenant", required=True, help="tenant name (or id)")
+@click.option("--scope", type=click.Choice(["tenant", "key", "project", "user"]), required=True)
+@click.option("--ref", default=None, help="key id, project name or id, end user id ('*': each end user); tenant: none")
+@click.option("--period", type=click.Choice(["day", "month", "total"]), required=True)
+@click.option("--amount", required=True, help="the limit in the tenant's currency, e.g. 5.00")
+@click.option("--soft", is_flag=True, help="count and report only; never refuse a request")
+def budgets_set(tenant: str, scope: str, ref: str | None, period: str, amount: str, soft: bool) -> None:
+    """Create or change the budget of a scope and period (its spend so far stays)."""
+    from decimal import Decimal
+
+    from controlplane.billing import budget_admin
+    from controlplane.billing.invoicing import resolve_tenant
+    from controlplane.storage.session import session_scope
+
+    with session_scope() as session:
+        budget = budget_admin.set_budget(
+            session,
+            resolve_tenant(session, tenant),
+            scope=scope,
+            ref=ref,
+            period=period,
+            amount=Decimal(_money(amount, "--amount")),
+            is_hard=not soft,
+            actor=_actor(),
+        )
+        click.echo(f"budget {budget.id}: {scope} {budget.ref or '-'} {budget.amount} per {period}")
+
+
+@budgets.command("list")
+@click.option("--tenant", required=True, help="tenant name (or id)")
+def budgets_list(tenant: str) -> None:
+    """List a tenant's budgets with the current window's spend, as JSON."""
+    import json
+
+    from controlplane.billing import budget_admin
+    from controlplane.billing.invoicing import resolve_tenant
+    from controlplane.storage.session import session_scope
+
+    with session_scope() as session:
+        click.echo(json.dumps(budget_admin.list_budgets(session, resolve_tenant(session, tenant)), indent=2))
+
+
+@budgets.command("delete")
+@click.option("--tenant", required=True, help="tenant name (or id)")
+@click.argument("budget_id", type=int)
+def budgets_delete(tenant: str, budget_id: int) -> None:
+    """Delete a budget (requests in flight settle without it)."""
+    from controlplane.billing import budget_admin
+    from controlplane.billing.invoicing import resolve_tenant
+    from controlplane.storage.session import session_scope
+
+    with session_scope() as session:
+        budget_admin.delete_budget(session, resolve_tenant(session, tenant), budget_id, _actor())
+        click.echo(f"deleted budget {budget_id}")

@@ -72,6 +72,7 @@ class ApiKey(SQLModel, table=True):
     requests_per_minute: int | None = Field(default=None, description="None: the cloud's default")
     tokens_per_minute: int | None = None
     max_concurrent: int | None = None
+    project_id: int | None = Field(default=None, foreign_key="project.id", index=True)
     created_at: datetime = _ts()
     expires_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     revoked_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
@@ -393,6 +394,57 @@ class BudgetReservation(SQLModel, table=True):
     amount: Decimal = Field(sa_type=MONEY)
     created_at: datetime = _ts()
     expires_at: datetime = _ts(index=True)
+    windows: list[list[Any]] | None = Field(
+        default=None,
+        sa_column=Column(JSON, nullable=True),
+        description="the scoped budget windows it holds too: [[budget id, subject, window], ...]",
+    )
+
+
+class Project(SQLModel, table=True):
+    """A named group of a tenant's API keys, with budgets of its own."""
+
+    __tablename__ = "project"
+    __table_args__ = (UniqueConstraint("tenant_id", "name"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    tenant_id: int = Field(foreign_key="tenant.id", index=True)
+    name: str = Field(max_length=64)
+    created_at: datetime = _ts()
+
+
+class Budget(SQLModel, table=True):
+    """A spending limit on one scope of a tenant: the tenant, an API key, a project or an end user, per day,
+    month (UTC) or in total. A hard one refuses requests it cannot cover; a soft one only counts and reports.
+
+    ``ref`` names the scoped thing: the key's or project's id, the end user's id (``*``: every end user, each
+    with a limit of their own), empty for the tenant.
+    """
+
+    __tablename__ = "budget"
+    __table_args__ = (UniqueConstraint("tenant_id", "scope", "ref", "period"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    tenant_id: int = Field(foreign_key="tenant.id", index=True)
+    scope: str = Field(max_length=8, description="tenant | key | project | user")
+    ref: str = Field(default="", max_length=256)
+    period: str = Field(max_length=8, description="day | month | total")
+    amount: Decimal = Field(sa_type=Micros)
+    is_hard: bool = True
+    created_at: datetime = _ts()
+
+
+class BudgetWindow(SQLModel, table=True):
+    """A budget's settled spend and open reservations in one window (``YYYY-MM-DD``, ``YYYY-MM`` or ``total``),
+    for one end user when the budget is every end user's (``subject``; empty otherwise)."""
+
+    __tablename__ = "budget_window"
+
+    budget_id: int = Field(foreign_key="budget.id", primary_key=True)
+    subject: str = Field(default="", primary_key=True, max_length=256)
+    window: str = Field(primary_key=True, max_length=10)
+    spent: Decimal = Field(default=Decimal(0), sa_type=Micros)
+    reserved: Decimal = Field(default=Decimal(0), sa_type=Micros)
 
 
 class Rollout(SQLModel, table=True):
