@@ -29,6 +29,7 @@ from cloud.limits import RateLimiter, RateLimitGrant
 from cloud.metering import UsageWriter
 from cloud.observability import Metrics
 from cloud.shadow import Mirror
+from controlplane.billing import credit
 from controlplane.billing.budgets import BudgetHold, PriceBook
 from controlplane.billing.budgets import reserve as reserve_budget
 from controlplane.billing.budgets import settle as settle_budget
@@ -182,7 +183,7 @@ class CompletionService:
         meter = _Meter(rollout_arm=caller.rollout_arm)
         meter.rate_limit = await self.limiter.acquire(caller.tenant, caller.key, reserved, is_counted=caller.is_job)
         worst_case = Tokens(prompt_worst, completion_worst)
-        _, worst = self.prices.cost(served.model_id, served.version, "cloud", worst_case)
+        _, worst = self.prices.cost(served.model_id, served.version, "cloud", worst_case, tenant_id=caller.tenant.id)
         if worst is not None:
             try:
                 meter.budget = await asyncio.to_thread(self._reserve, caller, worst)
@@ -207,8 +208,9 @@ class CompletionService:
                 project_id=key.project_id if key is not None else None,
                 subject=caller.end_user,
             )
+            is_prepaid = credit.available(session, tenant_id) is not None
         budget = caller.tenant.monthly_budget
-        if budget is None and not windows:
+        if budget is None and not windows and not is_prepaid:
             return None
         return reserve_budget(
             self.usage.engine, tenant_id, budget, worst, at=now, lease_s=self.budget_lease_s, windows=windows
@@ -308,11 +310,13 @@ class CompletionService:
             await self.limiter.release(meter.rate_limit, meter.prompt_tokens + meter.completion_tokens)
             meter.rate_limit = None
         tokens = Tokens(meter.prompt_tokens, meter.completion_tokens, meter.cached_tokens)
-        price_id, cost = self.prices.cost(served.model_id, served.version, "cloud", tokens)
+        price_id, cost = self.prices.cost(served.model_id, served.version, "cloud", tokens, tenant_id=caller.tenant.id)
         if meter.budget is not None:
             reservation, meter.budget = meter.budget, None
             spent = await asyncio.to_thread(settle_budget, self.usage.engine, reservation, cost or Decimal(0))
-            if self.alerts is not None and reservation.budget is not None:
+            if self.alerts is not None and reservation.on_credit:
+                await self.alerts.after_credit(reservation.tenant_id)
+            elif self.alerts is not None and reservation.budget is not None:
                 await self.alerts.after_settle(reservation.tenant_id, reservation.period, spent, reservation.budget)
         if meter.prompt_tokens == 0 and meter.completion_tokens == 0:
             return

@@ -32,6 +32,7 @@ from sqlmodel import Session
 from cloud.budget_watch import BudgetAlerts
 from cloud.responses import respond
 from cloud.tensor_models import TensorPool
+from controlplane.billing import credit
 from controlplane.billing.budgets import PriceBook, tightest_remaining
 from controlplane.billing.pricing import period_of
 from controlplane.fleet.devices import authenticate_device, enroll, ingest
@@ -124,6 +125,11 @@ class EdgeGateway:
             if tenant is None:
                 return None, []
             left = tightest_remaining(session, tenant)
+            if credit.available(session, tenant_id) is not None:
+                try:
+                    self.alerts.check_credit(tenant_id)
+                except Exception:  # retried at the next sync
+                    logger.exception("checking the credit balance of tenant %s failed", tenant_id)
             allowance = Allowance(remaining=left, currency=tenant.currency, period=period)
             budget = tenant.monthly_budget
             if budget is None:

@@ -30,9 +30,18 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.sql.elements import ColumnElement
 from sqlmodel import Session, col, select
 
-from controlplane.billing.pricing import PriceLike, Rating, Tokens, period_of, price_for, rate
+from controlplane.billing import credit
+from controlplane.billing.pricing import DEFAULT_PLAN, PriceIndex, PriceLike, Rating, Tokens, period_of, rate
 from controlplane.billing.scopes import ScopedWindow, applicable, remaining_in
-from controlplane.storage.tables import BudgetPeriod, BudgetReservation, BudgetWindow, Price, Tenant
+from controlplane.storage.tables import (
+    BudgetPeriod,
+    BudgetReservation,
+    BudgetWindow,
+    Price,
+    PricePlan,
+    Tenant,
+    TenantPlan,
+)
 from controlplane.storage.types import to_micros
 from shared.errors import ApplicationError
 from shared.periodic import Periodic
@@ -63,6 +72,7 @@ class BudgetHold:
     amount: Decimal
     budget: Decimal | None
     windows: tuple[tuple[int, str, str], ...] = ()
+    on_credit: bool = False
 
 
 def _ensure_row(engine: Engine, tenant_id: int, period: str) -> None:
@@ -109,23 +119,38 @@ def _try_reserve(
     amount: Decimal,
     lease_s: float,
     windows: Sequence[ScopedWindow] = (),
-) -> tuple[str | None, str | None]:
-    """``(the new reservation's id, None)``, or ``(None, the name of the budget that cannot cover amount)``.
+) -> tuple[str | None, str | None, bool]:
+    """``(the new reservation's id, None, held on credit)``, or ``(None, the name of the budget that cannot cover
+    amount, False)``. A prepaid tenant's hold is on its credit while that covers ``amount`` (its month's budget is
+    then not touched).
 
-    One transaction: the tenant's month first, then the scoped windows in one order (``scopes.applicable``
-    sorts them), so on PostgreSQL two requests never wait on each other's rows crosswise.
+    One transaction: the tenant's credit, then its month, then the scoped windows in one order
+    (``scopes.applicable`` sorts them), so on PostgreSQL two requests never wait on each other's rows crosswise.
     """
     reservation_id = uuid.uuid4().hex
     now = datetime.now(UTC)
     micros = to_micros(amount)
     with Session(engine) as session:
-        stmt = update(BudgetPeriod).where(col(BudgetPeriod.tenant_id) == tenant_id, col(BudgetPeriod.period) == period)
-        if budget is not None:
-            stmt = stmt.where(col(BudgetPeriod.spent) + col(BudgetPeriod.reserved) + amount <= budget)
-        result = session.execute(stmt.values(reserved=col(BudgetPeriod.reserved) + amount))
-        if result.rowcount != 1:  # type: ignore[attr-defined]
+        prepaid = credit.hold(session, tenant_id, amount)
+        if prepaid == credit.SHORT and budget is None:
+            left = credit.available(session, tenant_id)
             session.rollback()
-            return None, f"the tenant's monthly budget ({budget})"
+            return None, f"the tenant's prepaid credit ({left} left)", False
+        if prepaid != credit.HELD:  # not prepaid, or its credit is used up: the month's budget applies
+            stmt = update(BudgetPeriod).where(
+                col(BudgetPeriod.tenant_id) == tenant_id, col(BudgetPeriod.period) == period
+            )
+            if budget is not None:
+                stmt = stmt.where(col(BudgetPeriod.spent) + col(BudgetPeriod.reserved) + amount <= budget)
+            result = session.execute(stmt.values(reserved=col(BudgetPeriod.reserved) + amount))
+            if result.rowcount != 1:  # type: ignore[attr-defined]
+                session.rollback()
+                short = f"the tenant's monthly budget ({budget})"
+                return (
+                    None,
+                    short if prepaid == credit.NO_ACCOUNT else f"the tenant's prepaid credit and {short}",
+                    False,
+                )
         for w in windows:
             stmt = update(BudgetWindow).where(*_window_where(w.key))
             if w.is_hard:
@@ -134,7 +159,7 @@ def _try_reserve(
             result = session.execute(stmt.values(reserved=col(BudgetWindow.reserved) + literal(micros, BigInteger)))
             if result.rowcount != 1:  # type: ignore[attr-defined]
                 session.rollback()
-                return None, f"{w.label} ({w.limit})"
+                return None, f"{w.label} ({w.limit})", False
         session.add(
             BudgetReservation(
                 id=reservation_id,
@@ -144,10 +169,11 @@ def _try_reserve(
                 created_at=now,
                 expires_at=now + timedelta(seconds=lease_s),
                 windows=[list(w.key) for w in windows] or None,
+                on_credit=prepaid == credit.HELD,
             )
         )
         session.commit()
-    return reservation_id, None
+    return reservation_id, None, prepaid == credit.HELD
 
 
 def reserve(
@@ -169,14 +195,15 @@ def reserve(
     period = period_of(at or datetime.now(UTC))
     _ensure_row(engine, tenant_id, period)
     _ensure_windows(engine, windows)
-    reservation_id, short = _try_reserve(engine, tenant_id, period, budget, amount, lease_s, windows)
+    reservation_id, short, on_credit = _try_reserve(engine, tenant_id, period, budget, amount, lease_s, windows)
     if reservation_id is None and reclaim_expired(engine, tenant_id=tenant_id) > 0:
-        reservation_id, short = _try_reserve(engine, tenant_id, period, budget, amount, lease_s, windows)
+        reservation_id, short, on_credit = _try_reserve(engine, tenant_id, period, budget, amount, lease_s, windows)
     if reservation_id is None:
         raise BudgetExceededError(
             f"{short} cannot cover this request's worst case ({amount}); lower max_tokens or raise the budget"
         )
-    return BudgetHold(reservation_id, tenant_id, period, amount, budget, tuple(w.key for w in windows))
+    keys = tuple(w.key for w in windows)
+    return BudgetHold(reservation_id, tenant_id, period, amount, budget, keys, on_credit=on_credit)
 
 
 def _move_windows(
@@ -204,9 +231,13 @@ def settle(engine: Engine, hold: BudgetHold, actual: Decimal) -> Decimal:
     with Session(engine) as session:
         deleted = session.execute(delete(BudgetReservation).where(col(BudgetReservation.id) == hold.id))
         is_held = deleted.rowcount == 1  # type: ignore[attr-defined]
-        values = {"spent": col(BudgetPeriod.spent) + actual}
-        if is_held:
-            values["reserved"] = col(BudgetPeriod.reserved) - hold.amount
+        on_month, release = actual, hold.amount if is_held else Decimal(0)
+        if hold.on_credit:
+            drawn = credit.draw(session, hold.tenant_id, actual, hold.period, hold.id, held=release)
+            on_month, release = actual - drawn, Decimal(0)
+        values: dict[str, Any] = {"spent": col(BudgetPeriod.spent) + on_month}
+        if release:
+            values["reserved"] = col(BudgetPeriod.reserved) - release
         spent = session.execute(
             update(BudgetPeriod)
             .where(col(BudgetPeriod.tenant_id) == hold.tenant_id, col(BudgetPeriod.period) == hold.period)
@@ -228,17 +259,23 @@ def reclaim_expired(
         stmt = stmt.where(col(BudgetReservation.tenant_id) == tenant_id)
     released = 0
     with Session(engine) as session:
-        expired = [(r.id, r.tenant_id, r.period, r.amount, r.windows or []) for r in session.exec(stmt.limit(limit))]
+        expired = [
+            (r.id, r.tenant_id, r.period, r.amount, r.windows or [], r.on_credit)
+            for r in session.exec(stmt.limit(limit))
+        ]
         session.rollback()
-        for reservation_id, owner, period, amount, windows in expired:
+        for reservation_id, owner, period, amount, windows, on_credit in expired:
             deleted = session.execute(delete(BudgetReservation).where(col(BudgetReservation.id) == reservation_id))
             if deleted.rowcount != 1:  # type: ignore[attr-defined]
                 continue  # settled (or reclaimed) meanwhile: released already
-            session.execute(
-                update(BudgetPeriod)
-                .where(col(BudgetPeriod.tenant_id) == owner, col(BudgetPeriod.period) == period)
-                .values(reserved=col(BudgetPeriod.reserved) - amount)
-            )
+            if on_credit:
+                credit.release(session, owner, amount)
+            else:
+                session.execute(
+                    update(BudgetPeriod)
+                    .where(col(BudgetPeriod.tenant_id) == owner, col(BudgetPeriod.period) == period)
+                    .values(reserved=col(BudgetPeriod.reserved) - amount)
+                )
             _move_windows(session, windows, release=amount)
             session.commit()
             released += 1
@@ -259,15 +296,16 @@ def add_spend(session: Session, tenant_id: int, at: datetime, amount: Decimal) -
     """Spend that was not reserved (edge usage arriving at sync), in the caller's transaction: the tenant's month
     and its tenant-wide scoped budgets (per day, month, total) of that time."""
     period = period_of(at)
+    month_amount = amount - credit.draw(session, tenant_id, amount, period, f"sync:{period}")
     row = session.get(BudgetPeriod, (tenant_id, period))
     if row is None:
-        session.add(BudgetPeriod(tenant_id=tenant_id, period=period, spent=amount))
+        session.add(BudgetPeriod(tenant_id=tenant_id, period=period, spent=month_amount))
         session.flush()
     else:
         session.execute(
             update(BudgetPeriod)
             .where(col(BudgetPeriod.tenant_id) == tenant_id, col(BudgetPeriod.period) == period)
-            .values(spent=col(BudgetPeriod.spent) + amount)
+            .values(spent=col(BudgetPeriod.spent) + month_amount)
         )
     windows = applicable(session, tenant_id, at)
     if windows:
@@ -279,7 +317,11 @@ def tightest_remaining(session: Session, tenant: Tenant, at: datetime | None = N
     """What the tenant may still spend now under its tightest hard tenant-wide budget (its monthly budget and
     its scoped tenant budgets per day, month, total); None: no such budget (unlimited). The edge allowance."""
     at = at or datetime.now(UTC)
-    left = [remaining(session, tenant.id or 0, tenant.monthly_budget, at)] if tenant.monthly_budget is not None else []
+    month = remaining(session, tenant.id or 0, tenant.monthly_budget, at) if tenant.monthly_budget is not None else None
+    prepaid = credit.available(session, tenant.id or 0)
+    if prepaid is not None:  # a prepaid tenant: its credit, then its month's budget (none: nothing after credit)
+        month = prepaid + (month or Decimal(0))
+    left = [month] if month is not None else []
     left += [remaining_in(session, w) for w in applicable(session, tenant.id or 0, at) if w.is_hard]
     return min(left) if left else None
 
@@ -291,7 +333,8 @@ def remaining(session: Session, tenant_id: int, budget: Decimal, at: datetime | 
 
 
 class PriceBook:
-    """The price table in memory, re-read every ``ttl_s`` (prices change rarely; the hot path must not query).
+    """The price book (prices, plans, the tenants' plan history) in memory, re-read every ``ttl_s`` (prices
+    change rarely; the hot path must not query).
 
     In a server, ``start()`` loads it and keeps it fresh from a background task (the query runs in a worker
     thread), so ``lookup`` never touches the database on the event loop. Without ``start()`` (the CLI, worker
@@ -301,15 +344,15 @@ class PriceBook:
     def __init__(self, engine: Engine, ttl_s: float = 30.0) -> None:
         self.engine = engine
         self.ttl_s = ttl_s
-        self._prices: list[Price] = []
+        self._index = PriceIndex(())
         self._loaded_at = float("-inf")
         self._refresher = Periodic("reading the price book", lambda: self.refresh(), ttl_s)
 
     def refresh(self) -> None:
         with Session(self.engine) as session:
-            prices = list(session.exec(select(Price)))
+            index = load_price_index(session)
             session.expunge_all()
-        self._prices = prices  # one assignment: readers see the old table or the new one
+        self._index = index  # one assignment: readers see the old book or the new one
         self._loaded_at = time.monotonic()
 
     async def start(self) -> None:
@@ -319,11 +362,27 @@ class PriceBook:
     async def close(self) -> None:
         await self._refresher.close()
 
-    def lookup(self, model: str, version: int | None, tier: str, at: datetime | None = None) -> PriceLike | None:
+    def lookup(
+        self, model: str, version: int | None, tier: str, at: datetime | None = None, tenant_id: int | None = None
+    ) -> PriceLike | None:
         if not self._refresher.is_running and time.monotonic() - self._loaded_at > self.ttl_s:
             self.refresh()
-        return price_for(self._prices, model, version, tier, at or datetime.now(UTC))
+        return self._index.lookup(model, version, tier, at or datetime.now(UTC), tenant_id)
 
-    def cost(self, model: str, version: int | None, tier: str, tokens: Tokens, at: datetime | None = None) -> Rating:
-        """``(price id, cost)`` at ``at`` (now), or ``(None, None)`` when no price is in force (flagged)."""
-        return rate(self, model, version, tier, tokens, at or datetime.now(UTC))
+    def cost(
+        self,
+        model: str,
+        version: int | None,
+        tier: str,
+        tokens: Tokens,
+        at: datetime | None = None,
+        tenant_id: int | None = None,
+    ) -> Rating:
+        """``(price id, cost)`` for the tenant at ``at`` (now), or ``(None, None)`` when no price is in force."""
+        return rate(self, model, version, tier, tokens, at or datetime.now(UTC), tenant_id)
+
+
+def load_price_index(session: Session) -> PriceIndex:
+    """The whole price book: every price, the tenants' plan history and the default plan, in three queries."""
+    default = session.exec(select(PricePlan.id).where(col(PricePlan.name) == DEFAULT_PLAN)).first()
+    return PriceIndex(session.exec(select(Price)).all(), session.exec(select(TenantPlan)).all(), default)

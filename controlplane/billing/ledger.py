@@ -31,9 +31,9 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql.elements import ColumnElement
 from sqlmodel import Session, col, select
 
-from controlplane.billing.budgets import add_spend
+from controlplane.billing.budgets import add_spend, load_price_index
 from controlplane.billing.pricing import PriceIndex, PriceLookup, Rating, Tokens, period_bounds, period_of, rate
-from controlplane.storage.tables import Price, UsageRecord
+from controlplane.storage.tables import UsageRecord
 from controlplane.storage.types import as_utc, from_micros, to_micros
 from shared.errors import ValidationError
 
@@ -97,8 +97,8 @@ class IngestResult:
 
 
 def load_prices(session: Session) -> PriceIndex:
-    """The whole price book, indexed by model: one query per batch, however many records it rates."""
-    return PriceIndex(session.exec(select(Price)).all())
+    """The whole price book (prices, plans, overrides), indexed: read once per batch, however many records."""
+    return load_price_index(session)
 
 
 Rate = Callable[[NewUsage], Rating]
@@ -109,7 +109,7 @@ def rater(prices: PriceLookup) -> Rate:
 
     def rate_usage(u: NewUsage) -> Rating:
         tokens = Tokens(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
-        return rate(prices, u.model, u.model_version, u.tier, tokens, as_utc(u.occurred_at))
+        return rate(prices, u.model, u.model_version, u.tier, tokens, as_utc(u.occurred_at), u.tenant_id)
 
     return rate_usage
 
