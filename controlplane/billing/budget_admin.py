@@ -15,6 +15,7 @@ from sqlmodel import Session, col, select
 from controlplane.billing.scopes import EVERY_USER, MAX_SUBJECT_LEN, PERIODS, SCOPES, describe, window_of
 from controlplane.storage.audit import audit
 from controlplane.storage.tables import ApiKey, Budget, BudgetWindow, Project, Tenant
+from controlplane.storage.types import from_micros, to_micros
 from shared.errors import ConflictError, NotFoundError, ValidationError
 
 MAX_AMOUNT = Decimal(10) ** 12
@@ -164,6 +165,11 @@ def delete_budget(session: Session, tenant: Tenant, budget_id: int, actor: str) 
     audit(session, actor, "budget.delete", f"budget/{budget_id}", before, None)
 
 
+def _text(amount: Decimal) -> str:
+    """Money as stored: six decimals, whether it was read back or just set."""
+    return str(from_micros(to_micros(amount)))
+
+
 def budget_view(session: Session, budget: Budget, at: datetime | None = None) -> dict[str, Any]:
     """A budget with its current window's spend (for a per-user budget: the sum over its end users)."""
     window = window_of(budget.period, at or datetime.now(UTC))
@@ -177,19 +183,26 @@ def budget_view(session: Session, budget: Budget, at: datetime | None = None) ->
         "scope": budget.scope,
         "ref": budget.ref,
         "period": budget.period,
-        "amount": str(budget.amount),
+        "amount": _text(budget.amount),
         "is_hard": budget.is_hard,
-        "name": describe(budget),
+        "name": describe(budget, _project_name(session, budget)),
         "window": window,
-        "spent": str(spent),
-        "reserved": str(reserved),
+        "spent": _text(spent),
+        "reserved": _text(reserved),
     }
     if budget.scope == "user" and budget.ref == EVERY_USER:
         view["end_users"] = len(rows)
         view["end_users_over"] = sum(1 for r in rows if r.spent >= budget.amount)
     else:
-        view["remaining"] = str(max(Decimal(0), budget.amount - spent - reserved))
+        view["remaining"] = _text(max(Decimal(0), budget.amount - spent - reserved))
     return view
+
+
+def _project_name(session: Session, budget: Budget) -> str | None:
+    if budget.scope != "project" or not budget.ref.isdigit():
+        return None
+    project = session.get(Project, int(budget.ref))
+    return project.name if project is not None else None
 
 
 def list_budgets(session: Session, tenant: Tenant) -> list[dict[str, Any]]:

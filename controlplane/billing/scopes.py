@@ -50,15 +50,15 @@ def window_of(period: str, at: datetime) -> str:
 
 
 def describe(budget: Budget, project_name: str | None = None, subject: str = "") -> str:
-    """How a budget is named in a 429 and in the console: ``API key 12's daily budget``."""
+    """How a budget is named in a 429 and in the console: ``the daily budget of API key 12``."""
     adjective = {"day": "daily", "month": "monthly", "total": "total"}[budget.period]
     owner = {
-        "tenant": "the tenant's",
-        "key": f"API key {budget.ref}'s",
-        "project": f"project '{project_name or budget.ref}''s",
-        "user": f"end user '{subject or budget.ref}''s",
+        "tenant": "the tenant",
+        "key": f"API key {budget.ref}",
+        "project": f"project '{project_name or budget.ref}'",
+        "user": f"end user '{subject or budget.ref}'",
     }[budget.scope]
-    return f"{owner} {adjective} budget"
+    return f"the {adjective} budget of {owner}"
 
 
 def applicable(
