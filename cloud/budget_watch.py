@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
@@ -20,15 +21,17 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
 
 from cloud.webhooks import WebhookStore
+from controlplane.billing import credit
 from controlplane.billing.budgets import reclaim_expired, thresholds_reached
 from controlplane.billing.ledger import reconcile_checkpoints
 from controlplane.billing.pricing import PriceLookup
-from controlplane.storage.tables import BudgetAlert, Tenant
+from controlplane.storage.tables import BudgetAlert, CreditAccount, Tenant
 from shared.periodic import Periodic
 
 logger = logging.getLogger(__name__)
 
 BUDGET_THRESHOLD = "budget.threshold"
+CREDIT_LOW_BALANCE = "credit.low_balance"
 
 
 def alert_payload(alert: BudgetAlert, tenant: Tenant) -> dict[str, Any]:
@@ -93,6 +96,32 @@ class BudgetAlerts:
         logger.info("tenant %s reached %d%% of its %s budget for %s", tenant_id, threshold, budget, period)
         return alert
 
+    def check_credit(self, tenant_id: int) -> bool:
+        """Fire the low-balance alert when the tenant's credit fell below its line (once until the next top-up):
+        a ``credit.low_balance`` webhook to the tenant's URL; whether this call fired it. Synchronous (SQL)."""
+        with Session(self.engine, expire_on_commit=False) as session:
+            account = credit.claim_low_alert(session, tenant_id)
+            tenant = session.get(Tenant, tenant_id)
+            if account is None or tenant is None:
+                session.rollback()
+                return False
+            if tenant.webhook_url:
+                payload = low_balance_payload(account, tenant)
+                WebhookStore.enqueue_event(session, tenant_id, tenant.webhook_url, CREDIT_LOW_BALANCE, payload)
+            session.commit()
+        logger.info("tenant %s's prepaid credit fell below %s", tenant_id, account.low_balance)
+        return True
+
+    async def after_credit(self, tenant_id: int) -> None:
+        """``check_credit`` off the event loop after a request drew on credit, then wake the dispatcher."""
+        try:
+            fired = await asyncio.to_thread(self.check_credit, tenant_id)
+        except Exception:  # an alert is never worth a request's usage record; the next settle tries again
+            logger.exception("checking the credit balance of tenant %s failed", tenant_id)
+            return
+        if fired and self.notify is not None:
+            self.notify()
+
     async def after_settle(self, tenant_id: int, period: str, spent: Decimal, budget: Decimal) -> None:
         """``check`` off the event loop (only when a threshold may be new), then wake the dispatcher."""
         if all((tenant_id, period, t) in self._fired for t in thresholds_reached(spent, budget)):
@@ -104,6 +133,22 @@ class BudgetAlerts:
             return
         if fired and self.notify is not None:
             self.notify()
+
+
+def low_balance_payload(account: CreditAccount, tenant: Tenant) -> dict[str, Any]:
+    """The ``credit.low_balance`` event's body."""
+    fired_at = account.low_alerted_at or datetime.now(UTC)
+    return {
+        "id": f"clow_{tenant.id}_{int(fired_at.timestamp())}",
+        "type": CREDIT_LOW_BALANCE,
+        "created": int(fired_at.timestamp()),
+        "data": {
+            "tenant": tenant.name,
+            "balance": str(account.balance),
+            "low_balance": str(account.low_balance),
+            "currency": tenant.currency,
+        },
+    }
 
 
 class ReservationSweeper:

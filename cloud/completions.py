@@ -12,12 +12,13 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from decimal import Decimal
-from functools import partial
 from typing import Any, Protocol, get_type_hints
 
 from pydantic import TypeAdapter
 from pydantic import ValidationError as PydanticValidationError
+from sqlmodel import Session
 
 from cloud.budget_watch import BudgetAlerts
 from cloud.canary import CanaryRouter
@@ -29,11 +30,13 @@ from cloud.limits import RateLimiter, RateLimitGrant
 from cloud.metering import UsageWriter
 from cloud.observability import Metrics
 from cloud.shadow import Mirror
+from controlplane.billing import credit
 from controlplane.billing.budgets import BudgetHold, PriceBook
 from controlplane.billing.budgets import reserve as reserve_budget
 from controlplane.billing.budgets import settle as settle_budget
 from controlplane.billing.ledger import NewUsage
 from controlplane.billing.pricing import Tokens
+from controlplane.billing.scopes import MAX_SUBJECT_LEN, applicable
 from controlplane.storage.tables import ApiKey, Tenant
 from shared.errors import (
     ApplicationError,
@@ -104,6 +107,13 @@ class Caller:
     rollout_arm: str | None = None  # the rollout arm routing put a registry model's request in
     shadow: tuple[int, ServedLM] | None = None  # (rollout id, candidate) to mirror the answer to, when sampled
     is_job: bool = False  # an async job's run: counted against requests/min when it was submitted
+    user: str | None = None  # the request's ``user`` field: the end user, unless x-tierline-subject names one
+
+    @property
+    def end_user(self) -> str | None:
+        """Whose end-user budget the request counts against: x-tierline-subject, else the request's user."""
+        subject = self.subject or self.user
+        return subject[:MAX_SUBJECT_LEN] if subject else None
 
 
 class RemoteModels(Protocol):
@@ -210,23 +220,38 @@ class CompletionService:
         402-type errors before any engine work); the meter that ``_settle`` gives back and bills."""
         meter = _Meter(rollout_arm=caller.rollout_arm)
         meter.rate_limit = await self.limiter.acquire(caller.tenant, caller.key, reserved, is_counted=caller.is_job)
-        budget = caller.tenant.monthly_budget
-        if budget is not None:
-            _, worst = self.prices.cost(served.model_id, served.version, "cloud", worst_case)
-            if worst is not None:
-                try:
-                    meter.budget = await asyncio.to_thread(
-                        partial(reserve_budget, lease_s=self.budget_lease_s),
-                        self.usage.engine,
-                        caller.tenant.id or 0,
-                        budget,
-                        worst,
-                    )
-                except BaseException:
-                    await self.limiter.release(meter.rate_limit, 0)
-                    meter.rate_limit = None
-                    raise
+        _, worst = self.prices.cost(served.model_id, served.version, "cloud", worst_case, tenant_id=caller.tenant.id)
+        if worst is not None:
+            try:
+                meter.budget = await asyncio.to_thread(self._reserve, caller, worst)
+            except BaseException:
+                await self.limiter.release(meter.rate_limit, 0)
+                meter.rate_limit = None
+                raise
         return meter
+
+    def _reserve(self, caller: Caller, worst: Decimal) -> BudgetHold | None:
+        """Hold ``worst`` on the tenant's monthly budget and on every scoped budget that applies to the caller's
+        key, its project and its end user, all at once; None when no budget applies (nothing to hold)."""
+        tenant_id = caller.tenant.id or 0
+        key = caller.key
+        now = datetime.now(UTC)
+        with Session(self.usage.engine) as session:
+            windows = applicable(
+                session,
+                tenant_id,
+                now,
+                key_id=key.id if key is not None else None,
+                project_id=key.project_id if key is not None else None,
+                subject=caller.end_user,
+            )
+            is_prepaid = credit.available(session, tenant_id) is not None
+        budget = caller.tenant.monthly_budget
+        if budget is None and not windows and not is_prepaid:
+            return None
+        return reserve_budget(
+            self.usage.engine, tenant_id, budget, worst, at=now, lease_s=self.budget_lease_s, windows=windows
+        )
 
     def _checked_size(self, texts: Iterable[str]) -> int:
         """The prompt's size in UTF-8 bytes, refused (413) above ``max_prompt_bytes`` before any tokenising."""
@@ -269,6 +294,7 @@ class CompletionService:
         (``x-tierline-subject``, else ``user``) fall in, else its default version; ``NAME@REF`` pins a version
         (number or alias) and bypasses routing. An API key limited to ``NAME`` may use every version of it.
         """
+        caller.user = user or caller.user
         name, ref = split_model(model)
         allowed = caller.key.allowed_models if caller.key is not None else None
         if allowed and model not in allowed and name not in allowed:
@@ -327,7 +353,7 @@ class CompletionService:
             await self.limiter.release(meter.rate_limit, meter.prompt_tokens + meter.completion_tokens)
             meter.rate_limit = None
         tokens = Tokens(meter.prompt_tokens, meter.completion_tokens, meter.cached_tokens)
-        price_id, cost = self.prices.cost(served.model_id, served.version, "cloud", tokens)
+        price_id, cost = self.prices.cost(served.model_id, served.version, "cloud", tokens, tenant_id=caller.tenant.id)
         now = time.monotonic()
         record = self._record(caller, served, meter, status, price_id, cost, now, usage_source)
         if meter.checkpoint_write is not None:  # a write the client's leaving interrupted must land first
@@ -339,7 +365,14 @@ class CompletionService:
                 spent = await self.usage.settle_checkpointed(record, reservation)
             elif reservation is not None:
                 spent = await asyncio.to_thread(settle_budget, self.usage.engine, reservation, cost or Decimal(0))
-            if self.alerts is not None and reservation is not None and spent is not None:
+            if self.alerts is not None and reservation is not None and reservation.on_credit:
+                await self.alerts.after_credit(reservation.tenant_id)
+            elif (
+                self.alerts is not None
+                and reservation is not None
+                and spent is not None
+                and reservation.budget is not None
+            ):
                 await self.alerts.after_settle(reservation.tenant_id, reservation.period, spent, reservation.budget)
         if meter.prompt_tokens == 0 and meter.completion_tokens == 0:
             return

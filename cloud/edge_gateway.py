@@ -32,7 +32,8 @@ from sqlmodel import Session
 from cloud.budget_watch import BudgetAlerts
 from cloud.responses import respond
 from cloud.tensor_models import TensorPool
-from controlplane.billing.budgets import PriceBook, remaining
+from controlplane.billing import credit
+from controlplane.billing.budgets import PriceBook, tightest_remaining
 from controlplane.billing.pricing import period_of
 from controlplane.fleet.devices import SyncCounts, UsageWindow, authenticate_device, enroll, ingest
 from controlplane.storage.tables import BudgetAlert, BudgetPeriod, Device, Tenant
@@ -125,13 +126,18 @@ class EdgeGateway:
             tenant = session.get(Tenant, tenant_id)
             if tenant is None:
                 return None, []
-            if tenant.monthly_budget is None:
-                return Allowance(remaining=None, currency=tenant.currency, period=period), []
+            left = tightest_remaining(session, tenant)
+            if credit.available(session, tenant_id) is not None:
+                try:
+                    self.alerts.check_credit(tenant_id)
+                except Exception:  # retried at the next sync
+                    logger.exception("checking the credit balance of tenant %s failed", tenant_id)
+            allowance = Allowance(remaining=left, currency=tenant.currency, period=period)
             budget = tenant.monthly_budget
-            left = remaining(session, tenant_id, budget)
+            if budget is None:
+                return allowance, []
             row = session.get(BudgetPeriod, (tenant_id, period))
             spent = row.spent if row is not None else Decimal(0)
-            allowance = Allowance(remaining=left, currency=tenant.currency, period=period)
         fired: list[BudgetAlert] = []
         try:
             fired = self.alerts.check(tenant_id, period, spent, budget)

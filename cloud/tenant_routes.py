@@ -1,8 +1,9 @@
 """The caller's tenant: its budget this month, its webhook URL for tenant events, and their delivery log.
 
 - ``GET /v1/budget``: the monthly budget, settled spend, open reservations, what remains, and the alerts fired.
-- ``GET /v1/webhook`` / ``PUT /v1/webhook`` ``{"url": ...}``: where tenant events (``budget.threshold``) are
-  POSTed, signed with the tenant's webhook secret (``POST /v1/webhook-secret``); ``{"url": null}`` stops them.
+- ``GET /v1/webhook`` / ``PUT /v1/webhook`` ``{"url": ...}``: where tenant events (``budget.threshold``,
+  ``credit.low_balance``) are POSTed, signed with the tenant's webhook secret (``POST /v1/webhook-secret``);
+  ``{"url": null}`` stops them.
 - ``GET /v1/webhook-deliveries?event=&limit=``: the latest tenant event deliveries with every attempt.
 """
 
@@ -18,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
+from cloud.budget_watch import BUDGET_THRESHOLD, CREDIT_LOW_BALANCE
 from cloud.completions import Caller
 from cloud.jobs import MAX_LIST_LIMIT, JobSettings
 from cloud.webhooks import MAX_URL_LENGTH, WebhookStore, attempt_json, validate_webhook_url
@@ -38,7 +40,7 @@ def _endpoint_json(webhooks: WebhookStore, tenant_id: int) -> dict[str, Any]:
         "object": "webhook",
         "url": webhooks.tenant_url(tenant_id),
         "has_secret": webhooks.has_secret(tenant_id),
-        "events": ["budget.threshold"],
+        "events": [BUDGET_THRESHOLD, CREDIT_LOW_BALANCE],
     }
 
 

@@ -24,6 +24,7 @@ from sqlalchemy.engine import Engine
 from console.auth import ConsoleAuth, ConsoleAuthSettings, security_headers
 from console.billing_api import BILLING_ROUTER
 from console.management_api import OPENAPI_CONFIG
+from console.money_api import MONEY_ROUTER
 from console.pages import LOGIN_ROUTER, PAGES_ROUTER
 from console.pages.common import http_error_page
 from console.registry_api import REGISTRY_ROUTER, derive_jobs
@@ -108,6 +109,7 @@ def create_app(db: Engine | None = None, auth_settings: ConsoleAuthSettings | No
             ROLLOUTS_ROUTER,
             REGISTRY_ROUTER,
             BILLING_ROUTER,
+            MONEY_ROUTER,
             create_static_files_router("/static", directories=[STATIC], include_in_schema=False),
         ],
         start=start,

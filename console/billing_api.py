@@ -45,6 +45,9 @@ class PriceCreate(_Body):
     tier: Literal["edge", "cloud"] | None = Field(None, description="only this tier (default: both)")
     currency: str = Field("USD", pattern=r"^[A-Za-z]{3}$")
     effective_from: datetime | None = Field(None, description="default: now; earlier usage keeps earlier prices")
+    per_call: Decimal = Field(Decimal(0), ge=0, max_digits=18, decimal_places=6, description="a fee per request")
+    plan: str | None = Field(None, max_length=64, description="the plan it belongs to (default: the default plan)")
+    tenant: str | None = Field(None, max_length=64, description="instead of a plan: this tenant's own override")
 
 
 class InvoiceCreate(_Body):
@@ -103,7 +106,10 @@ def create_price(db: Engine, operator: Operator, data: PriceCreate) -> dict[str,
     """Add a price from ``effective_from`` on (history is kept: past usage keeps the price it was rated with)."""
     operator.require_admin()
     with session_scope(db) as session:
-        row = billing.add_price(session, billing.PriceSpec(**data.model_dump()), actor=operator.actor)
+        fields = data.model_dump()
+        owner = fields.pop("tenant")
+        spec = billing.PriceSpec(**fields, tenant=billing.resolve_tenant(session, owner) if owner else None)
+        row = billing.add_price(session, spec, actor=operator.actor)
         return billing.price_json(row)
 
 

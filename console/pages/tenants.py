@@ -28,6 +28,7 @@ from console.pages.common import (
     text,
     write_session,
 )
+from controlplane.billing import budget_admin, credit, plans
 from controlplane.billing.ledger import cost_total
 from controlplane.billing.pricing import period_of
 from controlplane.storage.tables import ApiKey, BudgetAlert, BudgetPeriod, Tenant, UsageRecord
@@ -130,6 +131,12 @@ def tenant_detail(request: Request[Any, Any, Any], db: Engine, name: str) -> Tem
             (k, tenant.name)
             for k in session.exec(select(ApiKey).where(ApiKey.tenant_id == tenant.id).order_by(col(ApiKey.id).desc()))
         ]
+        money = {
+            "plan": plans.plan_of(session, tenant, now),
+            "credit": credit.credit_view(session, tenant, limit=10),
+            "budgets": budget_admin.list_budgets(session, tenant),
+            "projects": budget_admin.list_projects(session, tenant),
+        }
     return render(
         request,
         "tenant.html.j2",
@@ -141,6 +148,7 @@ def tenant_detail(request: Request[Any, Any, Any], db: Engine, name: str) -> Tem
         alert=alerts[0] if alerts else None,
         keys=keys,
         now=now,
+        money=money,
     )
 
 

@@ -17,17 +17,32 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from typing import Any
 
-from sqlalchemy import delete, update
-from sqlalchemy.engine import Engine
+from sqlalchemy import BigInteger, delete, literal, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.sql.elements import ColumnElement
 from sqlmodel import Session, col, select
 
-from controlplane.billing.pricing import PriceLike, Rating, Tokens, period_of, price_for, rate
-from controlplane.storage.tables import BudgetPeriod, BudgetReservation, Price
+from controlplane.billing import credit
+from controlplane.billing.pricing import DEFAULT_PLAN, PriceIndex, PriceLike, Rating, Tokens, period_of, rate
+from controlplane.billing.scopes import ScopedWindow, applicable, remaining_in
+from controlplane.storage.tables import (
+    BudgetPeriod,
+    BudgetReservation,
+    BudgetWindow,
+    Price,
+    PricePlan,
+    Tenant,
+    TenantPlan,
+)
+from controlplane.storage.types import to_micros
 from shared.errors import ApplicationError
 from shared.periodic import Periodic
 
@@ -47,14 +62,17 @@ class BudgetExceededError(ApplicationError):
 
 @dataclass(frozen=True, slots=True)
 class BudgetHold:
-    """What a request holds on its tenant's budget until it settles: the id of its ``budget_reservation``
-    record, the amount held, and the budget it was held against."""
+    """What a request holds on its budgets until it settles: the id of its ``budget_reservation`` record, the
+    amount held, the tenant's monthly budget it was held against (None: the tenant has none), and the scoped
+    budget windows (``controlplane.billing.scopes``) it holds the same amount on."""
 
     id: str
     tenant_id: int
     period: str
     amount: Decimal
-    budget: Decimal
+    budget: Decimal | None
+    windows: tuple[tuple[int, str, str], ...] = ()
+    on_credit: bool = False
 
 
 def _ensure_row(engine: Engine, tenant_id: int, period: str) -> None:
@@ -68,25 +86,80 @@ def _ensure_row(engine: Engine, tenant_id: int, period: str) -> None:
             session.rollback()
 
 
+def _insert_windows(connection: Connection, keys: Iterable[tuple[int, str, str]]) -> None:
+    """Create the window rows that do not exist yet (a concurrent request may create the same ones)."""
+    rows = [{"budget_id": b, "subject": who, "window": w, "spent": 0, "reserved": 0} for b, who, w in keys]
+    if not rows:
+        return
+    table = BudgetWindow.__table__  # type: ignore[attr-defined]
+    insert = postgresql.insert(table) if connection.dialect.name == "postgresql" else sqlite.insert(table)
+    connection.execute(insert.on_conflict_do_nothing(), rows)
+
+
+def _ensure_windows(engine: Engine, windows: Sequence[ScopedWindow]) -> None:
+    if windows:
+        with engine.begin() as connection:
+            _insert_windows(connection, [w.key for w in windows])
+
+
+def _window_where(key: tuple[int, str, str]) -> tuple[ColumnElement[bool], ...]:
+    budget_id, subject, window = key
+    return (
+        col(BudgetWindow.budget_id) == budget_id,
+        col(BudgetWindow.subject) == subject,
+        col(BudgetWindow.window) == window,
+    )
+
+
 def _try_reserve(
-    engine: Engine, tenant_id: int, period: str, budget: Decimal, amount: Decimal, lease_s: float
-) -> str | None:
-    """The new reservation's id, or None when the budget cannot cover ``amount``."""
+    engine: Engine,
+    tenant_id: int,
+    period: str,
+    budget: Decimal | None,
+    amount: Decimal,
+    lease_s: float,
+    windows: Sequence[ScopedWindow] = (),
+) -> tuple[str | None, str | None, bool]:
+    """``(the new reservation's id, None, held on credit)``, or ``(None, the name of the budget that cannot cover
+    amount, False)``. A prepaid tenant's hold is on its credit while that covers ``amount`` (its month's budget is
+    then not touched).
+
+    One transaction: the tenant's credit, then its month, then the scoped windows in one order
+    (``scopes.applicable`` sorts them), so on PostgreSQL two requests never wait on each other's rows crosswise.
+    """
     reservation_id = uuid.uuid4().hex
     now = datetime.now(UTC)
+    micros = to_micros(amount)
     with Session(engine) as session:
-        result = session.execute(
-            update(BudgetPeriod)
-            .where(
-                col(BudgetPeriod.tenant_id) == tenant_id,
-                col(BudgetPeriod.period) == period,
-                col(BudgetPeriod.spent) + col(BudgetPeriod.reserved) + amount <= budget,
-            )
-            .values(reserved=col(BudgetPeriod.reserved) + amount)
-        )
-        if result.rowcount != 1:  # type: ignore[attr-defined]
+        prepaid = credit.hold(session, tenant_id, amount)
+        if prepaid == credit.SHORT and budget is None:
+            left = credit.available(session, tenant_id)
             session.rollback()
-            return None
+            return None, f"the tenant's prepaid credit ({left} left)", False
+        if prepaid != credit.HELD:  # not prepaid, or its credit is used up: the month's budget applies
+            stmt = update(BudgetPeriod).where(
+                col(BudgetPeriod.tenant_id) == tenant_id, col(BudgetPeriod.period) == period
+            )
+            if budget is not None:
+                stmt = stmt.where(col(BudgetPeriod.spent) + col(BudgetPeriod.reserved) + amount <= budget)
+            result = session.execute(stmt.values(reserved=col(BudgetPeriod.reserved) + amount))
+            if result.rowcount != 1:  # type: ignore[attr-defined]
+                session.rollback()
+                short = f"the tenant's monthly budget ({budget})"
+                return (
+                    None,
+                    short if prepaid == credit.NO_ACCOUNT else f"the tenant's prepaid credit and {short}",
+                    False,
+                )
+        for w in windows:
+            stmt = update(BudgetWindow).where(*_window_where(w.key))
+            if w.is_hard:
+                used = col(BudgetWindow.spent) + col(BudgetWindow.reserved) + literal(micros, BigInteger)
+                stmt = stmt.where(used <= literal(to_micros(w.limit), BigInteger))
+            result = session.execute(stmt.values(reserved=col(BudgetWindow.reserved) + literal(micros, BigInteger)))
+            if result.rowcount != 1:  # type: ignore[attr-defined]
+                session.rollback()
+                return None, f"{w.label} ({w.limit})", False
         session.add(
             BudgetReservation(
                 id=reservation_id,
@@ -95,37 +168,57 @@ def _try_reserve(
                 amount=amount,
                 created_at=now,
                 expires_at=now + timedelta(seconds=lease_s),
+                windows=[list(w.key) for w in windows] or None,
+                on_credit=prepaid == credit.HELD,
             )
         )
         session.commit()
-    return reservation_id
+    return reservation_id, None, prepaid == credit.HELD
 
 
 def reserve(
     engine: Engine,
     tenant_id: int,
-    budget: Decimal,
+    budget: Decimal | None,
     amount: Decimal,
     at: datetime | None = None,
     lease_s: float = DEFAULT_LEASE_S,
+    windows: Sequence[ScopedWindow] = (),
 ) -> BudgetHold:
-    """Reserve ``amount`` of the tenant's monthly ``budget`` for at most ``lease_s`` seconds, or raise
-    ``BudgetExceededError``.
+    """Reserve ``amount`` of the tenant's monthly ``budget`` (None: none, only counted) and of every scoped
+    budget window in ``windows`` for at most ``lease_s`` seconds, all or none, or raise ``BudgetExceededError``
+    naming the budget that stopped it.
 
     The lease must outlast the request (the cloud uses its request deadline plus a margin): a reservation still
     open when its lease expires is taken for a dead process's and released.
     """
     period = period_of(at or datetime.now(UTC))
     _ensure_row(engine, tenant_id, period)
-    reservation_id = _try_reserve(engine, tenant_id, period, budget, amount, lease_s)
+    _ensure_windows(engine, windows)
+    reservation_id, short, on_credit = _try_reserve(engine, tenant_id, period, budget, amount, lease_s, windows)
     if reservation_id is None and reclaim_expired(engine, tenant_id=tenant_id) > 0:
-        reservation_id = _try_reserve(engine, tenant_id, period, budget, amount, lease_s)
+        reservation_id, short, on_credit = _try_reserve(engine, tenant_id, period, budget, amount, lease_s, windows)
     if reservation_id is None:
         raise BudgetExceededError(
-            f"the tenant's monthly budget ({budget}) cannot cover this request's worst case ({amount}); "
-            "lower max_tokens or raise the budget"
+            f"{short} cannot cover this request's worst case ({amount}); lower max_tokens or raise the budget"
         )
-    return BudgetHold(reservation_id, tenant_id, period, amount, budget)
+    keys = tuple(w.key for w in windows)
+    return BudgetHold(reservation_id, tenant_id, period, amount, budget, keys, on_credit=on_credit)
+
+
+def _move_windows(
+    session: Session, keys: Iterable[Sequence[Any]], *, release: Decimal, spend: Decimal = Decimal(0)
+) -> None:
+    """Give back ``release`` of the windows' reservations and add ``spend`` to their settled spend."""
+    for key in sorted(tuple(k) for k in keys):
+        values: dict[str, Any] = {}
+        if release:
+            values["reserved"] = col(BudgetWindow.reserved) - literal(to_micros(release), BigInteger)
+        if spend:
+            values["spent"] = col(BudgetWindow.spent) + literal(to_micros(spend), BigInteger)
+        if values:
+            where = _window_where((int(key[0]), str(key[1]), str(key[2])))
+            session.execute(update(BudgetWindow).where(*where).values(**values))
 
 
 def settle(engine: Engine, hold: BudgetHold, actual: Decimal) -> Decimal:
@@ -146,15 +239,20 @@ def settle_in(session: Session, hold: BudgetHold, actual: Decimal) -> Decimal:
     actual = min(actual, hold.amount)
     deleted = session.execute(delete(BudgetReservation).where(col(BudgetReservation.id) == hold.id))
     is_held = deleted.rowcount == 1  # type: ignore[attr-defined]
-    values = {"spent": col(BudgetPeriod.spent) + actual}
-    if is_held:
-        values["reserved"] = col(BudgetPeriod.reserved) - hold.amount
+    on_month, release = actual, hold.amount if is_held else Decimal(0)
+    if hold.on_credit:
+        drawn = credit.draw(session, hold.tenant_id, actual, hold.period, hold.id, held=release)
+        on_month, release = actual - drawn, Decimal(0)
+    values: dict[str, Any] = {"spent": col(BudgetPeriod.spent) + on_month}
+    if release:
+        values["reserved"] = col(BudgetPeriod.reserved) - release
     spent = session.execute(
         update(BudgetPeriod)
         .where(col(BudgetPeriod.tenant_id) == hold.tenant_id, col(BudgetPeriod.period) == hold.period)
         .values(**values)
         .returning(col(BudgetPeriod.spent))
     ).scalar_one()
+    _move_windows(session, hold.windows, release=hold.amount if is_held else Decimal(0), spend=actual)
     return Decimal(spent)
 
 
@@ -168,17 +266,24 @@ def reclaim_expired(
         stmt = stmt.where(col(BudgetReservation.tenant_id) == tenant_id)
     released = 0
     with Session(engine) as session:
-        expired = [(r.id, r.tenant_id, r.period, r.amount) for r in session.exec(stmt.limit(limit))]
+        expired = [
+            (r.id, r.tenant_id, r.period, r.amount, r.windows or [], r.on_credit)
+            for r in session.exec(stmt.limit(limit))
+        ]
         session.rollback()
-        for reservation_id, owner, period, amount in expired:
+        for reservation_id, owner, period, amount, windows, on_credit in expired:
             deleted = session.execute(delete(BudgetReservation).where(col(BudgetReservation.id) == reservation_id))
             if deleted.rowcount != 1:  # type: ignore[attr-defined]
                 continue  # settled (or reclaimed) meanwhile: released already
-            session.execute(
-                update(BudgetPeriod)
-                .where(col(BudgetPeriod.tenant_id) == owner, col(BudgetPeriod.period) == period)
-                .values(reserved=col(BudgetPeriod.reserved) - amount)
-            )
+            if on_credit:
+                credit.release(session, owner, amount)
+            else:
+                session.execute(
+                    update(BudgetPeriod)
+                    .where(col(BudgetPeriod.tenant_id) == owner, col(BudgetPeriod.period) == period)
+                    .values(reserved=col(BudgetPeriod.reserved) - amount)
+                )
+            _move_windows(session, windows, release=amount)
             session.commit()
             released += 1
             logger.warning(
@@ -195,18 +300,37 @@ def thresholds_reached(spent: Decimal, budget: Decimal) -> list[int]:
 
 
 def add_spend(session: Session, tenant_id: int, at: datetime, amount: Decimal) -> None:
-    """Spend that was not reserved (edge usage arriving at sync), in the caller's transaction."""
+    """Spend that was not reserved (edge usage arriving at sync), in the caller's transaction: the tenant's month
+    and its tenant-wide scoped budgets (per day, month, total) of that time."""
     period = period_of(at)
+    month_amount = amount - credit.draw(session, tenant_id, amount, period, f"sync:{period}")
     row = session.get(BudgetPeriod, (tenant_id, period))
     if row is None:
-        session.add(BudgetPeriod(tenant_id=tenant_id, period=period, spent=amount))
+        session.add(BudgetPeriod(tenant_id=tenant_id, period=period, spent=month_amount))
         session.flush()
-        return
-    session.execute(
-        update(BudgetPeriod)
-        .where(col(BudgetPeriod.tenant_id) == tenant_id, col(BudgetPeriod.period) == period)
-        .values(spent=col(BudgetPeriod.spent) + amount)
-    )
+    else:
+        session.execute(
+            update(BudgetPeriod)
+            .where(col(BudgetPeriod.tenant_id) == tenant_id, col(BudgetPeriod.period) == period)
+            .values(spent=col(BudgetPeriod.spent) + month_amount)
+        )
+    windows = applicable(session, tenant_id, at)
+    if windows:
+        _insert_windows(session.connection(), [w.key for w in windows])
+        _move_windows(session, [w.key for w in windows], release=Decimal(0), spend=amount)
+
+
+def tightest_remaining(session: Session, tenant: Tenant, at: datetime | None = None) -> Decimal | None:
+    """What the tenant may still spend now under its tightest hard tenant-wide budget (its monthly budget and
+    its scoped tenant budgets per day, month, total); None: no such budget (unlimited). The edge allowance."""
+    at = at or datetime.now(UTC)
+    month = remaining(session, tenant.id or 0, tenant.monthly_budget, at) if tenant.monthly_budget is not None else None
+    prepaid = credit.available(session, tenant.id or 0)
+    if prepaid is not None:  # a prepaid tenant: its credit, then its month's budget (none: nothing after credit)
+        month = prepaid + (month or Decimal(0))
+    left = [month] if month is not None else []
+    left += [remaining_in(session, w) for w in applicable(session, tenant.id or 0, at) if w.is_hard]
+    return min(left) if left else None
 
 
 def remaining(session: Session, tenant_id: int, budget: Decimal, at: datetime | None = None) -> Decimal:
@@ -216,7 +340,8 @@ def remaining(session: Session, tenant_id: int, budget: Decimal, at: datetime | 
 
 
 class PriceBook:
-    """The price table in memory, re-read every ``ttl_s`` (prices change rarely; the hot path must not query).
+    """The price book (prices, plans, the tenants' plan history) in memory, re-read every ``ttl_s`` (prices
+    change rarely; the hot path must not query).
 
     In a server, ``start()`` loads it and keeps it fresh from a background task (the query runs in a worker
     thread), so ``lookup`` never touches the database on the event loop. Without ``start()`` (the CLI, worker
@@ -226,15 +351,15 @@ class PriceBook:
     def __init__(self, engine: Engine, ttl_s: float = 30.0) -> None:
         self.engine = engine
         self.ttl_s = ttl_s
-        self._prices: list[Price] = []
+        self._index = PriceIndex(())
         self._loaded_at = float("-inf")
         self._refresher = Periodic("reading the price book", lambda: self.refresh(), ttl_s)
 
     def refresh(self) -> None:
         with Session(self.engine) as session:
-            prices = list(session.exec(select(Price)))
+            index = load_price_index(session)
             session.expunge_all()
-        self._prices = prices  # one assignment: readers see the old table or the new one
+        self._index = index  # one assignment: readers see the old book or the new one
         self._loaded_at = time.monotonic()
 
     async def start(self) -> None:
@@ -244,11 +369,27 @@ class PriceBook:
     async def close(self) -> None:
         await self._refresher.close()
 
-    def lookup(self, model: str, version: int | None, tier: str, at: datetime | None = None) -> PriceLike | None:
+    def lookup(
+        self, model: str, version: int | None, tier: str, at: datetime | None = None, tenant_id: int | None = None
+    ) -> PriceLike | None:
         if not self._refresher.is_running and time.monotonic() - self._loaded_at > self.ttl_s:
             self.refresh()
-        return price_for(self._prices, model, version, tier, at or datetime.now(UTC))
+        return self._index.lookup(model, version, tier, at or datetime.now(UTC), tenant_id)
 
-    def cost(self, model: str, version: int | None, tier: str, tokens: Tokens, at: datetime | None = None) -> Rating:
-        """``(price id, cost)`` at ``at`` (now), or ``(None, None)`` when no price is in force (flagged)."""
-        return rate(self, model, version, tier, tokens, at or datetime.now(UTC))
+    def cost(
+        self,
+        model: str,
+        version: int | None,
+        tier: str,
+        tokens: Tokens,
+        at: datetime | None = None,
+        tenant_id: int | None = None,
+    ) -> Rating:
+        """``(price id, cost)`` for the tenant at ``at`` (now), or ``(None, None)`` when no price is in force."""
+        return rate(self, model, version, tier, tokens, at or datetime.now(UTC), tenant_id)
+
+
+def load_price_index(session: Session) -> PriceIndex:
+    """The whole price book: every price, the tenants' plan history and the default plan, in three queries."""
+    default = session.exec(select(PricePlan.id).where(col(PricePlan.name) == DEFAULT_PLAN)).first()
+    return PriceIndex(session.exec(select(Price)).all(), session.exec(select(TenantPlan)).all(), default)

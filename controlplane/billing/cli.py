@@ -61,6 +61,9 @@ def prices() -> None:
     default=None,
     help="effective from (UTC; default now); earlier prices stay in force for earlier usage",
 )
+@click.option("--per-call", "per_call", default="0", show_default=True, help="a fee per request, e.g. 0.003")
+@click.option("--plan", default=None, help="the price plan it belongs to (default: the plan named default)")
+@click.option("--tenant", default=None, help="instead of a plan: this tenant's own override (name or id)")
 def prices_set(
     model: str,
     prompt_price: str,
@@ -70,12 +73,16 @@ def prices_set(
     tier: str | None,
     currency: str,
     effective_from: datetime | None,
+    per_call: str,
+    plan: str | None,
+    tenant: str | None,
 ) -> None:
-    """Add a price (a new row: history is kept, past usage keeps the price it had)."""
+    """Add a price to a plan, or a tenant's override (a new row: history is kept, past usage keeps its price)."""
+    import dataclasses
     from datetime import UTC
     from decimal import Decimal
 
-    from controlplane.billing.invoicing import PriceSpec, add_price
+    from controlplane.billing.invoicing import PriceSpec, add_price, resolve_tenant
     from controlplane.storage.session import session_scope
 
     if len(currency) != 3 or not currency.isalpha():
@@ -89,8 +96,12 @@ def prices_set(
         tier=tier,
         currency=currency,
         effective_from=effective_from.replace(tzinfo=UTC) if effective_from else None,
+        per_call=Decimal(_money(per_call, "--per-call")),
+        plan=plan,
     )
     with session_scope() as session:
+        if tenant is not None:
+            spec = dataclasses.replace(spec, tenant=resolve_tenant(session, tenant))
         row = add_price(session, spec, actor=_actor())
         click.echo(f"price {row.id}: {model} {row.prompt_per_mtok}/{row.completion_per_mtok} {row.currency} per Mtok")
 
@@ -105,10 +116,11 @@ def prices_list(model: str | None) -> None:
     with session_scope() as session:
         for p in list_prices(session, model):
             scope = f"v{p.version}" if p.version is not None else "all versions"
+            owner = f"tenant {p.tenant_id}" if p.tenant_id is not None else f"plan {p.plan_id}"
             click.echo(
                 f"{p.id}\t{p.model}\t{scope}\t{p.tier or 'both tiers'}\tprompt {p.prompt_per_mtok} "
-                f"completion {p.completion_per_mtok} cached {p.cached_per_mtok} {p.currency}\t"
-                f"from {p.effective_from:%Y-%m-%d %H:%M}"
+                f"completion {p.completion_per_mtok} cached {p.cached_per_mtok} per call {p.per_call} {p.currency}\t"
+                f"from {p.effective_from:%Y-%m-%d %H:%M}\t{owner}"
             )
 
 
@@ -165,3 +177,227 @@ def credit(number: str, amount: str, reason: str) -> None:
     with session_scope() as session:
         note = service.credit(session, number, amount, reason=reason, actor=_actor())
         click.echo(f"{note.number}: {note.amount} {note.currency} against {number}")
+
+
+@billing.group()
+def projects() -> None:
+    """Projects: named groups of a tenant's API keys, with budgets of their own."""
+
+
+@projects.command("create")
+@click.option("--tenant", required=True, help="tenant name (or id)")
+@click.argument("name")
+def projects_create(tenant: str, name: str) -> None:
+    """Create project NAME in a tenant."""
+    from controlplane.billing import budget_admin
+    from controlplane.billing.invoicing import resolve_tenant
+    from controlplane.storage.session import session_scope
+
+    with session_scope() as session:
+        project = budget_admin.create_project(session, resolve_tenant(session, tenant), name, _actor())
+        click.echo(f"project {project.id}: {project.name}")
+
+
+@projects.command("add-key")
+@click.option("--tenant", required=True, help="tenant name (or id)")
+@click.option("--project", required=True, help="project name (or id); 'none' takes the key out of its project")
+@click.argument("key_id", type=int)
+def projects_add_key(tenant: str, project: str, key_id: int) -> None:
+    """Put API key KEY_ID in a project (a key is in at most one)."""
+    from controlplane.billing import budget_admin
+    from controlplane.billing.invoicing import resolve_tenant
+    from controlplane.storage.session import session_scope
+
+    with session_scope() as session:
+        row = resolve_tenant(session, tenant)
+        target = None if project == "none" else budget_admin.get_project(session, row, project)
+        budget_admin.assign_key(session, row, key_id, target, _actor())
+        click.echo(f"key {key_id} is in project {target.name if target else '(none)'}")
+
+
+@projects.command("list")
+@click.option("--tenant", required=True, help="tenant name (or id)")
+def projects_list(tenant: str) -> None:
+    """List a tenant's projects and their keys."""
+    from controlplane.billing import budget_admin
+    from controlplane.billing.invoicing import resolve_tenant
+    from controlplane.storage.session import session_scope
+
+    with session_scope() as session:
+        for p in budget_admin.list_projects(session, resolve_tenant(session, tenant)):
+            click.echo(f"{p['id']}\t{p['name']}\tkeys {', '.join(map(str, p['key_ids'])) or '-'}")
+
+
+@billing.group()
+def budgets() -> None:
+    """Budgets per tenant, API key, project and end user; per day, month or in total; hard or soft."""
+
+
+@budgets.command("set")
+@click.option("--tenant", required=True, help="tenant name (or id)")
+@click.option("--scope", type=click.Choice(["tenant", "key", "project", "user"]), required=True)
+@click.option("--ref", default=None, help="key id, project name or id, end user id ('*': each end user); tenant: none")
+@click.option("--period", type=click.Choice(["day", "month", "total"]), required=True)
+@click.option("--amount", required=True, help="the limit in the tenant's currency, e.g. 5.00")
+@click.option("--soft", is_flag=True, help="count and report only; never refuse a request")
+def budgets_set(tenant: str, scope: str, ref: str | None, period: str, amount: str, soft: bool) -> None:
+    """Create or change the budget of a scope and period (its spend so far stays)."""
+    from decimal import Decimal
+
+    from controlplane.billing import budget_admin
+    from controlplane.billing.invoicing import resolve_tenant
+    from controlplane.storage.session import session_scope
+
+    with session_scope() as session:
+        budget = budget_admin.set_budget(
+            session,
+            resolve_tenant(session, tenant),
+            scope=scope,
+            ref=ref,
+            period=period,
+            amount=Decimal(_money(amount, "--amount")),
+            is_hard=not soft,
+            actor=_actor(),
+        )
+        click.echo(f"budget {budget.id}: {scope} {budget.ref or '-'} {budget.amount} per {period}")
+
+
+@budgets.command("list")
+@click.option("--tenant", required=True, help="tenant name (or id)")
+def budgets_list(tenant: str) -> None:
+    """List a tenant's budgets with the current window's spend, as JSON."""
+    import json
+
+    from controlplane.billing import budget_admin
+    from controlplane.billing.invoicing import resolve_tenant
+    from controlplane.storage.session import session_scope
+
+    with session_scope() as session:
+        click.echo(json.dumps(budget_admin.list_budgets(session, resolve_tenant(session, tenant)), indent=2))
+
+
+@budgets.command("delete")
+@click.option("--tenant", required=True, help="tenant name (or id)")
+@click.argument("budget_id", type=int)
+def budgets_delete(tenant: str, budget_id: int) -> None:
+    """Delete a budget (requests in flight settle without it)."""
+    from controlplane.billing import budget_admin
+    from controlplane.billing.invoicing import resolve_tenant
+    from controlplane.storage.session import session_scope
+
+    with session_scope() as session:
+        budget_admin.delete_budget(session, resolve_tenant(session, tenant), budget_id, _actor())
+        click.echo(f"deleted budget {budget_id}")
+
+
+@billing.group()
+def plans() -> None:
+    """Price plans: named, versioned sets of prices; tenants on a plan from a moment on."""
+
+
+@plans.command("create")
+@click.argument("name")
+@click.option("--description", default="", help="what the plan is for")
+def plans_create(name: str, description: str) -> None:
+    """Create price plan NAME (add its prices with `prices set --plan NAME`)."""
+    from controlplane.billing import plans as service
+    from controlplane.storage.session import session_scope
+
+    with session_scope() as session:
+        plan = service.create_plan(session, name, description, _actor())
+        click.echo(f"plan {plan.id}: {plan.name}")
+
+
+@plans.command("list")
+def plans_list() -> None:
+    """The plans with their prices and versions, as JSON."""
+    import json
+
+    from controlplane.billing import plans as service
+    from controlplane.storage.session import session_scope
+
+    with session_scope() as session:
+        click.echo(json.dumps(service.list_plans(session), indent=2))
+
+
+@plans.command("assign")
+@click.option("--tenant", required=True, help="tenant name (or id)")
+@click.option("--plan", required=True, help="plan name")
+@click.option(
+    "--from",
+    "effective_from",
+    type=click.DateTime(formats=["%Y-%m-%d", "%Y-%m-%dT%H:%M:%S"]),
+    default=None,
+    help="from when (UTC; default now, never in the past): earlier usage keeps the plan it had",
+)
+def plans_assign(tenant: str, plan: str, effective_from: datetime | None) -> None:
+    """Put a tenant on a plan."""
+    from datetime import UTC
+
+    from controlplane.billing import plans as service
+    from controlplane.billing.invoicing import resolve_tenant
+    from controlplane.storage.session import session_scope
+
+    with session_scope() as session:
+        row = resolve_tenant(session, tenant)
+        start = effective_from.replace(tzinfo=UTC) if effective_from else None
+        assigned = service.assign_plan(
+            session, row, service.get_plan(session, plan), effective_from=start, actor=_actor()
+        )
+        click.echo(f"tenant {row.name} is on plan {plan} from {assigned.effective_from:%Y-%m-%d %H:%M} UTC")
+
+
+@billing.group()
+def prepaid() -> None:
+    """Prepaid credit: top-ups, the balance and its entries, the low-balance alert."""
+
+
+@prepaid.command("top-up")
+@click.option("--tenant", required=True, help="tenant name (or id)")
+@click.option("--amount", required=True, help="positive, in the tenant's currency, e.g. 100.00")
+@click.option("--note", default="", help="kept on the entry (an order number, a reason)")
+def prepaid_top_up(tenant: str, amount: str, note: str) -> None:
+    """Add prepaid credit to a tenant (a new ledger entry; the tenant becomes prepaid)."""
+    from decimal import Decimal
+
+    from controlplane.billing import credit as service
+    from controlplane.billing.invoicing import resolve_tenant
+    from controlplane.storage.session import session_scope
+
+    with session_scope() as session:
+        row = resolve_tenant(session, tenant)
+        entry = service.top_up(session, row, Decimal(_money(amount, "--amount")), note=note, actor=_actor())
+        view = service.credit_view(session, row, limit=0)
+        click.echo(f"credit entry {entry.id}: +{entry.amount}; balance {view['balance']} {view['currency']}")
+
+
+@prepaid.command("show")
+@click.option("--tenant", required=True, help="tenant name (or id)")
+@click.option("--limit", type=click.IntRange(0, 1000), default=50, show_default=True, help="entries to list")
+def prepaid_show(tenant: str, limit: int) -> None:
+    """The tenant's balance, holds, low-balance line and latest entries, as JSON."""
+    import json
+
+    from controlplane.billing import credit as service
+    from controlplane.billing.invoicing import resolve_tenant
+    from controlplane.storage.session import session_scope
+
+    with session_scope() as session:
+        click.echo(json.dumps(service.credit_view(session, resolve_tenant(session, tenant), limit), indent=2))
+
+
+@prepaid.command("alert")
+@click.option("--tenant", required=True, help="tenant name (or id)")
+@click.option("--below", required=True, help="alert when the balance falls below this amount; 'none' turns it off")
+def prepaid_alert(tenant: str, below: str) -> None:
+    """Set the low-balance line: a credit.low_balance webhook and a console alert when the balance falls below."""
+    from decimal import Decimal
+
+    from controlplane.billing import credit as service
+    from controlplane.billing.invoicing import resolve_tenant
+    from controlplane.storage.session import session_scope
+
+    threshold = None if below == "none" else Decimal(_money(below, "--below"))
+    with session_scope() as session:
+        service.set_low_balance(session, resolve_tenant(session, tenant), threshold, actor=_actor())
+        click.echo(f"low-balance alert {'off' if threshold is None else f'below {threshold}'}")

@@ -4,7 +4,8 @@ The rounding rule: each line's amount is the exact sum of its records' rated cos
 currency's minor unit (cents for USD, whole yen for JPY) with ROUND_HALF_EVEN; the invoice's subtotal and
 adjustments are sums of rounded lines, so the lines always add up to the total printed under them.
 
-A line is the usage of one model / version / tier in one month. Records of the invoice's own month make
+A line is the usage of one model / version / tier in one month at one price (a price change mid-month makes
+two lines, each naming its price and plan). Records of the invoice's own month make
 ``usage`` lines; late records of an earlier, already invoiced month make ``adjustment`` lines. Records with
 no price in force are counted on their line (``unpriced_records``) at cost 0, never dropped.
 """
@@ -75,6 +76,7 @@ class UsageTotals:
     unpriced_records: int
     cost: Decimal
     currency: str | None = None  # of the prices the records were rated with; None when all are unpriced
+    price: str | None = None  # the price they were rated with, as the line shows it (None: unpriced)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,13 +120,17 @@ class Amounts:
     num_lines: int = field(default=0)
 
 
-def _sort_key(line: Line) -> tuple[int, str, str, int, str]:
+def _sort_key(line: Line) -> tuple[int, str, str, int, str, str]:
     version = -1 if line.model_version is None else line.model_version
-    return (0 if line.kind == USAGE else 1, line.usage_period, line.model, version, line.tier)
+    return (0 if line.kind == USAGE else 1, line.usage_period, line.model, version, line.tier, line.description)
 
 
-def _describe(kind: str, usage_period: str, model: str, version: int | None, tier: str, unpriced: int) -> str:
+def _describe(
+    kind: str, usage_period: str, model: str, version: int | None, tier: str, unpriced: int, price: str | None = None
+) -> str:
     text = f"{model}" + (f" v{version}" if version is not None else "") + f" ({tier})"
+    if price:
+        text += f" at {price}"
     if kind == ADJUSTMENT:
         text += f", late usage of {usage_period}"
     if unpriced:
@@ -135,11 +141,11 @@ def _describe(kind: str, usage_period: str, model: str, version: int | None, tie
 def build_lines(totals: Iterable[UsageTotals], period: str, currency: str) -> list[Line]:
     """Invoice lines for ``period`` (``YYYY-MM``) in ``currency``, in a canonical order.
 
-    Groups of the same month, model, version and tier merge into one line (their exact costs add up before
+    Groups of the same month, model, version, tier and price merge into one line (their exact costs add up before
     the line is rounded). Raises ``CurrencyMismatchError`` when a group was rated in another currency and
     ``ValueError`` for a group of a month after ``period``.
     """
-    merged: dict[tuple[str, str, int | None, str], list[UsageTotals]] = {}
+    merged: dict[tuple[str, str, int | None, str, str | None], list[UsageTotals]] = {}
     for t in totals:
         if t.currency is not None and t.currency.upper() != currency.upper():
             raise CurrencyMismatchError(
@@ -148,9 +154,9 @@ def build_lines(totals: Iterable[UsageTotals], period: str, currency: str) -> li
             )
         if t.usage_period > period:
             raise ValueError(f"usage of {t.usage_period} cannot be billed on the invoice for {period}")
-        merged.setdefault((t.usage_period, t.model, t.model_version, t.tier), []).append(t)
+        merged.setdefault((t.usage_period, t.model, t.model_version, t.tier, t.price), []).append(t)
     lines = []
-    for (usage_period, model, version, tier), group in merged.items():
+    for (usage_period, model, version, tier, price), group in merged.items():
         kind = USAGE if usage_period == period else ADJUSTMENT
         unpriced = sum(t.unpriced_records for t in group)
         lines.append(
@@ -166,7 +172,7 @@ def build_lines(totals: Iterable[UsageTotals], period: str, currency: str) -> li
                 cached_prompt_tokens=sum(t.cached_prompt_tokens for t in group),
                 unpriced_records=unpriced,
                 amount=round_line(sum((t.cost for t in group), Decimal(0)), currency),
-                description=_describe(kind, usage_period, model, version, tier, unpriced),
+                description=_describe(kind, usage_period, model, version, tier, unpriced, price),
             )
         )
     return sorted(lines, key=_sort_key)

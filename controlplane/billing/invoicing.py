@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
@@ -29,10 +29,21 @@ from sqlalchemy import select as sql_select
 from sqlalchemy.sql.elements import ColumnElement
 from sqlmodel import Session, col, select
 
-from controlplane.billing import invoices
+from controlplane.billing import credit as prepaid
+from controlplane.billing import invoices, plans
 from controlplane.billing.ledger import cost_total, token_sums, unpriced_count, utc_format
-from controlplane.billing.pricing import parse_period, period_bounds
-from controlplane.storage.tables import AuditLog, CreditNote, Invoice, InvoiceLine, Price, Tenant, UsageRecord
+from controlplane.billing.plans import price_json
+from controlplane.billing.pricing import DEFAULT_PLAN, parse_period, period_bounds
+from controlplane.storage.tables import (
+    AuditLog,
+    CreditNote,
+    Invoice,
+    InvoiceLine,
+    Price,
+    PricePlan,
+    Tenant,
+    UsageRecord,
+)
 from controlplane.storage.types import as_utc
 from shared.errors import ConflictError, NotFoundError, ValidationError
 
@@ -84,6 +95,7 @@ def _usage_totals(session: Session, *where: ColumnElement[bool]) -> list[invoice
         col(UsageRecord.model_version),
         col(UsageRecord.tier),
         col(Price.currency),
+        col(UsageRecord.price_id),
     )
     query = (
         sql_select(*keys, *token_sums(), cost_total(), unpriced_count())
@@ -92,6 +104,8 @@ def _usage_totals(session: Session, *where: ColumnElement[bool]) -> list[invoice
         .where(*where)
         .group_by(*keys)
     )
+    rows = session.execute(query).all()
+    labels = _price_labels(session, {row[5] for row in rows if row[5] is not None})
     return [
         invoices.UsageTotals(
             usage_period=str(p),
@@ -105,9 +119,31 @@ def _usage_totals(session: Session, *where: ColumnElement[bool]) -> list[invoice
             unpriced_records=int(unpriced),
             cost=amount,
             currency=currency,
+            price=labels.get(price_id) if price_id is not None else None,
         )
-        for p, m, v, t, currency, n, pt, ct, cc, amount, unpriced in session.execute(query).all()
+        for p, m, v, t, currency, price_id, n, pt, ct, cc, amount, unpriced in rows
     ]
+
+
+def _plain(amount: Decimal) -> str:
+    """``0.500000`` -> ``0.5``, ``1E+3`` -> ``1000``: the same text on SQLite and PostgreSQL."""
+    return f"{Decimal(amount).normalize():f}"
+
+
+def _price_labels(session: Session, price_ids: set[int]) -> dict[int, str]:
+    """How each price shows on an invoice line: its rates, its plan (or the tenant's override), its start."""
+    if not price_ids:
+        return {}
+    names = {p.id: p.name for p in session.exec(select(PricePlan))}
+    labels = {}
+    for p in session.exec(select(Price).where(col(Price.id).in_(sorted(price_ids)))):
+        rates = "/".join(_plain(x) for x in (p.prompt_per_mtok, p.completion_per_mtok, p.cached_per_mtok))
+        text = f"{rates} per Mtok prompt/completion/cached"
+        if p.per_call:
+            text += f" + {_plain(p.per_call)} per call"
+        owner = "tenant override" if p.tenant_id is not None else f"plan {names.get(p.plan_id, DEFAULT_PLAN)}"
+        labels[p.id or 0] = f"{text} ({owner}, from {as_utc(p.effective_from):%Y-%m-%d %H:%M} UTC)"
+    return labels
 
 
 def _closed_periods(session: Session, tenant_id: int, before: str) -> list[str]:
@@ -213,6 +249,7 @@ def invoice_json(session: Session, invoice: Invoice) -> dict[str, Any]:
     )
     lines = _stored_lines(session, invoice.id, invoice.currency)
     view = _view(tenant, invoice.period, lines, invoice, notes)
+    view["plan"] = invoice.plan
     # The amounts shown are the locked ones; ``lines_verified`` says the stored lines still hash to what was locked.
     locked = {
         k: invoices.round_line(getattr(invoice, k), invoice.currency) for k in ("subtotal", "adjustments", "total")
@@ -220,7 +257,7 @@ def invoice_json(session: Session, invoice: Invoice) -> dict[str, Any]:
     view.update({k: str(v) for k, v in locked.items()})
     view["balance"] = str(locked["total"] - invoices.round_line(invoice.credits, invoice.currency))
     view["lines_verified"] = invoices.lines_hash(lines, invoice.currency) == invoice.lines_hash
-    return view
+    return _with_credit(view, invoice.credit_used)
 
 
 def month_invoice(session: Session, tenant: Tenant, period: str) -> dict[str, Any]:
@@ -230,7 +267,17 @@ def month_invoice(session: Session, tenant: Tenant, period: str) -> dict[str, An
     ).first()
     if stored is not None:
         return invoice_json(session, stored)
-    return _view(tenant, period, _lines(session, tenant, period, _billable(session, tenant, period)), None, [])
+    view = _view(tenant, period, _lines(session, tenant, period, _billable(session, tenant, period)), None, [])
+    view["plan"] = plans.plan_of(session, tenant, period_bounds(period)[1] - timedelta(microseconds=1))
+    return _with_credit(view, prepaid.credit_used(session, tenant.id or 0, period))
+
+
+def _with_credit(view: dict[str, Any], used: Decimal) -> dict[str, Any]:
+    """Prepaid credit the month's usage drew (rounded like a line), and what is left to pay after it."""
+    used = invoices.round_line(used, view["currency"])
+    view["credit_used"] = str(used)
+    view["amount_due"] = str(max(Decimal(view["balance"]) - used, invoices.round_line(Decimal(0), view["currency"])))
+    return view
 
 
 def list_invoices(session: Session, tenant: Tenant) -> list[Invoice]:
@@ -262,7 +309,16 @@ def finalize(session: Session, tenant: Tenant, period: str, *, actor: str, now: 
     ).first()
     if existing is not None:
         raise ConflictError(f"{period} is already invoiced as {existing.number}; void it first", param="month")
-    invoice = Invoice(tenant_id=tenant.id, period=period, status=FINALIZED, currency=tenant.currency, finalized_at=now)
+    plan = plans.plan_of(session, tenant, period_bounds(period)[1] - timedelta(microseconds=1))
+    invoice = Invoice(
+        tenant_id=tenant.id,
+        period=period,
+        status=FINALIZED,
+        currency=tenant.currency,
+        finalized_at=now,
+        plan=plan,
+        credit_used=prepaid.credit_used(session, tenant.id, period),
+    )
     session.add(invoice)
     session.flush()
     assert invoice.id is not None
@@ -359,6 +415,9 @@ class PriceSpec:
     tier: str | None = None
     currency: str = "USD"
     effective_from: datetime | None = None
+    per_call: Decimal = Decimal(0)
+    plan: str | None = None  # the plan it belongs to (None: the default plan)
+    tenant: Tenant | None = None  # set: this tenant's own override (no plan)
 
 
 def add_price(session: Session, spec: PriceSpec, *, actor: str) -> Price:
@@ -371,7 +430,10 @@ def add_price(session: Session, spec: PriceSpec, *, actor: str) -> Price:
         raise ValidationError(f"currency: {spec.currency!r} is not a 3-letter currency code", param="currency")
     if spec.tier not in (None, "edge", "cloud"):
         raise ValidationError("tier: must be edge, cloud or omitted (both)", param="tier")
-    for name in ("prompt_per_mtok", "completion_per_mtok", "cached_per_mtok"):
+    if spec.plan is not None and spec.tenant is not None:
+        raise ValidationError("plan: a tenant's override belongs to no plan; give plan or tenant", param="plan")
+    plan = plans.get_plan(session, spec.plan) if spec.plan is not None else plans.default_plan(session)
+    for name in ("prompt_per_mtok", "completion_per_mtok", "cached_per_mtok", "per_call"):
         value = getattr(spec, name)
         if value is not None and (not value.is_finite() or value < 0):
             raise ValidationError(f"{name}: must be a non-negative amount", param=name)
@@ -384,11 +446,14 @@ def add_price(session: Session, spec: PriceSpec, *, actor: str) -> Price:
         prompt_per_mtok=spec.prompt_per_mtok,
         completion_per_mtok=spec.completion_per_mtok,
         cached_per_mtok=spec.cached_per_mtok if spec.cached_per_mtok is not None else spec.prompt_per_mtok,
+        per_call=spec.per_call,
         effective_from=as_utc(start),
+        plan_id=None if spec.tenant is not None else plan.id,
+        tenant_id=spec.tenant.id if spec.tenant is not None else None,
     )
     session.add(row)
     session.flush()
-    _audit(session, actor, "price.add", f"price/{row.id}", price_json(row))
+    _audit(session, actor, "price.add", f"price/{row.id}", price_json(row, None if spec.tenant else plan.name))
     return row
 
 
@@ -398,18 +463,3 @@ def list_prices(session: Session, model: str | None = None) -> list[Price]:
     if model is not None:
         query = query.where(Price.model == model)
     return list(session.exec(query))
-
-
-def price_json(p: Price) -> dict[str, Any]:
-    return {
-        "object": "price",
-        "id": p.id,
-        "model": p.model,
-        "version": p.version,
-        "tier": p.tier,
-        "currency": p.currency,
-        "prompt_per_mtok": str(p.prompt_per_mtok),
-        "completion_per_mtok": str(p.completion_per_mtok),
-        "cached_per_mtok": str(p.cached_per_mtok),
-        "effective_from": _iso(p.effective_from),
-    }

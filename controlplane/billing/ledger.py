@@ -32,9 +32,9 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.sql.elements import ColumnElement
 from sqlmodel import Session, col, select
 
-from controlplane.billing.budgets import BudgetHold, add_spend, settle_in
+from controlplane.billing.budgets import BudgetHold, add_spend, load_price_index, settle_in
 from controlplane.billing.pricing import PriceIndex, PriceLookup, Rating, Tokens, period_bounds, period_of, rate
-from controlplane.storage.tables import Price, UsageCheckpoint, UsageRecord
+from controlplane.storage.tables import BudgetReservation, UsageCheckpoint, UsageRecord
 from controlplane.storage.types import as_utc, from_micros, to_micros
 from shared.errors import ValidationError
 
@@ -99,8 +99,8 @@ class IngestResult:
 
 
 def load_prices(session: Session) -> PriceIndex:
-    """The whole price book, indexed by model: one query per batch, however many records it rates."""
-    return PriceIndex(session.exec(select(Price)).all())
+    """The whole price book (prices, plans, overrides), indexed: read once per batch, however many records."""
+    return load_price_index(session)
 
 
 Rate = Callable[[NewUsage], Rating]
@@ -111,7 +111,7 @@ def rater(prices: PriceLookup) -> Rate:
 
     def rate_usage(u: NewUsage) -> Rating:
         tokens = Tokens(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
-        return rate(prices, u.model, u.model_version, u.tier, tokens, as_utc(u.occurred_at))
+        return rate(prices, u.model, u.model_version, u.tier, tokens, as_utc(u.occurred_at), u.tenant_id)
 
     return rate_usage
 
@@ -352,7 +352,10 @@ def reconcile_checkpoints(
             if cost is not None and cp.reserved is not None:
                 cost = min(cost, cp.reserved)
             if cp.reservation_id is not None and cp.period is not None and cp.reserved is not None:
-                hold = BudgetHold(cp.reservation_id, cp.tenant_id, cp.period, cp.reserved, Decimal(0))
+                held = session.get(BudgetReservation, cp.reservation_id)  # its scoped windows and credit hold
+                windows = tuple((int(w[0]), str(w[1]), str(w[2])) for w in (held.windows or [])) if held else ()
+                on_credit = bool(held is not None and held.on_credit)
+                hold = BudgetHold(cp.reservation_id, cp.tenant_id, cp.period, cp.reserved, None, windows, on_credit)
                 settle_in(session, hold, cost or Decimal(0))
             result = ingest_usage(session, [replace(usage, rating=(price_id, cost))], count_spend=False)
             session.commit()

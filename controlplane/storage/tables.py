@@ -72,6 +72,7 @@ class ApiKey(SQLModel, table=True):
     requests_per_minute: int | None = Field(default=None, description="None: the cloud's default")
     tokens_per_minute: int | None = None
     max_concurrent: int | None = None
+    project_id: int | None = Field(default=None, foreign_key="project.id", index=True)
     created_at: datetime = _ts()
     expires_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     revoked_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
@@ -368,8 +369,39 @@ class Price(SQLModel, table=True):
     prompt_per_mtok: Decimal = Field(sa_type=MONEY)
     completion_per_mtok: Decimal = Field(sa_type=MONEY)
     cached_per_mtok: Decimal = Field(sa_type=MONEY)
+    per_call: Decimal = Field(default=Decimal(0), sa_type=MONEY, description="a fee per request (tensor calls too)")
     effective_from: datetime = Field(sa_type=UTCDateTime)
     created_at: datetime = _ts()
+    plan_id: int | None = Field(default=None, foreign_key="price_plan.id", index=True, description="None: an override")
+    tenant_id: int | None = Field(
+        default=None, foreign_key="tenant.id", index=True, description="set: this tenant's own override of its plan"
+    )
+
+
+class PricePlan(SQLModel, table=True):
+    """A named set of prices (``price.plan_id``); its versions are its prices' effective dates. Tenants are put on
+    a plan from a moment on (``tenant_plan``); the one named ``default`` prices every tenant on no plan."""
+
+    __tablename__ = "price_plan"
+
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(max_length=64, unique=True)
+    description: str = Field(default="", max_length=500)
+    created_at: datetime = _ts()
+
+
+class TenantPlan(SQLModel, table=True):
+    """A tenant on a plan from ``effective_from`` on: usage is rated with the plan in force at its own time."""
+
+    __tablename__ = "tenant_plan"
+    __table_args__ = (Index("ix_tenant_plan_tenant_from", "tenant_id", "effective_from"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    tenant_id: int = Field(foreign_key="tenant.id")
+    plan_id: int = Field(foreign_key="price_plan.id")
+    effective_from: datetime = Field(sa_type=UTCDateTime)
+    created_at: datetime = _ts()
+    created_by: str = Field(default="", max_length=128)
 
 
 class BudgetPeriod(SQLModel, table=True):
@@ -428,6 +460,90 @@ class BudgetReservation(SQLModel, table=True):
     amount: Decimal = Field(sa_type=MONEY)
     created_at: datetime = _ts()
     expires_at: datetime = _ts(index=True)
+    windows: list[list[Any]] | None = Field(
+        default=None,
+        sa_column=Column(JSON, nullable=True),
+        description="the scoped budget windows it holds too: [[budget id, subject, window], ...]",
+    )
+    on_credit: bool = Field(default=False, description="held on the tenant's prepaid credit, not its month")
+
+
+class CreditAccount(SQLModel, table=True):
+    """A tenant's prepaid credit: the balance (the sum of its ``credit_entry`` records, kept here so a request
+    can hold on it with one conditional UPDATE) and what requests in flight hold of it."""
+
+    __tablename__ = "credit_account"
+
+    tenant_id: int = Field(foreign_key="tenant.id", primary_key=True)
+    balance: Decimal = Field(default=Decimal(0), sa_type=Micros)
+    reserved: Decimal = Field(default=Decimal(0), sa_type=Micros)
+    low_balance: Decimal | None = Field(default=None, sa_type=Micros, description="alert below this balance")
+    low_alerted_at: datetime | None = Field(
+        default=None, sa_type=UTCDateTime, description="when the low-balance alert fired (None: not since a top-up)"
+    )
+
+
+class CreditEntry(SQLModel, table=True):
+    """One movement of a tenant's prepaid credit, never edited: a top-up (+) or usage drawing it down (-)."""
+
+    __tablename__ = "credit_entry"
+    __table_args__ = (Index("ix_credit_entry_tenant_period", "tenant_id", "period"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    tenant_id: int = Field(foreign_key="tenant.id")
+    kind: str = Field(max_length=8, description="top_up | draw")
+    amount: Decimal = Field(sa_type=Micros, description="+ for a top-up, - for a draw")
+    period: str = Field(max_length=7, description="YYYY-MM (UTC) of the usage drawn, or of the top-up")
+    reference: str = Field(default="", max_length=128, description="the request or sync a draw paid for")
+    note: str = Field(default="", max_length=500)
+    created_by: str = Field(default="", max_length=128)
+    created_at: datetime = _ts()
+
+
+class Project(SQLModel, table=True):
+    """A named group of a tenant's API keys, with budgets of its own."""
+
+    __tablename__ = "project"
+    __table_args__ = (UniqueConstraint("tenant_id", "name"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    tenant_id: int = Field(foreign_key="tenant.id", index=True)
+    name: str = Field(max_length=64)
+    created_at: datetime = _ts()
+
+
+class Budget(SQLModel, table=True):
+    """A spending limit on one scope of a tenant: the tenant, an API key, a project or an end user, per day,
+    month (UTC) or in total. A hard one refuses requests it cannot cover; a soft one only counts and reports.
+
+    ``ref`` names the scoped thing: the key's or project's id, the end user's id (``*``: every end user, each
+    with a limit of their own), empty for the tenant.
+    """
+
+    __tablename__ = "budget"
+    __table_args__ = (UniqueConstraint("tenant_id", "scope", "ref", "period"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    tenant_id: int = Field(foreign_key="tenant.id", index=True)
+    scope: str = Field(max_length=8, description="tenant | key | project | user")
+    ref: str = Field(default="", max_length=256)
+    period: str = Field(max_length=8, description="day | month | total")
+    amount: Decimal = Field(sa_type=Micros)
+    is_hard: bool = True
+    created_at: datetime = _ts()
+
+
+class BudgetWindow(SQLModel, table=True):
+    """A budget's settled spend and open reservations in one window (``YYYY-MM-DD``, ``YYYY-MM`` or ``total``),
+    for one end user when the budget is every end user's (``subject``; empty otherwise)."""
+
+    __tablename__ = "budget_window"
+
+    budget_id: int = Field(foreign_key="budget.id", primary_key=True)
+    subject: str = Field(default="", primary_key=True, max_length=256)
+    window: str = Field(primary_key=True, max_length=10)
+    spent: Decimal = Field(default=Decimal(0), sa_type=Micros)
+    reserved: Decimal = Field(default=Decimal(0), sa_type=Micros)
 
 
 class Rollout(SQLModel, table=True):
@@ -553,6 +669,8 @@ class Invoice(SQLModel, table=True):
     credits: Decimal = Field(default=Decimal(0), sa_type=MONEY, description="credit notes issued against it")
     total: Decimal = Field(default=Decimal(0), sa_type=MONEY)
     lines_hash: str | None = Field(default=None, max_length=64, description="sha256 of the canonical lines")
+    plan: str | None = Field(default=None, max_length=64, description="the price plan the tenant was on")
+    credit_used: Decimal = Field(default=Decimal(0), sa_type=MONEY, description="prepaid credit drawn by its usage")
     created_at: datetime = _ts()
     finalized_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     voided_at: datetime | None = Field(default=None, sa_type=UTCDateTime)

@@ -92,7 +92,7 @@ def test_budget_thresholds_fire_once_each_as_signed_webhooks(
             "object": "webhook",
             "url": f"{receiver.url}{hook}",
             "has_secret": True,
-            "events": ["budget.threshold"],
+            "events": ["budget.threshold", "credit.low_balance"],
         }
 
         probe = httpx.post(f"{url}/v1/completions", json=BODY, headers=auth, timeout=60).json()["usage"]

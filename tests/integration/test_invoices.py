@@ -116,9 +116,12 @@ def test_an_invoice_bills_every_record_once_through_late_records_voids_and_credi
         feb_view = billing.invoice_json(s, feb_invoice)
         kinds = {(ln["kind"], ln["usage_period"]): ln for ln in feb_view["lines"]}
         assert kinds[("adjustment", "2026-01")]["amount"] == "0.08"
-        # 0.005 before Feb 15 + 0.010 after: the price rise did not rewrite the earlier record.
-        assert kinds[("usage", "2026-02")]["amount"] == "0.02"
-        assert (feb_view["subtotal"], feb_view["adjustments"], feb_view["total"]) == ("0.02", "0.08", "0.10")
+        # 0.005 before Feb 15 + 0.010 after: the price rise did not rewrite the earlier record. Each price is a
+        # line of its own, rounded once (half-even): 0.005 -> 0.00, 0.010 -> 0.01.
+        feb_lines = sorted((ln for ln in feb_view["lines"] if ln["kind"] == "usage"), key=lambda ln: ln["amount"])
+        assert [(ln["requests"], ln["amount"]) for ln in feb_lines] == [(1, "0.00"), (1, "0.01")]
+        assert "from 2026-02-15" in feb_lines[1]["description"] and "plan default" in feb_lines[1]["description"]
+        assert (feb_view["subtotal"], feb_view["adjustments"], feb_view["total"]) == ("0.01", "0.08", "0.09")
 
         # Credit notes: at most what is left; the invoice itself never changes.
         note = billing.credit(s, jan_invoice.number or "", "0.15", reason="goodwill", actor="test")

@@ -1,0 +1,109 @@
+"""Budgets below the tenant: per API key, per project (a named group of keys), per end user, and the tenant's own
+per day or in total; each per day, per calendar month (UTC) or in total, hard (refuses) or soft (counts).
+
+A request is held against every budget that applies to it (``applicable``), in one transaction with the tenant's
+monthly budget (``controlplane.billing.budgets.reserve``). Each budget's spend lives in a ``budget_window`` row per
+window (the day, the month, or ``total``), and per end user when the budget is every end user's (``ref`` ``*``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal
+
+from sqlalchemy import or_
+from sqlmodel import Session, col, select
+
+from controlplane.storage.tables import Budget, BudgetWindow, Project
+from controlplane.storage.types import as_utc
+
+SCOPES = ("tenant", "key", "project", "user")
+PERIODS = ("day", "month", "total")
+EVERY_USER = "*"
+MAX_SUBJECT_LEN = 256
+
+
+@dataclass(frozen=True, slots=True)
+class ScopedWindow:
+    """One budget's window a request is held against: where its spend is counted and what limits it."""
+
+    budget_id: int
+    subject: str
+    window: str
+    limit: Decimal
+    is_hard: bool
+    label: str
+
+    @property
+    def key(self) -> tuple[int, str, str]:
+        return (self.budget_id, self.subject, self.window)
+
+
+def window_of(period: str, at: datetime) -> str:
+    """The window of ``at`` for a budget of ``period``: ``YYYY-MM-DD``, ``YYYY-MM`` (UTC) or ``total``."""
+    if period == "day":
+        return as_utc(at).strftime("%Y-%m-%d")
+    if period == "month":
+        return as_utc(at).strftime("%Y-%m")
+    return "total"
+
+
+def describe(budget: Budget, project_name: str | None = None, subject: str = "") -> str:
+    """How a budget is named in a 429 and in the console: ``the daily budget of API key 12``."""
+    adjective = {"day": "daily", "month": "monthly", "total": "total"}[budget.period]
+    owner = {
+        "tenant": "the tenant",
+        "key": f"API key {budget.ref}",
+        "project": f"project '{project_name or budget.ref}'",
+        "user": f"end user '{subject or budget.ref}'",
+    }[budget.scope]
+    return f"the {adjective} budget of {owner}"
+
+
+def applicable(
+    session: Session,
+    tenant_id: int,
+    at: datetime,
+    *,
+    key_id: int | None = None,
+    project_id: int | None = None,
+    subject: str | None = None,
+) -> list[ScopedWindow]:
+    """The budget windows a request of this tenant, key, project and end user counts against, in lock order."""
+    scopes = [col(Budget.scope) == "tenant"]
+    if key_id is not None:
+        scopes.append((col(Budget.scope) == "key") & (col(Budget.ref) == str(key_id)))
+    if project_id is not None:
+        scopes.append((col(Budget.scope) == "project") & (col(Budget.ref) == str(project_id)))
+    if subject:
+        scopes.append((col(Budget.scope) == "user") & col(Budget.ref).in_([subject, EVERY_USER]))
+    budgets = session.exec(select(Budget).where(col(Budget.tenant_id) == tenant_id, or_(*scopes))).all()
+    if not budgets:
+        return []
+    names: dict[str, str] = {}
+    if any(b.scope == "project" for b in budgets) and project_id is not None:
+        project = session.get(Project, project_id)
+        names[str(project_id)] = project.name if project is not None else str(project_id)
+    windows = []
+    for b in budgets:
+        per_user = b.scope == "user" and b.ref == EVERY_USER
+        who = (subject or "") if per_user else ""
+        windows.append(
+            ScopedWindow(
+                budget_id=b.id or 0,
+                subject=who,
+                window=window_of(b.period, at),
+                limit=b.amount,
+                is_hard=b.is_hard,
+                label=describe(b, names.get(b.ref), who),
+            )
+        )
+    return sorted(windows, key=lambda w: w.key)
+
+
+def remaining_in(session: Session, window: ScopedWindow) -> Decimal:
+    """What is left of one window now: its limit minus settled spend and open reservations, never below 0."""
+    row = session.get(BudgetWindow, window.key)
+    used = (row.spent + row.reserved) if row is not None else Decimal(0)
+    return max(Decimal(0), window.limit - used)
