@@ -67,8 +67,9 @@ def _check_parameters(parameters: dict[str, Any]) -> None:
         adapter = _PARAMETER_TYPES.get(name)
         if adapter is None:
             raise ValidationError(
-                f"parameters: unknown field '{name}' (allowed: {', '.join(sorted(_PARAMETER_TYPES))})",
+                f"parameters.{name}: unsupported parameter (allowed: {', '.join(sorted(_PARAMETER_TYPES))})",
                 param=f"parameters.{name}",
+                code="unsupported_parameter",
             )
         try:
             adapter.validate_python(value, strict=True)

@@ -196,6 +196,13 @@ class Tiering:
         started = time.monotonic()
         request_id = server_request_id()
         wanted = header or (req.parameters.get("tier") if isinstance(req.parameters.get("tier"), str) else None)
+        for name in req.parameters:  # the device's models are classifiers: ``tier`` is the one parameter they read
+            if name != "tier":
+                raise ValidationError(
+                    f"parameters.{name}: unsupported parameter: on a device /v1/inference takes only 'tier'",
+                    param=f"parameters.{name}",
+                    code="unsupported_parameter",
+                )
         mode = TIER_ALIASES.get(wanted, wanted) if wanted else self.policy(req.model_id).mode
         if mode not in MODES:
             raise ValidationError(f"x-tierline-tier: {wanted!r} is not one of {', '.join(MODES)}", param="tier")

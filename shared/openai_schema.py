@@ -1,8 +1,10 @@
 """OpenAI-compatible request schemas shared by the cloud API and the edge agent's local API.
 
-Unknown fields are ignored (clients send fields newer than this server); known ones are validated strictly,
-JSON types included (``"5"`` and ``true`` are not integers, ``"0.5"`` is not a number, an integer is), and
-``shared.http`` turns a failure into the OpenAI error shape naming the field (``param``).
+Strict: a field this server does not implement is refused (400, ``code: unsupported_parameter``, ``param`` names
+it), never silently dropped — a client that asks for something gets it or an error. The OpenAI fields accepted
+as no-ops are ``NO_OP_FIELDS`` (listed in docs/cloud-api.md). Known fields are validated strictly, JSON types
+included (``"5"`` and ``true`` are not integers, ``"0.5"`` is not a number, an integer is), and ``shared.http``
+turns a failure into the OpenAI error shape naming the field (``param``).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import ValidationError as PydanticValidationError
 
 from shared.errors import ValidationError
 
@@ -42,8 +45,28 @@ _NUMBER = _exactly("a number", int, float)
 _BOOLEAN = _exactly("a boolean", bool)
 
 
+# OpenAI request fields accepted and ignored on purpose: they change nothing this server computes (``user`` is an
+# end-user id for abuse tracking, which canary routing also uses as a sticky subject; ``metadata`` tags a stored
+# completion; ``store: false`` asks for what happens anyway). ``store: true`` is refused: nothing is stored.
+NO_OP_FIELDS = ("user", "metadata", "store")
+
+UNSUPPORTED_MESSAGE = "Extra inputs are not permitted"  # pydantic's message for a field a model forbids
+UNSUPPORTED_REASON = "unsupported parameter: this server does not implement it (see docs/cloud-api.md)"
+
+
+def request_error(exc: PydanticValidationError, prefix: str = "") -> ValidationError:
+    """A body validated outside the HTTP layer (an escalation's, a stored job's) failing as the route would:
+    an unknown field first, as ``unsupported_parameter``, else the first error, each naming the field."""
+    errors = exc.errors()
+    err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
+    loc = prefix + ".".join(str(p) for p in err["loc"])
+    if err["type"] == "extra_forbidden":
+        return ValidationError(f"{loc}: {UNSUPPORTED_REASON}", param=loc, code="unsupported_parameter")
+    return ValidationError(f"{loc}: {str(err['msg']).removeprefix('Value error, ')}", param=loc)
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", str_strip_whitespace=False)
+    model_config = ConfigDict(extra="forbid", str_strip_whitespace=False)
 
 
 class StreamOptions(_Request):
@@ -84,6 +107,8 @@ class _Sampling(_Request):
     presence_penalty: Annotated[float, _NUMBER] = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: Annotated[float, _NUMBER] = Field(0.0, ge=-2.0, le=2.0)
     user: str | None = Field(None, max_length=256)
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    store: Annotated[bool | None, _BOOLEAN] = None
     # tierline extensions
     top_k: Annotated[int, _INTEGER] = Field(0, ge=0)
     min_p: Annotated[float, _NUMBER] = Field(0.0, ge=0.0, le=1.0)
@@ -92,6 +117,13 @@ class _Sampling(_Request):
     speculation: Literal["off", "draft", "ngram"] | None = None
     tier: Literal["edge", "cloud", "local-first", "cloud-first", "local-only", "cloud-only"] | None = None
     quality: Literal["standard", "high"] | None = None
+
+    @field_validator("store")
+    @classmethod
+    def _store(cls, v: bool | None) -> bool | None:
+        if v:
+            raise ValueError("stored completions are not implemented (send false or leave it out)")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -190,6 +222,17 @@ class CompletionRequest(_Sampling):
         if p and isinstance(p[0], int):
             return [p]
         return list(p)  # type: ignore[arg-type]
+
+
+class AsyncJobFields(BaseModel):
+    """The cloud's async-job fields (``"async": true`` queues a job, ``webhook_url`` gets its result; read by
+    ``cloud/job_routes.py``). Only the cloud's routes accept them; a stored job's request is dumped without them."""
+
+    async_: Annotated[bool | None, _BOOLEAN] = Field(None, alias="async")
+    webhook_url: str | None = Field(None, max_length=2048)
+
+
+JOB_FIELDS = frozenset(AsyncJobFields.model_fields)
 
 
 class InferenceRequest(_Request):
