@@ -315,6 +315,8 @@ class Tiering:
             return "model-not-local"
         if exc.code == "context_length_exceeded":
             return "prompt-too-long"
+        if exc.code == "structured_output_unavailable":  # no grammar engine on this device: the cloud has one
+            return "cloud-feature"
         if exc.code == "invalid_token_id":
             return None  # token ids name this model's vocabulary; the cloud's model would not read them alike
         if exc.param in ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt"):

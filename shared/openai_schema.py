@@ -93,6 +93,38 @@ class ChatMessage(_Request):
         return "".join(p.text or "" for p in self.content)
 
 
+class JsonSchemaFormat(_Request):
+    """``response_format.json_schema``: the schema the output must match (``strict`` is accepted either way: the
+    output is always generated under the schema's grammar)."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: Annotated[bool | None, _BOOLEAN] = None
+
+
+class ResponseFormat(_Request):
+    """``text``, ``json_object``, ``json_schema`` (OpenAI's), and tierline's extensions ``regex`` (the output
+    matches the regular expression in full) and ``choice`` (the output is exactly one of the strings)."""
+
+    type: Literal["text", "json_object", "json_schema", "regex", "choice"]
+    json_schema: JsonSchemaFormat | None = None
+    regex: str | None = Field(None, min_length=1, max_length=4096)
+    choice: list[Annotated[str, Field(min_length=1, max_length=1024)]] | None = Field(
+        None, min_length=1, max_length=256
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ResponseFormat:
+        for name in ("json_schema", "regex", "choice"):
+            given = getattr(self, name) is not None
+            if given and self.type != name:
+                raise ValueError(f"{name} goes with type '{name}', not '{self.type}'")
+            if not given and self.type == name:
+                raise ValueError(f"type '{name}' needs the field {name}")
+        return self
+
+
 class _Sampling(_Request):
     """Fields the chat and completions requests share (OpenAI's, then tierline's extensions)."""
 
@@ -168,12 +200,23 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Annotated[int | None, _INTEGER] = Field(None, ge=1)
     logprobs: Annotated[bool, _BOOLEAN] = False
     top_logprobs: Annotated[int | None, _INTEGER] = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs: true")
+        if self.is_structured:
+            # Either would let the output end before the grammar does: it would not parse, and say "stop".
+            if self.ignore_eos:
+                raise ValueError("ignore_eos cannot be combined with a structured response_format")
+            if self.stop:
+                raise ValueError("stop cannot be combined with a structured response_format")
         return self
+
+    @property
+    def is_structured(self) -> bool:
+        return self.response_format is not None and self.response_format.type != "text"
 
     @property
     def max_new_tokens(self) -> int | None:
