@@ -189,7 +189,7 @@ class CloudInferenceRequest(InferenceRequest, AsyncJobFields):
 def _dumper(data: BaseModel) -> Callable[[], dict[str, Any]]:
     """The validated request as a job stores it (and an idempotent call hashes it): set fields, no job fields;
     dumped only for a job or an idempotent call."""
-    return partial(data.model_dump, mode="json", exclude_unset=True, exclude=set(JOB_FIELDS))
+    return partial(data.model_dump, mode="json", by_alias=True, exclude_unset=True, exclude=set(JOB_FIELDS))
 
 
 async def _idempotent(

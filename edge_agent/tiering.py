@@ -455,7 +455,7 @@ class Tiering:
         local_body: dict[str, Any] | None = None,
     ) -> Answer:
         """Escalate; on an unreachable cloud answer locally (``fallback`` = start time) or raise 503."""
-        body = req.model_dump(mode="json", exclude_unset=True)
+        body = req.model_dump(mode="json", by_alias=True, exclude_unset=True)
         for name in STRIP_FIELDS:
             body.pop(name, None)
         body["model"] = self.cloud_model(req.model)

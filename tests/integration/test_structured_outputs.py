@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from shared.openai_schema import ChatCompletionRequest
 from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, seed_data_dir, tierline_cmd
 
 pytestmark = pytest.mark.integration
@@ -197,3 +200,37 @@ def test_a_format_the_engine_cannot_compile_is_a_400_naming_the_problem(
             stop=["}"],
         )
     assert "stop cannot be combined" in str(both.value.body)
+
+
+def test_an_async_job_keeps_its_response_format(cloud: openai.OpenAI) -> None:
+    """The stored job is the request dumped by alias (``json_schema.schema``) and validated again when it runs."""
+    url, headers = str(cloud.base_url).rstrip("/"), {"Authorization": f"Bearer {cloud.api_key}"}
+    schema = {**Pet.model_json_schema(), "additionalProperties": False}  # else extra keys may run to max_tokens
+    fmt = {"type": "json_schema", "json_schema": {"name": "Pet", "schema": schema, "strict": True}}
+    body = {"model": CLOUD_LM, "messages": [{"role": "user", "content": "a pet"}], "response_format": fmt}
+    submitted = httpx.post(
+        f"{url}/chat/completions", json={**body, "max_tokens": MAX_TOKENS, "async": True}, headers=headers
+    )
+    assert submitted.status_code == 202, submitted.text
+    deadline = time.monotonic() + 60
+    while (job := httpx.get(f"{url}/jobs/{submitted.json()['id']}", headers=headers).json())["status"] not in (
+        "succeeded",
+        "failed",
+    ):
+        assert time.monotonic() < deadline, job
+        time.sleep(0.2)
+    assert job["status"] == "succeeded", job
+    choice = job["result"]["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    Pet.model_validate_json(choice["message"]["content"])
+
+
+def test_a_request_dumped_for_the_cloud_validates_again() -> None:
+    """What the edge forwards when it escalates (and a job stores) is the wire form: ``schema``, not ``schema_``."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "Pet", "schema": Pet.model_json_schema(), "strict": True}}
+    req = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": fmt}
+    )
+    wire = req.model_dump(mode="json", by_alias=True, exclude_unset=True)
+    assert wire["response_format"] == fmt
+    assert ChatCompletionRequest.model_validate(wire) == req
