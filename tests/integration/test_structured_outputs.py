@@ -148,7 +148,7 @@ def test_cloud_choice_and_regex_extensions_with_n(cloud: openai.OpenAI) -> None:
     r = cloud.chat.completions.create(
         model=CLOUD_LM,
         messages=[{"role": "user", "content": "yes or no?"}],
-        response_format={"type": "choice", "choice": ["yes", "no", "not sure"]},  # type: ignore[typeddict-item]
+        extra_body={"response_format": {"type": "choice", "choice": ["yes", "no", "not sure"]}},  # an extension
         n=4,
         temperature=1.0,
         max_tokens=10,
@@ -158,7 +158,7 @@ def test_cloud_choice_and_regex_extensions_with_n(cloud: openai.OpenAI) -> None:
     r = cloud.chat.completions.create(
         model=CLOUD_LM,
         messages=[{"role": "user", "content": "a date"}],
-        response_format={"type": "regex", "regex": r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-2][0-9]"},  # type: ignore[typeddict-item]
+        extra_body={"response_format": {"type": "regex", "regex": r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-2][0-9]"}},
         temperature=0.7,
         max_tokens=20,
     )
@@ -186,7 +186,7 @@ def test_a_format_the_engine_cannot_compile_is_a_400_naming_the_problem(
                 client.chat.completions.create(
                     model=model,
                     messages=[{"role": "user", "content": "x"}],
-                    response_format=fmt,  # type: ignore[arg-type]
+                    extra_body={"response_format": fmt},
                     max_tokens=5,
                     stream=stream,
                 )
