@@ -89,6 +89,18 @@ def bench_prefix(preset: str, zoo_dir: Path | None, as_json: bool, num_requests:
     emit(run(zoo_root(preset, zoo_dir), num_requests, system_tokens), as_json)
 
 
+@bench.command("structured")
+@_zoo_options
+@click.option("--requests", "num_requests", type=int, default=32, show_default=True)
+@click.option("--max-tokens", type=int, default=64, show_default=True)
+def bench_structured(preset: str, zoo_dir: Path | None, as_json: bool, num_requests: int, max_tokens: int) -> None:
+    """Constrained decoding (a JSON schema's grammar) beside plain decoding: tokens/s at batch 1 and 32 on the
+    cloud engine and at batch 1 on the edge runtime, grammar compile time and mask cost per token."""
+    from bench.structured_bench import bench_structured as run
+
+    emit(run(zoo_root(preset, zoo_dir), num_requests, max_tokens), as_json)
+
+
 @bench.command("api")
 @_zoo_options
 @click.option("--duration", type=float, default=30.0, show_default=True, help="seconds of load")

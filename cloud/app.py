@@ -20,6 +20,7 @@ from litestar import Litestar, Request, Response, Router, get, post
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig, ResponseSpec
 from litestar.openapi.spec import Components, SecurityScheme
+from pydantic import BaseModel
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
@@ -55,10 +56,10 @@ from controlplane.storage.migrate import is_up_to_date
 from controlplane.storage.session import get_db
 from controlplane.storage.tables import ApiKey, Tenant
 from controlplane.tenancy.service import KEY_PREFIX, authenticate, hash_api_key
-from shared.errors import AuthenticationError, PermissionDeniedError, ServiceUnavailableError
+from shared.errors import AuthenticationError, PermissionDeniedError, ServiceUnavailableError, ValidationError
 from shared.http import StreamingOperation, error_responses
 from shared.logs import server_request_id
-from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
+from shared.openai_schema import JOB_FIELDS, AsyncJobFields, ChatCompletionRequest, CompletionRequest, InferenceRequest
 from shared.service_app import create_service_app
 from shared.settings import CoreSettings
 
@@ -183,6 +184,24 @@ def get_model(
     return _model_json(find(_catalog(catalog, pool, completions), model_id.lstrip("/")))
 
 
+class CloudChatRequest(ChatCompletionRequest, AsyncJobFields):
+    """A chat completion request as the cloud takes it: the OpenAI fields, plus ``async`` and ``webhook_url``."""
+
+
+class CloudCompletionRequest(CompletionRequest, AsyncJobFields):
+    """A completion request as the cloud takes it: the OpenAI fields, plus ``async`` and ``webhook_url``."""
+
+
+class CloudInferenceRequest(InferenceRequest, AsyncJobFields):
+    """An inference request as the cloud takes it, plus ``async`` and ``webhook_url``."""
+
+
+def _dumper(data: BaseModel) -> Callable[[], dict[str, Any]]:
+    """The validated request as a job stores it (and an idempotent call hashes it): set fields, no job fields;
+    dumped only for a job or an idempotent call."""
+    return partial(data.model_dump, mode="json", by_alias=True, exclude_unset=True, exclude=set(JOB_FIELDS))
+
+
 async def _idempotent(
     request: Request[Any, Any, Any],
     store: IdempotencyStore,
@@ -225,10 +244,10 @@ async def chat_completions(
     idempotency: IdempotencyStore,
     job_intake: JobIntake,
     caller: Caller,
-    data: ChatCompletionRequest,
+    data: CloudChatRequest,
 ) -> Response[Any]:
     """OpenAI chat completions, with ``stream: true`` as server-sent events (``"async": true``: a job, 202)."""
-    body = partial(data.model_dump, mode="json", exclude_unset=True)  # dumped only for a job or an idempotent call
+    body = _dumper(data)
     if (job := await job_intake.submit_if_async(request, caller, CHAT, data.model, body, data.stream)) is not None:
         return job
     call = partial(completions.chat, caller, data)
@@ -249,10 +268,10 @@ async def completions(
     idempotency: IdempotencyStore,
     job_intake: JobIntake,
     caller: Caller,
-    data: CompletionRequest,
+    data: CloudCompletionRequest,
 ) -> Response[Any]:
     """OpenAI (legacy) completions, with ``stream: true`` as server-sent events (``"async": true``: a job, 202)."""
-    body = partial(data.model_dump, mode="json", exclude_unset=True)  # dumped only for a job or an idempotent call
+    body = _dumper(data)
     job = await job_intake.submit_if_async(request, caller, COMPLETIONS, data.model, body, data.stream)
     if job is not None:
         return job
@@ -268,10 +287,10 @@ async def inference(
     pool: EnginePool,
     job_intake: JobIntake,
     caller: Caller,
-    data: InferenceRequest,
+    data: CloudInferenceRequest,
 ) -> Response[Any]:
     """Generic inference: prompts for an LLM, rows of numbers for a tensor model (concurrent calls batch)."""
-    body = partial(data.model_dump, mode="json", exclude_unset=True)  # dumped only for a job or an idempotent call
+    body = _dumper(data)
     if (job := await job_intake.submit_if_async(request, caller, INFERENCE, data.model_id, body, False)) is not None:
         return job
     tensor = tensors.get(data.model_id)
@@ -279,6 +298,12 @@ async def inference(
         allowed = caller.key.allowed_models if caller.key is not None else None
         if allowed and data.model_id not in allowed:
             raise PermissionDeniedError(f"this API key may not use model '{data.model_id}'", param="model_id")
+        for name in data.parameters:  # a tensor model takes its inputs and nothing else
+            raise ValidationError(
+                f"parameters.{name}: unsupported parameter: tensor models take no parameters",
+                param=f"parameters.{name}",
+                code="unsupported_parameter",
+            )
         result = {"model_id": data.model_id, **(await tensors.infer(tensor, data.inputs))}
         return Response(result, headers={"x-tierline-tier": "cloud"})
     if data.model_id not in pool.engines:

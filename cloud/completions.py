@@ -47,6 +47,7 @@ from shared.errors import (
 )
 from shared.openai_responses import SSE_DONE, chat_logprob, completion_logprobs, sse
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
+from shared.structured import grammar_of
 
 # ``/v1/inference`` parameters: the SamplingParams fields a request may set, and the JSON types each takes. They are
 # checked here, strictly (no bool for a number, no "1" for 1), because a wrong type that SamplingParams lets through
@@ -54,7 +55,7 @@ from shared.openai_schema import ChatCompletionRequest, CompletionRequest, Infer
 _PARAMETER_TYPES: dict[str, TypeAdapter[Any]] = {
     name: TypeAdapter(str | list[str] if name == "stop" else hint)
     for name, hint in get_type_hints(SamplingParams).items()
-    if name not in ("n", "speculation")
+    if name not in ("n", "speculation", "grammar")
 }
 
 
@@ -74,8 +75,9 @@ def _check_parameters(parameters: dict[str, Any]) -> None:
         adapter = _PARAMETER_TYPES.get(name)
         if adapter is None:
             raise ValidationError(
-                f"parameters: unknown field '{name}' (allowed: {', '.join(sorted(_PARAMETER_TYPES))})",
+                f"parameters.{name}: unsupported parameter (allowed: {', '.join(sorted(_PARAMETER_TYPES))})",
                 param=f"parameters.{name}",
+                code="unsupported_parameter",
             )
         try:
             adapter.validate_python(value, strict=True)
@@ -338,6 +340,7 @@ class CompletionService:
             repetition_penalty=req.repetition_penalty,
             logprobs=logprobs,
             speculation=req.speculation,
+            grammar=grammar_of(req.response_format) if isinstance(req, ChatCompletionRequest) else None,
             **req.token_choice(),
         )
 

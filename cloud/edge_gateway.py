@@ -49,7 +49,7 @@ from shared.edge_protocol import (
 )
 from shared.errors import AuthenticationError, ValidationError
 from shared.http import StreamingOperation, error_responses
-from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
+from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest, request_error
 from shared.settings import CoreSettings
 
 if TYPE_CHECKING:  # the app names it for Litestar (signature_namespace): importing it loads the engine (torch)
@@ -241,9 +241,7 @@ async def escalate(
         else:
             result = await completions.completions(caller, CompletionRequest.model_validate(data.body))
     except PydanticValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"])
-        raise ValidationError(f"body.{loc}: {err['msg']}", param=f"body.{loc}") from None
+        raise request_error(exc, "body.") from None
     return respond(caller, result)
 
 

@@ -77,8 +77,8 @@ class JobIntake:
     ) -> Response[Any] | None:
         """Queue the request as a job when the client asked for async (202); None for a synchronous request.
 
-        ``async`` and ``webhook_url`` are read from the raw body: the request schemas ignore fields they do not
-        know, so ``body()`` (the validated request, dumped only for a job) is stored without them.
+        ``async`` and ``webhook_url`` are read from the raw body (the cloud's request schemas validate them as
+        ``AsyncJobFields``); ``body()`` (the validated request, dumped only for a job) is stored without them.
         """
         raw = await request.json()
         fields = raw if isinstance(raw, dict) else {}

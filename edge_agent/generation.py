@@ -18,6 +18,7 @@ from shared.errors import ApplicationError, ValidationError
 from shared.escalation import StepSignal, step_signal
 from shared.openai_responses import Logprob
 from shared.sampling import choose, logprob_of
+from shared.structured import GrammarTokenizer
 
 
 class ModelFaultError(RuntimeError):
@@ -47,6 +48,7 @@ class LocalRequest:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    grammar: str | None = None  # the output must match it (response_format; shared.structured)
 
 
 @dataclass(slots=True)
@@ -71,6 +73,18 @@ class LocalLM:
         self.max_context = self.runtime.max_context
         self.vocab_size = self.runtime.vocab_size or self.tokenizer.vocab_size
         self._lock = threading.Lock()
+        self._grammar_tokenizer: GrammarTokenizer | None = None
+
+    def grammar_tokenizer(self) -> GrammarTokenizer:
+        """This model's tokenizer for the grammar engine (400 if llguidance is not installed here)."""
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = GrammarTokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammar_tokenizer
+
+    def check_grammar(self, grammar: str) -> None:
+        """Refuse (400, naming the problem) a grammar the engine cannot compile for this model: before any
+        response starts, so a stream is refused with a status, not cut."""
+        self.grammar_tokenizer().check(grammar)
 
     def check(self, req: LocalRequest) -> int:
         """Validate lengths up front (OpenAI semantics); returns the effective max_tokens."""
@@ -104,6 +118,7 @@ class LocalLM:
     def generate(self, req: LocalRequest) -> Iterator[LocalStep]:
         """Blocking: run it in a worker thread. Holds the model until the iterator is exhausted or closed."""
         max_tokens = self.check(req)
+        constraint = self.grammar_tokenizer().constraint(req.grammar) if req.grammar is not None else None
         rng = np.random.default_rng(req.seed)
         detok = IncrementalDetokenizer(self.tokenizer, req.stop)
         out: list[int] = []
@@ -112,12 +127,19 @@ class LocalLM:
             self.runtime.reset()
             logits = run_model(model, partial(self.runtime.prefill, req.prompt_ids))
             while True:
-                token = choose(logits, rng, req.temperature, req.top_p, req.top_k, req.min_p)
+                allowed = logits
+                if constraint is not None:  # tokens the grammar forbids cannot be drawn; logprobs stay the model's
+                    allowed = np.where(constraint.mask(logits.shape[-1]), logits, -np.inf)
+                token = choose(allowed, rng, req.temperature, req.top_p, req.top_k, req.min_p)
                 lp = logprob_of(logits, token, req.logprobs) if req.logprobs is not None else None
                 out.append(token)
                 reason = None
+                if constraint is not None:
+                    constraint.accept(token)
                 if not req.ignore_eos and token in self.eos_token_ids:
                     reason = "stop"
+                elif constraint is not None and constraint.done:
+                    reason = "stop"  # the output is complete: nothing may follow
                 elif len(out) >= max_tokens:
                     reason = "length"
                 delta, stopped = detok.update(out, is_final=reason is not None)

@@ -26,6 +26,7 @@ from shared.errors import ApplicationError, ArtifactVerificationError, NotFoundE
 from shared.escalation import StepSignal, lm_signals
 from shared.openai_responses import SSE_DONE, chat_logprob, completion_logprobs, sse
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest
+from shared.structured import grammar_of
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +102,13 @@ def _request(
             if req.frequency_penalty
             else "repetition_penalty",
         )
-    local = LocalRequest(prompt_ids=prompt_ids, max_tokens=max_tokens, logprobs=logprobs, **req.token_choice())
+    grammar = grammar_of(req.response_format) if isinstance(req, ChatCompletionRequest) else None
+    local = LocalRequest(
+        prompt_ids=prompt_ids, max_tokens=max_tokens, logprobs=logprobs, grammar=grammar, **req.token_choice()
+    )
     lm.check(local)
+    if grammar is not None:
+        lm.check_grammar(grammar)
     return local
 
 

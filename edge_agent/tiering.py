@@ -196,6 +196,13 @@ class Tiering:
         started = time.monotonic()
         request_id = server_request_id()
         wanted = header or (req.parameters.get("tier") if isinstance(req.parameters.get("tier"), str) else None)
+        for name in req.parameters:  # the device's models are classifiers: ``tier`` is the one parameter they read
+            if name != "tier":
+                raise ValidationError(
+                    f"parameters.{name}: unsupported parameter: on a device /v1/inference takes only 'tier'",
+                    param=f"parameters.{name}",
+                    code="unsupported_parameter",
+                )
         mode = TIER_ALIASES.get(wanted, wanted) if wanted else self.policy(req.model_id).mode
         if mode not in MODES:
             raise ValidationError(f"x-tierline-tier: {wanted!r} is not one of {', '.join(MODES)}", param="tier")
@@ -308,6 +315,8 @@ class Tiering:
             return "model-not-local"
         if exc.code == "context_length_exceeded":
             return "prompt-too-long"
+        if exc.code == "structured_output_unavailable":  # no grammar engine on this device: the cloud has one
+            return "cloud-feature"
         if exc.code == "invalid_token_id":
             return None  # token ids name this model's vocabulary; the cloud's model would not read them alike
         if exc.param in ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt"):
@@ -446,7 +455,7 @@ class Tiering:
         local_body: dict[str, Any] | None = None,
     ) -> Answer:
         """Escalate; on an unreachable cloud answer locally (``fallback`` = start time) or raise 503."""
-        body = req.model_dump(mode="json", exclude_unset=True)
+        body = req.model_dump(mode="json", by_alias=True, exclude_unset=True)
         for name in STRIP_FIELDS:
             body.pop(name, None)
         body["model"] = self.cloud_model(req.model)

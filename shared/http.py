@@ -22,6 +22,7 @@ from pydantic import BaseModel
 
 from shared.errors import ApplicationError
 from shared.openai_responses import SSE_DONE
+from shared.openai_schema import UNSUPPORTED_MESSAGE, UNSUPPORTED_REASON
 
 logger = logging.getLogger(__name__)
 
@@ -153,11 +154,15 @@ def http_error_handler(_: Request[Any, Any, Any], exc: HTTPException) -> Respons
     A body that fails validation names its first bad field: ``param`` is the field's path and the message
     starts with it.
     """
-    message, param = exc.detail, None
+    message, param, code = exc.detail, None, None
     extra = getattr(exc, "extra", None)
     if isinstance(extra, list) and extra and isinstance(extra[0], dict) and "message" in extra[0]:
-        param = extra[0].get("key") or None
-        reason = str(extra[0]["message"]).removeprefix("Value error, ")
+        # A field the schema does not know comes first: it is the error a client most needs to hear about.
+        first = next((e for e in extra if e.get("message") == UNSUPPORTED_MESSAGE), extra[0])
+        param = first.get("key") or None
+        reason = str(first["message"]).removeprefix("Value error, ")
+        if reason == UNSUPPORTED_MESSAGE:
+            reason, code = UNSUPPORTED_REASON, "unsupported_parameter"
         message = f"{param}: {reason}" if param else reason
     elif extra:
         message = f"{message}: {extra}"
@@ -166,7 +171,7 @@ def http_error_handler(_: Request[Any, Any, Any], exc: HTTPException) -> Respons
             "message": message,
             "type": _HTTP_TYPES.get(exc.status_code, "server_error"),
             "param": param,
-            "code": None,
+            "code": code,
         }
     }
     return Response(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))

@@ -1,8 +1,10 @@
 """OpenAI-compatible request schemas shared by the cloud API and the edge agent's local API.
 
-Unknown fields are ignored (clients send fields newer than this server); known ones are validated strictly,
-JSON types included (``"5"`` and ``true`` are not integers, ``"0.5"`` is not a number, an integer is), and
-``shared.http`` turns a failure into the OpenAI error shape naming the field (``param``).
+Strict: a field this server does not implement is refused (400, ``code: unsupported_parameter``, ``param`` names
+it), never silently dropped — a client that asks for something gets it or an error. The OpenAI fields accepted
+as no-ops are ``NO_OP_FIELDS`` (listed in docs/cloud-api.md). Known fields are validated strictly, JSON types
+included (``"5"`` and ``true`` are not integers, ``"0.5"`` is not a number, an integer is), and ``shared.http``
+turns a failure into the OpenAI error shape naming the field (``param``).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import ValidationError as PydanticValidationError
 
 from shared.errors import ValidationError
 
@@ -42,8 +45,28 @@ _NUMBER = _exactly("a number", int, float)
 _BOOLEAN = _exactly("a boolean", bool)
 
 
+# OpenAI request fields accepted and ignored on purpose: they change nothing this server computes (``user`` is an
+# end-user id for abuse tracking, which canary routing also uses as a sticky subject; ``metadata`` tags a stored
+# completion; ``store: false`` asks for what happens anyway). ``store: true`` is refused: nothing is stored.
+NO_OP_FIELDS = ("user", "metadata", "store")
+
+UNSUPPORTED_MESSAGE = "Extra inputs are not permitted"  # pydantic's message for a field a model forbids
+UNSUPPORTED_REASON = "unsupported parameter: this server does not implement it (see docs/cloud-api.md)"
+
+
+def request_error(exc: PydanticValidationError, prefix: str = "") -> ValidationError:
+    """A body validated outside the HTTP layer (an escalation's, a stored job's) failing as the route would:
+    an unknown field first, as ``unsupported_parameter``, else the first error, each naming the field."""
+    errors = exc.errors()
+    err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
+    loc = prefix + ".".join(str(p) for p in err["loc"])
+    if err["type"] == "extra_forbidden":
+        return ValidationError(f"{loc}: {UNSUPPORTED_REASON}", param=loc, code="unsupported_parameter")
+    return ValidationError(f"{loc}: {str(err['msg']).removeprefix('Value error, ')}", param=loc)
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", str_strip_whitespace=False)
+    model_config = ConfigDict(extra="forbid", str_strip_whitespace=False)
 
 
 class StreamOptions(_Request):
@@ -70,6 +93,38 @@ class ChatMessage(_Request):
         return "".join(p.text or "" for p in self.content)
 
 
+class JsonSchemaFormat(_Request):
+    """``response_format.json_schema``: the schema the output must match (``strict`` is accepted either way: the
+    output is always generated under the schema's grammar)."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: Annotated[bool | None, _BOOLEAN] = None
+
+
+class ResponseFormat(_Request):
+    """``text``, ``json_object``, ``json_schema`` (OpenAI's), and tierline's extensions ``regex`` (the output
+    matches the regular expression in full) and ``choice`` (the output is exactly one of the strings)."""
+
+    type: Literal["text", "json_object", "json_schema", "regex", "choice"]
+    json_schema: JsonSchemaFormat | None = None
+    regex: str | None = Field(None, min_length=1, max_length=4096)
+    choice: list[Annotated[str, Field(min_length=1, max_length=1024)]] | None = Field(
+        None, min_length=1, max_length=256
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ResponseFormat:
+        for name in ("json_schema", "regex", "choice"):
+            given = getattr(self, name) is not None
+            if given and self.type != name:
+                raise ValueError(f"{name} goes with type '{name}', not '{self.type}'")
+            if not given and self.type == name:
+                raise ValueError(f"type '{name}' needs the field {name}")
+        return self
+
+
 class _Sampling(_Request):
     """Fields the chat and completions requests share (OpenAI's, then tierline's extensions)."""
 
@@ -84,6 +139,8 @@ class _Sampling(_Request):
     presence_penalty: Annotated[float, _NUMBER] = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: Annotated[float, _NUMBER] = Field(0.0, ge=-2.0, le=2.0)
     user: str | None = Field(None, max_length=256)
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    store: Annotated[bool | None, _BOOLEAN] = None
     # tierline extensions
     top_k: Annotated[int, _INTEGER] = Field(0, ge=0)
     min_p: Annotated[float, _NUMBER] = Field(0.0, ge=0.0, le=1.0)
@@ -92,6 +149,13 @@ class _Sampling(_Request):
     speculation: Literal["off", "draft", "ngram"] | None = None
     tier: Literal["edge", "cloud", "local-first", "cloud-first", "local-only", "cloud-only"] | None = None
     quality: Literal["standard", "high"] | None = None
+
+    @field_validator("store")
+    @classmethod
+    def _store(cls, v: bool | None) -> bool | None:
+        if v:
+            raise ValueError("stored completions are not implemented (send false or leave it out)")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -136,12 +200,23 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Annotated[int | None, _INTEGER] = Field(None, ge=1)
     logprobs: Annotated[bool, _BOOLEAN] = False
     top_logprobs: Annotated[int | None, _INTEGER] = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs: true")
+        if self.is_structured:
+            # Either would let the output end before the grammar does: it would not parse, and say "stop".
+            if self.ignore_eos:
+                raise ValueError("ignore_eos cannot be combined with a structured response_format")
+            if self.stop:
+                raise ValueError("stop cannot be combined with a structured response_format")
         return self
+
+    @property
+    def is_structured(self) -> bool:
+        return self.response_format is not None and self.response_format.type != "text"
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -190,6 +265,17 @@ class CompletionRequest(_Sampling):
         if p and isinstance(p[0], int):
             return [p]
         return list(p)  # type: ignore[arg-type]
+
+
+class AsyncJobFields(BaseModel):
+    """The cloud's async-job fields (``"async": true`` queues a job, ``webhook_url`` gets its result; read by
+    ``cloud/job_routes.py``). Only the cloud's routes accept them; a stored job's request is dumped without them."""
+
+    async_: Annotated[bool | None, _BOOLEAN] = Field(None, alias="async")
+    webhook_url: str | None = Field(None, max_length=2048)
+
+
+JOB_FIELDS = frozenset(AsyncJobFields.model_fields)
 
 
 class InferenceRequest(_Request):

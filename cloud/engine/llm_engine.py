@@ -31,6 +31,7 @@ from cloud.engine.sequence import FinishReason, Sequence
 from cloud.engine.speculator import DraftProposer, SpecController, StepCost, ngram_proposal
 from cloud.engine.tokenizer import ChatTokenizer
 from shared.errors import ConfigurationError, ValidationError
+from shared.structured import GrammarTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,7 @@ class LLMEngine:
             self.block_manager,
         )
         self.eos_token_ids = set(model_config.eos_token_ids)
+        self.grammar_tokenizer: GrammarTokenizer | None = None  # built on the first structured request
         self.drafter = DraftProposer(self.draft_runner, self.sampler) if self.draft_runner is not None else None
         self.spec = self._spec_controller()
         self._requests: dict[str, _Request] = {}
@@ -209,8 +211,20 @@ class LLMEngine:
             )
             for i in range(params.n)
         ]
+        if params.grammar is not None:  # one matcher per sequence (n > 1: each sibling follows its own path)
+            grammar_tokenizer = self._grammar_tokenizer()
+            grammar_tokenizer.check(params.grammar)
+            for seq in seqs:
+                seq.constraint = grammar_tokenizer.constraint(params.grammar)
         self.scheduler.add(seqs[:1])
         self._requests[request_id] = _Request(request_id, seqs, seqs[1:])
+
+    def _grammar_tokenizer(self) -> GrammarTokenizer:
+        if self.grammar_tokenizer is None:
+            self.grammar_tokenizer = GrammarTokenizer(
+                self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
+            )
+        return self.grammar_tokenizer
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its blocks at once (unknown or finished ids are ignored)."""
@@ -294,6 +308,7 @@ class LLMEngine:
             if (
                 method == "off"
                 or seq.params.has_penalties
+                or seq.constraint is not None  # drafts are not checked against the grammar: decode plainly
                 or seeded_sampling
                 or (method == "draft" and self.drafter is None)
             ):
@@ -412,6 +427,10 @@ class LLMEngine:
             seq.token_ids.append(tok)
             self.stats.num_generated_tokens += 1
             reason = self._finish_reason(seq, tok)
+            if seq.constraint is not None:
+                seq.constraint.accept(tok)
+                if seq.constraint.done:  # the output is complete (whatever the length): nothing may follow
+                    reason = FinishReason.STOP
             if reason is not None:
                 del seq.logprobs[seq.num_output_tokens :]
                 del tokens[i + 1 :]

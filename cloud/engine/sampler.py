@@ -3,6 +3,7 @@ speculative-decoding acceptance rules."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from cloud.engine.sampling_params import SamplingParams
@@ -77,8 +78,22 @@ class Sampler:
         return float(torch.rand((), generator=generator, device=self.device))
 
     # -- plain sampling -----------------------------------------------------------------------------------------
+    def constrain(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """logits [N, V] with every token a sequence's grammar forbids at -inf (rows without one as they are)."""
+        rows = [i for i, s in enumerate(seqs) if s.constraint is not None]
+        if not rows:
+            return logits
+        vocab = logits.shape[-1]
+        allowed = np.stack([seqs[i].constraint.mask(vocab) for i in rows])  # type: ignore[union-attr]
+        logits = logits.clone()
+        index = torch.tensor(rows, device=logits.device)
+        forbidden = ~torch.from_numpy(allowed).to(logits.device)
+        logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
+        return logits
+
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """logits: [N, V], one row per sequence → one token per sequence."""
+        """logits: [N, V], one row per sequence → one token per sequence (within its grammar, if it has one)."""
+        logits = self.constrain(logits, seqs)
         if all(s.params.is_greedy and not s.params.has_penalties for s in seqs):
             return torch.argmax(logits, dim=-1).tolist()
         tokens: list[int] = []

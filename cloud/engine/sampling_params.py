@@ -23,7 +23,9 @@ class SamplingParams:
     top alternatives (0 = chosen token only, None = off); values are the model's raw distribution, before
     temperature and penalties. ``speculation`` overrides the model's speculative mode for this request
     (``"off"``, ``"draft"`` or ``"ngram"``); requests with penalties, and seeded sampled requests (so they stay
-    reproducible whatever the load), always decode without speculation.
+    reproducible whatever the load), always decode without speculation. ``grammar`` constrains the output
+    (``response_format``): each step's logits are masked to the tokens the grammar allows, and the output ends
+    ("stop") when the grammar is complete; such requests decode without speculation too.
     """
 
     n: int = 1
@@ -41,6 +43,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     speculation: str | None = None
+    grammar: str | None = None  # llguidance grammar the output must match (shared.structured.grammar_of)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

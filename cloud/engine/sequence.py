@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from cloud.engine.sampling_params import SamplingParams
 from shared.openai_responses import Logprob
+from shared.structured import Constraint
 
 
 class SequenceStatus(enum.Enum):
@@ -57,6 +58,7 @@ class Sequence:
     logprobs: list[Logprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     first_token_time: float | None = None
+    constraint: Constraint | None = None  # params.grammar's matcher, advanced with each appended token
 
     @property
     def num_tokens(self) -> int:

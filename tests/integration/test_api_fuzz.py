@@ -8,7 +8,7 @@ Every answer must not be a 5xx, and its status code, content type and body must 
 Random strings rarely name a model, a job or a published artifact, so most cases get real ones drawn in
 (``_with_known_values``), inference calls get inputs of the model's kind, escalations get an inner body generated
 from the schema of the route they stand for, and some inference calls are sent as async jobs (``"async": true``
-or ``Prefer: respond-async``, which the schema does not describe).
+or ``Prefer: respond-async``; the schema describes the first, not the header).
 
 Calls stay cheap on a loaded host because ``_cap_generation`` lowers, before sending, what makes generation
 slow: ``max_tokens`` and ``max_completion_tokens`` (and ``parameters.max_tokens`` of ``/v1/inference``) above

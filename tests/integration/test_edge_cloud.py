@@ -14,11 +14,12 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import openai
 import pytest
+from pydantic import BaseModel, Field
 from sqlalchemy import create_engine
 from sqlmodel import Session, select
 
@@ -431,3 +432,30 @@ def _softmax(logits: list[float]) -> list[float]:
     top = max(logits)
     e = [math.exp(x - top) for x in logits]
     return [x / sum(e) for x in e]
+
+
+class Pet(BaseModel):
+    name: str = Field(max_length=8)
+    kind: Literal["cat", "dog", "fish"]
+    age: int = Field(ge=0, le=30)
+
+
+@pytest.mark.parametrize(("model", "tier"), [(INT8, "edge"), (FP32, "cloud"), ("tierline/lm-cloud", "cloud")])
+def test_a_structured_request_obeys_its_schema_on_whichever_tier_answers(
+    client: openai.OpenAI, model: str, tier: str
+) -> None:
+    """An escalated structured request carries its response_format (by alias) and the cloud enforces it."""
+    messages: Any = [{"role": "user", "content": "a pet"}]
+    for stream in (False, True):
+        if stream:
+            with client.chat.completions.stream(
+                model=model, messages=messages, response_format=Pet, max_tokens=100, temperature=0
+            ) as s:
+                final = s.get_final_completion()
+        else:
+            raw = client.chat.completions.with_raw_response.parse(
+                model=model, messages=messages, response_format=Pet, max_tokens=100, temperature=0.8
+            )
+            assert raw.headers["x-tierline-tier"] == tier
+            final = raw.parse()
+        assert isinstance(final.choices[0].message.parsed, Pet) and final.choices[0].finish_reason == "stop"

@@ -1,0 +1,155 @@
+"""``tierline bench structured``: what constrained decoding (``response_format``) costs.
+
+Decode throughput of the cloud engine with and without a JSON schema's grammar, one request at a time (batch 1)
+and 32 requests at once; the same at batch 1 on the edge runtime (ONNX Runtime, the INT8 export); and the grammar
+engine's own costs: building a model's grammar tokenizer, compiling a schema, computing one token's mask (p50 and
+p99, over the masks of real constrained generations).
+
+Every run decodes greedily to ``max_tokens``: the schema (an array of bounded strings, long enough for any
+``max_tokens`` here) keeps constrained outputs going, and unconstrained ones ignore EOS, so both sides generate
+the same number of tokens and tokens/s compare the same work.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.engine_bench import KV_BYTES, _lm
+from cloud.engine.config import EngineConfig
+from cloud.engine.llm_engine import LLMEngine
+from cloud.engine.sampling_params import SamplingParams
+from edge_agent.generation import LocalLM, LocalRequest
+from shared.openai_schema import ResponseFormat
+from shared.structured import Constraint, GrammarTokenizer, grammar_of
+
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 24},
+        "count": {"type": "integer", "minimum": 0, "maximum": 1000},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 400},
+    },
+    "required": ["title", "count", "tags"],
+    "additionalProperties": False,
+}
+PROMPTS = ["def main():", "import os\n", "class Config:", "# parse the", "for item in", "return {", "x = [", "if not"]
+
+
+def _grammar() -> str:
+    fmt = ResponseFormat.model_validate({"type": "json_schema", "json_schema": {"name": "bench", "schema": SCHEMA}})
+    grammar = grammar_of(fmt)
+    assert grammar is not None
+    return grammar
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(len(ordered) * q / 100))], 2) if ordered else 0.0
+
+
+def _engine_rate(
+    engine: LLMEngine, concurrency: int, num_requests: int, max_tokens: int, grammar: str | None
+) -> dict[str, Any]:
+    """Tokens/s for ``num_requests`` requests, ``concurrency`` in the engine at a time."""
+    prompts = [engine.encode_prompt(PROMPTS[i % len(PROMPTS)]) for i in range(num_requests)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=grammar is None, grammar=grammar)
+    started = time.perf_counter()
+    tokens = 0
+    for first in range(0, num_requests, concurrency):
+        batch = list(range(first, min(num_requests, first + concurrency)))
+        for i in batch:
+            engine.add_request(f"{'s' if grammar else 'p'}{i}", prompts[i], params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    tokens += len(out.token_ids)
+    seconds = time.perf_counter() - started
+    return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1)}
+
+
+def _edge_rate(lm: LocalLM, num_requests: int, max_tokens: int, grammar: str | None) -> dict[str, Any]:
+    started = time.perf_counter()
+    tokens = 0
+    for i in range(num_requests):
+        req = LocalRequest(
+            prompt_ids=lm.tokenizer.encode(PROMPTS[i % len(PROMPTS)]),
+            max_tokens=max_tokens,
+            temperature=0.0,
+            ignore_eos=grammar is None,
+            grammar=grammar,
+        )
+        tokens += sum(1 for _ in lm.generate(req))
+    seconds = time.perf_counter() - started
+    return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1)}
+
+
+def _mask_costs(
+    grammar_tokenizer: GrammarTokenizer, grammar: str, engine: LLMEngine, max_tokens: int
+) -> dict[str, Any]:
+    """Compile time, and the time of every mask a greedy constrained generation of the real model computes."""
+    compile_s = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        grammar_tokenizer.check(grammar)
+        Constraint(grammar_tokenizer, grammar)
+        compile_s.append(time.perf_counter() - t0)
+    mask_us: list[float] = []
+    original = Constraint.mask
+
+    def timed(self: Constraint, size: int | None = None) -> Any:
+        t0 = time.perf_counter()
+        result = original(self, size)
+        mask_us.append((time.perf_counter() - t0) * 1e6)
+        return result
+
+    Constraint.mask = timed  # type: ignore[method-assign]
+    try:
+        _engine_rate(engine, 8, 8, max_tokens, grammar)
+    finally:
+        Constraint.mask = original  # type: ignore[method-assign]
+    return {
+        "grammar_compile_ms_p50": round(statistics.median(compile_s) * 1e3, 3),
+        "mask_us_p50": _pct(mask_us, 50),
+        "mask_us_p99": _pct(mask_us, 99),
+        "masks_timed": len(mask_us),
+    }
+
+
+def bench_structured(zoo_root: Path, num_requests: int = 32, max_tokens: int = 64) -> dict[str, Any]:
+    grammar = _grammar()
+    engine = LLMEngine(EngineConfig(_lm(zoo_root, "lm-cloud"), kv_cache_bytes=KV_BYTES, max_num_seqs=64))
+    t0 = time.perf_counter()
+    grammar_tokenizer = GrammarTokenizer(engine.tokenizer, engine.model_config.vocab_size, engine.eos_token_ids)
+    tokenizer_ms = (time.perf_counter() - t0) * 1e3
+    _engine_rate(engine, 4, 4, 8, None)  # warm-up (allocations, first forward)
+    _engine_rate(engine, 4, 4, 8, grammar)
+    cloud: dict[str, Any] = {}
+    for concurrency, count in ((1, max(4, num_requests // 4)), (32, num_requests)):
+        plain = _engine_rate(engine, concurrency, count, max_tokens, None)
+        constrained = _engine_rate(engine, concurrency, count, max_tokens, grammar)
+        cloud[f"batch_{concurrency}"] = {
+            "unconstrained": plain,
+            "constrained": constrained,
+            "ratio": round(constrained["tokens_per_s"] / plain["tokens_per_s"], 3),
+        }
+    costs = _mask_costs(grammar_tokenizer, grammar, engine, max_tokens)
+    edge_lm = LocalLM(_lm(zoo_root, "lm-edge-onnx-int8"))
+    _edge_rate(edge_lm, 1, 8, grammar)
+    edge_plain = _edge_rate(edge_lm, 4, max_tokens, None)
+    edge_constrained = _edge_rate(edge_lm, 4, max_tokens, grammar)
+    return {
+        "bench": "structured-output",
+        "grammar_engine": "llguidance",
+        "max_tokens": max_tokens,
+        "grammar_tokenizer_build_ms": round(tokenizer_ms, 2),
+        **costs,
+        "cloud": cloud,
+        "edge_onnx_int8_batch_1": {
+            "unconstrained": edge_plain,
+            "constrained": edge_constrained,
+            "ratio": round(edge_constrained["tokens_per_s"] / edge_plain["tokens_per_s"], 3),
+        },
+    }

@@ -1,0 +1,140 @@
+"""Constrained decoding for ``response_format``, shared by both tiers: a request's format as a grammar, and a
+per-sequence matcher whose token mask the sampler applies before it picks a token.
+
+The grammar engine is llguidance (numpy only, no torch: the same code runs in the cloud engine and on a device).
+It is an optional import: without it this module still imports, plain requests are served, and a structured
+request is refused with a clear 400 (``structured_output_unavailable``). ``pip install 'tierline[structured]'``.
+
+Grammar, then tokenizer: ``grammar_of`` turns the request's format into llguidance's grammar text (a JSON schema,
+``{"type": "object"}`` for ``json_object``, a regex, a choice of strings); ``GrammarTokenizer`` binds a model's
+tokenizer (``tokenizer.json``, its vocabulary size and its EOS ids) and checks a grammar against it (a schema the
+engine cannot compile is a 400 naming the problem); ``Constraint`` follows one sequence: ``mask()`` says which
+token ids may come next (an EOS id once the output is complete), ``accept(token)`` advances it, ``done`` says the
+grammar can take nothing more.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from shared.errors import ValidationError
+
+llguidance: Any
+try:
+    llguidance = importlib.import_module("llguidance")
+except ImportError:  # a device without the extra: structured requests get a 400, everything else works
+    llguidance = None
+
+if TYPE_CHECKING:
+    from shared.chat_tokenizer import ChatTokenizer
+    from shared.openai_schema import ResponseFormat
+
+PARAM = "response_format"
+# Compact JSON (no free whitespace between tokens): a small model cannot spend its tokens on blank lines, and the
+# output is what ``json.loads`` and the openai SDK's ``parse`` read either way.
+_JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+
+
+class StructuredOutputUnavailableError(ValidationError):
+    code = "structured_output_unavailable"
+
+
+def available() -> bool:
+    return llguidance is not None
+
+
+def _require() -> Any:
+    if llguidance is None:
+        raise StructuredOutputUnavailableError(
+            "response_format: structured output needs the grammar engine, which is not installed here "
+            "(pip install 'tierline[structured]'); send the request to the cloud tier",
+            param=PARAM,
+        )
+    return llguidance
+
+
+def grammar_of(fmt: ResponseFormat | None) -> str | None:
+    """The llguidance grammar of a request's ``response_format``; None for free text."""
+    if fmt is None or fmt.type == "text":
+        return None
+    llg = _require()
+    matcher = llg.LLMatcher
+    if fmt.type == "json_object":
+        return str(matcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS))
+    if fmt.type == "json_schema":
+        assert fmt.json_schema is not None
+        try:
+            return str(matcher.grammar_from_json_schema(fmt.json_schema.schema_ or {}, defaults=_JSON_OPTIONS))
+        except (ValueError, TypeError) as exc:
+            raise ValidationError(f"{PARAM}.json_schema.schema: {exc}", param=f"{PARAM}.json_schema.schema") from None
+    if fmt.type == "regex":
+        assert fmt.regex is not None
+        return str(matcher.grammar_from_regex(fmt.regex))
+    assert fmt.type == "choice" and fmt.choice is not None
+    # A Lark rule of string literals (JSON string syntax is Lark's): exactly one of them, nothing else.
+    return str(matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in fmt.choice)))
+
+
+class GrammarTokenizer:
+    """llguidance's view of one model's tokenizer: built once per model (tens of milliseconds), shared by all of
+    its requests."""
+
+    def __init__(self, tokenizer: ChatTokenizer, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+        llg = _require()
+        eos = sorted(set(eos_token_ids)) or [t for t in (tokenizer.token_id(tokenizer.eos_token),) if t is not None]
+        self.vocab_size = max(vocab_size, tokenizer.vocab_size)
+        self.eos_token_ids = eos
+        self.tokenizer = llg.LLTokenizer(tokenizer.tokenizer.to_str(), n_vocab=self.vocab_size, eos_token=eos or None)
+
+    def check(self, grammar: str) -> None:
+        """Refuse (400, naming the problem) a grammar the engine cannot compile for this model."""
+        assert llguidance is not None
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if error:
+            raise ValidationError(f"{PARAM}: the grammar engine cannot compile it: {error}", param=PARAM)
+
+    def constraint(self, grammar: str) -> Constraint:
+        return Constraint(self, grammar)
+
+
+class Constraint:
+    """One sequence's place in its grammar."""
+
+    __slots__ = ("_bits", "_matcher", "_vocab_size", "eos_token_ids")
+
+    def __init__(self, tokenizer: GrammarTokenizer, grammar: str) -> None:
+        assert llguidance is not None
+        self._matcher = llguidance.LLMatcher(tokenizer.tokenizer, grammar, log_level=0)
+        if self._matcher.is_error():
+            raise ValidationError(
+                f"{PARAM}: the grammar engine cannot compile it: {self._matcher.get_error()}", param=PARAM
+            )
+        self._vocab_size = tokenizer.vocab_size
+        self._bits = np.zeros((self._vocab_size + 31) // 32, dtype=np.int32)
+        self.eos_token_ids = tokenizer.eos_token_ids
+
+    def mask(self, size: int | None = None) -> np.ndarray:
+        """bool[size] (default: the vocabulary): True where a token may come next."""
+        self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little").astype(bool)
+        size = size or self._vocab_size
+        if allowed.shape[0] < size:
+            allowed = np.concatenate([allowed, np.zeros(size - allowed.shape[0], dtype=bool)])
+        allowed = allowed[:size]
+        if not allowed.any():  # an error state (never expected): end the output rather than sample from nothing
+            allowed[[t for t in self.eos_token_ids if t < size]] = True
+        return allowed
+
+    def accept(self, token: int) -> None:
+        """Advance past a sampled token (one the mask allowed)."""
+        self._matcher.consume_token(token)
+
+    @property
+    def done(self) -> bool:
+        """Nothing more can follow: the output is complete (or the matcher failed, which ends it as well)."""
+        return bool(self._matcher.is_stopped() or self._matcher.is_error())
