@@ -243,7 +243,7 @@ class Backends:
             completion_worst += max_new * req.n
         caller.model_version = None
         meter = await self.service.reserve(caller, remote, reserved, Tokens(prompt_worst, completion_worst))
-        body = req.model_dump(mode="json", exclude_unset=True)
+        body = req.model_dump(mode="json", exclude_unset=True, by_alias=True)  # json_schema.schema, not schema_
         for name in GATEWAY_FIELDS:
             body.pop(name, None)
         body["model"] = remote.config.upstream_model
