@@ -45,7 +45,8 @@ REGISTRY_MODELS = (("lm-cloud", "lm-cloud"), ("lm-edge", "lm-edge"))
 REGISTRY_CLASSIFIERS = (("digits-large", "digits-large"), ("digits-small", "digits-small"))
 EDGE_EXPORTS = {"lm-edge": ("lm-edge-onnx", "lm-edge-onnx-int8", "lm-edge-tflite")}
 EDGE_ALIAS = "edge"
-VALIDATION_LINES = 120  # held-out LM line starts for the calibration data (about half are the validation half)
+# Held-out LM line starts for the calibration data, per preset (half of them are the validation half).
+VALIDATION_LINES = {"tiny": 60, "demo": 160}
 
 
 @dataclass(slots=True)
@@ -258,7 +259,7 @@ def calibrate_policies(
         validation.parent.mkdir(parents=True, exist_ok=True)
         partial = validation.with_suffix(".partial")
         cmd = [*tierline, "bench", "cascade", "--preset", preset, "--zoo-dir", str(zoo_dir), "--json"]
-        cmd += ["--lines", str(VALIDATION_LINES), "--export-validation", str(partial)]
+        cmd += ["--lines", str(VALIDATION_LINES.get(preset, 160)), "--export-validation", str(partial)]
         _check(subprocess.run(cmd, capture_output=True, text=True, check=False), "tierline bench cascade")
         partial.rename(validation)
     done = []
