@@ -244,6 +244,22 @@ def _policy_models(validation: Path) -> list[str]:
     return models
 
 
+def validation_path(data_dir: Path, preset: str) -> Path:
+    return data_dir / "demo" / f"validation-{preset}.jsonl"
+
+
+def policies_ready(data_dir: Path, preset: str, policy_dir: Path) -> bool:
+    """Whether every edge model of the cached validation data has a policy (nothing to calibrate)."""
+    from shared.errors import ConfigurationError
+    from shared.escalation import load_policy
+
+    validation = validation_path(data_dir, preset)
+    try:
+        return validation.is_file() and all(load_policy(policy_dir, m) is not None for m in _policy_models(validation))
+    except (OSError, ValueError, ConfigurationError):
+        return False
+
+
 def calibrate_policies(
     zoo_dir: Path, preset: str, data_dir: Path, policy_dir: Path, log: Callable[[str], None]
 ) -> list[str]:
@@ -252,7 +268,7 @@ def calibrate_policies(
     that already has a policy keeps it. Returns the models calibrated now."""
     from shared.escalation import load_policy
 
-    validation = data_dir / "demo" / f"validation-{preset}.jsonl"
+    validation = validation_path(data_dir, preset)
     tierline = [sys.executable, "-m", "tierline.cli"]
     if not validation.is_file():
         log(f"calibration data: running both tiers on held-out items once ({validation})")

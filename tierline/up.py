@@ -276,22 +276,30 @@ def up(zoo_preset: str, bare: bool, new_key: bool) -> None:
     signal.signal(signal.SIGINT, _raise_interrupt)
     pool = ThreadPoolExecutor(1, thread_name_prefix="calibrate")
     try:
-        for name in ("cloud", "console"):
+        # The agent reads its policies at start-up: when some must be calibrated first, it starts once they are
+        # (calibrating while the cloud starts); else it starts with the others and picks up an enrollment live.
+        edge_early = bare or seed.policies_ready(data_dir, zoo_preset, policies)
+        for name in ("cloud", "console", "edge") if edge_early else ("cloud", "console"):
             procs[name] = _start(name, commands[name][0], env)
         calibrated: Future[list[str]] | None = None
-        if not bare:  # the agent reads its policies at start-up: calibrate while the cloud starts
+        if not edge_early:
             calibrated = pool.submit(
                 seed.calibrate_policies, core.zoo_dir.resolve(), zoo_preset, data_dir, policies, _say
             )
         _wait_healthy("cloud", cloud_url, procs["cloud"], log_path)
+        enrolled_now = False
         if not bare:
+            before = len(seeded.created)
             seed.enroll_agent(cloud_url, edge_home, seeded)
+            enrolled_now = len(seeded.created) > before
         if calibrated is not None:
             for model in calibrated.result():
                 seeded.add(f"escalation policy {model}")
-        procs["edge"] = _start("edge", commands["edge"][0], env)
+            procs["edge"] = _start("edge", commands["edge"][0], env)
         for name in ("console", "edge"):
             _wait_healthy(name, commands[name][1], procs[name], log_path)
+        if enrolled_now and edge_early:
+            _wait_enrolled(edge_url, edge_settings.api_key.get_secret_value() if edge_settings.api_key else None)
         ready_s = time.monotonic() - started
         logger.info("all ready in %.1f s; seeded: %s", ready_s, ", ".join(seeded.created) or "nothing new")
         info = {
@@ -345,6 +353,20 @@ def up(zoo_preset: str, bare: bool, new_key: bool) -> None:
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
         _stop(procs)
+
+
+def _wait_enrolled(edge_url: str, api_key: str | None, timeout_s: float = 30.0) -> None:
+    """Until the running agent has picked up the enrollment made while it ran (``enrollment_poll_s``)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{edge_url}/v1/agent", headers=headers, timeout=2.0).json().get("enrolled"):
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.2)
+    logger.warning("the edge agent has not picked up its enrollment after %.0f s", timeout_s)
 
 
 def _device_id(home: Path) -> str:

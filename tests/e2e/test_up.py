@@ -33,7 +33,7 @@ def _start_up(
     up_json: Path,
     previous_pids: dict[str, int] | None,
     *args: str,
-    timeout: float = 120,
+    timeout: float = 300,  # the shared test host can be slow to start a cloud
 ) -> tuple[subprocess.Popen[str], dict]:
     """Start `tierline up` and wait until it writes an up.json with new pids."""
     proc = subprocess.Popen(
