@@ -21,7 +21,7 @@ from litestar.params import SkipValidation
 
 from edge_agent.agent import Agent, AgentStats
 from edge_agent.allowance import AllowanceGuard
-from edge_agent.cloud_link import CircuitBreaker, CloudLink, Credentials
+from edge_agent.cloud_link import CREDENTIALS_FILE, CircuitBreaker, CloudLink, Credentials
 from edge_agent.model_store import ModelStore
 from edge_agent.models import EDGE_ARTIFACTS, PREFIX, ServedModels
 from edge_agent.outbox import Outbox
@@ -47,7 +47,6 @@ class EdgeState:
     served: ServedModels
     api_key: str | None
     agent: Agent
-    link: CloudLink | None
     tiering: Tiering
 
 
@@ -131,15 +130,17 @@ async def inference(
 
 
 @get("/metrics", sync_to_thread=True, include_in_schema=False)
-def metrics(agent: Agent, link: CloudLink | None) -> Response[str]:
+def metrics(agent: Agent) -> Response[str]:
     """Prometheus exposition: requests per model version and outcome, degraded answers, outbox depth."""
+    link = agent.link
     text = agent.stats.prometheus(agent.outbox.stats(), link.breaker.state if link is not None else None)
     return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 @get("/v1/agent", dependencies=LOCAL_AUTH, sync_to_thread=True)
-def agent_status(agent: Agent, link: CloudLink | None, tiering: TieringDependency, _auth: None) -> dict[str, Any]:
+def agent_status(agent: Agent, tiering: TieringDependency, _auth: None) -> dict[str, Any]:
     """The agent's own state: enrollment, cloud link, outbox, per-version stats."""
+    link = agent.link
     return {
         "pid": os.getpid(),
         "enrolled": link is not None,
@@ -171,32 +172,22 @@ def create_app(settings: EdgeSettings) -> Litestar:
 
     @asynccontextmanager
     async def start() -> AsyncIterator[EdgeState]:
-        link = (
-            CloudLink(creds, deadline_s=settings.cloud_deadline_s, breaker=CircuitBreaker(3, settings.breaker_reset_s))
-            if creds is not None
-            else None
-        )
         outbox = Outbox(home / "outbox.sqlite3", settings.outbox_max_bytes)
-        agent = Agent(outbox, AgentStats(served.versions()), link, creds.sync_interval_s if creds else 30.0)
-        updates = Updates(served, agent, settings, creds, keys, home) if creds is not None else None
+        agent = Agent(outbox, AgentStats(served.versions()), None, 30.0)
         guard = AllowanceGuard(settings.on_quota_exhausted)
         agent.on_allowance = guard.update
-        tiering = Tiering(served.lms, link, policies, agent.record, served.classifiers, allowance=guard)
-        syncing = asyncio.create_task(agent.run(), name="edge-sync") if link is not None else None
+        tiering = Tiering(served.lms, None, policies, agent.record, served.classifiers, allowance=guard)
+        enrollment = Enrollment(home, settings, served, agent, tiering, keys)
+        if creds is not None:
+            enrollment.connect(creds)
+        watching = asyncio.create_task(enrollment.watch(), name="edge-enrollment")
         try:
-            yield EdgeState(served=served, api_key=api_key, agent=agent, link=link, tiering=tiering)
+            yield EdgeState(served=served, api_key=api_key, agent=agent, tiering=tiering)
         finally:
-            if syncing is not None:
-                syncing.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await syncing
-            if updates is not None:
-                await updates.close()
-            if syncing is not None:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(agent.drain(), settings.shutdown_sync_s)
-            if link is not None:
-                await link.aclose()
+            watching.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watching
+            await enrollment.close(drain_s=settings.shutdown_sync_s)
             outbox.close()
 
     return create_service_app(
@@ -204,6 +195,107 @@ def create_app(settings: EdgeSettings) -> Litestar:
         start=start,
         state_type=EdgeState,
     )
+
+
+class Enrollment:
+    """The agent's cloud connection, following its credentials file: ``tierline edge enroll`` run while the agent
+    is up takes effect within ``enrollment_poll_s`` (the link, the sync loop and the updates start, or are
+    replaced by the new device's), with no restart."""
+
+    def __init__(
+        self,
+        home: Path,
+        settings: EdgeSettings,
+        served: ServedModels,
+        agent: Agent,
+        tiering: Tiering,
+        keys: list[Ed25519PublicKey],
+    ) -> None:
+        self.home = home
+        self.settings = settings
+        self.served = served
+        self.agent = agent
+        self.tiering = tiering
+        self.keys = keys
+        self.creds: Credentials | None = None
+        self.updates: Updates | None = None
+        self.syncing: asyncio.Task[None] | None = None
+        self.seen = self._fingerprint()
+
+    def _fingerprint(self) -> tuple[int, int, int] | None:
+        try:
+            st = (self.home / CREDENTIALS_FILE).stat()
+        except OSError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def connect(self, creds: Credentials) -> None:
+        """Start the link, the sync loop and the updates for ``creds`` (called on the event loop)."""
+        settings = self.settings
+        link = CloudLink(
+            creds, deadline_s=settings.cloud_deadline_s, breaker=CircuitBreaker(3, settings.breaker_reset_s)
+        )
+        for path in creds.key_files(self.home):
+            if path.is_file():
+                key = load_public_key(path)
+                if all(key.public_bytes_raw() != k.public_bytes_raw() for k in self.keys):
+                    self.keys.append(key)
+        self.creds = creds
+        self.agent.link = link
+        self.agent.interval_s = creds.sync_interval_s
+        self.tiering.link = link
+        self.updates = Updates(self.served, self.agent, settings, creds, self.keys, self.home)
+        self.syncing = asyncio.create_task(self.agent.run(), name="edge-sync")
+
+    async def disconnect(self, drain_s: float = 0.0) -> None:
+        """Stop the sync loop and the updates; a last sync of up to ``drain_s``; close the link."""
+        if self.syncing is not None:
+            self.syncing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.syncing
+            self.syncing = None
+        if self.updates is not None:
+            await self.updates.close()
+            self.updates = None
+        link = self.agent.link
+        if link is not None and drain_s > 0:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.agent.drain(), drain_s)
+        self.agent.link = None
+        self.tiering.link = None
+        if link is not None:
+            await link.aclose()
+
+    async def check(self) -> bool:
+        """Reconnect when the credentials file changed to another device's; True when it did."""
+        seen = self._fingerprint()
+        if seen == self.seen:
+            return False
+        self.seen = seen
+        try:
+            creds = await asyncio.to_thread(Credentials.load, self.home)
+        except ConfigurationError as exc:
+            logger.warning("ignoring the new device credentials: %s", exc.message)
+            return False
+        if creds is None or creds == self.creds:
+            return False
+        await self.disconnect()
+        self.connect(creds)
+        logger.info(
+            "enrolled as device %s of tenant %s: syncing with %s", creds.device_id, creds.tenant, creds.cloud_url
+        )
+        return True
+
+    async def watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.enrollment_poll_s)
+            try:
+                await self.check()
+            except Exception:
+                logger.exception("could not apply the new device credentials")
+
+    async def close(self, drain_s: float) -> None:
+        await self.disconnect(drain_s)
 
 
 class Updates:

@@ -31,6 +31,9 @@ class EdgeSettings(BaseSettings):
     outbox_max_bytes: int = Field(
         64 << 20, ge=1 << 16, description="outbox bound; telemetry then events may be dropped, usage never"
     )
+    enrollment_poll_s: float = Field(
+        2.0, gt=0, description="how often the agent looks for new device credentials (`tierline edge enroll`)"
+    )
     shutdown_sync_s: float = Field(5.0, ge=0, description="time given to a last sync when the agent stops")
     on_quota_exhausted: Literal["refuse", "escalate"] = Field(
         "refuse",

@@ -1,4 +1,5 @@
-"""`tierline up`: three processes, seeded tenant and admin, up.json for scripts, clean Ctrl-C."""
+"""`tierline up --bare`: three processes, seeded tenant and admin, up.json for scripts, clean Ctrl-C. (The
+connected default: test_up_connected.py.)"""
 
 from __future__ import annotations
 
@@ -28,18 +29,22 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _start_up(
-    env: dict[str, str], up_json: Path, previous_pids: dict[str, int] | None
+    env: dict[str, str],
+    up_json: Path,
+    previous_pids: dict[str, int] | None,
+    *args: str,
+    timeout: float = 300,  # the shared test host can be slow to start a cloud
 ) -> tuple[subprocess.Popen[str], dict]:
     """Start `tierline up` and wait until it writes an up.json with new pids."""
     proc = subprocess.Popen(
-        tierline_cmd("up", "--zoo", "tiny"),
+        tierline_cmd("up", "--zoo", "tiny", *args),
         env=env,
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + timeout
     while True:
         if up_json.exists():
             info = json.loads(up_json.read_text())
@@ -58,7 +63,7 @@ def test_up_serves_everything_and_stops_cleanly(tmp_path: Path, tiny_zoo: Path, 
     ports = {name: str(free_port()) for name in ("CLOUD", "CONSOLE", "EDGE")}
     env = base_env(data, **{f"TIERLINE_{n}_PORT": p for n, p in ports.items()})
     up_json = data / "up.json"
-    proc, info = _start_up(env, up_json, None)
+    proc, info = _start_up(env, up_json, None, "--bare")
     try:
         assert stat.S_IMODE(up_json.stat().st_mode) == 0o600
         assert info["cloud_url"].endswith(ports["CLOUD"])
@@ -88,10 +93,12 @@ def test_up_serves_everything_and_stops_cleanly(tmp_path: Path, tiny_zoo: Path, 
     assert not any(_pid_alive(pid) for pid in children)
 
     # A second run reuses the key and the admin; SIGTERM (a service manager's stop) is as clean as Ctrl-C.
-    proc, again = _start_up(env, up_json, info["pids"])
+    proc, again = _start_up(env, up_json, info["pids"], "--bare")
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=60)
     assert proc.returncode == 0
     assert again["api_key"] == info["api_key"]
     assert again["console_admin_password"] == info["console_admin_password"]
     assert not any(_pid_alive(pid) for pid in again["pids"].values())
+    assert not (data / "edge" / "credentials.json").exists()  # --bare: no device, no registry, no prices
+    assert not (data / "edge" / "policies").exists() and again["seeded"] == []

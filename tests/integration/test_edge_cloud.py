@@ -219,6 +219,36 @@ def test_header_overrides_the_mode(client: openai.OpenAI, fleet: Fleet) -> None:
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tier"
 
 
+def test_enrolling_a_running_agent_takes_effect_without_a_restart(fleet: Fleet, tmp_path: Path) -> None:
+    env = {
+        **fleet.agent_env,
+        "TIERLINE_EDGE_STATE_DIR": str(tmp_path / "late"),
+        "TIERLINE_EDGE_ENROLLMENT_POLL_S": "0.2",
+    }
+    forced = {"json": {"model": INT8, "prompt": "x = ", "max_tokens": 4}, "headers": {"x-tierline-tier": "cloud"}}
+    with run_server(["edge", "run"], env, free_port()) as url:
+        before = httpx.get(f"{url}/v1/agent").json()
+        assert before["enrolled"] is False
+        refused = httpx.post(f"{url}/v1/completions", **forced)  # type: ignore[arg-type]
+        assert refused.status_code == 503 and "not enrolled" in refused.json()["error"]["message"]
+
+        token = fleet.cli("devices", "enrollment-token", "--tenant", "acme", "--label", "ring=dev")
+        out = fleet.cli("edge", "enroll", "--cloud", fleet.cloud_url, "--token", token, "--name", "late-1", env=env)
+        device_id = out.split("enrolled as device ")[1].split()[0]
+        deadline = time.monotonic() + 10
+        while not (status := httpx.get(f"{url}/v1/agent").json())["enrolled"]:
+            assert time.monotonic() < deadline, "the running agent did not pick up its enrollment"
+            time.sleep(0.1)
+        assert status["pid"] == before["pid"] and status["device_id"] == device_id
+        answered = httpx.post(f"{url}/v1/completions", timeout=60, **forced)  # type: ignore[arg-type]
+        assert answered.status_code == 200, answered.text
+        assert answered.headers["x-tierline-tier"] == "cloud"
+        deadline = time.monotonic() + 15  # and the new device syncs: the cloud sees it
+        while httpx.get(f"{url}/v1/agent").json()["synced_records"] == 0:
+            assert time.monotonic() < deadline, "the newly enrolled agent never synced"
+            time.sleep(0.2)
+
+
 def test_a_published_version_is_installed_and_swapped_under_load_with_no_failed_request(
     client: openai.OpenAI, fleet: Fleet
 ) -> None:
