@@ -17,6 +17,7 @@ import time
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -138,9 +139,9 @@ def test_soft_budgets_count_without_refusing_and_edge_allowance_follows_the_tigh
     with Session(engine) as s:
         add_spend(s, tenant_id, datetime.now(UTC), Decimal("1.25"))
         s.commit()
-        tenant = s.get(Tenant, tenant_id)
-        assert tenant is not None
-        assert tightest_remaining(s, tenant) == Decimal("2.00") - Decimal("0.15") - Decimal("1.25")
+        stored = s.get(Tenant, tenant_id)
+        assert stored is not None
+        assert tightest_remaining(s, stored) == Decimal("2.00") - Decimal("0.15") - Decimal("1.25")
     assert _window(engine, daily_id).spent == Decimal("1.40")
     engine.dispose()
 
@@ -155,7 +156,7 @@ def test_budget_input_is_checked(migrated_db: str) -> None:
         foreign = ApiKey(tenant_id=other.id or 0, prefix="x", key_hash="h-foreign")
         s.add(foreign)
         s.flush()
-        cases = [
+        cases: list[tuple[dict[str, Any], str]] = [
             ({"scope": "team", "ref": "x", "period": "day"}, "scope"),
             ({"scope": "key", "ref": str(foreign.id), "period": "day"}, "ref"),  # another tenant's key
             ({"scope": "project", "ref": "nope", "period": "day"}, "project"),
