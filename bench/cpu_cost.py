@@ -1,0 +1,201 @@
+"""CPU seconds of fixed work, for comparing two checkouts on a host whose speed cannot be trusted.
+
+Wall-clock rates swing several-fold on a shared 2-core host; the CPU time a fixed piece of work costs moves far less.
+Run from each checkout in turn (``PYTHONPATH=<checkout> python -m bench.cpu_cost engine|api ...``), alternating,
+and compare the medians (docs/benchmarks.md has the loop):
+
+- ``engine ZOO_PRESET_DIR {inproc,process} [N]``: N mixed requests (``bench engine``'s workload, greedy) through the
+  ``LLMEngine`` in this process, or through the engine child process (``EngineProcess``), on one torch thread;
+  CPU seconds of this process and of its children during the run only.
+- ``api ZOO_PRESET_DIR KEYS_DIR [N] [CONCURRENCY]``: N streamed chat completions (16 tokens) against a real
+  ``tierline cloud serve``; CPU milliseconds per request of the API process itself and of its engine children.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import resource
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _proc_cpu(pid: int, *, children: bool) -> float:
+    """CPU seconds of ``pid`` itself, or of its direct children (from /proc)."""
+    total = 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            mine = int(stat.parent.name) == pid if not children else int(fields[1]) == pid
+            if mine:
+                total += (int(fields[11]) + int(fields[12])) / TICK
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+def engine_cost(zoo: Path, mode: str, num_requests: int = 64) -> dict[str, Any]:
+    import torch
+
+    from bench.engine_bench import KV_BYTES, _corpus_ids, _lm, _workload, run_engine_workload
+    from cloud.engine.config import EngineConfig
+    from cloud.engine.llm_engine import LLMEngine
+    from cloud.engine.sampling_params import SamplingParams
+
+    torch.set_num_threads(1)  # no spin-waiting threads inflating the CPU time
+    options: dict[str, Any] = {"kv_cache_bytes": KV_BYTES, "max_num_seqs": 64, "max_num_batched_tokens": 2048}
+    model_dir = _lm(zoo, "lm-cloud")
+    engine = LLMEngine(EngineConfig(model_dir, **options))
+    work = _workload(_corpus_ids(engine), num_requests, (16, 256), (16, 128), 0, engine.max_model_len)
+    tokens = sum(m for _, m in work)
+    if mode == "inproc":
+        run_engine_workload(engine, work[:4], cache_salt="warm-up")
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        run_engine_workload(engine, work, cache_salt="measured")
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+        return {"mode": mode, "tokens": tokens, "cpu_s": round(cpu, 3), "cpu_tokens_per_s": round(tokens / cpu, 1)}
+    from cloud.engine.process import EngineProcess
+
+    del engine
+    client = EngineProcess.from_config(EngineConfig(model_dir, **options))
+
+    async def run(batch: list[tuple[list[int], int]], salt: str) -> None:
+        async def one(i: int, prompt: list[int], max_tokens: int) -> None:
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            async for _ in client.generate(prompt, params, request_id=f"{salt}-{i}", cache_salt=salt):
+                pass
+
+        await asyncio.gather(*(one(i, p, m) for i, (p, m) in enumerate(batch)))
+
+    try:
+        asyncio.run(run(work[:4], "warm-up"))
+        own0 = resource.getrusage(resource.RUSAGE_SELF)
+        child0, wall0 = _proc_cpu(os.getpid(), children=True), time.perf_counter()
+        asyncio.run(run(work, "measured"))
+        own1 = resource.getrusage(resource.RUSAGE_SELF)
+        child1, wall = _proc_cpu(os.getpid(), children=True), time.perf_counter() - wall0
+    finally:
+        client.shutdown()
+    own = (own1.ru_utime + own1.ru_stime) - (own0.ru_utime + own0.ru_stime)
+    cpu = own + child1 - child0
+    return {
+        "mode": mode,
+        "tokens": tokens,
+        "cpu_s": round(cpu, 3),
+        "client_cpu_s": round(own, 3),
+        "engine_child_cpu_s": round(child1 - child0, 3),
+        "cpu_tokens_per_s": round(tokens / cpu, 1),
+        "wall_s": round(wall, 2),
+    }
+
+
+def api_cost(zoo: Path, keys: Path, num_requests: int = 300, concurrency: int = 16) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="tierline-cpu-cost-") as tmp:
+        data = Path(tmp)
+        shutil.copytree(keys, data / "keys")
+        shutil.copytree(zoo, data / "zoo" / zoo.name)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TIERLINE_")}
+        env.update(
+            TIERLINE_DATA_DIR=str(data),
+            TIERLINE_DATABASE_URL=f"sqlite:///{data / 'tierline.db'}",
+            TIERLINE_CLOUD_ZOO_PRESET=zoo.name,
+            TIERLINE_LOG_LEVEL="WARNING",
+        )
+        cli = [sys.executable, "-m", "tierline.cli"]
+        for args in (["db", "upgrade"], ["tenants", "create", "bench"]):
+            subprocess.run([*cli, *args], env=env, check=True, capture_output=True)
+        key = subprocess.run(
+            [*cli, "keys", "create", "--tenant", "bench"], env=env, check=True, capture_output=True, text=True
+        ).stdout.strip()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        url = f"http://127.0.0.1:{port}"
+        server = subprocess.Popen(
+            [*cli, "cloud", "serve", "--host", "127.0.0.1", "--port", str(port)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            _wait_ready(url, server)
+
+            async def load(count: int) -> int:
+                gate, ok = asyncio.Semaphore(concurrency), 0
+                headers = {"authorization": f"Bearer {key}"}
+                async with httpx.AsyncClient(timeout=120, headers=headers) as client:
+
+                    async def one(i: int) -> None:
+                        nonlocal ok
+                        body = {
+                            "model": "tierline/lm-cloud",
+                            "messages": [{"role": "user", "content": f"def f{i}(x):"}],
+                            "max_tokens": 16,
+                            "temperature": 0,
+                            "stream": True,
+                        }
+                        async with gate, client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+                            async for _ in r.aiter_bytes():
+                                pass
+                            ok += r.status_code == 200
+
+                    await asyncio.gather(*(one(i) for i in range(count)))
+                return ok
+
+            asyncio.run(load(20))
+            api0, engine0 = _proc_cpu(server.pid, children=False), _proc_cpu(server.pid, children=True)
+            ok = asyncio.run(load(num_requests))
+            api1, engine1 = _proc_cpu(server.pid, children=False), _proc_cpu(server.pid, children=True)
+        finally:
+            server.terminate()
+            server.wait(60)
+    return {
+        "requests": num_requests,
+        "ok": ok,
+        "api_cpu_ms_per_request": round(1000 * (api1 - api0) / num_requests, 2),
+        "engine_cpu_ms_per_request": round(1000 * (engine1 - engine0) / num_requests, 2),
+    }
+
+
+def _wait_ready(url: str, server: subprocess.Popen[bytes], timeout_s: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError("the cloud server exited during start-up")
+        try:
+            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"the cloud server was not ready within {timeout_s:.0f} s")
+
+
+def main(argv: list[str]) -> None:
+    usage = "usage: python -m bench.cpu_cost engine ZOO {inproc,process} [N] | api ZOO KEYS [N] [CONCURRENCY]"
+    if (
+        len(argv) < 3
+        or argv[0] not in ("engine", "api")
+        or (argv[0] == "engine" and argv[2] not in ("inproc", "process"))
+    ):
+        raise SystemExit(usage)
+    if argv[0] == "engine":
+        result = engine_cost(Path(argv[1]), argv[2], *(int(a) for a in argv[3:4]))
+    else:
+        result = api_cost(Path(argv[1]), Path(argv[2]), *(int(a) for a in argv[3:5]))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":  # the engine child is spawned: nothing may run on import
+    main(sys.argv[1:])
