@@ -311,7 +311,7 @@ class EnginePool:
                     code="model_not_found",
                 )
             raise NotFoundError(f"The model '{model_id}' does not exist", param="model", code="model_not_found")
-        if not served.engine.alive and served.model_id in self._specs and served.version is None:
+        if served.version is None and served.model_id in self._specs and not served.engine.alive:
             eta = self._ready_at.get(served.model_id, time.monotonic() + LOAD_ESTIMATE_S) - time.monotonic()
             raise EngineRestartingError(
                 f"The model '{model_id}' is restarting (its engine stopped); retry later",

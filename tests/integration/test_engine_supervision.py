@@ -7,12 +7,15 @@ when one child is killed and the other resumed.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -20,7 +23,11 @@ import pytest
 from sqlalchemy import create_engine
 from sqlmodel import Session, select
 
+from cloud.engine.sampling_params import SamplingParams
+from cloud.engine_pool import EnginePool, EngineRestartingError, ServedLM, engine_config, start_engine
+from cloud.settings import CloudSettings
 from controlplane.storage.tables import UsageRecord
+from shared.zoo.registry import ZooLayout
 from tests.conftest import REPO, base_env, free_port, migrated_sqlite, seed_data_dir, server_process, tierline_cmd
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -168,3 +175,49 @@ def test_a_sigkilled_engine_child_is_restarted_and_serves_again(cloud: dict[str,
         metrics = http.get("/metrics").text
         assert metric(metrics, "tierline_engine_restarts_total", KILLED) == 1.0
         assert metric(metrics, "tierline_engine_restarts_total", SPARED) is None
+
+
+def test_a_restart_that_fails_is_retried_with_a_doubling_wait(
+    tiny_zoo: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """In process (engines on threads): the model's files are gone while it restarts, so attempts fail and are
+    retried, each after twice the wait of the one before, until the files are back."""
+    model_dir = tmp_path / "lm-edge"
+    shutil.copytree(ZooLayout(tiny_zoo).artifact_dir("lm-edge"), model_dir)
+    settings = CloudSettings(
+        engine_process=False, kv_cache_mb=16, engine_restart_backoff_s=0.1, engine_restart_backoff_max_s=0.4
+    )
+    config = engine_config(model_dir, settings)
+    first = start_engine(config, "lm-edge", settings)
+    pool = EnginePool({"m": ServedLM("m", None, first, first.max_model_len)}, {"m": (config, "lm-edge")}, settings)
+    failed = "restarting engine m failed"
+
+    async def until(check: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not check():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.02)
+
+    async def main() -> None:
+        pool.supervise()
+        hidden = model_dir.rename(tmp_path / "hidden")
+        first.shutdown()
+        with pytest.raises(EngineRestartingError) as err:
+            pool.get("m")
+        assert err.value.status_code == 503 and err.value.retry_after >= 1
+        assert pool.restarting() == ["m"]
+        await until(lambda: sum(failed in r.getMessage() for r in caplog.records) >= 3, "three failed restarts")
+        hidden.rename(model_dir)
+        await until(lambda: pool.restart_counts.get("m") == 1, "a restart once the files are back")
+        attempts = [r.created for r in caplog.records if failed in r.getMessage()]
+        # waits 0.1, 0.2, 0.4, 0.4 s (capped) before the attempts: the gaps between failures are at least those
+        assert attempts[1] - attempts[0] >= 0.19 and attempts[2] - attempts[1] >= 0.39
+        served = pool.get("m")
+        assert served.engine is not first and served.engine.alive and pool.restarting() == []
+        outs = [o async for o in served.engine.generate("def f(x):", SamplingParams(max_tokens=3, temperature=0))]
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+        await pool.close()
+        pool.shutdown()
+
+    with caplog.at_level(logging.INFO, logger="cloud.engine_pool"):
+        asyncio.run(main())
