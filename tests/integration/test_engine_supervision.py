@@ -153,6 +153,9 @@ def test_a_sigkilled_engine_child_is_restarted_and_serves_again(cloud: dict[str,
         assert f"engine restarting: {KILLED}" in ready.json()["error"]["message"]
         assert SPARED not in ready.json()["error"]["message"]
         assert http.post("/v1/chat/completions", json={**chat, "model": SPARED, "max_tokens": 4}).status_code == 200
+        # An async job that meets the restart waits for it (requeued after Retry-After), rather than failing.
+        job = http.post("/v1/chat/completions", json={**chat, "model": KILLED, "max_tokens": 4, "async": True})
+        assert job.status_code == 202, job.text
 
         # The stream is billed for what it got before the kill.
         row = usage_row(cloud["db"], killed_usage)
@@ -172,6 +175,11 @@ def test_a_sigkilled_engine_child_is_restarted_and_serves_again(cloud: dict[str,
         assert http.get("/readyz").status_code == 200
         now = engine_children(int(cloud["pid"]))
         assert pids[SPARED] in now and pids[KILLED] not in now and len(now) == 2
+        deadline = time.monotonic() + RESTART_DEADLINE_S
+        while (done := http.get(f"/v1/jobs/{job.json()['id']}").json())["status"] not in ("succeeded", "failed"):
+            assert time.monotonic() < deadline, done
+            time.sleep(0.5)
+        assert done["status"] == "succeeded" and done["attempts"] >= 2, done
         metrics = http.get("/metrics").text
         assert metric(metrics, "tierline_engine_restarts_total", KILLED) == 1.0
         assert metric(metrics, "tierline_engine_restarts_total", SPARED) is None
