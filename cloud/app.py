@@ -152,9 +152,12 @@ def readyz(db: Engine, pool: EnginePool) -> dict[str, Any]:
         raise ServiceUnavailableError(f"database unavailable: {type(exc).__name__}") from None
     if not ok:
         raise ServiceUnavailableError("database schema is behind; run `tierline db upgrade`")
-    dead = sorted(model_id for model_id, served in pool.engines.items() if not served.engine.alive)
-    if dead:
-        raise ServiceUnavailableError(f"engine not running: {', '.join(dead)}")
+    restarting = pool.restarting()
+    dead = sorted(m for m, served in pool.engines.items() if not served.engine.alive and m not in restarting)
+    problems = [f"degraded, engine restarting: {', '.join(restarting)}"] if restarting else []
+    problems += [f"engine not running: {', '.join(dead)}"] if dead else []
+    if problems:
+        raise ServiceUnavailableError("; ".join(problems))
     return {"status": "ready", "models": sorted(pool.engines)}
 
 
@@ -352,6 +355,7 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
         tensors = TensorPool.from_zoo(root, settings.num_threads)
         await tensors.start()
         observed.watch(pool)
+        pool.supervise()
         limiter = RateLimiter(settings, core.redis_url)
         prices = PriceBook(db)
         await prices.start()  # the edge gateway rates synced usage with the same book
@@ -424,6 +428,7 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
             await sweeper.close()
             await prices.close()
             await tensors.close()
+            await pool.close()
             pool.shutdown()
             await usage.close()
             await limiter.close()

@@ -5,12 +5,22 @@ version of each registry model the cloud is told to serve (``TIERLINE_CLOUD_REGI
 Model ids on the wire: a zoo model by its id (``tierline/lm-cloud``); a registry model by its name (``tiny-lm``:
 whichever version routing picks), or pinned to a version with ``NAME@REF`` where REF is a version number or an
 alias (``tiny-lm@2``, ``tiny-lm@stable``).
+
+Supervision (``EnginePool.supervise``): a zoo engine whose child process dies is restarted with exponential
+backoff; until its successor is ready, requests for its model get 503 with ``Retry-After`` and ``/readyz`` names
+it as restarting. Its streams in flight have already ended with an error (``EngineProcess`` fails them when the
+pipe closes) and are billed for what they got.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import os
+import signal
+import threading
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -19,7 +29,7 @@ from pathlib import Path
 from cloud.engine.async_engine import AsyncLLMEngine, EngineClient
 from cloud.engine.config import EngineConfig
 from cloud.settings import CloudSettings
-from shared.errors import NotFoundError
+from shared.errors import NotFoundError, ServiceUnavailableError
 from shared.zoo.registry import ZooLayout
 
 logger = logging.getLogger(__name__)
@@ -27,6 +37,30 @@ logger = logging.getLogger(__name__)
 # model id → (artifact, draft artifact for speculative decoding)
 ZOO_LMS = {"tierline/lm-cloud": ("lm-cloud", "lm-draft"), "tierline/lm-edge": ("lm-edge", None)}
 PIN_SEPARATOR = "@"
+SUPERVISE_INTERVAL_S = 0.5  # how often the supervisor looks at each engine
+LOAD_ESTIMATE_S = 10.0  # Retry-After's guess of a model's load time before one restart has measured it
+
+
+class EngineRestartingError(ServiceUnavailableError):
+    """503 with Retry-After: the model's engine died and is being restarted."""
+
+    code = "engine_restarting"
+
+    def __init__(self, message: str, *, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+def describe_exit(code: int | None) -> str:
+    """``killed by SIGKILL`` / ``exit code 1`` / ``exit code unknown`` (an engine on a thread of this process)."""
+    if code is None:
+        return "exit code unknown"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 @dataclass(slots=True)
@@ -132,15 +166,33 @@ class EnginePool:
     snapshot while a worker thread loads a new version.
     """
 
-    def __init__(self, engines: dict[str, ServedLM]) -> None:
+    def __init__(
+        self,
+        engines: dict[str, ServedLM],
+        specs: Mapping[str, tuple[EngineConfig, str]] | None = None,
+        settings: CloudSettings | None = None,
+    ) -> None:
         self._zoo = engines
         self.registry: Mapping[str, RegistryEntry] = {}
         self.engines: Mapping[str, ServedLM] = ServedEngines(self._zoo, self.registry)
+        # What supervision restarts: zoo model id → (config, name) its engine was started with.
+        self._specs = dict(specs or {})
+        self._settings = settings or CloudSettings()
+        self._swap = threading.Lock()  # ``set_registry`` runs on a worker thread; a restart swaps ``_zoo``
+        self._supervisor: asyncio.Task[None] | None = None
+        self._restarts: dict[str, asyncio.Task[None]] = {}  # model id → its restart in progress
+        self._ready_at: dict[str, float] = {}  # model id → when its successor should be up (Retry-After)
+        self._failures: dict[str, int] = {}  # model id → restarts since it last stayed up for the maximum backoff
+        self._started_at: dict[str, float] = {}
+        self._load_s: dict[str, float] = {}
+        self.restart_counts: dict[str, int] = {}  # model id → engines restarted (tierline_engine_restarts_total)
+        self._closing = False
 
     @classmethod
     def from_zoo(cls, zoo_root: Path, settings: CloudSettings) -> EnginePool:
         layout = ZooLayout(zoo_root)
         started: dict[str, EngineClient] = {}
+        specs: dict[str, tuple[EngineConfig, str]] = {}
         for model_id, (name, draft) in ZOO_LMS.items():
             model_dir = layout.artifact_dir(name)
             if not (model_dir / "config.json").is_file():
@@ -148,7 +200,8 @@ class EnginePool:
             draft_dir = layout.artifact_dir(draft) if draft and settings.speculation == "draft" else None
             if draft_dir is not None and not (draft_dir / "config.json").is_file():
                 draft_dir = None
-            started[model_id] = start_engine(engine_config(model_dir, settings, draft_dir), name, settings)
+            specs[model_id] = (engine_config(model_dir, settings, draft_dir), name)
+            started[model_id] = start_engine(specs[model_id][0], name, settings)
         engines: dict[str, ServedLM] = {}
         try:
             for model_id, engine in started.items():  # the children load in parallel
@@ -159,11 +212,87 @@ class EnginePool:
             for engine in started.values():
                 engine.shutdown()
             raise
-        return cls(engines)
+        return cls(engines, specs, settings)
 
     def set_registry(self, registry: Mapping[str, RegistryEntry]) -> None:
-        self.registry = registry
-        self.engines = ServedEngines(self._zoo, registry)
+        with self._swap:
+            self.registry = registry
+            self.engines = ServedEngines(self._zoo, registry)
+
+    # -- supervision ----------------------------------------------------------------------------------------------
+    def supervise(self) -> None:
+        """Watch the zoo engines on the running event loop and restart any that dies (until ``close``)."""
+        if self._supervisor is None and self._specs:
+            self._supervisor = asyncio.create_task(self._watch(), name="supervising the engines")
+
+    def restarting(self) -> list[str]:
+        """Zoo models whose engine is dead and being restarted (degraded)."""
+        return sorted(m for m, served in self._zoo.items() if m in self._specs and not served.engine.alive)
+
+    async def close(self) -> None:
+        """Stop supervising: no restart after this (``shutdown`` then stops the engines)."""
+        self._closing = True
+        tasks = [t for t in (self._supervisor, *self._restarts.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._supervisor = None
+        self._restarts.clear()
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(SUPERVISE_INTERVAL_S)
+            for model_id, served in self._zoo.items():
+                if model_id in self._specs and model_id not in self._restarts and not served.engine.alive:
+                    task = asyncio.create_task(self._restart(model_id, served.engine), name=f"restarting {model_id}")
+                    self._restarts[model_id] = task
+                    task.add_done_callback(functools.partial(self._restarted, model_id))
+
+    def _restarted(self, model_id: str, _task: asyncio.Task[None]) -> None:
+        self._restarts.pop(model_id, None)
+
+    async def _restart(self, model_id: str, dead: EngineClient) -> None:
+        settings = self._settings
+        now = time.monotonic()
+        logger.error("engine %s (%s) died (%s); restarting it", model_id, dead.name, describe_exit(dead.exitcode))
+        dead.shutdown(timeout=1)  # fails the streams still waiting on it (if the pipe has not yet) and reaps it
+        failures = self._failures.get(model_id, 0)
+        if now - self._started_at.get(model_id, 0.0) >= settings.engine_restart_backoff_max_s:
+            failures = 0  # it stayed up a while: this death starts a new series
+        while True:
+            delay = min(settings.engine_restart_backoff_max_s, settings.engine_restart_backoff_s * 2**failures)
+            failures += 1
+            self._ready_at[model_id] = time.monotonic() + delay + self._load_s.get(model_id, LOAD_ESTIMATE_S)
+            await asyncio.sleep(delay)
+            started = time.monotonic()
+            try:
+                engine = await asyncio.to_thread(self._start, model_id)
+            except Exception:
+                logger.exception("restarting engine %s failed; trying again", model_id)
+                continue
+            break
+        self._load_s[model_id] = time.monotonic() - started
+        self._failures[model_id] = failures
+        self._started_at[model_id] = time.monotonic()
+        with self._swap:  # one new mapping, swapped in whole: a reader sees the old engine or the new, never neither
+            self._zoo = {**self._zoo, model_id: ServedLM(model_id, None, engine, engine.max_model_len)}
+            self.engines = ServedEngines(self._zoo, self.registry)
+        self.restart_counts[model_id] = self.restart_counts.get(model_id, 0) + 1
+        logger.warning("engine %s restarted (%s, loaded in %.1fs)", model_id, engine.name, self._load_s[model_id])
+
+    def _start(self, model_id: str) -> EngineClient:
+        """A new engine for ``model_id``, loaded (on a worker thread: loading blocks)."""
+        config, name = self._specs[model_id]
+        engine = start_engine(config, name, self._settings)
+        try:
+            engine.wait_ready()
+        except BaseException:
+            engine.shutdown(timeout=5)
+            raise
+        if self._closing:  # the app stopped while it loaded
+            engine.shutdown(timeout=5)
+            raise ServiceUnavailableError(f"engine {name} started while the cloud stopped")
+        return engine
 
     def get(self, model_id: str) -> ServedLM:
         served = self.engines.get(model_id)
@@ -182,6 +311,12 @@ class EnginePool:
                     code="model_not_found",
                 )
             raise NotFoundError(f"The model '{model_id}' does not exist", param="model", code="model_not_found")
+        if served.version is None and served.model_id in self._specs and not served.engine.alive:
+            eta = self._ready_at.get(served.model_id, time.monotonic() + LOAD_ESTIMATE_S) - time.monotonic()
+            raise EngineRestartingError(
+                f"The model '{model_id}' is restarting (its engine stopped); retry later",
+                retry_after=max(1.0, eta),
+            )
         return served
 
     def shutdown(self) -> None:

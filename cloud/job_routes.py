@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +21,7 @@ from litestar import Request, Response, get, post
 from litestar.params import Parameter
 
 from cloud.completions import Caller
-from cloud.engine_pool import EnginePool, split_model
+from cloud.engine_pool import EnginePool, EngineRestartingError, split_model
 from cloud.idempotency import MAX_KEY_LENGTH, IdempotencyMismatchError
 from cloud.ids import CloudIds
 from cloud.job_worker import JobWorker
@@ -60,7 +61,8 @@ class JobIntake:
             if self.tensors.get(model) is None and model not in self.pool.engines:
                 raise unknown_model(model)
         else:
-            self.pool.get(model)
+            with contextlib.suppress(EngineRestartingError):  # the worker waits for the restart (Retry-After)
+                self.pool.get(model)
         allowed = caller.key.allowed_models if caller.key is not None else None
         if allowed and model not in allowed and split_model(model)[0] not in allowed:  # a key for NAME may use NAME@REF
             param = "model_id" if endpoint == INFERENCE else "model"

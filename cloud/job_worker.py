@@ -21,6 +21,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from cloud.completions import Caller, CompletionService
+from cloud.engine_pool import EngineRestartingError
 from cloud.jobs import CHAT, COMPLETIONS, INFERENCE, JobSettings, JobStore
 from cloud.metering import UsageWriter
 from cloud.tensor_models import TensorPool, unknown_model
@@ -175,7 +176,7 @@ class JobWorker:
             try:
                 caller = await asyncio.to_thread(load_caller, self.engine, job)
                 result = await self.execute(job.endpoint, caller, job.request)
-            except RateLimitError as exc:  # overloaded or over the tenant's rate: worth waiting for
+            except (RateLimitError, EngineRestartingError) as exc:  # overloaded, over a rate, restarting: wait
                 if job.attempts < self.max_attempts:
                     delay = max(exc.retry_after, 1.0) * 2 ** (job.attempts - 1)
                     await asyncio.to_thread(self.store.requeue, job.id, job.attempts, delay)

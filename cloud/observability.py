@@ -12,7 +12,7 @@ from typing import Any
 
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from cloud.engine_pool import EnginePool
@@ -44,7 +44,7 @@ class _EngineCollector(Collector):
     def __init__(self, pool: EnginePool) -> None:
         self.pool = pool
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         labels = ["model", "version", "tier"]
         families = {
             "running": GaugeMetricFamily("tierline_engine_running_sequences", "Sequences being decoded", labels=labels),
@@ -71,6 +71,12 @@ class _EngineCollector(Collector):
                     accepted = snap.spec_accepted.get(method, 0)
                     families["spec"].add_metric([*values, method], accepted / proposed)
         yield from families.values()
+        restarts = CounterMetricFamily(
+            "tierline_engine_restarts", "Engine children restarted after they died", labels=["model"]
+        )
+        for model_id, count in sorted(self.pool.restart_counts.items()):
+            restarts.add_metric([model_id], count)
+        yield restarts
 
 
 class Metrics:

@@ -25,6 +25,12 @@ class CloudSettings(BaseSettings):
     engine_process: bool = Field(
         True, description="run each engine's step loop in a process of its own (false: a thread of the API process)"
     )
+    engine_restart_backoff_s: float = Field(
+        1.0, gt=0, description="wait before restarting a dead engine child; doubles per failed restart"
+    )
+    engine_restart_backoff_max_s: float = Field(
+        60.0, gt=0, description="longest wait between restarts of a dead engine child"
+    )
     stream_interval: int = Field(
         1,
         ge=1,

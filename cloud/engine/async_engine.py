@@ -87,6 +87,11 @@ class EngineClient(abc.ABC):
     def alive(self) -> bool:
         """The step loop runs (readiness: a dead engine makes the API process not ready)."""
 
+    @property
+    def exitcode(self) -> int | None:
+        """How the engine's process ended (negative: the signal that killed it); None while it runs, or in-process."""
+        return None
+
     def wait_ready(self, timeout: float | None = None) -> None:
         """Block until the engine can take requests (a loop in this process is ready once constructed)."""
         return

@@ -149,6 +149,10 @@ class EngineProcess(EngineClient):
     def alive(self) -> bool:
         return not self._closed and self._process.is_alive()
 
+    @property
+    def exitcode(self) -> int | None:
+        return self._process.exitcode
+
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         return encode_prompt(self.tokenizer, self._vocab_size, prompt)
 

@@ -361,6 +361,7 @@ def test_an_engine_that_dies_mid_stream_ends_the_stream_with_an_error_and_the_cl
         TIERLINE_CLOUD_KV_CACHE_MB="16",
         TIERLINE_CLOUD_USAGE_FLUSH_MS="50",
         TIERLINE_CLOUD_SPECULATION="off",
+        TIERLINE_CLOUD_ENGINE_RESTART_BACKOFF_S="60",  # the restarts wait: what this test sees is the gap
     )
     run = lambda *a: subprocess.run(tierline_cmd(*a), env=env, cwd=REPO, capture_output=True, text=True, check=True)  # noqa: E731
     run("tenants", "create", "acme")
@@ -386,9 +387,10 @@ def test_an_engine_that_dies_mid_stream_ends_the_stream_with_an_error_and_the_cl
         assert error["code"] == "unavailable" and "exited" in error["message"], events[-1]
         assert "[DONE]" not in events
         later = httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, headers=headers, timeout=60)
-        assert later.status_code == 503 and later.json()["error"]["code"] == "unavailable"
+        assert later.status_code == 503 and later.json()["error"]["code"] == "engine_restarting"
+        assert int(later.headers["retry-after"]) >= 1  # supervision restarts it (test_engine_supervision.py)
         ready = httpx.get(f"{url}/readyz")
-        assert ready.status_code == 503 and "engine not running" in ready.json()["error"]["message"]
+        assert ready.status_code == 503 and "engine restarting" in ready.json()["error"]["message"]
     (row,) = usage_rows(db_url, usage_id)
     assert row.status == "error" and 0 < row.completion_tokens < 200  # billed for what was generated
 
