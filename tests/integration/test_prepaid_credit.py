@@ -149,7 +149,7 @@ def test_a_tenant_with_one_unit_of_credit_is_refused_at_its_334th_request(
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     auth = {"Authorization": f"Bearer {key}"}
-    hook = "/credit-low"
+    hook = f"/credit-low-{tmp_path.name}"  # the receiver is shared by the test's runs on each database
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
     with cloud_process(env, port):
         secret = httpx.post(f"{url}/v1/webhook-secret", headers=auth).json()["secret"]
@@ -166,7 +166,8 @@ def test_a_tenant_with_one_unit_of_credit_is_refused_at_its_334th_request(
         error = refusal.json()["error"]
         assert error["type"] == "insufficient_quota" and "prepaid credit (0.001" in error["message"]
         got = receiver.received(hook, 1)
-        assert len(got) == 1
+        # One event; a delivery that timed out on a loaded host is retried under the same id (at-least-once).
+        assert len({json.loads(raw)["id"] for _, raw in got}) == 1, [raw for _, raw in got]
         headers, raw = got[0]
         assert headers["x-tierline-event"] == "credit.low_balance"
         assert is_valid_signature(secret, raw, headers["x-tierline-signature"])

@@ -124,7 +124,9 @@ def test_json_object_output_parses_whenever_it_says_stop(request: pytest.Fixture
         assert content.startswith("{")
         if choice.finish_reason == "stop":
             assert isinstance(json.loads(content), dict)
-    assert "stop" in reasons
+    # json_object never forces the object closed: whether the tiny zoo LMs close one within 150 tokens is the
+    # models' doing, so "stop" is not required here (it is, under a schema, in the parse tests above).
+    assert set(reasons) <= {"stop", "length"} and len(reasons) == 10
 
 
 @pytest.mark.parametrize("tier", ["cloud", "edge"])
