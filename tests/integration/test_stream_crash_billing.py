@@ -306,3 +306,39 @@ def test_a_checkpoint_left_behind_by_a_settled_stream_adds_nothing(migrated_db: 
     period = _budget(engine, tenant_id)
     assert (period.spent, period.reserved) == (Decimal("0.25"), 0)  # not billed twice
     engine.dispose()
+
+
+def test_a_reconciled_checkpoint_draws_credit_and_releases_its_scoped_windows(migrated_db: str) -> None:
+    """A dead stream held on prepaid credit and on a scoped budget window: reconciling its checkpoint draws the
+    cost from the credit and gives back both holds (neither the credit's nor the window's reserved amount leaks)."""
+    from controlplane.billing import budget_admin, credit
+    from controlplane.billing.scopes import applicable
+    from controlplane.storage.tables import BudgetWindow, CreditAccount
+
+    engine, tenant_id, _ = _setup(migrated_db)
+    with Session(engine) as s:
+        tenant = s.get(Tenant, tenant_id)
+        assert tenant is not None
+        credit.top_up(s, tenant, Decimal("1.00"), note="test", actor="test")
+        budget_admin.set_budget(
+            s, tenant, scope="tenant", ref=None, period="day", amount=Decimal("10"), is_hard=True, actor="test"
+        )
+        s.commit()
+        windows = applicable(s, tenant_id, datetime.now(UTC))
+    assert windows
+    hold = reserve(engine, tenant_id, BUDGET, Decimal("0.5"), windows=windows)
+    assert hold.on_credit and hold.windows
+    with Session(engine) as s:
+        checkpoint(s, _usage("req-credit", tenant_id, 24), hold, lease_s=0.0)
+        s.commit()
+    assert reconcile_checkpoints(engine, now=datetime.now(UTC) + timedelta(minutes=5)) == 1
+    (record,) = _records(engine, "req-credit")
+    assert record.status == "interrupted" and record.cost == Decimal("0.077")
+    with Session(engine) as s:
+        account = s.get(CreditAccount, tenant_id)
+        assert account is not None
+        assert (account.balance, account.reserved) == (Decimal("0.923"), 0)
+        (window,) = s.exec(select(BudgetWindow)).all()
+        assert (window.spent, window.reserved) == (Decimal("0.077"), 0)
+        assert s.exec(select(BudgetReservation)).all() == []
+    engine.dispose()
