@@ -22,6 +22,7 @@ from sqlmodel import Session
 
 from cloud.budget_watch import BudgetAlerts
 from cloud.canary import CanaryRouter
+from cloud.engine.async_engine import generate_all
 from cloud.engine.outputs import RequestOutput
 from cloud.engine.prompts import check_context_length
 from cloud.engine.sampling_params import SamplingParams
@@ -110,6 +111,11 @@ class Caller:
     shadow: tuple[int, ServedLM] | None = None  # (rollout id, candidate) to mirror the answer to, when sampled
     is_job: bool = False  # an async job's run: counted against requests/min when it was submitted
     user: str | None = None  # the request's ``user`` field: the end user, unless x-tierline-subject names one
+
+    @property
+    def cache_salt(self) -> str:
+        """The tenant's prefix-cache namespace: no tenant's requests hit another's cached prefix."""
+        return f"tenant:{self.tenant.id}"
 
     @property
     def end_user(self) -> str | None:
@@ -449,48 +455,6 @@ class CompletionService:
             meter.checkpointed_tokens = meter.completion_tokens
         meter.checkpoint_at = time.monotonic()  # a failed write is retried an interval later, not on every event
 
-    async def _merged(
-        self, served: ServedLM, caller: Caller, prompts: list[str | list[int]], params: SamplingParams
-    ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-        """Updates of several engine requests (one per prompt), interleaved as they come."""
-        salt = f"tenant:{caller.tenant.id}"
-        if len(prompts) == 1:  # the common case: no task or queue hop between the engine and the response
-            stream = served.engine.generate(prompts[0], params, request_id=f"{caller.request_id}-0", cache_salt=salt)
-            try:
-                async for out in stream:
-                    yield 0, out
-            finally:
-                await stream.aclose()
-            return
-        queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
-
-        async def pump(i: int, prompt: str | list[int]) -> None:
-            try:
-                async for out in served.engine.generate(
-                    prompt, params, request_id=f"{caller.request_id}-{i}", cache_salt=salt
-                ):
-                    await queue.put((i, out))
-            except BaseException as exc:  # forwarded to the consumer, which re-raises it
-                await queue.put(exc)
-                return
-            await queue.put(None)
-
-        tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
-        try:
-            remaining = len(tasks)
-            while remaining:
-                item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
     async def _collect(
         self, served: ServedLM, caller: Caller, prompts: list[str | list[int]], params: SamplingParams, meter: _Meter
     ) -> dict[int, RequestOutput]:
@@ -498,7 +462,8 @@ class CompletionService:
         status = "error"
         try:
             async with asyncio.timeout(self.request_timeout_s):
-                async for i, out in self._merged(served, caller, prompts, params):
+                updates = generate_all(served.engine, prompts, params, caller.request_id, caller.cache_salt)
+                async for i, out in updates:
                     meter.update(out)
                     if out.finished:
                         final[i] = out
@@ -586,7 +551,7 @@ class CompletionService:
         Admission (validation, queue bound) happens here, before the 200 goes out. Leaving early (client gone)
         or the deadline stops generation; the request is metered for what it generated either way.
         """
-        updates = self._merged(served, caller, prompts, params)
+        updates = generate_all(served.engine, prompts, params, caller.request_id, caller.cache_salt)
         first = await self._first(updates, caller, served, meter)
 
         async def body() -> AsyncIterator[bytes]:

@@ -19,7 +19,7 @@ import hmac
 import stat
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +31,7 @@ from prometheus_client.core import GaugeMetricFamily
 from pydantic import Field
 
 from cloud.completions import CompletionService
-from cloud.engine.async_engine import EngineClient
+from cloud.engine.async_engine import EngineClient, generate_all
 from cloud.engine.outputs import RequestOutput
 from cloud.engine.prompts import check_context_length
 from cloud.engine.sampling_params import SamplingParams
@@ -139,46 +139,6 @@ def _check_model(state: EngineServerState, model: str) -> None:
         )
 
 
-async def _merged(
-    engine: EngineClient, prompts: list[str | list[int]], params: SamplingParams, rid: str, salt: str | None
-) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-    """Updates of one engine request per prompt, interleaved as they come (one prompt: no task in between)."""
-    if len(prompts) == 1:
-        stream = engine.generate(prompts[0], params, request_id=f"{rid}-0", cache_salt=salt)
-        try:
-            async for out in stream:
-                yield 0, out
-        finally:
-            await stream.aclose()
-        return
-    queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
-
-    async def pump(i: int, prompt: str | list[int]) -> None:
-        try:
-            async for out in engine.generate(prompt, params, request_id=f"{rid}-{i}", cache_salt=salt):
-                await queue.put((i, out))
-        except BaseException as exc:
-            await queue.put(exc)
-            return
-        await queue.put(None)
-
-    tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
 def _checked(engine: EngineClient, prompts: list[str | list[int]], max_tokens: int | None) -> list[str | list[int]]:
     """Every prompt's ids, each refused (400) before any starts when the engine would refuse it."""
     ids: list[str | list[int]] = []
@@ -204,7 +164,7 @@ async def _run(
     engine, metrics = state.engine, state.server_metrics
     rid = base["id"]
     counts = _Counts()
-    updates = _merged(engine, prompts, params, rid, salt)
+    updates = generate_all(engine, prompts, params, rid, salt)
     if not stream:
         final: dict[int, RequestOutput] = {}
         status = "error"

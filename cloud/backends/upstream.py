@@ -247,7 +247,7 @@ class Backends:
         for name in GATEWAY_FIELDS:
             body.pop(name, None)
         body["model"] = remote.config.upstream_model
-        body["cache_salt"] = f"tenant:{caller.tenant.id}"
+        body["cache_salt"] = caller.cache_salt
         if req.stream:
             body["stream_options"] = {"include_usage": True}
         prefix = "chatcmpl" if chat else "cmpl"

@@ -275,3 +275,43 @@ class AsyncLLMEngine(EngineClient):
 def _put_all(items: list[tuple[asyncio.Queue[RequestOutput | BaseException], RequestOutput]]) -> None:
     for stream_queue, out in items:
         stream_queue.put_nowait(out)
+
+
+async def generate_all(
+    engine: EngineClient, prompts: list[str | list[int]], params: SamplingParams, rid: str, salt: str | None
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """Updates of one engine request per prompt, interleaved as they come (one prompt: no task in between)."""
+    if len(prompts) == 1:
+        stream = engine.generate(prompts[0], params, request_id=f"{rid}-0", cache_salt=salt)
+        try:
+            async for out in stream:
+                yield 0, out
+        finally:
+            await stream.aclose()
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+
+    async def pump(i: int, prompt: str | list[int]) -> None:
+        try:
+            async for out in engine.generate(prompt, params, request_id=f"{rid}-{i}", cache_salt=salt):
+                await queue.put((i, out))
+        except BaseException as exc:
+            await queue.put(exc)
+            return
+        await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
