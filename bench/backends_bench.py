@@ -18,65 +18,29 @@ succeeded, and ``failed_not_started`` the requests sent after the kill that fail
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 
+from bench.common import free_port, tierline_server
+
 CLI = [sys.executable, "-m", "tierline.cli"]
+
 PROMPTS = ("def parse(line):\n", "import os\n\n\nclass ", "    for key, value in ", "# Copyright", "return ")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _pct(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)) * 1000, 2) if values else None
-
-
-@contextlib.contextmanager
-def _server(args: list[str], env: dict[str, str], port: int, ready: str) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(
-        [*CLI, *args, "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{' '.join(args)} exited with {proc.returncode} during start-up")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://127.0.0.1:{port}{ready}", timeout=1).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{' '.join(args)} did not start")
-            time.sleep(0.2)
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 async def _one(http: httpx.AsyncClient, model: str, i: int, max_tokens: int) -> tuple[float, float | None, bool]:
@@ -192,7 +156,7 @@ def run_backends_bench(
         key = subprocess.run(
             [*CLI, "keys", "create", "--tenant", "bench"], env=env, check=True, capture_output=True, text=True
         ).stdout.strip()
-        ports = [_port(), _port()]
+        ports = [free_port(), free_port()]
         upstreams = [f"http://127.0.0.1:{p}" for p in ports]
         spec = {"type": "openai", "upstream_model": "lm-cloud", "tokenizer": str(model_dir), "eject_s": 1.0}
         spec |= {"max_concurrency": 64, "eject_after_failures": 2, "probe_interval_s": 0.2}
@@ -204,20 +168,20 @@ def run_backends_bench(
         serve = ["engine", "serve", "--model", str(model_dir), "--name", "lm-cloud"]
         result: dict[str, Any] = {"max_tokens": max_tokens, "requests": requests, "host_cores": os.cpu_count()}
         paths: dict[str, dict[str, Any]] = {}
-        with _server(serve, env, ports[0], "/health"):
+        with tierline_server(serve, env, ports[0], "/health"):
             for c in (1, concurrency):
                 paths.setdefault("direct", {})[str(c)] = asyncio.run(
                     _load(upstreams[0], None, "lm-cloud", requests, c, max_tokens)
                 )
-            gport = _port()
-            with _server(["cloud", "serve"], gateway_env, gport, "/readyz"):
+            gport = free_port()
+            with tierline_server(["cloud", "serve"], gateway_env, gport, "/readyz"):
                 for c in (1, concurrency):
                     paths.setdefault("remote", {})[str(c)] = asyncio.run(
                         _load(f"http://127.0.0.1:{gport}", key, "remote", requests, c, max_tokens)
                     )
                 failovers = []
                 for _ in range(kills):
-                    with _server(serve, env, ports[1], "/health") as victim:
+                    with tierline_server(serve, env, ports[1], "/health") as victim:
                         time.sleep(1.0)  # admitted, and taking requests
 
                         def kill(p: subprocess.Popen[bytes] = victim) -> None:
@@ -226,8 +190,8 @@ def run_backends_bench(
                         failovers.append(
                             asyncio.run(_failover(f"http://127.0.0.1:{gport}", key, "remote-2", kill, concurrency, 64))
                         )
-        bport = _port()
-        with _server(["cloud", "serve"], builtin_env, bport, "/readyz"):
+        bport = free_port()
+        with tierline_server(["cloud", "serve"], builtin_env, bport, "/readyz"):
             for c in (1, concurrency):
                 paths.setdefault("builtin", {})[str(c)] = asyncio.run(
                     _load(f"http://127.0.0.1:{bport}", key, "tierline/lm-cloud", requests, c, max_tokens)

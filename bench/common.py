@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
+import socket
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import click
+import httpx
 
 
 def emit(result: dict[str, Any], as_json: bool) -> None:
@@ -39,3 +45,40 @@ def zoo_root(preset: str, zoo_dir: Path | None) -> Path:
         cmd = [sys.executable, "-m", "tierline.cli", "zoo", "build", "--preset", preset, "--out", str(base)]
         subprocess.run(cmd, check=True, stdout=sys.stderr)
     return base / preset
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def tierline_server(args: list[str], env: dict[str, str], port: int, ready: str) -> Iterator[subprocess.Popen[bytes]]:
+    """``tierline ARGS --host 127.0.0.1 --port PORT`` until ``ready`` answers 200 (5 min at most); SIGTERM after."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tierline.cli", *args, "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{' '.join(args)} exited with {proc.returncode} during start-up")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}{ready}", timeout=1).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{' '.join(args)} did not start")
+            time.sleep(0.2)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

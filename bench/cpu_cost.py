@@ -18,7 +18,6 @@ import json
 import os
 import resource
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from bench.common import free_port, tierline_server
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -118,18 +119,9 @@ def api_cost(zoo: Path, keys: Path, num_requests: int = 300, concurrency: int = 
         key = subprocess.run(
             [*cli, "keys", "create", "--tenant", "bench"], env=env, check=True, capture_output=True, text=True
         ).stdout.strip()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         url = f"http://127.0.0.1:{port}"
-        server = subprocess.Popen(
-            [*cli, "cloud", "serve", "--host", "127.0.0.1", "--port", str(port)],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            _wait_ready(url, server)
+        with tierline_server(["cloud", "serve"], env, port, "/readyz") as server:
 
             async def load(count: int) -> int:
                 gate, ok = asyncio.Semaphore(concurrency), 0
@@ -157,29 +149,12 @@ def api_cost(zoo: Path, keys: Path, num_requests: int = 300, concurrency: int = 
             api0, engine0 = _proc_cpu(server.pid, children=False), _proc_cpu(server.pid, children=True)
             ok = asyncio.run(load(num_requests))
             api1, engine1 = _proc_cpu(server.pid, children=False), _proc_cpu(server.pid, children=True)
-        finally:
-            server.terminate()
-            server.wait(60)
     return {
         "requests": num_requests,
         "ok": ok,
         "api_cpu_ms_per_request": round(1000 * (api1 - api0) / num_requests, 2),
         "engine_cpu_ms_per_request": round(1000 * (engine1 - engine0) / num_requests, 2),
     }
-
-
-def _wait_ready(url: str, server: subprocess.Popen[bytes], timeout_s: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError("the cloud server exited during start-up")
-        try:
-            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"the cloud server was not ready within {timeout_s:.0f} s")
 
 
 def main(argv: list[str]) -> None:
