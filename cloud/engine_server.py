@@ -4,7 +4,10 @@ No tenants, no database, no keys: a model server for one model, as vLLM's or SGL
 (or vLLM) and gateways (``tierline cloud serve`` with an ``openai`` backend, see ``cloud.backends``) scale apart
 from engines. Routes: ``/v1/models``, ``/v1/chat/completions`` and ``/v1/completions`` (server-sent events with
 ``stream: true``, ``usage`` on every answer and, with ``stream_options.include_usage``, a last usage chunk),
-``/health`` (200 while the engine runs, else 503) and ``/metrics`` (Prometheus).
+``/health`` (200 while the engine runs, else 503) and ``/metrics`` (Prometheus: the autoscaling signals under
+vLLM's names too — ``vllm:num_requests_waiting``, ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc`` (and
+its older name ``vllm:gpu_cache_usage_perc``), ``vllm:request_queue_time_seconds`` — labelled ``model_name`` as
+vLLM's are, so one autoscaling rule serves both servers).
 
 The engine is the one ``tierline cloud serve`` runs (``cloud.engine_pool.start_engine``: a child process unless
 ``TIERLINE_CLOUD_ENGINE_PROCESS=false``), configured by the same ``TIERLINE_CLOUD_*`` engine settings; requests
@@ -26,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from litestar import Litestar, Request, Response, get, post
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from pydantic import Field
 
@@ -53,6 +56,17 @@ class ServerCompletionRequest(CompletionRequest):
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
 
+# Time in queue, seconds (vLLM's histogram has the same name; these buckets reach down to the millisecond).
+QUEUE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# vLLM's names of the same gauges (label model_name): autoscalers and dashboards written for vLLM read these.
+VLLM_GAUGES = (
+    ("vllm:num_requests_waiting", "waiting", "Requests waiting in the engine's queue (queue depth)"),
+    ("vllm:num_requests_running", "running", "Sequences being decoded"),
+    ("vllm:kv_cache_usage_perc", "kv", "KV-cache usage, 0 to 1 (1: every block in use)"),
+    ("vllm:gpu_cache_usage_perc", "kv", "KV-cache usage, 0 to 1 (vLLM's name before 0.10)"),
+)
+
+
 class _EngineCollector:
     """The engine's load as gauges, read at scrape time."""
 
@@ -62,6 +76,7 @@ class _EngineCollector:
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         snap = self.engine.snapshot()
+        values = {"waiting": snap.waiting, "running": snap.running, "kv": snap.kv_usage}
         for name, doc, value in (
             ("tierline_engine_waiting_sequences", "Requests queued in the engine (queue depth)", snap.waiting),
             ("tierline_engine_running_sequences", "Sequences being decoded", snap.running),
@@ -70,6 +85,10 @@ class _EngineCollector:
         ):
             family = GaugeMetricFamily(name, doc, labels=["model"])
             family.add_metric([self.model], float(value))
+            yield family
+        for name, key, doc in VLLM_GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model], float(values[key]))
             yield family
 
 
@@ -80,6 +99,7 @@ class ServerMetrics:
     requests: Counter = field(init=False)
     prompt_tokens: Counter = field(init=False)
     generated_tokens: Counter = field(init=False)
+    queue_time: Histogram = field(init=False)
 
     def __post_init__(self) -> None:
         self.requests = Counter(
@@ -92,6 +112,13 @@ class ServerMetrics:
             "tierline_engine_generated_tokens",
             "Tokens generated (rate() of it: tokens/s)",
             ["model"],
+            registry=self.registry,
+        )
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Time a request waited in the engine's queue before it was first scheduled",
+            ["model_name"],
+            buckets=QUEUE_TIME_BUCKETS,
             registry=self.registry,
         )
 
@@ -114,8 +141,10 @@ class EngineServerState:
 class _Counts:
     by_request: dict[int, tuple[int, int, int]] = field(default_factory=dict)
 
-    def update(self, i: int, out: RequestOutput) -> None:
+    def update(self, i: int, out: RequestOutput, metrics: ServerMetrics) -> None:
         u = out.usage
+        if i not in self.by_request and out.queue_s is not None:  # a prompt's first update: it left the queue
+            metrics.queue_time.labels(metrics.model).observe(out.queue_s)
         self.by_request[i] = (u.prompt_tokens, u.completion_tokens, u.cached_tokens)
 
     def usage(self) -> dict[str, Any]:
@@ -171,7 +200,7 @@ async def _run(
         try:
             async with asyncio.timeout(state.request_timeout_s):
                 async for i, out in updates:
-                    counts.update(i, out)
+                    counts.update(i, out, metrics)
                     if out.finished:
                         final[i] = out
             status = "ok"
@@ -194,7 +223,7 @@ async def _run(
                 item: tuple[int, RequestOutput] | None = first
                 while item is not None:
                     i, out = item
-                    counts.update(i, out)
+                    counts.update(i, out, metrics)
                     events.extend(sse({**base, "choices": [choice]}) for choice in render(i, out))
                     if events:
                         yield b"".join(events)

@@ -59,18 +59,37 @@ class _EngineCollector(Collector):
                 labels=[*labels, "method"],
             ),
         }
+        # vLLM's names (label model_name), as model servers export them: one autoscaling rule reads both.
+        vllm = {
+            "vllm_waiting": GaugeMetricFamily(
+                "vllm:num_requests_waiting", "Requests waiting in the engine's queue", labels=["model_name"]
+            ),
+            "vllm_running": GaugeMetricFamily(
+                "vllm:num_requests_running", "Sequences being decoded", labels=["model_name"]
+            ),
+            "vllm_kv": GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1", labels=["model_name"]),
+            "vllm_gpu_kv": GaugeMetricFamily(
+                "vllm:gpu_cache_usage_perc", "KV-cache usage, 0 to 1 (vLLM's name before 0.10)", labels=["model_name"]
+            ),
+        }
         for served in self.pool.engines.values():
             snap = served.engine.snapshot()
             values = [served.model_id, str(served.version or ""), "cloud"]
             families["running"].add_metric(values, snap.running)
             families["waiting"].add_metric(values, snap.waiting)
             families["kv"].add_metric(values, snap.kv_usage)
+            name = [served.model_id if served.version is None else f"{served.model_id}@{served.version}"]
+            vllm["vllm_waiting"].add_metric(name, snap.waiting)
+            vllm["vllm_running"].add_metric(name, snap.running)
+            vllm["vllm_kv"].add_metric(name, snap.kv_usage)
+            vllm["vllm_gpu_kv"].add_metric(name, snap.kv_usage)
             families["prefix"].add_metric(values, snap.prefix_hit_rate)
             for method, proposed in snap.spec_proposed.items():
                 if proposed:
                     accepted = snap.spec_accepted.get(method, 0)
                     families["spec"].add_metric([*values, method], accepted / proposed)
         yield from families.values()
+        yield from vllm.values()
         restarts = CounterMetricFamily(
             "tierline_engine_restarts", "Engine children restarted after they died", labels=["model"]
         )

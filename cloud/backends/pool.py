@@ -72,6 +72,7 @@ class ReplicaPool:
     probe_interval_s: float = 1.0
     queue_timeout_s: float = 30.0
     health_path: str = "/health"
+    waiting: int = 0  # requests waiting here for a free slot (the gateway's queue for this model)
     _freed: asyncio.Event = field(default_factory=asyncio.Event)
     _prober: asyncio.Task[None] | None = None
 
@@ -111,8 +112,12 @@ class ReplicaPool:
                     f"model '{self.model_id}': every upstream endpoint is at its concurrency bound", retry_after=1.0
                 )
             self._freed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._freed.wait(), left)
+            self.waiting += 1
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._freed.wait(), left)
+            finally:
+                self.waiting -= 1
 
     def release(self, endpoint: Endpoint, ok: bool | None) -> None:
         """The request on ``endpoint`` is over: ``ok`` True (success), False (the endpoint failed), None (neither:
@@ -186,7 +191,13 @@ class PoolCollector:
         requests = CounterMetricFamily("tierline_backend_requests", "Requests sent to the endpoint", labels=labels)
         failures = CounterMetricFamily("tierline_backend_failures", "Failed requests (5xx, connection)", labels=labels)
         ejections = CounterMetricFamily("tierline_backend_ejections", "Times the breaker ejected it", labels=labels)
+        waiting = GaugeMetricFamily(
+            "tierline_backend_waiting_requests",
+            "Requests waiting in the gateway for a free upstream slot (every endpoint at max_concurrency)",
+            labels=["model"],
+        )
         for pool in self.pools:
+            waiting.add_metric([pool.model_id], pool.waiting)
             for e in pool.endpoints:
                 key = [pool.model_id, e.root]
                 outstanding.add_metric(key, e.outstanding)
@@ -194,4 +205,4 @@ class PoolCollector:
                 requests.add_metric(key, e.requests)
                 failures.add_metric(key, e.failures)
                 ejections.add_metric(key, e.ejections)
-        yield from (outstanding, up, requests, failures, ejections)
+        yield from (outstanding, up, requests, failures, ejections, waiting)

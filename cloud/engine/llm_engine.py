@@ -389,7 +389,8 @@ class LLMEngine:
         for request_id, sequences in progress.items():
             req = self._requests[request_id]
             self._fork_siblings(req)
-            outputs.append(EngineCoreOutput(request_id, sequences, req.seqs[0].num_cached_tokens))
+            first = req.seqs[0]
+            outputs.append(EngineCoreOutput(request_id, sequences, first.num_cached_tokens, first.first_scheduled_time))
             if all(s.is_finished for s in req.seqs):
                 del self._requests[request_id]
         return outputs

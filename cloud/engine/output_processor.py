@@ -35,6 +35,7 @@ class _Request:
     arrival_time: float
     num_cached_tokens: int = 0
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None
     streamed: bool = False  # an update with tokens has gone out
     held: RequestOutput | None = None  # what the stream interval holds back, merged into the next update
 
@@ -102,6 +103,8 @@ class OutputProcessor:
         req.num_cached_tokens = progress.num_cached_tokens
         if req.first_token_time is None:
             req.first_token_time = token_time
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = progress.first_scheduled_time
         for new in progress.sequences:
             out = req.outputs[new.index]
             if out.finish_reason is not None:
@@ -126,6 +129,9 @@ class OutputProcessor:
                 cached_tokens=req.num_cached_tokens,
             ),
             ttft_s=(req.first_token_time - req.arrival_time) if req.first_token_time is not None else None,
+            queue_s=max(0.0, req.first_scheduled_time - req.arrival_time)
+            if req.first_scheduled_time is not None
+            else None,
         )
 
 

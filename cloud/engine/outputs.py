@@ -42,6 +42,7 @@ class RequestOutput:
     finished: bool
     usage: Usage
     ttft_s: float | None = None
+    queue_s: float | None = None  # time in the engine's waiting queue: arrival to first scheduled
     # On the final update: seconds from the request's hand-over to the engine (its arrival) to this update — the
     # engine's own latency for the request, queueing inside the engine included.
     engine_s: float | None = None

@@ -123,6 +123,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     request_id: str
     sequences: list[SequenceOutput]
     num_cached_tokens: int
+    first_scheduled_time: float | None = None  # when the request first left the waiting queue (time in queue)
 
 
 class EngineCoreOutputs(msgspec.Struct, tag=int(EngineCoreResponseType.OUTPUTS), **_OPTS):

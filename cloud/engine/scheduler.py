@@ -10,6 +10,7 @@ the waiting queue (its prefix may still be in the cache when it returns).
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 
 from cloud.engine.block_manager import BlockManager
@@ -199,6 +200,8 @@ class Scheduler:
                 if seq.num_preemptions == 0:
                     seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
             bm.allocate(seq, num_new)
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))

@@ -58,6 +58,7 @@ class Sequence:
     logprobs: list[Logprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None  # time.monotonic() when it first left the waiting queue
     constraint: Constraint | None = None  # params.grammar's matcher, advanced with each appended token
 
     @property

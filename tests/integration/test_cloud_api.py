@@ -210,6 +210,8 @@ def test_metrics_expose_requests_tokens_and_engine_state_without_secrets(
     assert 'tierline_tokens_total{direction="out",model="tierline/lm-cloud",tier="cloud",version=""}' in text
     assert "tierline_time_to_first_token_seconds_bucket" in text
     assert 'tierline_engine_kv_cache_usage_ratio{model="tierline/lm-cloud"' in text
+    for vllm_name in ("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc"):  # vLLM's names too
+        assert f'vllm:{vllm_name}{{model_name="tierline/lm-cloud"}}' in text
     assert cloud_api["key"] not in text and "acme" not in text
 
 

@@ -4,6 +4,7 @@ prefix caching across tenants, the async engine, and bad input."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -147,6 +148,27 @@ def test_five_hundred_concurrent_requests_fit_a_fixed_budget(lm_dirs: tuple[Path
         assert engine.block_manager.num_free_blocks >= 0
     assert finished == 500
     assert engine.block_manager.num_free_blocks == engine.num_blocks
+
+
+def test_time_in_queue_is_arrival_to_first_scheduled(lm_dirs: tuple[Path, Path]) -> None:
+    """One sequence at a time: the second request waits in the queue until the first has finished, so its time in
+    queue covers the first's whole engine latency; the first was scheduled in the step it arrived for."""
+    engine = LLMEngine(EngineConfig(lm_dirs[0], kv_cache_bytes=KV, max_num_seqs=1, block_size=8))
+    arrival = time.monotonic()  # one arrival for both: the second's queue time then spans the first's latency
+    engine.add_request("a", PROMPTS[0], greedy(6), arrival_time=arrival)
+    engine.add_request("b", PROMPTS[1], greedy(6), arrival_time=arrival)
+    first: dict[str, RequestOutput] = {}
+    final: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            first.setdefault(out.request_id, out)
+            if out.finished:
+                final[out.request_id] = out
+    a, b = first["a"].queue_s, first["b"].queue_s
+    assert a is not None and b is not None and final["a"].engine_s is not None
+    assert a <= (first["a"].ttft_s or 0.0)
+    assert b >= final["a"].engine_s > a
+    assert all(o.queue_s == first[o.request_id].queue_s for o in final.values())  # a request's, on every update
 
 
 def test_queue_bound_raises_queue_full(lm_dirs: tuple[Path, Path]) -> None:

@@ -133,3 +133,27 @@ def test_health_and_metrics_count_what_was_generated(client: openai.OpenAI, serv
     for gauge in ("waiting_sequences", "running_sequences", "kv_cache_usage_ratio"):
         assert f'tierline_engine_{gauge}{{model="lm-cloud"}}' in text
     assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+
+
+def _samples(text: str) -> dict[str, float]:
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line[:1] != "#"}
+
+
+def test_metrics_carry_the_autoscaling_signals_under_vllms_names(client: openai.OpenAI, server: str) -> None:
+    """Queue depth, running sequences, KV-cache use and time in queue, named and labelled as vLLM's (one autoscaling
+    rule for both servers), equal to the engine's own gauges; time in queue counted once per prompt."""
+    queued = 'vllm:request_queue_time_seconds_count{model_name="lm-cloud"}'
+    before = _samples(httpx.get(f"{server}/metrics").text).get(queued, 0.0)
+    client.completions.create(model="lm-cloud", prompt=[PROMPT, "Once upon", "A fox"], max_tokens=3, temperature=0)
+    list(client.completions.create(model="lm-cloud", prompt=PROMPT, max_tokens=3, stream=True))
+    samples = _samples(httpx.get(f"{server}/metrics").text)
+    assert samples[queued] - before == 4
+    assert 0 <= samples['vllm:request_queue_time_seconds_sum{model_name="lm-cloud"}'] < 60
+    pairs = {
+        "vllm:num_requests_waiting": "tierline_engine_waiting_sequences",
+        "vllm:num_requests_running": "tierline_engine_running_sequences",
+        "vllm:kv_cache_usage_perc": "tierline_engine_kv_cache_usage_ratio",
+        "vllm:gpu_cache_usage_perc": "tierline_engine_kv_cache_usage_ratio",
+    }
+    for vllm, ours in pairs.items():
+        assert samples[f'{vllm}{{model_name="lm-cloud"}}'] == samples[f'{ours}{{model="lm-cloud"}}'], vllm

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cloud.backends.config import load_backends
-from cloud.backends.pool import Endpoint, ReplicaPool, UpstreamUnavailableError
+from cloud.backends.pool import Endpoint, PoolCollector, ReplicaPool, UpstreamUnavailableError
 from shared.errors import ConfigurationError
 
 
@@ -67,6 +67,31 @@ def test_a_full_endpoint_makes_requests_wait_for_a_slot_then_503() -> None:
             await pool.acquire()
 
     asyncio.run(run())
+
+
+def test_requests_waiting_for_a_slot_are_the_gateways_queue_depth_on_metrics() -> None:
+    def waiting(pool: ReplicaPool) -> float:
+        family = next(f for f in PoolCollector([pool]).collect() if f.name == "tierline_backend_waiting_requests")
+        [sample] = family.samples
+        assert sample.labels == {"model": "m"}
+        return sample.value
+
+    async def run() -> list[float]:
+        pool = _pool(1, queue_timeout_s=5)
+        held = await pool.acquire()
+        seen = [waiting(pool)]
+        pending = {asyncio.create_task(pool.acquire()) for _ in range(3)}
+        await asyncio.sleep(0.05)
+        seen.append(waiting(pool))
+        for _ in range(3):
+            pool.release(held, True)  # one waiter gets the slot; the others wait on
+            done, pending = await asyncio.wait(pending, timeout=5, return_when=asyncio.FIRST_COMPLETED)
+            held = done.pop().result()
+            await asyncio.sleep(0.01)
+            seen.append(waiting(pool))
+        return seen
+
+    assert asyncio.run(run()) == [0, 3, 2, 1, 0]
 
 
 def _spec(tmp_path: Path, **fields: object) -> Path:
