@@ -6,6 +6,7 @@ runs; an edge release targeted at ``ring=beta`` reaches the beta agent and not a
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import time
@@ -188,6 +189,9 @@ def test_a_policy_moved_in_the_console_reaches_the_agent_and_moves_its_escalatio
     assert rate_2 == pytest.approx(1 - v2.policy["calibration"]["edge_share"], abs=0.05)
     assert rate_1 == pytest.approx(1 - v1.policy["calibration"]["edge_share"], abs=0.05)
     wait_for("the device record says v2 runs", lambda: p.device("beta-1").policies == {DIGITS: "2"})
+    shares = {f"v{v.version}": v.policy["calibration"]["edge_share"] for v in (v1, v2)}
+    rates = {"v1": rate_1, "v2": rate_2}
+    print(json.dumps({"escalation_rate": rates, "validation_edge_share": shares, "took_s": round(took, 2)}))
 
     # A device-local file wins over the cloud's policy, without a restart, and the device says so.
     policy_dir = Path(p.agent_env["TIERLINE_EDGE_STATE_DIR"]) / "policies"
@@ -281,9 +285,44 @@ def test_a_release_targeted_at_beta_reaches_the_beta_device_and_not_a_dev_device
     with httpx.Client(base_url=p.console_url, follow_redirects=False, timeout=30) as admin:
         assert login(admin, "ops", PASSWORD).status_code == 303
         beta = admin.get("/fleet", params={"label": "ring=beta"}).text
-        assert "beta-1" in beta and "dev-1" not in beta
+        assert "<small>beta-1</small>" in beta and "<small>dev-1</small>" not in beta  # names (ids are dev-<hex>)
         row = re.search(r"<small>digits-small</small> <code>([^<]+)</code> / <code>([^<]+)</code>", beta)
         assert row and row.groups() == ("b1", "b1")
         dev = admin.get("/fleet", params={"label": "ring=dev"}).text
-        assert "dev-1" in dev and "beta-1" not in dev
+        assert "<small>dev-1</small>" in dev and "<small>beta-1</small>" not in dev
         assert admin.get("/fleet", params={"label": "nonsense"}).status_code == 400
+
+
+def test_the_management_api_lists_reads_and_moves_policies(platform: Platform) -> None:
+    p = platform
+    engine = create_engine(p.db)
+    with session_scope(engine) as session:
+        create_user(session, "watcher", PASSWORD, "viewer")
+    engine.dispose()
+    admin = {"Authorization": f"Bearer {p.cli('console', 'create-token', '--username', 'ops')}"}
+    viewer = {"Authorization": f"Bearer {p.cli('console', 'create-token', '--username', 'watcher')}"}
+    api = f"{p.console_url}/api/policies"
+    listed = httpx.get(api, headers=viewer, timeout=30)
+    assert listed.status_code == 200, listed.text
+    versions = [v["version"] for v in listed.json()["data"] if v["model"] == DIGITS]
+    assert versions[:2] == [2, 1]
+    one = httpx.get(f"{api}/digits-small", params={"version": 1}, headers=viewer, timeout=30).json()
+    assert one["version"] == 1 and one["curve"] and one["policy"]["signal"] == one["signal"]
+    assert httpx.get(f"{api}/tierline__digits-small", headers=viewer, timeout=30).json()["version"] == versions[0]
+    body = {"max_quality_loss": 0.02, "target": ["ring=beta"]}
+    refused = httpx.post(f"{api}/digits-small/operating-point", json=body, headers=viewer, timeout=30)
+    assert refused.status_code == 403
+    bad = httpx.post(f"{api}/digits-small/operating-point", json={**body, "shadow": 1}, headers=admin, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "shadow"
+    bad = httpx.post(
+        f"{api}/digits-small/operating-point", json={**body, "target": ["ring"]}, headers=admin, timeout=30
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "target"
+    moved = httpx.post(f"{api}/digits-small/operating-point", json=body, headers=admin, timeout=30)
+    assert moved.status_code == 201, moved.text
+    new = moved.json()
+    assert new["version"] == versions[0] + 1 and new["target"] == [{"key": "ring", "op": "=", "value": "beta"}]
+    assert new["created_by"] == "console:ops"
+    wait_for("the API's version reaches the beta agent", lambda: p.agent()["policies"] == {DIGITS: str(new["version"])})
+    missing = httpx.get(f"{api}/nothing-here", headers=viewer, timeout=30)
+    assert missing.status_code == 404
