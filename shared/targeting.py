@@ -9,7 +9,9 @@ A target is a list of terms, every one of which must hold (an empty target is th
 - ``device.cpus``: logical CPUs;
 - ``device.runtime``: an inference runtime the agent can run (``onnxruntime``, ``tflite``); ``=`` holds when the
   device has it, ``!=`` when it has not;
-- ``device.system``: the operating system (``Linux``, ...).
+- ``device.system``: the operating system (``Linux``, ...);
+- ``device.bucket``: a number from 0 to 99 fixed per device (from a hash of its id), so ``device.bucket<=19`` is a
+  sticky 20 % of the fleet: a policy or release tried on a share of the devices before all of them.
 
 A term on a label or fact the device does not report does not hold (``!=`` included): a device is only sent what
 provably targets it. Pure Python, shared by the cloud (choosing) and the CLI/console (validating).
@@ -17,6 +19,7 @@ provably targets it. Pure Python, shared by the cloud (choosing) and the CLI/con
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -24,8 +27,9 @@ from typing import Any
 from shared.errors import ValidationError
 
 FACT_PREFIX = "device."
-FACTS = ("arch", "memory_mb", "cpus", "runtime", "system")
-NUMERIC_FACTS = ("memory_mb", "cpus")
+FACTS = ("arch", "memory_mb", "cpus", "runtime", "system", "bucket")
+NUMERIC_FACTS = ("memory_mb", "cpus", "bucket")
+BUCKETS = 100
 _TERM = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._/-]{0,63})\s*(!=|>=|<=|=)\s*([^\s=<>!][^=<>!]{0,127}?)\s*$")
 MAX_TERMS = 16
 
@@ -79,7 +83,12 @@ def describe(target: list[dict[str, str]]) -> str:
     return ", ".join(f"{t['key']}{t['op']}{t['value']}" for t in target) or "all devices"
 
 
-def device_facts(runtime: Mapping[str, Any]) -> dict[str, Any]:
+def bucket(device_id: str) -> int:
+    """The device's fixed bucket, 0..99: the first 8 bytes of sha256 of its id, modulo 100."""
+    return int.from_bytes(hashlib.sha256(device_id.encode()).digest()[:8], "big") % BUCKETS
+
+
+def device_facts(runtime: Mapping[str, Any], device_id: str | None = None) -> dict[str, Any]:
     """The facts of a device from the runtime summary its agent reports (``edge_agent.agent.runtime_summary``)."""
     runtimes = runtime.get("runtimes")
     return {
@@ -88,6 +97,7 @@ def device_facts(runtime: Mapping[str, Any]) -> dict[str, Any]:
         "cpus": runtime.get("cpus"),
         "runtime": list(runtimes) if isinstance(runtimes, list) else None,
         "system": runtime.get("system"),
+        "bucket": bucket(device_id) if device_id else None,
     }
 
 
@@ -107,7 +117,12 @@ def _holds(term: Mapping[str, str], labels: Mapping[str, str], facts: Mapping[st
     return (str(have) == want) == (op == "=")
 
 
-def matches(target: Iterable[Mapping[str, str]], labels: Mapping[str, str], runtime: Mapping[str, Any]) -> bool:
-    """Whether a device with these labels and this reported runtime summary is targeted."""
-    facts = device_facts(runtime)
+def matches(
+    target: Iterable[Mapping[str, str]],
+    labels: Mapping[str, str],
+    runtime: Mapping[str, Any],
+    device_id: str | None = None,
+) -> bool:
+    """Whether a device with these labels, this reported runtime summary and this id is targeted."""
+    facts = device_facts(runtime, device_id)
     return all(_holds(t, labels, facts) for t in target)

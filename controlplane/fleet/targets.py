@@ -47,4 +47,4 @@ def release_targets(session: Session) -> dict[tuple[str, str], list[dict[str, st
 
 
 def targets_device(target: list[dict[str, str]] | None, device: Device) -> bool:
-    return not target or matches(target, device.labels or {}, device.runtime or {})
+    return not target or matches(target, device.labels or {}, device.runtime or {}, device.id)

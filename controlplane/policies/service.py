@@ -29,7 +29,7 @@ from sqlmodel import Session, col, select
 from controlplane.storage.audit import audit
 from controlplane.storage.tables import Device, EscalationPolicy
 from shared.edge_protocol import DesiredPolicy
-from shared.errors import ConfigurationError, NotFoundError, ValidationError
+from shared.errors import ConfigurationError, ConflictError, NotFoundError, ValidationError
 from shared.escalation import ROUTER, EdgePolicy
 from shared.policy_signing import sign_policy
 from shared.settings import CoreSettings
@@ -166,18 +166,19 @@ def calibrate(
 
     loss = check_loss(max_quality_loss)
     model = resolve_model(session, model)
+    path = data if data is not None else validation_path(model)
+    if data is None and not path.is_file():
+        raise NotFoundError(
+            f"no validation data for {model!r} in the control plane; give it once with --data FILE "
+            "(tierline bench cascade --export-validation FILE writes one)",
+            param="model",
+        )
+    try:
+        values = read_validation(path, model)  # a bad file is refused before it is kept
+    except ConfigurationError as exc:
+        raise ValidationError(exc.message, param="data") from None
     if data is not None:
-        values = read_validation(data, model)  # refuse a bad file before keeping it
         path = store_validation(values.model, data)
-    else:
-        path = validation_path(model)
-        if not path.is_file():
-            raise NotFoundError(
-                f"no validation data for {model!r} in the control plane; give it once with --data FILE "
-                "(tierline bench cascade --export-validation FILE writes one)",
-                param="model",
-            )
-        values = read_validation(path, model)
     policy, _ = run_calibration(values, loss)
     confidence = (
         policy.router.confidences(router_inputs(values))
@@ -216,7 +217,7 @@ def operating_point(calibration: dict[str, Any], max_quality_loss: float) -> tup
     curve = calibration.get("curve") or []
     cloud = calibration.get("cloud_only_quality")
     if not curve or not isinstance(cloud, int | float):
-        raise ConfigurationError("this policy has no calibration curve to move the operating point on; calibrate it")
+        raise ConflictError("this policy has no calibration curve to move the operating point on; calibrate it")
     best: dict[str, Any] | None = None
     for point in curve:
         if point.get("threshold") is None or point["quality"] < cloud - max_quality_loss - QUALITY_EPS:
@@ -274,7 +275,7 @@ def desired_rows(session: Session, device: Device) -> list[EscalationPolicy]:
     chosen: dict[str, EscalationPolicy] = {}
     query = select(EscalationPolicy).order_by(col(EscalationPolicy.model), col(EscalationPolicy.version).desc())
     for row in session.exec(query):
-        if row.model not in chosen and matches(row.target, device.labels or {}, device.runtime or {}):
+        if row.model not in chosen and matches(row.target, device.labels or {}, device.runtime or {}, device.id):
             chosen[row.model] = row
     return [chosen[m] for m in sorted(chosen)]
 

@@ -170,6 +170,17 @@ def test_target_terms(terms: list[str], labels: dict[str, str], runtime: dict[st
     assert matches(parse_target(terms), labels, runtime) is expected
 
 
+def test_a_bucket_target_is_a_sticky_share_of_the_fleet() -> None:
+    ids = [f"dev-{i:04x}" for i in range(400)]
+    first_fifth = parse_target(["device.bucket<=19"])
+    rest = parse_target(["device.bucket>=20"])
+    picked = [i for i in ids if matches(first_fifth, {}, {}, i)]
+    assert 0.15 < len(picked) / len(ids) < 0.25  # 20 % of the fleet, give or take the hash
+    assert picked == [i for i in ids if matches(first_fifth, {}, {}, i)]  # the same devices every time
+    assert sorted(picked + [i for i in ids if matches(rest, {}, {}, i)]) == sorted(ids)  # and the rest is the rest
+    assert not matches(first_fifth, {}, {})  # no id, no bucket: not targeted
+
+
 @pytest.mark.parametrize("bad", ["ring", "ring>=2", "device.memory_mb>=lots", "=x", "device.gpu=yes"])
 def test_bad_target_terms_are_refused_naming_the_term(bad: str) -> None:
     with pytest.raises(ValidationError) as info:
