@@ -16,6 +16,7 @@ from sqlmodel import Session, select
 from controlplane.fleet.targets import release_targets, set_release_target, targets_device
 from controlplane.policies import service
 from controlplane.storage.database import create_db
+from controlplane.storage.session import get_db
 from controlplane.storage.tables import AuditLog, Device, EscalationPolicy, Tenant
 from shared.artifacts import load_or_create_signing_key
 from shared.errors import ArtifactVerificationError, NotFoundError, ValidationError
@@ -209,3 +210,4 @@ def test_cli_calibrates_and_moves_and_lists(
     with Session(engine) as s:
         assert len(s.exec(select(EscalationPolicy)).all()) == 2
     engine.dispose()
+    get_db().dispose()  # the CLI's pooled connections, before the test's schema is dropped
