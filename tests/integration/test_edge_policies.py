@@ -326,3 +326,12 @@ def test_the_management_api_lists_reads_and_moves_policies(platform: Platform) -
     wait_for("the API's version reaches the beta agent", lambda: p.agent()["policies"] == {DIGITS: str(new["version"])})
     missing = httpx.get(f"{api}/nothing-here", headers=viewer, timeout=30)
     assert missing.status_code == 404
+    # And from the console: recalibrated on the kept validation set, a version of its own (no curve re-read).
+    with httpx.Client(base_url=p.console_url, follow_redirects=False, timeout=60) as browser:
+        assert login(browser, "ops", PASSWORD).status_code == 303
+        page = "/models/digits-small"
+        done = post_form(browser, "/models/digits-small/policy/calibrate", {"max_quality_loss": "0.01"}, page=page)
+        assert done.status_code == 303, done.text
+    latest = p.policy(new["version"] + 1)
+    assert latest.derived_from is None and latest.data_sha256 == new["data_sha256"] and latest.max_quality_loss == 0.01
+    assert latest.target == new["target"]  # kept from the version before
