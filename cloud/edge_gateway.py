@@ -3,8 +3,8 @@
 - ``POST /v1/edge/enroll``: a one-time enrollment token (``tierline devices enrollment-token``) becomes a
   device record and a device credential, returned once with the artifact-signing public key(s).
 - ``POST /v1/edge/sync``: device-authenticated; stores the outbox batch idempotently by record id and
-  answers the device's desired model versions. The batch is committed before the answer, so an agent that
-  hears 200 may forget the batch.
+  answers the device's desired model versions and escalation policies (those targeting it). The batch is
+  committed before the answer, so an agent that hears 200 may forget the batch.
 - ``POST /v1/edge/escalate``: device-authenticated inference on the cloud's models, billed to the device's
   tenant (tier ``cloud``, the escalation reason recorded) under a usage id the cloud chooses and returns in
   ``x-tierline-usage-id``; the agent records no usage of its own for an escalated request.
@@ -36,6 +36,7 @@ from controlplane.billing import credit
 from controlplane.billing.budgets import PriceBook, tightest_remaining
 from controlplane.billing.pricing import period_of
 from controlplane.fleet.devices import SyncCounts, UsageWindow, authenticate_device, enroll, ingest
+from controlplane.policies.service import desired_for as desired_policies
 from controlplane.storage.tables import BudgetAlert, BudgetPeriod, Device, Tenant
 from shared.artifacts import load_public_key, public_path, public_pem
 from shared.edge_protocol import (
@@ -146,6 +147,7 @@ class EdgeGateway:
         return allowance, fired
 
     def sync(self, caller: DeviceCaller, data: SyncRequest) -> tuple[SyncResponse, list[BudgetAlert]]:
+        device: Device | None = None
         for attempt in (1, 2):
             try:
                 with Session(self.db) as session:
@@ -157,13 +159,18 @@ class EdgeGateway:
                     device.runtime = data.runtime or device.runtime
                     device.versions = data.models
                     device.metrics = data.metrics
+                    device.policies = data.policies
                     session.add(device)
                     session.commit()
+                    session.refresh(device)
+                    policies = desired_policies(session, device)
+                    session.expunge(device)
                     break
             except IntegrityError:
                 # A concurrent retry of the same batch stored some ids first; the second pass skips them.
                 if attempt == 2:
                     raise
+        assert device is not None
         if self.on_sync is not None:
             self.on_sync(counts)
         allowance, fired = self._allowance(caller.device.tenant_id)
@@ -172,7 +179,8 @@ class EdgeGateway:
             duplicates=counts.duplicates,
             conflicts=counts.conflicts,
             clamped=counts.clamped,
-            desired=self.releases.desired(caller.device),
+            desired=self.releases.desired(device),  # as updated now: the facts this sync reported count
+            policies=policies,
             config={"sync_interval_s": self.sync_interval_s},
             server_time=time.time(),
             allowance=allowance,

@@ -51,6 +51,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from cloud.edge_gateway import DEVICE, DEVICE_BEARER, DeviceCaller
+from controlplane.fleet.targets import release_targets, targets_device
 from controlplane.rollouts.service import FINAL, edge_version, load_plans, plans_for
 from controlplane.storage.session import get_db
 from controlplane.storage.tables import Device
@@ -210,18 +211,24 @@ class ReleaseStore:
         return list(releases)
 
     def desired(self, device: Device) -> list[DesiredModel]:
-        """Per model: the version a rollout assigns this device, else the most recently published one."""
+        """Per model: the version a rollout assigns this device, else the most recently published one that
+        targets it (``controlplane.fleet.targets``: a release with a target only goes to the devices it selects)."""
         releases = self._read_index()
-        newest: dict[str, Release] = {}
-        published: dict[tuple[str, str], Release] = {}
-        for release in releases:
-            newest.pop(release.name, None)
-            newest[release.name] = release
-            published[(release.name, release.version)] = release
-        if not newest:
+        if not releases:
             return []
         with Session(self._engine or get_db()) as session:
             plans = load_plans(session, "edge")
+            targets = release_targets(session)
+        newest: dict[str, Release] = {}
+        published: dict[tuple[str, str], Release] = {}
+        for release in releases:
+            published[(release.name, release.version)] = release
+            if not targets_device(targets.get((release.name, release.version)), device):
+                continue
+            newest.pop(release.name, None)
+            newest[release.name] = release
+        if not newest:
+            return []
         chosen: list[Release] = []
         for name, release in sorted(newest.items()):
             plan = plans_for(plans, name, device.tenant_id)

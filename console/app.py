@@ -27,6 +27,7 @@ from console.management_api import OPENAPI_CONFIG
 from console.money_api import MONEY_ROUTER
 from console.pages import LOGIN_ROUTER, PAGES_ROUTER
 from console.pages.common import http_error_page
+from console.policies_api import POLICIES_ROUTER
 from console.registry_api import REGISTRY_ROUTER, derive_jobs
 from console.rollout_controller import rollout_controller
 from console.rollouts_api import ROLLOUTS_ROUTER
@@ -110,6 +111,7 @@ def create_app(db: Engine | None = None, auth_settings: ConsoleAuthSettings | No
             REGISTRY_ROUTER,
             BILLING_ROUTER,
             MONEY_ROUTER,
+            POLICIES_ROUTER,
             create_static_files_router("/static", directories=[STATIC], include_in_schema=False),
         ],
         start=start,

@@ -17,14 +17,45 @@ from typing import Any
 from edge_agent.cloud_link import CloudLink, CloudUnavailableError
 from edge_agent.outbox import Outbox
 from edge_agent.tiering import Served
-from shared.edge_protocol import MAX_BATCH, Allowance, DesiredModel, EventItem, SyncRequest, SyncResponse, UsageItem
+from shared.edge_protocol import (
+    MAX_BATCH,
+    Allowance,
+    DesiredModel,
+    DesiredPolicy,
+    EventItem,
+    SyncRequest,
+    SyncResponse,
+    UsageItem,
+)
 
 logger = logging.getLogger(__name__)
 
 AGENT_VERSION = package_version("tierline")
 
 
+def memory_mb() -> int | None:
+    """The host's physical memory in MiB (None where the OS does not say)."""
+    import os
+
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1 << 20))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def runtimes() -> list[str]:
+    """The inference runtimes this agent can run: ONNX Runtime always, LiteRT (``tflite``) when installed."""
+    import importlib.util
+
+    found = ["onnxruntime"]
+    if importlib.util.find_spec("ai_edge_litert") is not None:
+        found.append("tflite")
+    return found
+
+
 def runtime_summary() -> dict[str, Any]:
+    """The device's facts, reported at enrollment and every sync; releases and policies target them
+    (``shared.targeting``: device.arch, device.memory_mb, device.cpus, device.runtime, device.system)."""
     import os
 
     import onnxruntime
@@ -34,6 +65,8 @@ def runtime_summary() -> dict[str, Any]:
         "machine": platform.machine(),
         "system": platform.system(),
         "cpus": os.cpu_count() or 0,
+        "memory_mb": memory_mb(),
+        "runtimes": runtimes(),
         "onnxruntime": onnxruntime.__version__,
     }
 
@@ -137,6 +170,8 @@ class Agent:
         self.on_desired: Callable[[list[DesiredModel]], None] | None = None
         self.on_outcome: Callable[[str, str | None, bool], None] | None = None  # model id, version, ok
         self.on_allowance: Callable[[Allowance | None], None] | None = None
+        self.on_policies: Callable[[list[DesiredPolicy]], None] | None = None
+        self.policy_sources: Callable[[], dict[str, str]] = dict  # model -> policy in use, for the sync report
         self.last_sync: SyncResponse | None = None
         self.synced_records = 0
 
@@ -185,6 +220,7 @@ class Agent:
             agent_version=AGENT_VERSION,
             runtime=runtime_summary(),
             models=dict(self.stats.versions),
+            policies=self.policy_sources(),
             metrics=self.stats.snapshot(),
             usage=usage,
             events=events,
@@ -199,6 +235,8 @@ class Agent:
         self.last_sync = answer
         if self.on_allowance is not None:
             self.on_allowance(answer.allowance)
+        if self.on_policies is not None:
+            self.on_policies(answer.policies)
         if answer.desired and self.on_desired is not None:
             self.on_desired(answer.desired)
         if "sync_interval_s" in answer.config:

@@ -25,13 +25,13 @@ from edge_agent.cloud_link import CREDENTIALS_FILE, CircuitBreaker, CloudLink, C
 from edge_agent.model_store import ModelStore
 from edge_agent.models import EDGE_ARTIFACTS, PREFIX, ServedModels
 from edge_agent.outbox import Outbox
+from edge_agent.policies import PolicyBook
 from edge_agent.settings import EdgeSettings, policy_dir, state_dir
-from edge_agent.tiering import Answer, Tiering, family
+from edge_agent.tiering import Answer, Tiering
 from edge_agent.updater import HealthWatch, Updater
 from shared.artifacts import load_public_key, public_path
 from shared.edge_protocol import DesiredModel
 from shared.errors import AuthenticationError, ConfigurationError
-from shared.escalation import EdgePolicy, load_policy
 from shared.http import EventStream
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
 from shared.service_app import create_service_app
@@ -148,6 +148,7 @@ def agent_status(agent: Agent, tiering: TieringDependency, _auth: None) -> dict[
         "cloud_breaker": link.breaker.state if link is not None else None,
         "outbox": agent.outbox.stats(),
         "synced_records": agent.synced_records,
+        "policies": agent.policy_sources(),
         "allowance": tiering.allowance.allowance.model_dump(mode="json") if tiering.allowance.allowance else None,
         "models": agent.stats.snapshot(),
     }
@@ -168,7 +169,6 @@ def create_app(settings: EdgeSettings) -> Litestar:
     served = ServedModels(zoo_root, store, keys, settings.num_threads)
     logger.info("edge agent serving %d verified model(s) from %s and %s", len(served.models), zoo_root, home)
     api_key = settings.api_key.get_secret_value() if settings.api_key else None
-    policies = _policies(policy_dir(settings), [*served.ids(), *served.aliases])
 
     @asynccontextmanager
     async def start() -> AsyncIterator[EdgeState]:
@@ -176,7 +176,10 @@ def create_app(settings: EdgeSettings) -> Litestar:
         agent = Agent(outbox, AgentStats(served.versions()), None, 30.0)
         guard = AllowanceGuard(settings.on_quota_exhausted)
         agent.on_allowance = guard.update
-        tiering = Tiering(served.lms, None, policies, agent.record, served.classifiers, allowance=guard)
+        tiering = Tiering(served.lms, None, {}, agent.record, served.classifiers, allowance=guard)
+        book = PolicyBook(policy_dir(settings), [*served.ids(), *served.aliases], keys, tiering, agent.event)
+        agent.on_policies = book.apply
+        agent.policy_sources = book.sources
         enrollment = Enrollment(home, settings, served, agent, tiering, keys)
         if creds is not None:
             enrollment.connect(creds)
@@ -367,14 +370,3 @@ class Updates:
             with contextlib.suppress(asyncio.CancelledError):
                 await self.task
         self.client.close()
-
-
-def _policies(directory: Path, model_ids: list[str]) -> dict[str, EdgePolicy]:
-    """Calibrated policies (``tierline edge calibrate``), by model id and by model family."""
-    found: dict[str, EdgePolicy] = {}
-    for model_id in {*model_ids, *(family(m) for m in model_ids)}:
-        policy = load_policy(directory, model_id)
-        if policy is not None:
-            found[model_id] = policy
-            logger.info("escalation policy for %s: %s < %s escalates", model_id, policy.signal, policy.threshold)
-    return found

@@ -60,6 +60,11 @@ class SyncRequest(_Strict):
     agent_version: str = Field("", max_length=32)
     runtime: dict[str, Any] = Field(default_factory=dict)
     models: dict[str, str] = Field(default_factory=dict, description="model -> version loaded now")
+    policies: dict[str, str] = Field(
+        default_factory=dict,
+        description="model -> escalation policy in use: the cloud's version number, 'override' (the device's own "
+        "policy file) or 'default'",
+    )
     metrics: dict[str, Any] = Field(default_factory=dict, description="per model version: requests, errors, p50...")
     usage: list[UsageItem] = Field(default_factory=list, max_length=MAX_BATCH)
     events: list[EventItem] = Field(default_factory=list, max_length=MAX_BATCH)
@@ -70,6 +75,17 @@ class DesiredModel(_Strict):
     version: str
     sha256: str
     manifest_url: str = Field(description="relative to the cloud's base URL")
+
+
+class DesiredPolicy(_Strict):
+    """An escalation policy version the cloud wants the device to use, signed with the registry's key."""
+
+    model: str = Field(max_length=128)
+    version: int
+    target: list[dict[str, str]] = Field(default_factory=list, description="the device selector it was sent under")
+    policy: dict[str, Any] = Field(description="the EdgePolicy JSON (shared.escalation)")
+    key_id: str
+    signature: str = Field(description="base64 Ed25519 over shared.policy_signing.canonical_bytes")
 
 
 class Allowance(_Strict):
@@ -92,6 +108,7 @@ class SyncResponse(_Strict):
     conflicts: int = Field(0, description="usage records not stored: their id holds a record with another payload")
     clamped: int = Field(0, description="usage records dated outside the accepted window, booked at its edge")
     desired: list[DesiredModel] = Field(default_factory=list)
+    policies: list[DesiredPolicy] = Field(default_factory=list, description="escalation policies for this device")
     config: dict[str, Any] = Field(default_factory=dict)
     server_time: float
     allowance: Allowance | None = Field(None, description="the tenant's remaining allowance (absent: unknown)")

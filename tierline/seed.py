@@ -1,7 +1,7 @@
 """What ``tierline up`` seeds so the embedded platform starts connected: the demo tenant (key, monthly budget),
 the zoo's models in the registry (``stable`` aliases, edge exports derived from their checkpoint), a price book
 where edge tokens cost less than cloud tokens, the local agent enrolled as a device, and a calibrated escalation
-policy per edge model.
+policy per edge model (a signed version in the control plane, delivered to the agent at its next sync).
 
 Every step is idempotent (it looks before it creates) and goes through the control plane's own service
 functions, audited with the CLI's actor, so a second ``tierline up`` on the same data directory creates nothing.
@@ -45,6 +45,7 @@ REGISTRY_MODELS = (("lm-cloud", "lm-cloud"), ("lm-edge", "lm-edge"))
 REGISTRY_CLASSIFIERS = (("digits-large", "digits-large"), ("digits-small", "digits-small"))
 EDGE_EXPORTS = {"lm-edge": ("lm-edge-onnx", "lm-edge-onnx-int8", "lm-edge-tflite")}
 EDGE_ALIAS = "edge"
+MAX_QUALITY_LOSS = 0.01  # the demo policies' bound: one point below cloud-only quality
 # Held-out LM line starts for the calibration data, per preset (half of them are the validation half).
 VALIDATION_LINES = {"tiny": 60, "demo": 160}
 
@@ -248,25 +249,29 @@ def validation_path(data_dir: Path, preset: str) -> Path:
     return data_dir / "demo" / f"validation-{preset}.jsonl"
 
 
-def policies_ready(data_dir: Path, preset: str, policy_dir: Path) -> bool:
-    """Whether every edge model of the cached validation data has a policy (nothing to calibrate)."""
-    from shared.errors import ConfigurationError
-    from shared.escalation import load_policy
+def policies_ready(data_dir: Path, preset: str) -> bool:
+    """Whether every edge model of the cached validation data has a policy in the control plane."""
+    from controlplane.policies import service
+    from controlplane.storage.session import session_scope
 
     validation = validation_path(data_dir, preset)
     try:
-        return validation.is_file() and all(load_policy(policy_dir, m) is not None for m in _policy_models(validation))
-    except (OSError, ValueError, ConfigurationError):
+        if not validation.is_file():
+            return False
+        with session_scope() as session:
+            return all(service.versions_of(session, m) for m in _policy_models(validation))
+    except (OSError, ValueError):
         return False
 
 
-def calibrate_policies(
-    zoo_dir: Path, preset: str, data_dir: Path, policy_dir: Path, log: Callable[[str], None]
-) -> list[str]:
-    """A calibrated escalation policy per edge model in the agent's policy dir, from validation items that
-    ``tierline bench cascade --export-validation`` writes once per preset (cached in the data dir); a model
-    that already has a policy keeps it. Returns the models calibrated now."""
-    from shared.escalation import load_policy
+def calibrate_policies(zoo_dir: Path, preset: str, data_dir: Path, log: Callable[[str], None]) -> list[str]:
+    """A calibrated escalation policy per edge model in the control plane (a signed registry version the agent
+    receives at its next sync), from validation items that ``tierline bench cascade --export-validation`` writes
+    once per preset (cached in the data dir); a model that already has a policy keeps it. Returns the models
+    calibrated now."""
+    from controlplane.policies import service
+    from controlplane.registry.artifacts import platform_signing_key
+    from controlplane.storage.session import session_scope
 
     validation = validation_path(data_dir, preset)
     tierline = [sys.executable, "-m", "tierline.cli"]
@@ -279,14 +284,15 @@ def calibrate_policies(
         _check(subprocess.run(cmd, capture_output=True, text=True, check=False), "tierline bench cascade")
         partial.rename(validation)
     done = []
+    key = platform_signing_key()
     for model in _policy_models(validation):
-        if load_policy(policy_dir, model) is not None:
-            continue
-        cmd = [*tierline, "edge", "calibrate", "--model", model, "--data", str(validation)]
-        cmd += ["--out-dir", str(policy_dir)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        _check(proc, f"tierline edge calibrate --model {model}")
-        logger.debug("%s", proc.stdout.strip())
+        with session_scope() as session:
+            if service.versions_of(session, model):
+                continue
+            row = service.calibrate(
+                session, model, max_quality_loss=MAX_QUALITY_LOSS, data=validation, actor=_actor(), key=key
+            )
+            logger.debug("%s: policy v%s, %s < %.4g escalates", model, row.version, row.signal, row.threshold)
         done.append(model)
     return done
 

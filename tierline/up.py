@@ -217,7 +217,7 @@ def up(zoo_preset: str, bare: bool, new_key: bool) -> None:
     """Run the whole platform on localhost, already connected: cloud API, console and one enrolled edge agent
     (Ctrl-C stops all)."""
     from controlplane.storage.migrate import upgrade
-    from edge_agent.settings import load_edge_settings, policy_dir, state_dir
+    from edge_agent.settings import load_edge_settings, state_dir
     from shared.artifacts import load_or_create_signing_key, public_path
     from shared.settings import CoreSettings, DatabaseSettings, ServiceSettings
     from shared.zoo.build import build_zoo
@@ -254,7 +254,7 @@ def up(zoo_preset: str, bare: bool, new_key: bool) -> None:
     # Kept at once: a start-up that fails later must not lose the new admin's password.
     _write_private(secrets_path, json.dumps({"api_key": api_key, "console_admin_password": admin_password}) + "\n")
     edge_settings = load_edge_settings(None)
-    edge_home, policies = state_dir(edge_settings).resolve(), policy_dir(edge_settings).resolve()
+    edge_home = state_dir(edge_settings).resolve()
     if not bare:
         seed.seed_registry(zoo_root, seeded)
         seed.seed_prices(seeded)
@@ -276,16 +276,13 @@ def up(zoo_preset: str, bare: bool, new_key: bool) -> None:
     signal.signal(signal.SIGINT, _raise_interrupt)
     pool = ThreadPoolExecutor(1, thread_name_prefix="calibrate")
     try:
-        # The agent reads its policies at start-up: when some must be calibrated first, it starts once they are
-        # (calibrating while the cloud starts); else it starts with the others and picks up an enrollment live.
-        edge_early = bare or seed.policies_ready(data_dir, zoo_preset, policies)
-        for name in ("cloud", "console", "edge") if edge_early else ("cloud", "console"):
+        # Policies are control-plane objects the agent receives at each sync (hot-reloaded): every service starts
+        # at once, the missing policies are calibrated meanwhile, and the agent picks up its enrollment live.
+        for name in ("cloud", "console", "edge"):
             procs[name] = _start(name, commands[name][0], env)
         calibrated: Future[list[str]] | None = None
-        if not edge_early:
-            calibrated = pool.submit(
-                seed.calibrate_policies, core.zoo_dir.resolve(), zoo_preset, data_dir, policies, _say
-            )
+        if not bare and not seed.policies_ready(data_dir, zoo_preset):
+            calibrated = pool.submit(seed.calibrate_policies, core.zoo_dir.resolve(), zoo_preset, data_dir, _say)
         _wait_healthy("cloud", cloud_url, procs["cloud"], log_path)
         enrolled_now = False
         if not bare:
@@ -295,10 +292,9 @@ def up(zoo_preset: str, bare: bool, new_key: bool) -> None:
         if calibrated is not None:
             for model in calibrated.result():
                 seeded.add(f"escalation policy {model}")
-            procs["edge"] = _start("edge", commands["edge"][0], env)
         for name in ("console", "edge"):
             _wait_healthy(name, commands[name][1], procs[name], log_path)
-        if enrolled_now and edge_early:
+        if enrolled_now:
             _wait_enrolled(edge_url, edge_settings.api_key.get_secret_value() if edge_settings.api_key else None)
         ready_s = time.monotonic() - started
         logger.info("all ready in %.1f s; seeded: %s", ready_s, ", ".join(seeded.created) or "nothing new")

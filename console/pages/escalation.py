@@ -1,7 +1,9 @@
-"""Calibrated escalation policies: the JSON files ``tierline edge calibrate`` writes, read for the models pages.
+"""Calibrated escalation policies for the models pages: the control plane's versions (``escalation_policy``,
+``tierline policies``), and the device-local JSON files ``tierline edge calibrate`` writes for a model the
+registry has no policy of.
 
-The console reads them from ``TIERLINE_CONSOLE_POLICY_DIR``, by default ``$TIERLINE_DATA_DIR/edge/policies``:
-where an edge agent on the same data directory (``tierline up``) keeps its policies.
+The files are read from ``TIERLINE_CONSOLE_POLICY_DIR``, by default ``$TIERLINE_DATA_DIR/edge/policies``:
+where an edge agent on the same data directory (``tierline up``) keeps its overrides.
 """
 
 from __future__ import annotations
@@ -12,11 +14,14 @@ from typing import Any
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from sqlmodel import Session
 
 from console.pages.charts import CurveChart, quality_curve_chart
+from controlplane.policies import service
 from shared.errors import ConfigurationError
 from shared.escalation import EdgePolicy, load_policy
 from shared.settings import CoreSettings
+from shared.targeting import describe
 
 MAX_POLICIES = 50
 
@@ -41,10 +46,49 @@ class PolicyView:
     policy: EdgePolicy | None
     chart: CurveChart | None
     error: str = ""
+    version: int | None = None  # the registry's version shown (None: a device-local file)
+    target: str = ""  # the devices it goes to
+    versions: tuple[dict[str, Any], ...] = ()  # the registry's versions, newest first (policy_json)
 
     @property
     def calibration(self) -> dict[str, Any]:
         return self.policy.calibration if self.policy else {}
+
+
+def _chart(policy: EdgePolicy) -> CurveChart | None:
+    cal = policy.calibration or {}
+    return quality_curve_chart(
+        cal.get("curve") or [],
+        edge_share=cal.get("edge_share"),
+        quality=cal.get("quality"),
+        cloud_only_quality=cal.get("cloud_only_quality"),
+        threshold=policy.threshold,
+    )
+
+
+def registry_view(session: Session, model: str) -> PolicyView | None:
+    """The newest version of ``model``'s policy in the registry (full id or last part), with every version."""
+    name = service.resolve_model(session, model)
+    rows = service.versions_of(session, name)
+    if not rows:
+        return None
+    latest = rows[0]
+    try:
+        policy = EdgePolicy.from_json(latest.policy)
+    except ConfigurationError as exc:
+        return PolicyView(name, None, None, exc.message, version=latest.version)
+    return PolicyView(
+        name,
+        policy,
+        _chart(policy),
+        version=latest.version,
+        target=describe(latest.target),
+        versions=tuple({**service.policy_json(r), "target": describe(r.target)} for r in rows[:MAX_POLICIES]),
+    )
+
+
+def registry_policies(session: Session) -> list[PolicyView]:
+    return [v for m in service.models(session)[:MAX_POLICIES] if (v := registry_view(session, m)) is not None]
 
 
 def _view(directory: Path, model: str) -> PolicyView | None:

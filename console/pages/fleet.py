@@ -26,11 +26,26 @@ from console.pages.common import (
     text,
     write_session,
 )
+from controlplane.policies import service as policy_service
 from controlplane.storage.tables import Device, EnrollmentToken, Tenant
-from shared.errors import ApplicationError, NotFoundError
+from shared.errors import ApplicationError, NotFoundError, ValidationError
 
+MODEL_PREFIX = "tierline/"  # the agent reports models by id, releases are named by artifact (edge_agent.models)
 # A device syncs every 30 s by default; three missed syncs and it counts as offline.
 ONLINE_WITHIN = timedelta(seconds=90)
+
+
+@dataclass(frozen=True, slots=True)
+class Wanted:
+    """One model (or one model's escalation policy) on a device: what the cloud wants it to run, what it runs."""
+
+    name: str
+    desired: str | None  # None: the cloud sends nothing for it (not targeted, or not published)
+    actual: str | None  # None: the device reports nothing
+
+    @property
+    def in_sync(self) -> bool:
+        return self.desired is None or self.desired == self.actual
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +54,46 @@ class DeviceRow:
     tenant: str
     is_online: bool
     escalation_rate: float | None
+    models: tuple[Wanted, ...] = ()
+    policies: tuple[Wanted, ...] = ()
+
+    @property
+    def in_sync(self) -> bool:
+        return all(w.in_sync for w in (*self.models, *self.policies))
+
+
+def _release_desired(device: Device) -> dict[str, str] | None:
+    """The edge releases the cloud's sync would send this device now (None: not readable from this process)."""
+    try:
+        from cloud.edge_releases import ReleaseStore
+    except ImportError:  # a console installed without the cloud tier's code
+        return None
+    try:
+        return {d.name: d.version for d in ReleaseStore.from_settings().desired(device)}
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def desired_vs_actual(session: Session, device: Device) -> tuple[tuple[Wanted, ...], tuple[Wanted, ...]]:
+    """Per model: the desired release version against the loaded one; per model: the desired policy version
+    against the one the device reports running (``override`` when its own file wins)."""
+    desired = _release_desired(device) or {}
+    loaded = {m.removeprefix(MODEL_PREFIX): v for m, v in (device.versions or {}).items()}
+    models = tuple(Wanted(n, desired.get(n), loaded.get(n)) for n in sorted({*desired, *loaded}))
+    wanted = {r.model: str(r.version) for r in policy_service.desired_rows(session, device)}
+    running = device.policies or {}
+    policies = tuple(Wanted(n, wanted.get(n), running.get(n)) for n in sorted({*wanted, *running}))
+    return models, policies
+
+
+def label_filter(value: str) -> tuple[str, str] | None:
+    """``ring=beta`` as a (key, value) filter; a ValidationError for anything else."""
+    if not value:
+        return None
+    key, sep, wanted = value.partition("=")
+    if not sep or not key.strip():
+        raise ValidationError(f"label: {value!r} is not KEY=VALUE", param="label")
+    return key.strip(), wanted.strip()
 
 
 def escalation_rate(metrics: dict[str, Any]) -> float | None:
@@ -57,6 +112,7 @@ def _fleet_page(
     *,
     q: str = "",
     tenant: str = "",
+    label: str = "",
     page: int = 1,
     status_code: int = 200,
     **extra: Any,
@@ -65,12 +121,16 @@ def _fleet_page(
     query = select(Device, Tenant).join(Tenant).order_by(col(Device.last_seen_at).desc(), col(Device.id))
     if tenant:
         query = query.where(Tenant.name == tenant)
+    by_label = label_filter(label)
+    if by_label is not None:
+        query = query.where(Device.__table__.c.labels[by_label[0]].as_string() == by_label[1])  # type: ignore[attr-defined]
     if q:
         query = query.where(
             or_(func.lower(Device.id).like(like(q), escape="\\"), func.lower(Device.name).like(like(q), escape="\\"))
         )
     with Session(db) as session:
-        rows, info = paginate(session, query, page, {"q": q, "tenant": tenant})  # type: ignore[arg-type]
+        rows, info = paginate(session, query, page, {"q": q, "tenant": tenant, "label": label})  # type: ignore[arg-type]
+        states = {d.id: desired_vs_actual(session, d) for d, _ in rows}
         tokens = list(
             session.exec(
                 select(EnrollmentToken, Tenant).join(Tenant).order_by(col(EnrollmentToken.id).desc()).limit(50)
@@ -83,6 +143,7 @@ def _fleet_page(
             t.name,
             d.status == "active" and d.last_seen_at is not None and d.last_seen_at > now - ONLINE_WITHIN,
             escalation_rate(d.metrics),
+            *states[d.id],
         )
         for d, t in rows
     ]
@@ -96,6 +157,7 @@ def _fleet_page(
         page=info,
         q=q,
         tenant=tenant,
+        label=label,
         tenants=tenants,
         tokens=tokens,
         now=now,
@@ -104,9 +166,12 @@ def _fleet_page(
 
 
 @get("/fleet", sync_to_thread=True)
-def fleet(request: Request[Any, Any, Any], db: Engine, q: str = "", tenant: str = "", page: int = 1) -> Template:
-    """Devices, most recently seen first, and the latest enrollment tokens."""
-    return _fleet_page(request, db, q=q.strip()[:64], tenant=tenant.strip()[:64], page=page)
+def fleet(
+    request: Request[Any, Any, Any], db: Engine, q: str = "", tenant: str = "", label: str = "", page: int = 1
+) -> Template:
+    """Devices, most recently seen first (filtered by id or name, tenant, a label ``KEY=VALUE``), each with its
+    desired against its actual versions and policies; the latest enrollment tokens."""
+    return _fleet_page(request, db, q=q.strip()[:64], tenant=tenant.strip()[:64], label=label.strip()[:128], page=page)
 
 
 @post("/fleet/enrollment-tokens", sync_to_thread=True)

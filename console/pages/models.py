@@ -69,6 +69,10 @@ def list_page(
     extra.setdefault("upload_form", {})
     extra.setdefault("upload_errors", {})
     directory = escalation.policy_dir()
+    with Session(db) as session:
+        policies = escalation.registry_policies(session)
+    known = {p.model for p in policies}
+    policies += [p for p in escalation.all_policies(directory) if p.model not in known]
     return render(
         request,
         "models.html.j2",
@@ -80,7 +84,7 @@ def list_page(
         aliases=aliases,
         kinds=registry.KINDS,
         formats=[(t, f) for t in registry.TARGETS for f in registry.FORMATS[t]],
-        policies=escalation.all_policies(directory),
+        policies=policies,
         policy_dir=directory,
         **extra,
     )
@@ -152,6 +156,7 @@ def detail_page(request: Request[Any, Any, Any], db: Engine, name: str, **extra:
                 .order_by(ModelAlias.name)
             )
         ]
+        policy = escalation.registry_view(session, model.name)
     lineage = {
         v.id: (
             f"v{by_id[v.derived_from_id].number}"
@@ -189,7 +194,7 @@ def detail_page(request: Request[Any, Any, Any], db: Engine, name: str, **extra:
         next_statuses={v.id: [s for s in registry.STATUSES if registry.can_move_status(v.status, s)] for v in versions},
         derivable=derivable,
         is_pending=is_pending,
-        policy=escalation.policy_for(escalation.policy_dir(), model.name),
+        policy=policy or escalation.policy_for(escalation.policy_dir(), model.name),
         **extra,
     )
 

@@ -82,3 +82,25 @@ def devices_revoke(tenant_name: str, device_id: str) -> None:
         after = {"tenant": tenant_name, "status": device.status}
         audit(session, cli_actor(), "device.revoke", f"device/{device_id}", None, after)
         click.echo(f"revoked device {device_id}")
+
+
+@devices.command("target-release")
+@click.argument("name")
+@click.argument("version")
+@click.option(
+    "--target",
+    "target",
+    multiple=True,
+    help="selector term (repeatable): ring=beta, site!=lab, device.arch=x86_64, device.memory_mb>=2048, "
+    "device.runtime=tflite; none: every device",
+)
+def target_release(name: str, version: str, target: tuple[str, ...]) -> None:
+    """Send edge release NAME VERSION only to the devices TARGET selects (set it before publishing)."""
+    from controlplane.fleet.targets import set_release_target
+    from controlplane.storage.audit import cli_actor
+    from controlplane.storage.session import session_scope
+    from shared.targeting import check_target, describe
+
+    with session_scope() as session:
+        set_release_target(session, name, version, target, actor=cli_actor())
+    click.echo(f"{name} {version}: for {describe(check_target(list(target)))}")

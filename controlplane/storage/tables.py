@@ -215,6 +215,11 @@ class Device(SQLModel, table=True):
     metrics: dict[str, Any] = Field(
         default_factory=dict, sa_column=Column(JSON, nullable=False), description="last per-version metrics"
     )
+    policies: dict[str, str] = Field(
+        default_factory=dict,
+        sa_column=Column(JSON, nullable=False),
+        description="model -> escalation policy in use: a version number, 'override' or 'default'",
+    )
 
 
 class EnrollmentToken(SQLModel, table=True):
@@ -244,6 +249,50 @@ class DeviceEvent(SQLModel, table=True):
     payload: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     occurred_at: datetime = _ts()
     ingested_at: datetime = _ts()
+
+
+class EscalationPolicy(SQLModel, table=True):
+    """One version of an edge model's escalation policy: signal, threshold, the curve and the data it came from.
+
+    Immutable; ``signature`` (Ed25519, the registry's signing key) covers ``model``, ``version``, ``target`` and
+    ``policy`` (``controlplane.policies.service.signed_payload``), and devices verify it before use."""
+
+    __tablename__ = "escalation_policy"
+    __table_args__ = (UniqueConstraint("model", "version"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    model: str = Field(max_length=128, index=True, description="the edge model id, e.g. tierline/digits-small")
+    version: int
+    signal: str = Field(max_length=32)
+    threshold: float
+    max_quality_loss: float
+    policy: dict[str, Any] = Field(
+        default_factory=dict, sa_column=Column(JSON, nullable=False), description="the EdgePolicy JSON"
+    )
+    data_sha256: str = Field(max_length=64, description="digest of the validation set it was calibrated on")
+    data_items: int
+    target: list[dict[str, str]] = Field(
+        default_factory=list, sa_column=Column(JSON, nullable=False), description="device selector terms"
+    )
+    derived_from: int | None = Field(default=None, description="the version whose curve it re-read, if any")
+    signature: str = Field(max_length=128)
+    key_id: str = Field(max_length=64)
+    created_by: str = Field(max_length=128)
+    created_at: datetime = _ts()
+
+
+class ReleaseTarget(SQLModel, table=True):
+    """Which devices a published edge release is for (no row: every device)."""
+
+    __tablename__ = "release_target"
+    __table_args__ = (UniqueConstraint("name", "version"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(max_length=128)
+    version: str = Field(max_length=128)
+    target: list[dict[str, str]] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    created_by: str = Field(max_length=128)
+    created_at: datetime = _ts()
 
 
 class AuditLog(SQLModel, table=True):

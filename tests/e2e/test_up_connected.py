@@ -21,6 +21,7 @@ from controlplane.storage.tables import (
     AuditLog,
     ConsoleUser,
     Device,
+    EscalationPolicy,
     ModelAlias,
     ModelArtifact,
     ModelVersion,
@@ -53,6 +54,7 @@ def _counts(db: str) -> dict[str, Any]:
             "aliases": n(ModelAlias),
             "prices": n(Price),
             "devices": n(Device),
+            "policies": n(EscalationPolicy),
         }
     engine.dispose()
     return counts
@@ -107,12 +109,21 @@ def test_up_is_connected_idempotent_and_quiet(tmp_path: Path, tiny_zoo: Path, se
             actions = {a.action for a in s.exec(select(AuditLog).where(col(AuditLog.actor).startswith("cli")))}
             assert {"tenant.create", "api_key.create", "price.add", "enrollment_token.create"} <= actions
             assert {"model.version.register", "model.artifact.add", "model.alias.move"} <= actions
+            # A signed policy version per edge model in the control plane, none as a file on the device.
+            policies = {(p.model, p.version) for p in s.exec(select(EscalationPolicy))}
+            assert policies == {("tierline/digits-small", 1), ("tierline/lm-edge", 1)}
         engine.dispose()
-        policies = sorted(p.name for p in (data / "edge" / "policies").glob("*.json"))
-        assert policies == ["tierline__digits-small.json", "tierline__lm-edge.json"]
+        assert not list((data / "edge" / "policies").glob("*.json"))
 
-        # The agent is enrolled: what it answers on the device lands in the cloud's ledger within a sync or two.
-        status = httpx.get(f"{info['edge_url']}/v1/agent").json()
+        # The agent is enrolled and runs the cloud's policies; what it answers on the device lands in the cloud's
+        # ledger within a sync or two.
+        deadline = time.monotonic() + 60
+        while (status := httpx.get(f"{info['edge_url']}/v1/agent").json())["policies"] != {
+            "tierline/digits-small": "1",
+            "tierline/lm-edge": "1",
+        }:
+            assert time.monotonic() < deadline, f"the agent never received its policies: {status['policies']}"
+            time.sleep(0.5)
         assert status["enrolled"] is True and status["device_id"] == device.id
         local = httpx.post(
             f"{info['edge_url']}/v1/completions",

@@ -1,0 +1,134 @@
+"""``tierline policies``: escalation policies as registry objects (calibrate, move the operating point, list,
+show). Every change is a new signed version, audited."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+TARGET_HELP = "device selector term (repeatable): ring=beta, site!=lab, device.arch=x86_64, device.memory_mb>=2048"
+
+
+def _echo(row: object) -> None:
+    from controlplane.policies.service import policy_json
+    from controlplane.storage.tables import EscalationPolicy
+    from shared.targeting import describe
+
+    assert isinstance(row, EscalationPolicy)
+    p = policy_json(row)
+    share = f"{p['edge_share']:.1%}" if isinstance(p["edge_share"], float) else "?"
+    click.echo(
+        f"{p['model']} v{p['version']}: {p['signal']} < {p['threshold']:.6g} escalates; max quality loss "
+        f"{p['max_quality_loss']:g}, {share} answered locally on its {p['data_items']} validation items; "
+        f"for {describe(p['target'])}"
+    )
+
+
+@click.group()
+def policies() -> None:
+    """Escalation policies per edge model: versioned, signed, delivered to devices at sync."""
+
+
+@policies.command("calibrate")
+@click.option("--model", required=True, help="the edge model, e.g. tierline/digits-small (or digits-small)")
+@click.option(
+    "--max-quality-loss",
+    type=click.FloatRange(0.0, 1.0),
+    default=0.01,
+    show_default=True,
+    help="largest allowed drop below cloud-only quality (0.01 = one point)",
+)
+@click.option(
+    "--data",
+    "data_file",
+    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    default=None,
+    help="validation items (JSON Lines, `tierline edge calibrate --help`); kept as the model's set. "
+    "Default: the set given before",
+)
+@click.option("--target", "target", multiple=True, help=TARGET_HELP)
+def calibrate_command(model: str, max_quality_loss: float, data_file: Path | None, target: tuple[str, ...]) -> None:
+    """Calibrate MODEL's policy in the control plane on its validation set; store it as a new signed version."""
+    from controlplane.policies import service
+    from controlplane.registry.artifacts import platform_signing_key
+    from controlplane.storage.audit import cli_actor
+    from controlplane.storage.session import session_scope
+    from shared.errors import ConfigurationError
+
+    try:
+        with session_scope() as session:
+            row = service.calibrate(
+                session,
+                model,
+                max_quality_loss=max_quality_loss,
+                data=data_file,
+                target=list(target) if target else None,
+                actor=cli_actor(),
+                key=platform_signing_key(),
+            )
+            _echo(row)
+    except ConfigurationError as exc:
+        raise click.ClickException(exc.message) from exc
+
+
+@policies.command("set-operating-point")
+@click.option("--model", required=True, help="the edge model")
+@click.option("--max-quality-loss", type=click.FloatRange(0.0, 1.0), required=True, help="the new bound")
+@click.option("--target", "target", multiple=True, help=TARGET_HELP + " (default: the latest version's)")
+def set_operating_point(model: str, max_quality_loss: float, target: tuple[str, ...]) -> None:
+    """A new version at another point of the latest version's curve, without recalibrating."""
+    from controlplane.policies import service
+    from controlplane.registry.artifacts import platform_signing_key
+    from controlplane.storage.audit import cli_actor
+    from controlplane.storage.session import session_scope
+    from shared.errors import ConfigurationError
+
+    try:
+        with session_scope() as session:
+            row = service.move_operating_point(
+                session,
+                model,
+                max_quality_loss=max_quality_loss,
+                target=list(target) if target else None,
+                actor=cli_actor(),
+                key=platform_signing_key(),
+            )
+            _echo(row)
+    except ConfigurationError as exc:
+        raise click.ClickException(exc.message) from exc
+
+
+@policies.command("list")
+@click.option("--model", default=None, help="only this model's versions")
+@click.option("--json", "as_json", is_flag=True)
+def list_command(model: str | None, as_json: bool) -> None:
+    """Policy versions, newest first per model."""
+    from controlplane.policies import service
+    from controlplane.storage.session import session_scope
+
+    with session_scope() as session:
+        names = [service.resolve_model(session, model)] if model else service.models(session)
+        rows = [r for name in names for r in service.versions_of(session, name)]
+        if as_json:
+            click.echo(json.dumps([service.policy_json(r) for r in rows], indent=2))
+            return
+        if not rows:
+            click.echo("no escalation policies (tierline policies calibrate --model X --data FILE)")
+        for row in rows:
+            _echo(row)
+
+
+@policies.command("show")
+@click.option("--model", required=True)
+@click.option("--version", type=int, default=None, help="default: the newest")
+def show_command(model: str, version: int | None) -> None:
+    """One version with its curve, as JSON."""
+    from controlplane.policies import service
+    from controlplane.storage.session import session_scope
+
+    with session_scope() as session:
+        click.echo(
+            json.dumps(service.policy_json(service.get_version(session, model, version), with_curve=True), indent=2)
+        )
