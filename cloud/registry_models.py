@@ -59,6 +59,7 @@ logger = logging.getLogger(__name__)
 ALL: Final = "all"
 STABLE: Final = "stable"
 CACHE_DIR: Final = "cloud-models"
+REMOTE_RETRY_S: Final = 30.0  # a version whose backend failed to start is tried again at most this often
 
 
 def parse_names(value: str) -> frozenset[str] | None:
@@ -97,6 +98,8 @@ class RegistryModels:
         self._missing_reported: set[str] = set()
         self._retired: dict[tuple[str, int], tuple[float, ServedLM]] = {}  # left the snapshot at (monotonic)
         self._remote_failed: dict[tuple[str, int], str] = {}  # version → why its backend is not running
+        # version → (not tried again before (monotonic), unless its spec is not this one)
+        self._remote_retry_at: dict[tuple[str, int], tuple[float, ServingSpec | None]] = {}
         self.backends: Backends | None = None  # answers versions with a serving spec (set once it runs)
 
     def sync(self, plans: list[RolloutPlan]) -> None:
@@ -187,6 +190,11 @@ class RegistryModels:
         if self.backends is None:
             self._report(name, number, "it has a serving spec, but this gateway runs no backends")
             return None
+        key = (name, number)
+        retry_at, tried = self._remote_retry_at.get(key, (0.0, None))
+        if key in self._remote_failed and tried == spec and time.monotonic() < retry_at:
+            return None  # this spec failed a moment ago: not again at every refresh
+        self._remote_retry_at[key] = (time.monotonic() + REMOTE_RETRY_S, spec)
         artifact = self.cloud_artifact(name, number, TOKENIZER_FORMATS)
         if artifact is None:
             self._report(name, number, "it has a serving spec but no ready cloud hf-tokenizer artifact")
@@ -196,11 +204,10 @@ class RegistryModels:
         try:
             tokenizer_dir = self.materialize(name, number, artifact)
             remote = make_remote(name, spec, tokenizer_dir, version=number)
-        except Exception as exc:
-            logger.exception("%s version %s: starting its backend failed", name, number)
-            self._report(name, number, f"starting its backend failed ({type(exc).__name__})")
+        except Exception as exc:  # a key file others can read, a name that does not resolve, a broken tokenizer
+            self._report(name, number, f"starting its backend failed ({exc})")
             return None
-        self._remote_failed.pop((name, number), None)
+        self._remote_failed.pop(key, None)
         self._sha256[(name, number)] = artifact.sha256
         self.backends.attach(remote)
         logger.info("serving %s version %s from upstreams %s", name, number, ", ".join(spec.roots()))

@@ -270,15 +270,39 @@ def test_a_serving_spec_is_checked_like_the_backends_file(platform: Platform) ->
             registry.set_serving(s, model, 2, spec, actor=ACTOR)
 
 
+def test_a_spec_the_gateway_cannot_start_leaves_the_running_backend_serving(platform: Platform) -> None:
+    a = platform.proxies["a"]
+    open_key = platform.data / "open.key"
+    open_key.write_text("sk-other\n")
+    open_key.chmod(0o644)
+    good = {**platform.spec, "endpoints": [a.url]}
+    with platform.http() as http:
+        assert complete(http, REMOTE).status_code == 200
+        with Session(platform.db) as s:
+            model = registry.get_model(s, REMOTE)
+            registry.set_serving(s, model, 1, {**good, "api_key_file": str(open_key)}, actor=ACTOR)
+            s.commit()
+        log = platform.data / "gateway.log"
+        until(lambda: "readable by others" in log.read_text(), "the gateway reports the bad key file")
+        time.sleep(1.0)  # several refreshes: reported once, not at each
+        assert log.read_text().count("readable by others") == 1
+        before = a.posts
+        assert complete(http, REMOTE).status_code == 200 and a.posts == before + 1  # the old backend serves on
+        with Session(platform.db) as s:
+            registry.set_serving(s, registry.get_model(s, REMOTE), 1, good, actor=ACTOR)
+            s.commit()
+
+
 def test_an_openai_registry_version_serves_and_its_endpoints_reload_and_drain(platform: Platform) -> None:
     a, b = platform.proxies["a"], platform.proxies["b"]
     client = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=platform.key, max_retries=0)
+    sent = a.posts
     raw = client.chat.completions.with_raw_response.create(
         model=REMOTE, messages=[{"role": "user", "content": "hello"}], max_tokens=5, temperature=0
     )
     answer = raw.parse()
     assert answer.model == REMOTE and answer.usage is not None and answer.usage.completion_tokens >= 1
-    assert raw.headers["x-tierline-model-version"] == "1" and a.posts == 1
+    assert raw.headers["x-tierline-model-version"] == "1" and a.posts == sent + 1
     usage_id = raw.headers["x-tierline-usage-id"]
     row = platform.usage([usage_id])[usage_id]
     assert (row.model, row.model_version, row.usage_source) == (REMOTE, 1, "upstream")
