@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import ipaddress
 import logging
 import math
 import socket
@@ -89,10 +90,10 @@ def resolve_roots(sources: list[str]) -> list[tuple[str, str | None]]:
         parts = urlsplit(source)
         host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
         try:
-            socket.inet_aton(host)
-            out.append((source, None))
+            ipaddress.ip_address(host)
+            out.append((source, None))  # an address already (IPv4 or IPv6)
             continue
-        except OSError:
+        except ValueError:
             pass
         try:
             infos = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)

@@ -159,14 +159,15 @@ def test_host_names_are_resolved_again_at_each_round() -> None:
         assert [(e.root, e.host, e.max_concurrency) for e in pool.endpoints] == [
             ("http://127.0.0.1:8001", "localhost:8001", 4)
         ]
-        pool.sources = ["http://localhost:8002", "http://127.0.0.1:8003"]  # the list changed (a new spec)
+        pool.sources = ["http://localhost:8002", "http://127.0.0.1:8003", "http://[::1]:8004"]  # a new spec
         await pool.resolve()
         assert [(e.root, e.host) for e in pool.endpoints] == [
             ("http://127.0.0.1:8002", "localhost:8002"),
             ("http://127.0.0.1:8003", None),
+            ("http://[::1]:8004", None),
         ]
         pool.sources = ["http://no-such-host.invalid:8000"]  # resolves to nothing: the last addresses stay
         await pool.resolve()
-        assert len(pool.endpoints) == 2
+        assert len(pool.endpoints) == 3
 
     asyncio.run(run())
