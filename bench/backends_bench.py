@@ -9,10 +9,13 @@ real process on 127.0.0.1:
   pointing at the same ``engine serve``.
 
 For each, ``requests`` streams at concurrency 1 and at ``concurrency``: latency p50/p99 and time to first token.
-``gateway_overhead_ms`` is ``remote`` minus ``direct`` (what the gateway adds over the same upstream: auth,
-limits, metering, the SSE relay). Then failover: a second ``engine serve`` joins the backend, ``kills`` times one
-upstream is SIGKILLed while streams run; ``failover_s`` is kill → the first request sent after the kill that
-succeeded, and ``failed_not_started`` the requests sent after the kill that failed (target 0).
+The three servers run together and are measured in alternating ``rounds`` (the order rotates each round), so a
+load change on a shared host hits every path alike; each figure is the median over rounds (``rounds`` lists
+them). ``gateway_overhead_ms`` is ``remote`` minus ``direct`` per round, median over rounds (what the gateway adds
+over the same upstream: auth, limits, metering, the SSE relay). Then failover: a second ``engine serve`` joins the
+backend, ``kills`` times one upstream is SIGKILLed while streams run; ``failover_s`` is kill → the first request
+sent after the kill that succeeded, and ``failed_not_started`` the requests sent after the kill that failed
+(target 0).
 """
 
 from __future__ import annotations
@@ -126,13 +129,28 @@ async def _failover(url: str, key: str, model: str, kill: Any, streams: int, max
     }
 
 
+def _median(values: list[float]) -> float | None:
+    return round(float(np.median(values)), 2) if values else None
+
+
+def _summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One path at one concurrency: each figure's median over the rounds, and the rounds."""
+    keys = ("requests_per_s", "p50_ms", "p99_ms", "ttft_p50_ms", "ttft_p99_ms")
+    out: dict[str, Any] = {k: _median([r[k] for r in rounds if r[k] is not None]) for k in keys}
+    out["requests"] = sum(r["requests"] for r in rounds)
+    out["errors"] = sum(r["errors"] for r in rounds)
+    out["rounds"] = rounds
+    return out
+
+
 def run_backends_bench(
     zoo_root: Path,
     data_dir: Path,
-    requests: int = 32,
-    concurrency: int = 16,
+    requests: int = 64,
+    concurrency: int = 64,
     max_tokens: int = 32,
     kills: int = 1,
+    rounds: int = 3,
 ) -> dict[str, Any]:
     from controlplane.storage.migrate import upgrade
 
@@ -166,45 +184,54 @@ def run_backends_bench(
         gateway_env = {**env, "TIERLINE_CLOUD_ZOO_PRESET": "none", "TIERLINE_CLOUD_BACKENDS": str(backends)}
         builtin_env = {**env, "TIERLINE_CLOUD_ZOO_PRESET": zoo_root.name}
         serve = ["engine", "serve", "--model", str(model_dir), "--name", "lm-cloud"]
-        result: dict[str, Any] = {"max_tokens": max_tokens, "requests": requests, "host_cores": os.cpu_count()}
-        paths: dict[str, dict[str, Any]] = {}
-        with tierline_server(serve, env, ports[0], "/health"):
-            for c in (1, concurrency):
-                paths.setdefault("direct", {})[str(c)] = asyncio.run(
-                    _load(upstreams[0], None, "lm-cloud", requests, c, max_tokens)
-                )
-            gport = free_port()
-            with tierline_server(["cloud", "serve"], gateway_env, gport, "/readyz"):
-                for c in (1, concurrency):
-                    paths.setdefault("remote", {})[str(c)] = asyncio.run(
-                        _load(f"http://127.0.0.1:{gport}", key, "remote", requests, c, max_tokens)
-                    )
-                failovers = []
-                for _ in range(kills):
-                    with tierline_server(serve, env, ports[1], "/health") as victim:
-                        time.sleep(1.0)  # admitted, and taking requests
-
-                        def kill(p: subprocess.Popen[bytes] = victim) -> None:
-                            os.kill(p.pid, signal.SIGKILL)
-
-                        failovers.append(
-                            asyncio.run(_failover(f"http://127.0.0.1:{gport}", key, "remote-2", kill, concurrency, 64))
-                        )
-        bport = free_port()
-        with tierline_server(["cloud", "serve"], builtin_env, bport, "/readyz"):
-            for c in (1, concurrency):
-                paths.setdefault("builtin", {})[str(c)] = asyncio.run(
-                    _load(f"http://127.0.0.1:{bport}", key, "tierline/lm-cloud", requests, c, max_tokens)
-                )
-    result["paths"] = paths
-    result["gateway_overhead_ms"] = {
-        c: {
-            q: round(paths["remote"][c][q] - paths["direct"][c][q], 2)
-            for q in ("p50_ms", "p99_ms")
-            if paths["remote"][c][q] is not None and paths["direct"][c][q] is not None
+        result: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "requests": requests,
+            "concurrency": [1, concurrency],
+            "rounds": rounds,
+            "host_cores": os.cpu_count(),
+            "load_avg_1m": round(os.getloadavg()[0], 2),
         }
-        for c in paths["direct"]
-    }
+        measured: dict[str, dict[str, list[dict[str, Any]]]] = {}
+        gport, bport = free_port(), free_port()
+        targets = {
+            "direct": (upstreams[0], None, "lm-cloud"),
+            "remote": (f"http://127.0.0.1:{gport}", key, "remote"),
+            "builtin": (f"http://127.0.0.1:{bport}", key, "tierline/lm-cloud"),
+        }
+        with (
+            tierline_server(serve, env, ports[0], "/health"),
+            tierline_server(["cloud", "serve"], gateway_env, gport, "/readyz"),
+            tierline_server(["cloud", "serve"], builtin_env, bport, "/readyz"),
+        ):
+            order = list(targets)
+            for r in range(rounds):
+                for name in order[r % 3 :] + order[: r % 3]:  # rotated: no path always runs first
+                    url, k, model = targets[name]
+                    for c in (1, concurrency):
+                        run = asyncio.run(_load(url, k, model, requests, c, max_tokens))
+                        measured.setdefault(name, {}).setdefault(str(c), []).append(run)
+            failovers = []
+            for _ in range(kills):
+                with tierline_server(serve, env, ports[1], "/health") as victim:
+                    time.sleep(1.0)  # admitted, and taking requests
+
+                    def kill(p: subprocess.Popen[bytes] = victim) -> None:
+                        os.kill(p.pid, signal.SIGKILL)
+
+                    failovers.append(
+                        asyncio.run(_failover(f"http://127.0.0.1:{gport}", key, "remote-2", kill, concurrency, 64))
+                    )
+    paths = {name: {k: _summary(runs) for k, runs in by_c.items()} for name, by_c in measured.items()}
+    result["paths"] = paths
+    overhead: dict[str, dict[str, float | None]] = {}
+    for level, runs in measured["direct"].items():
+        pairs = list(zip(measured["remote"][level], runs, strict=True))
+        overhead[level] = {
+            q: _median([a[q] - b[q] for a, b in pairs if a[q] is not None and b[q] is not None])
+            for q in ("p50_ms", "p99_ms")
+        }
+    result["gateway_overhead_ms"] = overhead
     times = [f["failover_s"] for f in failovers]
     result["failover"] = {
         "kills": kills,

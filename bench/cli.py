@@ -174,16 +174,25 @@ _register()
 
 @bench.command("backends")
 @_zoo_options
-@click.option("--requests", type=int, default=32, show_default=True, help="streams per path and concurrency")
-@click.option("--concurrency", type=int, default=16, show_default=True)
+@click.option("--requests", type=int, default=64, show_default=True, help="streams per path, concurrency and round")
+@click.option("--concurrency", type=int, default=64, show_default=True, help="measured at 1 and at this")
 @click.option("--max-tokens", type=int, default=32, show_default=True)
 @click.option("--kills", type=click.IntRange(min=0), default=1, show_default=True, help="failover trials")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True, help="alternating rounds")
 def bench_backends(
-    preset: str, zoo_dir: Path | None, as_json: bool, requests: int, concurrency: int, max_tokens: int, kills: int
+    preset: str,
+    zoo_dir: Path | None,
+    as_json: bool,
+    requests: int,
+    concurrency: int,
+    max_tokens: int,
+    kills: int,
+    rounds: int,
 ) -> None:
     """Gateway overhead in front of `tierline engine serve` vs direct and vs the built-in engine; failover time."""
     from bench.backends_bench import run_backends_bench
     from shared.settings import CoreSettings
 
     root = zoo_root(preset, zoo_dir)
-    emit(run_backends_bench(root, CoreSettings().data_dir, requests, concurrency, max_tokens, kills), as_json)
+    data_dir = CoreSettings().data_dir
+    emit(run_backends_bench(root, data_dir, requests, concurrency, max_tokens, kills, rounds), as_json)

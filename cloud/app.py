@@ -362,10 +362,10 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
         sweeper = ReservationSweeper(db, settings.budget_sweep_interval_s, prices)
         await sweeper.start()
         canary = CanaryRouter(db, settings.canary_refresh_s)
+        registry = None
         if settings.registry_models.strip():  # loaded in the refresh's worker thread, at start-up and later
             registry = RegistryModels(db, pool, settings, store_from_settings(), core.data_dir / CACHE_DIR)
             canary.listeners.append(registry.sync)
-        await canary.start()
         completions = CompletionService(
             pool,
             usage,
@@ -379,11 +379,18 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
             max_prompt_bytes=settings.prompt_byte_limit(),
         )
         backends = None
-        if settings.backends is not None:  # served models that upstream servers answer, billed here
-            backends = Backends.from_file(settings.backends, completions, settings.request_timeout_s, set(pool.engines))
+        if settings.backends is not None or registry is not None:  # upstream servers answer them, billed here
+            backends = (
+                Backends.from_file(settings.backends, completions, settings.request_timeout_s, set(pool.engines))
+                if settings.backends is not None
+                else Backends({}, completions, settings.request_timeout_s)
+            )
             completions.remote = backends
             observed.registry.register(backends.collector)
             await backends.start()
+            if registry is not None:  # registry versions with a serving spec
+                registry.backends = backends
+        await canary.start()  # its first refresh loads the registry versions routing needs
         # Start-up made ~280k objects (torch, transformers, the app) that live as long as the process; a full
         # collection walked them all in ~125 ms, a stall every few seconds under load (p99 latency 270 → 147 ms
         # at 64 streams with them frozen out of the collector's reach).

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Final
 
 from sqlalchemy.engine import Engine
@@ -125,7 +125,7 @@ def route_registry(
     plan = governing_plan(plans, entry, tenant_id)
     if plan is None:
         return entry.default, None
-    loaded: Mapping[int, object] = entry.versions
+    loaded = entry.loaded
     baseline, candidate = version_number(plan.baseline_version), version_number(plan.candidate_version)
     fallback = baseline if baseline in loaded else entry.default
     route = resolve_cloud_arm([plan], model=entry.name, tenant_id=tenant_id, subject=subject)

@@ -14,7 +14,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
-from typing import Any, Protocol, get_type_hints
+from typing import TYPE_CHECKING, Any, Protocol, get_type_hints
 
 from pydantic import TypeAdapter
 from pydantic import ValidationError as PydanticValidationError
@@ -49,6 +49,9 @@ from shared.errors import (
 from shared.openai_responses import SSE_DONE, chat_logprob, completion_logprobs, sse
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
 from shared.structured import grammar_of
+
+if TYPE_CHECKING:  # it imports this module
+    from cloud.backends.upstream import RemoteLM
 
 # ``/v1/inference`` parameters: the SamplingParams fields a request may set, and the JSON types each takes. They are
 # checked here, strictly (no bool for a number, no "1" for 1), because a wrong type that SamplingParams lets through
@@ -132,9 +135,13 @@ class RemoteModels(Protocol):
 
     def model_ids(self) -> list[str]: ...
 
-    async def chat(self, caller: Caller, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[bytes]: ...
+    async def chat(
+        self, caller: Caller, req: ChatCompletionRequest, remote: RemoteLM | None = None
+    ) -> dict[str, Any] | AsyncIterator[bytes]: ...
 
-    async def completions(self, caller: Caller, req: CompletionRequest) -> dict[str, Any] | AsyncIterator[bytes]: ...
+    async def completions(
+        self, caller: Caller, req: CompletionRequest, remote: RemoteLM | None = None
+    ) -> dict[str, Any] | AsyncIterator[bytes]: ...
 
 
 @dataclass(slots=True)
@@ -295,8 +302,9 @@ class CompletionService:
         return ids
 
     # -- shared -------------------------------------------------------------------------------------------------
-    def _resolve(self, caller: Caller, model: str, user: str | None = None) -> ServedLM:
-        """The engine that serves ``model`` for this caller.
+    def _resolve(self, caller: Caller, model: str, user: str | None = None) -> ServedLM | RemoteLM:
+        """The engine (or, for a registry version with a serving spec, the upstream) that serves ``model`` for
+        this caller.
 
         A registry model's bare name is routed: the version of the rollout arm the caller's tenant and subject
         (``x-tierline-subject``, else ``user``) fall in, else its default version; ``NAME@REF`` pins a version
@@ -309,17 +317,22 @@ class CompletionService:
             raise PermissionDeniedError(f"this API key may not use model '{model}'", param="model")
         entry = self.pool.registry.get(name)
         if entry is None or ref is not None or self.canary is None:
-            return self.pool.get(model)
+            return self.pool.remote_version(model) or self.pool.get(model)
         number, arm = self.canary.route(entry, caller.tenant.id or 0, caller.subject or user)
-        served = entry.versions.get(number) if number is not None else None
+        served = (entry.versions.get(number) or entry.remote.get(number)) if number is not None else None
         if served is None:
-            return self.pool.get(model)
+            return self.pool.remote_version(model) or self.pool.get(model)
         caller.rollout_arm = arm
         target = self.canary.shadow(entry, caller.tenant.id or 0, number)
         candidate = entry.versions.get(target[1]) if target is not None else None
         if target is not None and candidate is not None:
             caller.shadow = (target[0], candidate)
         return served
+
+    def _upstream(self) -> RemoteModels:
+        if self.remote is None:
+            raise ServiceUnavailableError("upstream backends are not running on this gateway")
+        return self.remote
 
     def _mirror(
         self, caller: Caller, prompts: list[str | list[int]], params: SamplingParams, final: dict[int, list[int]]
@@ -351,10 +364,18 @@ class CompletionService:
         )
 
     async def _settle(
-        self, caller: Caller, served: Metered, meter: _Meter, status: str, usage_source: str | None = None
+        self,
+        caller: Caller,
+        served: Metered,
+        meter: _Meter,
+        status: str,
+        usage_source: str | None = None,
+        server_failure: bool = False,
     ) -> None:
         """Give back unused reservations, then meter the request (once, whatever its outcome). ``usage_source``: who
         counted the tokens when not this process's engine (``upstream``, or ``gateway``: the upstream sent none).
+        A request that used no tokens leaves no usage record, except a ``server_failure`` (its upstream failed it)
+        in a rollout arm: a zero-token ``error`` record, so the rollout's error rate sees it.
 
         A stream that wrote checkpoints settles in one transaction: its final record replaces its checkpoint.
         """
@@ -384,6 +405,8 @@ class CompletionService:
             ):
                 await self.alerts.after_settle(reservation.tenant_id, reservation.period, spent, reservation.budget)
         if meter.prompt_tokens == 0 and meter.completion_tokens == 0:
+            if server_failure and meter.rollout_arm is not None and not meter.checkpointed:
+                self.usage.enqueue(record)
             return
         ttft_s = (meter.first_token_at - caller.started) if meter.first_token_at else None
         self.metrics.observe_request(
@@ -508,6 +531,8 @@ class CompletionService:
         if self.remote is not None and self.remote.serves(req.model):
             return await self.remote.chat(caller, req)
         served = self._resolve(caller, req.model, req.user)
+        if not isinstance(served, ServedLM):  # a registry version that upstream servers answer
+            return await self._upstream().chat(caller, req, served)
         params = self._params(req, req.max_new_tokens, req.num_logprobs)
         (prompt,), meter = await self._admit(caller, served, [self._chat_prompt(served, req)], params)
         if req.stream:
@@ -631,6 +656,11 @@ class CompletionService:
     async def inference(self, caller: Caller, req: InferenceRequest) -> dict[str, Any]:
         """``/v1/inference`` on an LLM: ``inputs`` are prompts, ``parameters`` are SamplingParams fields."""
         served = self._resolve(caller, req.model_id)
+        if not isinstance(served, ServedLM):
+            raise ValidationError(
+                f"model '{req.model_id}' is answered by upstream servers: use /v1/chat/completions or /v1/completions",
+                param="model_id",
+            )
         _check_parameters(req.parameters)
         if not all(isinstance(p, str) or (isinstance(p, list) and p) for p in req.inputs):
             raise ValidationError("inputs: each input must be a prompt string or a list of token ids", param="inputs")
@@ -654,6 +684,8 @@ class CompletionService:
         if self.remote is not None and self.remote.serves(req.model):
             return await self.remote.completions(caller, req)
         served = self._resolve(caller, req.model, req.user)
+        if not isinstance(served, ServedLM):
+            return await self._upstream().completions(caller, req, served)
         params = self._params(req, req.max_tokens, req.logprobs)
         prompts, meter = await self._admit(caller, served, req.prompts(), params)
         if req.stream:

@@ -25,12 +25,16 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cloud.engine.async_engine import AsyncLLMEngine, EngineClient
 from cloud.engine.config import EngineConfig
 from cloud.settings import CloudSettings
 from shared.errors import NotFoundError, ServiceUnavailableError
 from shared.zoo.registry import ZooLayout
+
+if TYPE_CHECKING:
+    from cloud.backends.upstream import RemoteLM
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +91,18 @@ class RegistryEntry:
     stable_moved_at: datetime | None = None
     created: int = 0
     sha256: str = ""
+    remote: Mapping[int, RemoteLM] = field(default_factory=dict)  # versions an ``openai`` backend answers
+
+    @property
+    def loaded(self) -> frozenset[int]:
+        """Every version that can serve a request: an engine's or an upstream's."""
+        return frozenset(self.versions) | frozenset(self.remote)
+
+    def number(self, ref: str | None) -> int | None:
+        """The version ``ref`` names (a number or an alias); None: the default."""
+        if ref is None:
+            return self.default
+        return int(ref) if ref.isascii() and ref.isdigit() else self.aliases.get(ref)
 
 
 def split_model(model: str) -> tuple[str, str | None]:
@@ -142,9 +158,7 @@ class ServedEngines(Mapping[str, ServedLM]):
         entry = self._registry.get(name)
         if entry is None:
             raise KeyError(model_id)
-        number = (
-            entry.default if ref is None else int(ref) if ref.isascii() and ref.isdigit() else entry.aliases.get(ref)
-        )
+        number = entry.number(ref)
         if number is None or number not in entry.versions:
             raise KeyError(model_id)
         return entry.versions[number]
@@ -293,6 +307,19 @@ class EnginePool:
             engine.shutdown(timeout=5)
             raise ServiceUnavailableError(f"engine {name} started while the cloud stopped")
         return engine
+
+    def remote_version(self, model_id: str) -> RemoteLM | None:
+        """The upstream-served registry version ``model_id`` names (bare name: the default version), if it is one."""
+        name, ref = split_model(model_id)
+        entry = self.registry.get(name)
+        if entry is None or not entry.remote:
+            return None
+        number = entry.number(ref)
+        return entry.remote.get(number) if number is not None else None
+
+    def serves(self, model_id: str) -> bool:
+        """An engine or an upstream of a registry version answers ``model_id``."""
+        return model_id in self.engines or self.remote_version(model_id) is not None
 
     def get(self, model_id: str) -> ServedLM:
         served = self.engines.get(model_id)

@@ -60,7 +60,7 @@ class JobIntake:
         if endpoint == INFERENCE:
             if self.tensors.get(model) is None and model not in self.pool.engines:
                 raise unknown_model(model)
-        else:
+        elif self.pool.remote_version(model) is None:  # else upstream servers answer it
             with contextlib.suppress(EngineRestartingError):  # the worker waits for the restart (Retry-After)
                 self.pool.get(model)
         allowed = caller.key.allowed_models if caller.key is not None else None

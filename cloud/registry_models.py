@@ -7,6 +7,12 @@ runs at start-up and after every plan refresh, in a worker thread: a version a n
 needs is loaded there, and the pool's registry snapshot is replaced once it is ready. A version no longer needed
 (a finished rollout's other arm, a former ``stable``) leaves the snapshot at once and its engine is shut down once
 it is idle and two refresh intervals have passed, so a request that picked it just before still finishes.
+
+A version with a serving spec (``ModelVersion.serving``: an ``openai`` backend) is not loaded into an engine: its
+tokenizer artifact (``hf-tokenizer``, or a checkpoint) is materialised and a replica pool of its upstream servers
+answers it (``cloud.backends.upstream.Backends``). Its spec is read again at every refresh: a change of endpoints
+only is applied to the running pool (new endpoints join, removed ones drain); any other change builds a new
+backend and drains the old one, as does a version no longer needed.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Any, Final
 
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
@@ -30,18 +36,30 @@ from cloud.canary import routed_versions
 from cloud.engine_pool import EnginePool, RegistryEntry, ServedLM, engine_config, start_engine
 from cloud.settings import CloudSettings
 from controlplane.registry.artifacts import materialize
-from controlplane.registry.service import artifacts_of, get_model, get_version, list_models, list_versions
+from controlplane.registry.service import (
+    TOKENIZER_FORMATS,
+    artifacts_of,
+    get_model,
+    get_version,
+    list_models,
+    list_versions,
+)
 from controlplane.registry.store import ArtifactStore
 from controlplane.rollouts.service import RolloutPlan
 from controlplane.storage.tables import ModelAlias, ModelArtifact, ModelVersion
 from shared.artifacts import Manifest, verify_files
+from shared.backend_spec import ServingSpec
 from shared.errors import ArtifactVerificationError
+
+if TYPE_CHECKING:
+    from cloud.backends.upstream import Backends, RemoteLM
 
 logger = logging.getLogger(__name__)
 
 ALL: Final = "all"
 STABLE: Final = "stable"
 CACHE_DIR: Final = "cloud-models"
+REMOTE_RETRY_S: Final = 30.0  # a version whose backend failed to start is tried again at most this often
 
 
 def parse_names(value: str) -> frozenset[str] | None:
@@ -59,6 +77,7 @@ class _ModelState:
     stable_moved_at: datetime | None = None
     statuses: dict[int, str] = field(default_factory=dict)
     created: dict[int, int] = field(default_factory=dict)
+    serving: dict[int, dict[str, Any]] = field(default_factory=dict)  # versions with a serving spec
 
 
 class RegistryModels:
@@ -78,6 +97,10 @@ class RegistryModels:
         self._failed: dict[tuple[str, int], str] = {}  # version → artifact sha256 that failed to load
         self._missing_reported: set[str] = set()
         self._retired: dict[tuple[str, int], tuple[float, ServedLM]] = {}  # left the snapshot at (monotonic)
+        self._remote_failed: dict[tuple[str, int], str] = {}  # version → why its backend is not running
+        # version → (not tried again before (monotonic), unless its spec is not this one)
+        self._remote_retry_at: dict[tuple[str, int], tuple[float, ServingSpec | None]] = {}
+        self.backends: Backends | None = None  # answers versions with a serving spec (set once it runs)
 
     def sync(self, plans: list[RolloutPlan]) -> None:
         """Read the registry, load the versions now needed, then publish the new snapshot to the pool."""
@@ -91,26 +114,104 @@ class RegistryModels:
                 if wanted is not None:
                     needed.add(wanted)
                 versions = dict(entry.versions)
-                for number in sorted(needed - set(versions)):
+                remotes = self._sync_remote(state, dict(entry.remote), needed)
+                for number in sorted(set(versions) & set(state.serving)):  # now answered upstream: engine goes
+                    self._retired[(state.name, number)] = (time.monotonic(), versions.pop(number))
+                for number in sorted(needed - set(versions) - set(state.serving)):
                     if number in state.statuses:
                         served = self._revive(state.name, number) or self._load(state.name, number)
                         if served is not None:
                             versions[number] = served
-                default = self._default(state, versions)
+                default = self._default(state, set(versions) | set(remotes))
                 for number in sorted(set(versions) - needed - {default}):
                     logger.info("%s version %s is no longer needed; it is unloaded once idle", state.name, number)
                     self._retired[(state.name, number)] = (time.monotonic(), versions.pop(number))
+                for number in sorted(set(remotes) - needed - {default}):
+                    logger.info("%s version %s is no longer needed; its upstreams drain", state.name, number)
+                    self._retire_remote(remotes.pop(number))
                 entries[state.name] = RegistryEntry(
                     name=state.name,
                     versions=versions,
-                    aliases={a: n for a, n in state.aliases.items() if n in versions},
+                    aliases={a: n for a, n in state.aliases.items() if n in versions or n in remotes},
                     default=default,
                     stable_moved_at=state.stable_moved_at,
                     created=state.created.get(default, 0) if default is not None else 0,
                     sha256=self._sha256.get((state.name, default), "") if default is not None else "",
+                    remote=remotes,
                 )
             self.pool.set_registry(entries)
             self._shut_down_idle()
+
+    # -- versions answered by upstream servers ----------------------------------------------------------------
+    def _sync_remote(self, state: _ModelState, remotes: dict[int, RemoteLM], needed: set[int]) -> dict[int, RemoteLM]:
+        """The model's upstream-served versions after this refresh: specs read again (endpoint lists applied,
+        other changes rebuilt), versions whose spec went away drained, needed ones with a spec started."""
+        for number in sorted(set(remotes) - set(state.serving)):  # spec removed: the built-in engine serves it
+            self._retire_remote(remotes.pop(number))
+        for number, raw in sorted(state.serving.items()):
+            current = remotes.get(number)
+            if current is None and number not in needed:
+                continue
+            try:
+                spec = ServingSpec.model_validate(raw)
+            except ValueError as exc:  # written by another release of the registry, or by hand
+                self._report(state.name, number, f"its serving spec is invalid: {exc}")
+                continue
+            if current is not None:
+                old = current.config
+                if old == spec:
+                    continue
+                if isinstance(old, ServingSpec) and old.without_endpoints() == spec.without_endpoints():
+                    logger.warning("%s version %s: endpoints now %s", state.name, number, ", ".join(spec.roots()))
+                    assert self.backends is not None
+                    self.backends.update(current, spec)
+                    continue
+                logger.warning("%s version %s: serving spec changed; a new backend replaces it", state.name, number)
+            remote = self._load_remote(state.name, number, spec)
+            if remote is None:
+                continue  # the old one (if any) keeps serving
+            if current is not None:
+                self._retire_remote(current)
+            remotes[number] = remote
+        return remotes
+
+    def _retire_remote(self, remote: RemoteLM) -> None:
+        if self.backends is not None:
+            self.backends.retire(remote)
+
+    def _report(self, name: str, number: int, why: str) -> None:
+        key = (name, number)
+        if self._remote_failed.get(key) != why:
+            logger.error("%s version %s: %s; not served", name, number, why)
+            self._remote_failed[key] = why
+
+    def _load_remote(self, name: str, number: int, spec: ServingSpec) -> RemoteLM | None:
+        """A backend for version ``number``: its tokenizer artifact materialised, its pool started."""
+        if self.backends is None:
+            self._report(name, number, "it has a serving spec, but this gateway runs no backends")
+            return None
+        key = (name, number)
+        retry_at, tried = self._remote_retry_at.get(key, (0.0, None))
+        if key in self._remote_failed and tried == spec and time.monotonic() < retry_at:
+            return None  # this spec failed a moment ago: not again at every refresh
+        self._remote_retry_at[key] = (time.monotonic() + REMOTE_RETRY_S, spec)
+        artifact = self.cloud_artifact(name, number, TOKENIZER_FORMATS)
+        if artifact is None:
+            self._report(name, number, "it has a serving spec but no ready cloud hf-tokenizer artifact")
+            return None
+        from cloud.backends.upstream import make_remote
+
+        try:
+            tokenizer_dir = self.materialize(name, number, artifact)
+            remote = make_remote(name, spec, tokenizer_dir, version=number)
+        except Exception as exc:  # a key file others can read, a name that does not resolve, a broken tokenizer
+            self._report(name, number, f"starting its backend failed ({exc})")
+            return None
+        self._remote_failed.pop(key, None)
+        self._sha256[(name, number)] = artifact.sha256
+        self.backends.attach(remote)
+        logger.info("serving %s version %s from upstreams %s", name, number, ", ".join(spec.roots()))
+        return remote
 
     def _revive(self, name: str, number: int) -> ServedLM | None:
         """A version needed again before its engine was shut down serves again as it is."""
@@ -151,6 +252,8 @@ class RegistryModels:
                 for v in list_versions(session, model):
                     state.statuses[v.number] = v.status
                     state.created[v.number] = int(v.created_at.timestamp()) if v.created_at else 0
+                    if v.serving:
+                        state.serving[v.number] = dict(v.serving)
                 rows = session.exec(
                     select(ModelAlias.name, ModelVersion.number, ModelAlias.updated_at)
                     .join(ModelVersion, col(ModelVersion.id) == col(ModelAlias.version_id))
@@ -163,14 +266,16 @@ class RegistryModels:
                 states.append(state)
             return states
 
-    def cloud_artifact(self, name: str, number: int) -> ModelArtifact | None:
-        """The version's newest ready ``cloud``/``hf-safetensors`` artifact, detached from its session."""
+    def cloud_artifact(
+        self, name: str, number: int, formats: tuple[str, ...] = ("hf-safetensors",)
+    ) -> ModelArtifact | None:
+        """The version's newest ready ``cloud`` artifact in one of ``formats``, detached from its session."""
         with Session(self.db) as session:
             version = get_version(session, get_model(session, name), number)
             found = [
                 a
                 for a in artifacts_of(session, [version.id or 0])[version.id or 0]
-                if a.target == "cloud" and a.format == "hf-safetensors" and a.status == "ready"
+                if a.target == "cloud" and a.format in formats and a.status == "ready"
             ]
             session.expunge_all()
         return found[-1] if found else None

@@ -91,6 +91,13 @@ class TagsChange(_Body):
     remove: list[str] = Field(default_factory=list)
 
 
+class ServingChange(_Body):
+    serving: dict[str, Any] | None = Field(
+        description='a serving spec ({"backend": "openai", "endpoints": [...], "upstream_model": ...}); '
+        "null: the built-in engine serves the version"
+    )
+
+
 class DeriveRequest(_Body):
     min_int8_agreement: float | None = Field(
         None, ge=0.0, le=1.0, description="INT8 below this agreement with fp32 is rejected (default: the setting)"
@@ -159,6 +166,16 @@ def change_tags(db: Engine, operator: Operator, name: str, number: int, data: Ta
         return _version_body(session, name, number)
 
 
+@put("/models/{name:str}/versions/{number:int}/serving", status_code=200, sync_to_thread=True)
+def change_serving(db: Engine, operator: Operator, name: str, number: int, data: ServingChange) -> dict[str, Any]:
+    """Set (or clear) the version's serving spec: which upstream servers answer it. Gateways reload it without a
+    restart: new endpoints join, removed ones drain."""
+    operator.require_admin()
+    with session_scope(db) as session:
+        registry.set_serving(session, registry.get_model(session, name), number, data.serving, actor=operator.actor)
+        return _version_body(session, name, number)
+
+
 @post("/models/{name:str}/versions/{number:int}/derive", status_code=202, sync_to_thread=True)
 def derive(
     db: Engine,
@@ -212,6 +229,7 @@ REGISTRY_ROUTER = management_router(
         move_alias,
         change_status,
         change_tags,
+        change_serving,
         derive,
     ],
     "registry",

@@ -32,11 +32,19 @@ from typing import Any, TypeVar
 import httpx
 import msgspec
 
-from cloud.backends.config import OpenAIBackendConfig, load_backends
-from cloud.backends.pool import BadGatewayError, Endpoint, PoolCollector, ReplicaPool, UpstreamUnavailableError
+from cloud.backends.config import context_length, load_backends
+from cloud.backends.pool import (
+    BadGatewayError,
+    Endpoint,
+    PoolCollector,
+    ReplicaPool,
+    UpstreamUnavailableError,
+    resolve_roots,
+)
 from cloud.completions import Caller, CompletionService
 from cloud.engine.prompts import check_context_length
 from controlplane.billing.pricing import Tokens
+from shared.backend_spec import UpstreamSpec
 from shared.chat_tokenizer import ChatTokenizer
 from shared.errors import ApplicationError, ConfigurationError, DeadlineExceededError, PermissionDeniedError
 from shared.openai_responses import SSE_DONE, sse
@@ -67,12 +75,55 @@ class RemoteLM:
     """One served model backed by an upstream server (``cloud.completions.Metered``)."""
 
     model_id: str
-    config: OpenAIBackendConfig
+    config: UpstreamSpec
     pool: ReplicaPool
     tokenizer: ChatTokenizer
     max_model_len: int
     headers: dict[str, str] = field(default_factory=dict)
     version: int | None = None
+
+    def affinity_key(self, caller: Caller, prompt: str | list[int]) -> str | None:
+        """The request's prefix-affinity key (tenant and prompt prefix), None when affinity is off."""
+        n = self.config.affinity_prefix_chars
+        if not n:
+            return None
+        head = prompt[:n] if isinstance(prompt, str) else ",".join(map(str, prompt[:n]))
+        return f"{caller.tenant.id}\x00{head}"
+
+
+def make_pool(model_id: str, spec: UpstreamSpec) -> ReplicaPool:
+    """The replica pool for ``spec`` (its host names resolved now when ``resolve_dns``: blocking)."""
+    roots = resolve_roots(spec.roots()) if spec.resolve_dns else [(r, None) for r in spec.roots()]
+    return ReplicaPool(
+        model_id,
+        [Endpoint(root, spec.max_concurrency, host=host) for root, host in roots],
+        eject_after_failures=spec.eject_after_failures,
+        eject_s=spec.eject_s,
+        probe_interval_s=spec.probe_interval_s,
+        queue_timeout_s=spec.queue_timeout_s,
+        health_path=spec.health_path,
+        affinity_load_factor=spec.affinity_load_factor,
+        resolve_dns=spec.resolve_dns,
+        sources=spec.roots(),
+        endpoint_concurrency=spec.max_concurrency,
+    )
+
+
+def make_remote(model_id: str, spec: UpstreamSpec, tokenizer: Path, version: int | None = None) -> RemoteLM:
+    """A served model answered by ``spec``'s upstream servers (blocking: loads the tokenizer, reads the key)."""
+    if not (tokenizer / "tokenizer.json").is_file() and not (tokenizer / "config.json").is_file():
+        raise ConfigurationError(f"backend {model_id}: {tokenizer} holds no tokenizer")
+    key = spec.api_key()
+    pool = make_pool(model_id if version is None else f"{model_id}@{version}", spec)
+    return RemoteLM(
+        model_id,
+        spec,
+        pool,
+        ChatTokenizer(tokenizer),
+        context_length(spec, tokenizer),
+        headers={"Authorization": f"Bearer {key}"} if key else {},
+        version=version,
+    )
 
 
 @dataclass(slots=True)
@@ -140,18 +191,26 @@ async def _sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
 
 
 class Backends:
-    """The ``openai`` backends of this gateway, by served model id."""
+    """The ``openai`` backends of this gateway: the backends file's served models (by id), and registry versions
+    whose serving spec names upstream servers (``cloud.registry_models`` hands them in from its worker thread:
+    ``attach``, ``update``, ``retire`` run on the event loop)."""
+
+    MAX_CONNECTIONS = 1024  # registry versions come and go: connections are bounded by the pools' slots anyway
 
     def __init__(self, models: dict[str, RemoteLM], service: CompletionService, request_timeout_s: float) -> None:
         self.models = models
         self.service = service
         self.request_timeout_s = request_timeout_s
         slots = sum(len(m.pool.endpoints) * m.config.max_concurrency for m in models.values()) + 8
+        slots = max(slots, self.MAX_CONNECTIONS)
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(request_timeout_s, connect=2.0),
             limits=httpx.Limits(max_connections=slots, max_keepalive_connections=slots),
         )
-        self.collector = PoolCollector([m.pool for m in models.values()])
+        self.pools = [m.pool for m in models.values()]
+        self.collector = PoolCollector(self.pools)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._retiring: set[asyncio.Task[None]] = set()
 
     @classmethod
     def from_file(
@@ -164,34 +223,69 @@ class Backends:
                 raise ConfigurationError(f"{path}: model '{model_id}' is already served by the built-in engine")
             if not (cfg.tokenizer / "tokenizer.json").is_file() and not (cfg.tokenizer / "config.json").is_file():
                 raise ConfigurationError(f"{path}: models.{model_id}.tokenizer: {cfg.tokenizer} holds no tokenizer")
-            key = cfg.api_key()
-            pool = ReplicaPool(
-                model_id,
-                [Endpoint(root, cfg.max_concurrency) for root in cfg.roots()],
-                eject_after_failures=cfg.eject_after_failures,
-                eject_s=cfg.eject_s,
-                probe_interval_s=cfg.probe_interval_s,
-                queue_timeout_s=cfg.queue_timeout_s,
-                health_path=cfg.health_path,
-            )
-            models[model_id] = RemoteLM(
-                model_id,
-                cfg,
-                pool,
-                ChatTokenizer(cfg.tokenizer),
-                cfg.context_length(),
-                headers={"Authorization": f"Bearer {key}"} if key else {},
-            )
+            models[model_id] = make_remote(model_id, cfg, cfg.tokenizer)
         return cls(models, service, request_timeout_s)
 
     async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
         for remote in self.models.values():
             remote.pool.start(self.client)
 
     async def close(self) -> None:
-        for remote in self.models.values():
-            await remote.pool.close()
+        for task in list(self._retiring):
+            task.cancel()
+        await asyncio.gather(*self._retiring, return_exceptions=True)
+        for pool in list(self.pools):
+            await pool.close()
         await self.client.aclose()
+
+    # -- registry versions (called from a worker thread) ------------------------------------------------------
+    def _on_loop(self, fn: Callable[..., object], *args: object) -> None:
+        if self.loop is None:
+            raise ConfigurationError("the backends are not started")
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    def attach(self, remote: RemoteLM) -> None:
+        """Start ``remote``'s pool (probes, DNS) and count it in the metrics."""
+        self._on_loop(self._attach, remote)
+
+    def _attach(self, remote: RemoteLM) -> None:
+        self.pools.append(remote.pool)
+        remote.pool.start(self.client)
+
+    def update(self, remote: RemoteLM, spec: UpstreamSpec) -> None:
+        """``spec`` differs from ``remote``'s in its endpoints only: apply the new list (joins and drains)."""
+        self._on_loop(self._update, remote, spec)
+
+    def _update(self, remote: RemoteLM, spec: UpstreamSpec) -> None:
+        remote.config = spec
+        pool = remote.pool
+        pool.sources = spec.roots()
+        if spec.resolve_dns:
+            task = asyncio.create_task(pool.resolve(), name=f"resolving {pool.model_id}")
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+        else:
+            pool.set_endpoints([(r, None) for r in spec.roots()], spec.max_concurrency)
+
+    def retire(self, remote: RemoteLM) -> None:
+        """``remote`` serves no more: its endpoints drain (requests in flight finish), then its pool closes."""
+        self._on_loop(self._retire, remote)
+
+    def _retire(self, remote: RemoteLM) -> None:
+        task = asyncio.create_task(self._drain(remote.pool), name=f"draining {remote.pool.model_id}")
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def _drain(self, pool: ReplicaPool) -> None:
+        pool.drain_all()
+        deadline = time.monotonic() + self.request_timeout_s + 5.0
+        while not pool.drained and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await pool.close()
+        if pool in self.pools:
+            self.pools.remove(pool)
+        logger.info("backend %s: drained and closed", pool.model_id)
 
     def serves(self, model: str) -> bool:
         return model in self.models
@@ -206,23 +300,33 @@ class Backends:
         return self.models[model]
 
     # -- requests -----------------------------------------------------------------------------------------------
-    async def chat(self, caller: Caller, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[bytes]:
-        remote = self._get(caller, req.model)
+    async def chat(
+        self, caller: Caller, req: ChatCompletionRequest, remote: RemoteLM | None = None
+    ) -> dict[str, Any] | AsyncIterator[bytes]:
+        """``remote``: the registry version routing chose (the caller's key was checked then), else the backends
+        file's model ``req.model``."""
+        remote = remote or self._get(caller, req.model)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         self.service._checked_size(m["content"] for m in messages)
         prompt = remote.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         counts = [remote.tokenizer.encode_counted(prompt, remote.max_model_len)[1]]
-        return await self._run(caller, remote, req, "/v1/chat/completions", counts, req.max_new_tokens, chat=True)
+        key = remote.affinity_key(caller, prompt)
+        return await self._run(
+            caller, remote, req, "/v1/chat/completions", counts, req.max_new_tokens, chat=True, key=key
+        )
 
-    async def completions(self, caller: Caller, req: CompletionRequest) -> dict[str, Any] | AsyncIterator[bytes]:
-        remote = self._get(caller, req.model)
+    async def completions(
+        self, caller: Caller, req: CompletionRequest, remote: RemoteLM | None = None
+    ) -> dict[str, Any] | AsyncIterator[bytes]:
+        remote = remote or self._get(caller, req.model)
         prompts = req.prompts()
         self.service._checked_size(p for p in prompts if isinstance(p, str))
         counts = [
             remote.tokenizer.encode_counted(p, remote.max_model_len)[1] if isinstance(p, str) else len(p)
             for p in prompts
         ]
-        return await self._run(caller, remote, req, "/v1/completions", counts, req.max_tokens, chat=False)
+        key = remote.affinity_key(caller, prompts[0]) if prompts else None
+        return await self._run(caller, remote, req, "/v1/completions", counts, req.max_tokens, chat=False, key=key)
 
     async def _run(
         self,
@@ -234,6 +338,7 @@ class Backends:
         max_tokens: int | None,
         *,
         chat: bool,
+        key: str | None = None,
     ) -> dict[str, Any] | AsyncIterator[bytes]:
         reserved = prompt_worst = completion_worst = 0
         for num in counts:  # refused as the built-in engine refuses: the prompt and its completion must fit
@@ -241,7 +346,7 @@ class Backends:
             reserved += num + max_new * req.n
             prompt_worst += num * req.n
             completion_worst += max_new * req.n
-        caller.model_version = None
+        caller.model_version = str(remote.version) if remote.version is not None else None
         meter = await self.service.reserve(caller, remote, reserved, Tokens(prompt_worst, completion_worst))
         body = req.model_dump(mode="json", exclude_unset=True, by_alias=True)  # json_schema.schema, not schema_
         for name in GATEWAY_FIELDS:
@@ -256,7 +361,7 @@ class Backends:
 
         billed = False
 
-        async def bill(status: str) -> dict[str, Any]:
+        async def bill(status: str, server_failure: bool = False) -> dict[str, Any]:
             """Settle once (reservations back, one usage record); the usage billed."""
             nonlocal billed
             if billed:
@@ -276,14 +381,16 @@ class Backends:
                     len(remote.tokenizer.encode("".join(parts))) for parts in relay.texts.values()
                 )
                 source = "gateway"
-            await self.service._settle(caller, remote, meter, status, usage_source=source)
+            await self.service._settle(
+                caller, remote, meter, status, usage_source=source, server_failure=server_failure
+            )
             return meter.usage()
 
         if not req.stream:
-            status = "error"
+            status, failed = "error", False
             try:
                 async with asyncio.timeout(self.request_timeout_s):
-                    endpoint, response, answer = await self._call(remote, path, body, _read_json)
+                    endpoint, response, answer = await self._call(remote, path, body, _read_json, key)
                     await response.aclose()  # read whole: the endpoint is done with it
                     remote.pool.release(endpoint, True)
                 relay.add(answer, chat)
@@ -298,17 +405,20 @@ class Backends:
             except asyncio.CancelledError:
                 status = "abandoned"
                 raise
+            except (BadGatewayError, UpstreamUnavailableError):
+                failed = True
+                raise
             finally:
-                await bill(status)
+                await bill(status, failed)
             answer.update(rewrite)
             if relay.usage is None:
                 answer["usage"] = meter.usage()
             return answer
 
         try:
-            endpoint, response, (events, first) = await self._call(remote, path, body, _first_event)
-        except BaseException:
-            await bill("error")
+            endpoint, response, (events, first) = await self._call(remote, path, body, _first_event, key)
+        except BaseException as exc:
+            await bill("error", isinstance(exc, (BadGatewayError, UpstreamUnavailableError)))
             raise
         include_usage = req.include_usage
         return self._relay(remote, endpoint, response, events, first, relay, rewrite, include_usage, chat, bill)
@@ -369,7 +479,12 @@ class Backends:
             await bill(status)  # once: a no-usage stream that asked for usage was billed before its usage chunk
 
     async def _call(
-        self, remote: RemoteLM, path: str, body: dict[str, Any], read: Callable[[httpx.Response], Awaitable[T]]
+        self,
+        remote: RemoteLM,
+        path: str,
+        body: dict[str, Any],
+        read: Callable[[httpx.Response], Awaitable[T]],
+        key: str | None = None,
     ) -> tuple[Endpoint, httpx.Response, T]:
         """Send ``body`` to an endpoint of ``remote`` and ``read`` the start of its answer (non-stream: all of it;
         stream: the first event), failing over to another endpoint while nothing has reached the client."""
@@ -377,7 +492,7 @@ class Backends:
         last: str | None = None
         while True:
             try:
-                endpoint = await remote.pool.acquire(tried)
+                endpoint = await remote.pool.acquire(tried, key)
             except UpstreamUnavailableError as exc:
                 if last is None:
                     raise
@@ -386,7 +501,8 @@ class Backends:
                     retry_after=exc.retry_after,
                 ) from None
             tried.add(endpoint.root)
-            request = self.client.build_request("POST", f"{endpoint.root}{path}", json=body, headers=remote.headers)
+            headers = {**remote.headers, "Host": endpoint.host} if endpoint.host else remote.headers
+            request = self.client.build_request("POST", f"{endpoint.root}{path}", json=body, headers=headers)
             response: httpx.Response | None = None
             try:
                 response = await self.client.send(request, stream=True)

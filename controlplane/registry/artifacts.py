@@ -21,12 +21,14 @@ from controlplane.registry.service import (
     ARTIFACT_STATUSES,
     EDGE_MODEL_FILE,
     MANIFEST_FILE,
+    TOKENIZER_FILES,
     _audit,
     artifacts_of,
     check_alias,
     check_kind,
     check_label,
     check_name,
+    check_serving,
     check_tags,
     check_target_format,
     ensure_model,
@@ -35,6 +37,7 @@ from controlplane.registry.service import (
     move_alias,
     register_version,
     resolve,
+    set_serving,
 )
 from controlplane.registry.store import ArtifactStore, PayloadTooLargeError
 from controlplane.storage.tables import Model, ModelArtifact, ModelVersion
@@ -250,11 +253,13 @@ def inspect_path(path: Path) -> LocalArtifact:
         return LocalArtifact("edge", format, "causal-lm", listed)
     if (path / "config.json").is_file() and any(rel.endswith(".safetensors") for rel, _ in files):
         return LocalArtifact("cloud", "hf-safetensors", "causal-lm", files)
+    if (path / "config.json").is_file() and any((path / n).is_file() for n in TOKENIZER_FILES):
+        return LocalArtifact("cloud", "hf-tokenizer", "causal-lm", files)  # a tokenizer without weights
     if len(files) == 1:
         return inspect_path(files[0][1])
     raise ValidationError(
-        f"{path}: not an HF checkpoint (config.json + *.safetensors), an edge artifact (edge_model.json) "
-        "or a single .onnx file",
+        f"{path}: not an HF checkpoint (config.json + *.safetensors), a tokenizer (config.json + tokenizer.json), "
+        "an edge artifact (edge_model.json) or a single .onnx file",
         param="path",
     )
 
@@ -292,9 +297,13 @@ def push_path(
     alias: str | None = None,
     actor: str,
     signing_key: Ed25519PrivateKey,
+    serving: dict[str, Any] | None = None,
 ) -> Pushed:
-    """Upload ``path``'s files to the store, then register a version holding them (and move ``alias``)."""
+    """Upload ``path``'s files to the store, then register a version holding them (and move ``alias``). With
+    ``serving`` (a serving spec), an ``openai`` backend answers the version; ``path`` gives its tokenizer."""
     check_name(name)
+    if serving is not None:
+        check_serving(serving)  # refused before any upload
     if kind is not None:
         check_kind(kind)
     label, tag_list = check_label(label), check_tags(tags)
@@ -325,6 +334,8 @@ def push_path(
         actor=actor,
         metadata=local.metadata,
     )
+    if serving is not None:
+        version = set_serving(session, model, version.number, serving, actor=actor)
     if alias is not None:
         move_alias(session, model, alias, version.number, actor=actor)
     return Pushed(model, version, artifact)

@@ -44,15 +44,30 @@ def models_list() -> None:
 @click.option("--label", default=None, help="a label for the version, e.g. 2026-12-rc1")
 @click.option("--tag", "tags", multiple=True, help="a tag for the version (repeatable)")
 @click.option("--alias", default=None, help="point this alias (e.g. canary) at the new version")
+@click.option(
+    "--serving",
+    "serving_file",
+    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    default=None,
+    help="a JSON serving spec: an openai backend (upstream servers) answers the version; PATH is its tokenizer",
+)
 @click.option("--json", "as_json", is_flag=True, help="print the new version as JSON")
 def models_push(
-    path: Path, name: str, kind: str | None, label: str | None, tags: tuple[str, ...], alias: str | None, as_json: bool
+    path: Path,
+    name: str,
+    kind: str | None,
+    label: str | None,
+    tags: tuple[str, ...],
+    alias: str | None,
+    serving_file: Path | None,
+    as_json: bool,
 ) -> None:
     """Register a new version of model NAME from PATH.
 
-    PATH is a Hugging Face checkpoint directory (config.json + *.safetensors: a cloud artifact), an .onnx file
-    (cloud) or an edge artifact directory (edge_model.json, as `tierline zoo build` writes). Its files go to the
-    artifact store (TIERLINE_ARTIFACT_STORE), the manifest is signed with the platform key.
+    PATH is a Hugging Face checkpoint directory (config.json + *.safetensors: a cloud artifact), a tokenizer
+    directory (config.json + tokenizer.json, no weights: with --serving), an .onnx file (cloud) or an edge artifact
+    directory (edge_model.json, as `tierline zoo build` writes). Its files go to the artifact store
+    (TIERLINE_ARTIFACT_STORE), the manifest is signed with the platform key.
     """
     from controlplane.registry import artifacts as registry_artifacts
     from controlplane.registry import service as registry
@@ -73,6 +88,7 @@ def models_push(
             alias=alias,
             actor=_actor(),
             signing_key=key,
+            serving=_read_spec(serving_file) if serving_file is not None else None,
         )
         body = registry.version_json(pushed.version, [pushed.artifact], [alias] if alias else [])
     if as_json:
@@ -83,6 +99,39 @@ def models_push(
         f"registered {name} version {pushed.version.number}: {a.target} {a.format}, {a.size} bytes, sha256 {a.sha256}"
         + (f"; alias {alias} -> {pushed.version.number}" if alias else "")
     )
+
+
+def _read_spec(path: Path) -> dict[str, Any]:
+    try:
+        spec = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise click.BadParameter(f"{path}: not a JSON file ({exc})", param_hint="--serving") from None
+    if not isinstance(spec, dict):
+        raise click.BadParameter(f"{path}: a JSON object, please", param_hint="--serving")
+    return spec
+
+
+@models.command("serving")
+@click.argument("name")
+@click.argument("version", type=int)
+@click.argument("spec_file", type=click.Path(path_type=Path, exists=True, dir_okay=False), required=False)
+@click.option("--clear", is_flag=True, help="remove the serving spec (the built-in engine serves the version)")
+def models_serving(name: str, version: int, spec_file: Path | None, clear: bool) -> None:
+    """Set VERSION of NAME's serving spec from SPEC_FILE (JSON), e.g. a new endpoint list.
+
+    Running gateways pick it up at their next refresh without a restart: new endpoints take requests, removed
+    ones stop taking new requests and are dropped once their requests in flight are done.
+    """
+    from controlplane.registry import service as registry
+    from controlplane.storage.session import session_scope
+
+    if clear == (spec_file is not None):
+        raise click.UsageError("give SPEC_FILE or --clear")
+    spec = _read_spec(spec_file) if spec_file is not None else None
+    with session_scope() as session:
+        v = registry.set_serving(session, registry.get_model(session, name), version, spec, actor=_actor())
+        endpoints = (v.serving or {}).get("endpoints", [])
+    click.echo(f"{name} version {version}: " + (f"openai backend, {len(endpoints)} endpoint(s)" if spec else "builtin"))
 
 
 @models.command("versions")
@@ -102,6 +151,7 @@ def models_versions(name: str) -> None:
         extra += [f"from v{v['derived_from']}"] if v["derived_from"] else []
         extra += [f"aliases {','.join(v['aliases'])}"] if v["aliases"] else []
         extra += [f"tags {','.join(v['tags'])}"] if v["tags"] else []
+        extra += [f"serving openai {','.join(v['serving']['endpoints'])}"] if v.get("serving") else []
         click.echo(f"{v['number']}\t{v['status']}\t{arts}\t{'; '.join(extra)}")
 
 
@@ -170,7 +220,7 @@ def models_tag(name: str, version: int, add: tuple[str, ...], remove: tuple[str,
 @click.option(
     "--format",
     "format",
-    type=click.Choice(["hf-safetensors", "onnx", "onnx-int8", "tflite", "tensorrt-plan"]),
+    type=click.Choice(["hf-safetensors", "hf-tokenizer", "onnx", "onnx-int8", "tflite", "tensorrt-plan"]),
     required=True,
     help="which of the version's artifacts",
 )

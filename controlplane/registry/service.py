@@ -18,18 +18,20 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
+from pydantic import ValidationError as PydanticValidationError
 from sqlalchemy import func, insert, update
 from sqlalchemy import select as sa_select
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
 from controlplane.storage.tables import AuditLog, Model, ModelAlias, ModelArtifact, ModelVersion, utcnow
+from shared.backend_spec import ServingSpec
 from shared.errors import ConflictError, NotFoundError, ValidationError
 
 KINDS: Final = ("causal-lm", "tensor")
 TARGETS: Final = ("cloud", "edge")
 FORMATS: Final[dict[str, tuple[str, ...]]] = {
-    "cloud": ("hf-safetensors", "onnx", "tensorrt-plan"),
+    "cloud": ("hf-safetensors", "hf-tokenizer", "onnx", "tensorrt-plan"),
     "edge": ("onnx", "onnx-int8", "tflite"),
 }
 STATUSES: Final = ("registered", "validated", "active", "retired")
@@ -42,6 +44,10 @@ _NEXT_STATUS: Final[dict[str, tuple[str, ...]]] = {
 }
 ARTIFACT_STATUSES: Final = ("ready", "pending", "rejected", "failed")
 MAX_TAGS: Final = 32
+# A tokenizer without weights (``hf-tokenizer``): what a version answered by an ``openai`` backend carries.
+TOKENIZER_FILES: Final = frozenset({"tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"})
+# Cloud artifacts a serving spec's version may take its tokenizer from.
+TOKENIZER_FORMATS: Final = ("hf-tokenizer", "hf-safetensors")
 MANIFEST_FILE: Final = "manifest.json"
 EDGE_MODEL_FILE: Final = "edge_model.json"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
@@ -118,6 +124,8 @@ def infer_format(paths: Sequence[str]) -> tuple[str, str]:
     names = {p.rsplit("/", 1)[-1] for p in paths}
     if "config.json" in names and any(n.endswith(".safetensors") for n in names):
         return "cloud", "hf-safetensors"
+    if "config.json" in names and names & TOKENIZER_FILES:
+        return "cloud", "hf-tokenizer"
     if any(n.endswith(".tflite") for n in names):
         return "edge", "tflite"
     if any(n.endswith((".plan", ".engine")) for n in names):
@@ -294,6 +302,69 @@ def tag_version(
     return version
 
 
+def check_serving(spec: dict[str, Any]) -> ServingSpec:
+    """A serving spec, checked (the same rules as the gateway's backends file); 400 naming the field otherwise."""
+    try:
+        return ServingSpec.model_validate(spec)
+    except PydanticValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        param = f"serving.{where}" if where else "serving"
+        raise ValidationError(f"{param}: {first['msg']}", param=param) from None
+
+
+def set_serving(
+    session: Session, model: Model, number: int, spec: dict[str, Any] | None, *, actor: str
+) -> ModelVersion:
+    """Declare (or, with None, remove) the ``openai`` backend that answers version ``number``.
+
+    Only a ``causal-lm`` version with a ready cloud tokenizer (``hf-tokenizer``, or a checkpoint) may have one: the
+    gateway counts and admits prompts with it. A running gateway picks a change up at its next refresh: endpoints
+    that joined take requests, those that left drain.
+    """
+    version = get_version(session, model, number)
+    stored: dict[str, Any] | None = None
+    if spec is not None:
+        if model.kind != "causal-lm":
+            raise ValidationError(
+                f"model {model.name!r} is a {model.kind} model; only causal-lm versions have a serving spec",
+                param="serving",
+            )
+        checked = check_serving(spec)
+        stored = checked.model_dump(mode="json", exclude_defaults=True)
+        stored["backend"] = "openai"
+        stored["endpoints"] = checked.roots()  # as given: pydantic's URLs end with a '/'
+        tokenizers = [
+            a
+            for a in artifacts_of(session, [version.id or 0])[version.id or 0]
+            if a.target == "cloud" and a.format in TOKENIZER_FORMATS and a.status == "ready"
+        ]
+        if not tokenizers:
+            raise ConflictError(
+                f"version {number} of {model.name} has no ready cloud hf-tokenizer (or hf-safetensors) artifact; "
+                "push the tokenizer with the spec (tierline models push TOKENIZER_DIR --serving FILE)",
+                param="serving",
+            )
+    before = version.serving
+    if stored != before:
+        session.execute(
+            update(ModelVersion)
+            .where(col(ModelVersion.id) == version.id)
+            .values(serving=stored)
+            .execution_options(synchronize_session=False)
+        )
+        session.refresh(version)
+        _audit(
+            session,
+            actor,
+            "model.version.serving",
+            f"model/{model.name}/{number}",
+            {"serving": before},
+            {"serving": stored},
+        )
+    return version
+
+
 def lineage(session: Session, version: ModelVersion) -> list[ModelVersion]:
     """The versions ``version`` derives from, nearest first."""
     chain: list[ModelVersion] = []
@@ -435,6 +506,7 @@ def version_json(
         "derived_from": derived_from,
         "aliases": list(aliases),
         "artifacts": [artifact_json(a) for a in artifacts],
+        "serving": v.serving,
         "created_at": v.created_at.isoformat() if v.created_at else None,
     }
 

@@ -115,6 +115,8 @@ class ModelVersion(SQLModel, table=True):
     derived_from_id: int | None = Field(default=None, foreign_key="model_version.id")
     tags: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
     created_at: datetime = _ts()
+    # An ``openai`` backend answers this version (shared.backend_spec.ServingSpec); None: the built-in engine.
+    serving: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
 
 
 class ModelAlias(SQLModel, table=True):

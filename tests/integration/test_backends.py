@@ -32,6 +32,7 @@ MODEL = "remote-lm"
 DOWN_MODEL = "remote-lm-down"  # its only endpoint refuses connections: ejected after the first failure
 RETRY_MODEL = "remote-lm-retry"  # one endpoint refuses every connection and is never ejected: each request retries
 PROMPT = "The quick brown fox"
+HALF = 16  # the SIGKILL test: this many streams run when one upstream is killed, this many more arrive after
 
 
 class Upstream:
@@ -84,7 +85,7 @@ def gateway(
         "upstream_model": "lm-cloud",
         "tokenizer": str(lm_dir),
         "api_key_file": str(key_file),
-        "max_concurrency": 16,
+        "max_concurrency": 32,
         "eject_after_failures": 2,
         "eject_s": 1.0,
         "probe_interval_s": 0.3,
@@ -330,31 +331,31 @@ async def _stream(
         return response.headers["x-tierline-usage-id"], "cut", chunks
 
 
-def test_sigkill_of_one_upstream_under_16_streams_fails_over_ejects_and_readmits(gateway: dict[str, Any]) -> None:
+def test_sigkill_of_one_upstream_under_32_streams_fails_over_ejects_and_readmits(gateway: dict[str, Any]) -> None:
     a, b = gateway["upstreams"]
     url = gateway["url"]
 
     async def scenario() -> tuple[list[tuple[str, str, list[dict[str, Any]]]], list[tuple[str, str, Any]]]:
         headers = {"Authorization": f"Bearer {gateway['key']}"}
         async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120) as http:
-            flags = [asyncio.Event() for _ in range(8)]
+            flags = [asyncio.Event() for _ in range(HALF)]
             started = [asyncio.create_task(_stream(http, f)) for f in flags]
             await asyncio.wait_for(asyncio.gather(*(f.wait() for f in flags)), 60)  # each has streamed a byte
             a.kill()
-            fresh = [asyncio.create_task(_stream(http)) for _ in range(8)]  # none has streamed a byte yet
+            fresh = [asyncio.create_task(_stream(http)) for _ in range(HALF)]  # none has streamed a byte yet
             return await asyncio.gather(*started), await asyncio.gather(*fresh)
 
     before = httpx.get(f"{url}/metrics").text
     assert _metric(before, "tierline_backend_endpoint_admitted", a.url) == 1.0
     started, fresh = asyncio.run(scenario())
     # Not one request that had not streamed a byte failed: those sent to the dead endpoint went to the other.
-    assert [how for _, how, _ in fresh] == ["done"] * 8
+    assert [how for _, how, _ in fresh] == ["done"] * HALF
     assert all(len(chunks) >= 120 for _, _, chunks in fresh)
     ended = [how for _, how, _ in started]
     assert "error" in ended, "some started streams were on the killed upstream"
     assert set(ended) <= {"done", "error"}
     rows = {r.id: r for r in usage_rows(gateway["db"], [rid for rid, _, _ in started + fresh])}
-    assert len(rows) == 16, "one usage record per request"
+    assert len(rows) == 2 * HALF, "one usage record per request"
     for rid, how, chunks in started:
         row = rows[rid]
         if how == "error":  # billed for what it was sent before the upstream died, counted by the gateway

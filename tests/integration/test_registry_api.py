@@ -324,3 +324,42 @@ def test_edge_artifacts_are_derived_in_the_background_signed_and_guarded(console
     # Only a causal-lm cloud checkpoint derives.
     assert console.api("POST", "/models/edge-lm/versions/3/derive").json()["error"]["param"] == "version"
     assert console.api("POST", "/models/digits/versions/1/derive").json()["error"]["param"] == "name"
+
+
+def test_a_serving_spec_is_set_checked_cleared_and_audited(console: Console, tmp_path: Path) -> None:
+    tokenizer = tmp_path / "tokenizer"  # the checkpoint without its weights
+    tokenizer.mkdir()
+    for p in console.good.iterdir():
+        if not p.name.endswith(".safetensors"):
+            (tokenizer / p.name).write_bytes(p.read_bytes())
+    pushed = console.push("served", tokenizer)
+    assert pushed.status_code == 201, pushed.text
+    assert [a["format"] for a in pushed.json()["artifacts"]] == ["hf-tokenizer"] and pushed.json()["serving"] is None
+    spec = {"backend": "openai", "endpoints": ["http://10.0.0.7:8000"], "upstream_model": "m", "max_concurrency": 4}
+    path = "/models/served/versions/1/serving"
+
+    typo = console.api("PUT", path, json={"serving": {**spec, "max_concurent": 4}})
+    assert typo.status_code == 400 and typo.json()["error"]["param"] == "serving.max_concurent", typo.text
+    wrong = console.api("PUT", path, json={"serving": {**spec, "backend": "builtin"}})
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "serving.backend"
+    assert console.api("PUT", path, json={"serving": spec}, token=console.viewer_token).status_code == 403
+
+    done = console.api("PUT", path, json={"serving": spec})
+    assert done.status_code == 200, done.text
+    assert done.json()["serving"] == spec
+    assert console.api("GET", "/models/served/versions/1").json()["serving"] == spec
+    cleared = console.api("PUT", path, json={"serving": None})
+    assert cleared.status_code == 200 and cleared.json()["serving"] is None
+
+    engine = create_db(console.db_url)
+    with Session(engine) as s:
+        rows = s.exec(
+            select(AuditLog.action, AuditLog.before, AuditLog.after)
+            .where(AuditLog.target == "model/served/1", AuditLog.action == "model.version.serving")
+            .order_by(col(AuditLog.id))
+        ).all()
+    engine.dispose()
+    assert [(before, after) for _, before, after in rows] == [
+        ({"serving": None}, {"serving": spec}),
+        ({"serving": spec}, {"serving": None}),
+    ]

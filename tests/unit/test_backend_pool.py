@@ -124,3 +124,75 @@ def test_an_unset_key_variable_is_an_error(tmp_path: Path, monkeypatch: pytest.M
         spec.api_key()
     monkeypatch.setenv("TL_TEST_UPSTREAM_KEY", "sk-2")
     assert spec.api_key() == "sk-2"
+
+
+def test_a_prefix_key_keeps_its_endpoint_until_it_is_over_its_bounded_load() -> None:
+    async def run() -> None:
+        pool = _pool(8, 8, 8)
+        firsts = set()
+        for _ in range(5):  # idle pool: the same key always lands on the same endpoint
+            e = await pool.acquire(key="tenant-1\x00shared prefix")
+            firsts.add(e.root)
+            pool.release(e, True)
+        assert len(firsts) == 1 and sum(e.affinity_hits for e in pool.endpoints) == 5
+        spread = set()
+        for i in range(30):  # other prefixes spread over the endpoints
+            e = await pool.acquire(key=f"tenant-1\x00prefix {i}")
+            spread.add(e.root)
+            pool.release(e, True)
+        assert len(spread) == 3
+        # held requests: the preferred one takes them while within 1.25 x the mean load, then others do
+        held = [await pool.acquire(key="tenant-1\x00shared prefix") for _ in range(6)]
+        preferred = firsts.pop()
+        on_preferred = sum(e.root == preferred for e in held)
+        assert 2 <= on_preferred < 6 and pool.affinity_misses == 6 - on_preferred
+        assert max(e.outstanding for e in pool.endpoints) <= 3  # ceil(1.25 * 6 / 3) = 3
+
+    asyncio.run(run())
+
+
+def test_a_removed_endpoint_drains_its_requests_then_leaves() -> None:
+    async def run() -> None:
+        pool = _pool(8, 8)
+        busy = await pool.acquire()  # on e0
+        pool.set_endpoints([("http://e1", None), ("http://e2", None)], 8)
+        assert [(e.root, e.draining) for e in pool.endpoints] == [
+            ("http://e0", True),
+            ("http://e1", False),
+            ("http://e2", False),
+        ]
+        taken = [await pool.acquire() for _ in range(4)]
+        assert {e.root for e in taken} == {"http://e1", "http://e2"}  # none on the draining one
+        pool.release(busy, True)  # its last request ended: it leaves
+        assert [e.root for e in pool.endpoints] == ["http://e1", "http://e2"]
+        pool.set_endpoints([("http://e1", None)], 8)  # e2 has two in flight: it stays until they end
+        assert [(e.root, e.draining) for e in pool.endpoints] == [("http://e1", False), ("http://e2", True)]
+        pool.set_endpoints([("http://e1", None), ("http://e2", None)], 8)  # back before it left
+        assert not any(e.draining for e in pool.endpoints)
+        pool.drain_all()
+        for e in taken:
+            pool.release(e, True)
+        assert pool.drained
+
+    asyncio.run(run())
+
+
+def test_host_names_are_resolved_again_at_each_round() -> None:
+    async def run() -> None:
+        pool = ReplicaPool("m", [], resolve_dns=True, sources=["http://localhost:8001"], endpoint_concurrency=4)
+        await pool.resolve()
+        assert [(e.root, e.host, e.max_concurrency) for e in pool.endpoints] == [
+            ("http://127.0.0.1:8001", "localhost:8001", 4)
+        ]
+        pool.sources = ["http://localhost:8002", "http://127.0.0.1:8003", "http://[::1]:8004"]  # a new spec
+        await pool.resolve()
+        assert [(e.root, e.host) for e in pool.endpoints] == [
+            ("http://127.0.0.1:8002", "localhost:8002"),
+            ("http://127.0.0.1:8003", None),
+            ("http://[::1]:8004", None),
+        ]
+        pool.sources = ["http://no-such-host.invalid:8000"]  # resolves to nothing: the last addresses stay
+        await pool.resolve()
+        assert len(pool.endpoints) == 3
+
+    asyncio.run(run())
