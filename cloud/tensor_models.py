@@ -137,6 +137,12 @@ class _Target:
     version: int | None
 
 
+def _retrieve(task: asyncio.Future[None]) -> None:
+    """A load whose callers all left still has its failure looked at (no "exception never retrieved")."""
+    if not task.cancelled():
+        task.exception()
+
+
 def _make_batcher(runner: OnnxRunner, batching: BatchSettings) -> DynamicBatcher:
     return DynamicBatcher(
         runner.run,
@@ -170,7 +176,7 @@ class TensorPool:
         self.service: CompletionService | None = None  # bills the calls; set once the service exists
         self.canary: CanaryRouter | None = None
         self._loaded: OrderedDict[tuple[str, int, str], ServedTensorModel] = OrderedDict()  # least recent first
-        self._loading: dict[tuple[str, int, str], asyncio.Future[ServedTensorModel]] = {}
+        self._loading: dict[tuple[str, int, str], asyncio.Future[None]] = {}
         self._reserved_bytes = 0  # loads in progress
         self._counts: dict[tuple[str, int], _Counts] = {}
         self._is_started = False
@@ -200,6 +206,7 @@ class TensorPool:
         self._is_started = False
         for m in self.models.values():
             await m.batcher.close()
+        await asyncio.gather(*self._loading.values(), return_exceptions=True)  # loads under way land first
         for key in list(self._loaded):
             await self._unload(key, "shutdown")
 
@@ -332,38 +339,35 @@ class TensorPool:
                 self._counts.setdefault(key[:2], _Counts()).requests += 1
                 return served
             pending = self._loading.get(key)
-            if pending is None:
-                pending = asyncio.get_running_loop().create_future()
+            if pending is None:  # one load per version, in a task of its own: a caller leaving does not cancel it
+                pending = asyncio.ensure_future(self._load_version(key, version))
+                pending.add_done_callback(_retrieve)
                 self._loading[key] = pending
-                try:
-                    await self._make_room(name, version)
-                    self._reserved_bytes += version.nbytes
-                    try:
-                        served = await asyncio.to_thread(self._load, name, version)
-                        await served.batcher.start()
-                    finally:
-                        self._reserved_bytes -= version.nbytes
-                    self._loaded[key] = served
-                    counts = self._counts.setdefault(key[:2], _Counts())
-                    counts.loads += 1
-                    logger.info(
-                        "loaded tensor model %s version %s on %s (%d bytes; %d of %s bytes in use)",
-                        name,
-                        version.number,
-                        served.runner.provider,
-                        served.nbytes,
-                        self.used_bytes,
-                        self.memory_budget_bytes or "unlimited",
-                    )
-                    pending.set_result(served)
-                except BaseException as exc:
-                    pending.set_exception(exc)
-                    pending.exception()  # retrieved here, so a load nobody else waited on is not "never retrieved"
-                    raise
-                finally:
-                    self._loading.pop(key, None)
-            else:
-                await asyncio.shield(pending)
+            await asyncio.shield(pending)
+
+    async def _load_version(self, key: tuple[str, int, str], version: TensorVersion) -> None:
+        name = key[0]
+        try:
+            await self._make_room(name, version)
+            self._reserved_bytes += version.nbytes
+            try:
+                served = await asyncio.to_thread(self._load, name, version)
+                await served.batcher.start()
+            finally:
+                self._reserved_bytes -= version.nbytes
+            self._loaded[key] = served
+            self._counts.setdefault(key[:2], _Counts()).loads += 1
+            logger.info(
+                "loaded tensor model %s version %s on %s (%d bytes; %d of %s bytes in use)",
+                name,
+                version.number,
+                served.runner.provider,
+                served.nbytes,
+                self.used_bytes,
+                self.memory_budget_bytes or "unlimited",
+            )
+        finally:
+            self._loading.pop(key, None)
 
     def _release(self, served: ServedTensorModel) -> None:
         served.in_flight -= 1
