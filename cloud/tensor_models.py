@@ -208,7 +208,7 @@ class TensorPool:
             await m.batcher.close()
         await asyncio.gather(*self._loading.values(), return_exceptions=True)  # loads under way land first
         for key in list(self._loaded):
-            await self._unload(key, "shutdown")
+            await self.unload(key, "shutdown")
 
     # -- what is served -----------------------------------------------------------------------------------------
     def set_registry(self, entries: dict[str, TensorEntry]) -> None:
@@ -300,11 +300,11 @@ class TensorPool:
                 assert zoo is not None
                 result = await self._infer(zoo, rows)
             else:
-                served = await self._acquire(target.model_id, version)
+                served = await self.acquire(target.model_id, version)
                 try:
                     result = await self._infer(served, rows)
                 finally:
-                    self._release(served)
+                    self.release(served)
             meter.rows = int(rows.shape[0])
             status = "ok"
         except asyncio.CancelledError:
@@ -326,7 +326,7 @@ class TensorPool:
         return result
 
     # -- loading and unloading ----------------------------------------------------------------------------------
-    async def _acquire(self, name: str, version: TensorVersion) -> ServedTensorModel:
+    async def acquire(self, name: str, version: TensorVersion) -> ServedTensorModel:
         """The loaded version, loaded now if need be, counted in flight (so it is never unloaded under a call)."""
         key = (name, version.number, version.sha256)
         await self._drop_stale()
@@ -369,7 +369,7 @@ class TensorPool:
         finally:
             self._loading.pop(key, None)
 
-    def _release(self, served: ServedTensorModel) -> None:
+    def release(self, served: ServedTensorModel) -> None:
         served.in_flight -= 1
         served.last_used = time.monotonic()
 
@@ -389,9 +389,9 @@ class TensorPool:
                     f"no room to load '{name}' version {version.number}: the tensor memory budget is held by models "
                     "with calls in flight; retry shortly"
                 )
-            await self._unload(idle[0], f"least recently used; room for {name} version {version.number}")
+            await self.unload(idle[0], f"least recently used; room for {name} version {version.number}")
 
-    async def _unload(self, key: tuple[str, int, str], why: str) -> None:
+    async def unload(self, key: tuple[str, int, str], why: str) -> None:
         served = self._loaded.pop(key)
         counts = self._counts.setdefault(key[:2], _Counts())
         counts.unloads += 1
@@ -408,7 +408,7 @@ class TensorPool:
             entry = self.registry.get(key[0])
             version = entry.versions.get(key[1]) if entry is not None else None
             if served.in_flight == 0 and (version is None or version.sha256 != key[2]):
-                await self._unload(key, "no longer served by the registry")
+                await self.unload(key, "no longer served by the registry")
 
     def _load(self, name: str, version: TensorVersion) -> ServedTensorModel:
         """Fetch (or reuse) the version's files, verify them, and open an ONNX Runtime session (worker thread).

@@ -297,16 +297,16 @@ def test_every_load_checks_the_signature_and_the_bytes(tmp_path: Path) -> None:
     rows = np.ones((3, NUM_IN), dtype=np.float32)
 
     async def load(v: TensorVersion) -> np.ndarray:
-        served = await pool._acquire("m", v)
+        served = await pool.acquire("m", v)
         try:
             return np.asarray((await pool._infer(served, rows))["outputs"])
         finally:
-            pool._release(served)
-            await pool._unload(("m", v.number, v.sha256), "test")
+            pool.release(served)
+            await pool.unload(("m", v.number, v.sha256), "test")
 
     async def refused(v: TensorVersion) -> str:
         with pytest.raises(ServiceUnavailableError) as caught:
-            await pool._acquire("m", v)
+            await pool.acquire("m", v)
         return caught.value.message
 
     async def scenario() -> None:
@@ -356,14 +356,14 @@ def test_a_version_with_a_call_in_flight_is_never_unloaded(tmp_path: Path) -> No
 
     async def scenario() -> None:
         await pool.start()
-        a = await pool._acquire("a", versions["a"])  # a call to a is in flight
+        a = await pool.acquire("a", versions["a"])  # a call to a is in flight
         with pytest.raises(ServiceUnavailableError, match="calls in flight"):
-            await pool._acquire("b", versions["b"])
+            await pool.acquire("b", versions["b"])
         assert pool.loaded == [("a", 1)]
-        pool._release(a)
-        b = await pool._acquire("b", versions["b"])
+        pool.release(a)
+        b = await pool.acquire("b", versions["b"])
         assert pool.loaded == [("b", 1)] and pool.stats()[("a", 1)].unloads == 1
-        pool._release(b)
+        pool.release(b)
         await pool.close()
 
     asyncio.run(scenario())
