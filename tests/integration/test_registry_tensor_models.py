@@ -245,8 +245,9 @@ def test_a_pushed_onnx_model_is_served_batched_billed_and_unloaded_for_room(clou
     with Session(cloud.db) as s:
         others = select(UsageRecord).where(col(UsageRecord.tenant_id) != job_record.tenant_id)
         assert s.exec(others).first() is None  # the broke tenant was billed nothing
-    limited = [cloud.infer("scorer", rows, key=cloud.limited_key).status_code for _ in range(3)]
-    assert limited == [200, 200, 429]
+    # Two a minute: five calls see a 429 even if a minute boundary falls between them.
+    limited = [cloud.infer("scorer", rows, key=cloud.limited_key).status_code for _ in range(5)]
+    assert limited[:2] == [200, 200] and 429 in limited and limited.count(200) <= 4, limited
 
     # A second model does not fit beside the first in 2 MB: the first (idle) is unloaded, and reloaded on use.
     w2, b2 = make_onnx(cloud.models / "ranker-1.onnx", seed=2)
