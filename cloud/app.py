@@ -43,11 +43,12 @@ from cloud.limits import RateLimiter
 from cloud.metering import UsageWriter
 from cloud.models_catalog import ServedModel, find, load_catalog, registry_catalog
 from cloud.observability import Metrics
-from cloud.registry_models import CACHE_DIR, RegistryModels
+from cloud.registry_models import CACHE_DIR, RegistryModels, parse_names
 from cloud.responses import respond
 from cloud.settings import CloudSettings
 from cloud.tenant_routes import TENANT_ROUTES
-from cloud.tensor_models import TensorPool, unknown_model
+from cloud.tensor_models import CACHE_DIR as TENSOR_CACHE_DIR
+from cloud.tensor_models import BatchSettings, TensorPool, TensorRegistry, unknown_model
 from cloud.webhooks import WebhookStore
 from controlplane.billing.budgets import PriceBook
 from controlplane.fleet.devices import UsageWindow
@@ -56,7 +57,8 @@ from controlplane.storage.migrate import is_up_to_date
 from controlplane.storage.session import get_db
 from controlplane.storage.tables import ApiKey, Tenant
 from controlplane.tenancy.service import KEY_PREFIX, authenticate, hash_api_key
-from shared.errors import AuthenticationError, PermissionDeniedError, ServiceUnavailableError, ValidationError
+from shared.artifacts import load_public_key, public_path
+from shared.errors import AuthenticationError, ServiceUnavailableError
 from shared.http import StreamingOperation, error_responses
 from shared.logs import server_request_id
 from shared.openai_schema import JOB_FIELDS, AsyncJobFields, ChatCompletionRequest, CompletionRequest, InferenceRequest
@@ -89,11 +91,15 @@ def _model_json(m: ServedModel) -> dict[str, Any]:
     return {"id": m.id, "object": "model", "created": m.created, "owned_by": "tierline"}
 
 
-def _catalog(catalog: list[ServedModel], pool: EnginePool, completions: CompletionService) -> list[ServedModel]:
-    """The zoo's models, the registry models served by name, then those of upstream servers (``openai`` backends)."""
+def _catalog(
+    catalog: list[ServedModel], pool: EnginePool, completions: CompletionService, tensors: TensorPool
+) -> list[ServedModel]:
+    """The zoo's models, the registry models served by name (LLMs, then tensor models), then those of upstream
+    servers (``openai`` backends)."""
     remote = completions.remote
     upstream = [ServedModel(m, "causal-lm", "", 0) for m in remote.model_ids()] if remote is not None else []
-    return [*catalog, *registry_catalog(pool.registry), *upstream]
+    tensor = [ServedModel(name, "tensor", sha, created) for name, sha, created in tensors.catalog()]
+    return [*catalog, *registry_catalog(pool.registry), *tensor, *upstream]
 
 
 def _lookup(db: Engine, verifier: JwtVerifier | None, secret: str) -> tuple[Tenant, ApiKey | None]:
@@ -169,9 +175,9 @@ def render_metrics(metrics: Metrics) -> Response[bytes]:
 
 @get("/v1/models", dependencies=CALLER, sync_to_thread=False, security=BEARER, responses=error_responses(401))
 def list_models(
-    catalog: list[ServedModel], pool: EnginePool, completions: CompletionService, caller: Caller
+    catalog: list[ServedModel], pool: EnginePool, completions: CompletionService, tensors: TensorPool, caller: Caller
 ) -> dict[str, Any]:
-    return {"object": "list", "data": [_model_json(m) for m in _catalog(catalog, pool, completions)]}
+    return {"object": "list", "data": [_model_json(m) for m in _catalog(catalog, pool, completions, tensors)]}
 
 
 @get(
@@ -182,9 +188,14 @@ def list_models(
     responses=error_responses(400, 401, 404),
 )
 def get_model(
-    catalog: list[ServedModel], pool: EnginePool, completions: CompletionService, caller: Caller, model_id: str
+    catalog: list[ServedModel],
+    pool: EnginePool,
+    completions: CompletionService,
+    tensors: TensorPool,
+    caller: Caller,
+    model_id: str,
 ) -> dict[str, Any]:
-    return _model_json(find(_catalog(catalog, pool, completions), model_id.lstrip("/")))
+    return _model_json(find(_catalog(catalog, pool, completions, tensors), model_id.lstrip("/")))
 
 
 class CloudChatRequest(ChatCompletionRequest, AsyncJobFields):
@@ -288,6 +299,7 @@ async def inference(
     completions: CompletionService,
     tensors: TensorPool,
     pool: EnginePool,
+    idempotency: IdempotencyStore,
     job_intake: JobIntake,
     caller: Caller,
     data: CloudInferenceRequest,
@@ -296,19 +308,8 @@ async def inference(
     body = _dumper(data)
     if (job := await job_intake.submit_if_async(request, caller, INFERENCE, data.model_id, body, False)) is not None:
         return job
-    tensor = tensors.get(data.model_id)
-    if tensor is not None:
-        allowed = caller.key.allowed_models if caller.key is not None else None
-        if allowed and data.model_id not in allowed:
-            raise PermissionDeniedError(f"this API key may not use model '{data.model_id}'", param="model_id")
-        for name in data.parameters:  # a tensor model takes its inputs and nothing else
-            raise ValidationError(
-                f"parameters.{name}: unsupported parameter: tensor models take no parameters",
-                param=f"parameters.{name}",
-                code="unsupported_parameter",
-            )
-        result = {"model_id": data.model_id, **(await tensors.infer(tensor, data.inputs))}
-        return Response(result, headers={"x-tierline-tier": "cloud"})
+    if tensors.serves(data.model_id):  # metered, limited and budgeted like an LLM call; Idempotency-Key too
+        return await _idempotent(request, idempotency, caller, body, False, partial(tensors.inference, caller, data))
     if data.model_id not in pool.engines:
         raise unknown_model(data.model_id)
     return respond(caller, await completions.inference(caller, data))
@@ -352,8 +353,20 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
         usage.on_conflicts = observed.usage_id_conflicts.labels("cloud").inc
         await usage.start()
         pool = EnginePool.from_zoo(root, settings)
-        tensors = TensorPool.from_zoo(root, settings.num_threads)
+        signing_public = public_path(core.signing_key_path)
+        tensors = TensorPool.from_zoo(
+            root,
+            settings.num_threads,
+            BatchSettings(
+                settings.tensor_max_batch_size, settings.tensor_max_queue_delay_ms, settings.tensor_max_queue_size
+            ),
+            memory_budget_bytes=settings.tensor_memory_mb << 20,
+            cache_dir=core.data_dir / TENSOR_CACHE_DIR,
+            store=store_from_settings() if settings.registry_models.strip() else None,
+            trusted_keys=[load_public_key(signing_public)] if signing_public.is_file() else [],
+        )
         await tensors.start()
+        observed.registry.register(tensors.collector())
         observed.watch(pool)
         pool.supervise()
         limiter = RateLimiter(settings, core.redis_url)
@@ -366,6 +379,8 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
         if settings.registry_models.strip():  # loaded in the refresh's worker thread, at start-up and later
             registry = RegistryModels(db, pool, settings, store_from_settings(), core.data_dir / CACHE_DIR)
             canary.listeners.append(registry.sync)
+            tensors.canary = canary
+            canary.listeners.append(TensorRegistry(db, tensors, parse_names(settings.registry_models)).sync)
         completions = CompletionService(
             pool,
             usage,
@@ -378,6 +393,7 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
             canary=canary,
             max_prompt_bytes=settings.prompt_byte_limit(),
         )
+        tensors.service = completions  # tensor calls bill through the same reserve → settle
         backends = None
         if settings.backends is not None or registry is not None:  # upstream servers answer them, billed here
             backends = (

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Final
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Final, Protocol
 
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
@@ -35,6 +36,23 @@ if TYPE_CHECKING:  # the engines (torch) load only where requests are served
     from cloud.engine_pool import RegistryEntry
 
 logger = logging.getLogger(__name__)
+
+
+class Routable(Protocol):
+    """What routing reads of a registry model: an LLM's ``RegistryEntry`` or a tensor model's ``TensorEntry``."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def versions(self) -> Mapping[int, object]: ...
+
+    @property
+    def default(self) -> int | None: ...
+
+    @property
+    def stable_moved_at(self) -> datetime | None: ...
+
 
 FINISHED: Final = ("promoted", "rolled_back", "aborted")
 ROUTING: Final = ("pending", "running", "paused")
@@ -73,7 +91,7 @@ class CanaryRouter:
         """The arm to stamp on the request's usage record (see ``canary_arm``)."""
         return canary_arm(self._plans, model, served_version, tenant_id, subject) if self._plans else None
 
-    def route(self, entry: RegistryEntry, tenant_id: int, subject: str | None) -> tuple[int | None, str | None]:
+    def route(self, entry: Routable, tenant_id: int, subject: str | None) -> tuple[int | None, str | None]:
         """The version of a registry model that serves the request, and its arm (see ``route_registry``)."""
         return route_registry(self._plans, entry, tenant_id, subject)
 
@@ -93,7 +111,7 @@ def canary_arm(
     return str(route.arm)
 
 
-def governing_plan(plans: Sequence[RolloutPlan], entry: RegistryEntry, tenant_id: int) -> RolloutPlan | None:
+def governing_plan(plans: Sequence[RolloutPlan], entry: Routable, tenant_id: int) -> RolloutPlan | None:
     """The rollout that decides a tenant's requests for ``entry``'s model, or None: the default version serves.
 
     A finished rollout keeps deciding (a promoted candidate serves everyone) until the ``stable`` alias is
@@ -113,7 +131,7 @@ def governing_plan(plans: Sequence[RolloutPlan], entry: RegistryEntry, tenant_id
 
 
 def route_registry(
-    plans: Sequence[RolloutPlan], entry: RegistryEntry, tenant_id: int, subject: str | None
+    plans: Sequence[RolloutPlan], entry: Routable, tenant_id: int, subject: str | None
 ) -> tuple[int | None, str | None]:
     """(version that serves the request, arm to stamp on its usage record) for a request to a registry model.
 

@@ -151,6 +151,7 @@ class _Meter:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    rows: int = 0  # input rows of a tensor-model call (``cloud.tensor_models``)
     first_token_at: float | None = None
     engine_s: float | None = None  # the engine's own latency: the slowest of the request's engine requests
     by_request: dict[str, tuple[int, int, int]] = field(default_factory=dict)
@@ -382,8 +383,10 @@ class CompletionService:
         if meter.rate_limit is not None:
             await self.limiter.release(meter.rate_limit, meter.prompt_tokens + meter.completion_tokens)
             meter.rate_limit = None
-        tokens = Tokens(meter.prompt_tokens, meter.completion_tokens, meter.cached_tokens)
+        tokens = Tokens(meter.prompt_tokens, meter.completion_tokens, meter.cached_tokens, rows=meter.rows)
         price_id, cost = self.prices.cost(served.model_id, served.version, "cloud", tokens, tenant_id=caller.tenant.id)
+        if meter.prompt_tokens == 0 and meter.completion_tokens == 0 and meter.rows == 0 and cost is not None:
+            cost = Decimal(0)  # nothing was served, and no record is written: the hold is given back whole
         now = time.monotonic()
         record = self._record(caller, served, meter, status, price_id, cost, now, usage_source)
         if meter.checkpoint_write is not None:  # a write the client's leaving interrupted must land first
@@ -404,7 +407,7 @@ class CompletionService:
                 and reservation.budget is not None
             ):
                 await self.alerts.after_settle(reservation.tenant_id, reservation.period, spent, reservation.budget)
-        if meter.prompt_tokens == 0 and meter.completion_tokens == 0:
+        if meter.prompt_tokens == 0 and meter.completion_tokens == 0 and meter.rows == 0:
             if server_failure and meter.rollout_arm is not None and not meter.checkpointed:
                 self.usage.enqueue(record)
             return
@@ -448,6 +451,7 @@ class CompletionService:
             prompt_tokens=meter.prompt_tokens,
             completion_tokens=meter.completion_tokens,
             cached_prompt_tokens=meter.cached_tokens,
+            rows=meter.rows,
             status=status,
             usage_source=usage_source,
             latency_ms=round((now - caller.started) * 1000, 2),

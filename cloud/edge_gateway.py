@@ -239,9 +239,8 @@ async def escalate(
     try:
         if data.endpoint == "inference":
             inference = InferenceRequest.model_validate(data.body)
-            tensor = tensors.get(inference.model_id)
-            if tensor is not None:
-                result = {"model_id": inference.model_id, **(await tensors.infer(tensor, inference.inputs))}
+            if tensors.serves(inference.model_id):  # metered, limited and budgeted like an LLM call
+                result = await tensors.inference(caller, inference)
             else:
                 result = await completions.inference(caller, inference)
         elif data.endpoint == "chat.completions":

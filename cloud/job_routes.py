@@ -58,7 +58,7 @@ class JobIntake:
     def _check_model(self, caller: Caller, endpoint: str, model: str) -> None:
         """Refuse now what the job would fail on at once: an unknown model, or one the key may not use."""
         if endpoint == INFERENCE:
-            if self.tensors.get(model) is None and model not in self.pool.engines:
+            if not self.tensors.serves(model) and model not in self.pool.engines:
                 raise unknown_model(model)
         elif self.pool.remote_version(model) is None:  # else upstream servers answer it
             with contextlib.suppress(EngineRestartingError):  # the worker waits for the restart (Retry-After)

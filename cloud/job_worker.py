@@ -53,9 +53,8 @@ class JobExecutor:
             result = await self.service.completions(caller, CompletionRequest.model_validate(request))
         elif endpoint == INFERENCE:
             data = InferenceRequest.model_validate(request)
-            tensor = self.tensors.get(data.model_id)
-            if tensor is not None:
-                return {"model_id": data.model_id, **(await self.tensors.infer(tensor, data.inputs))}
+            if self.tensors.serves(data.model_id):
+                return await self.tensors.inference(caller, data)
             if data.model_id not in self.service.pool.engines:
                 raise unknown_model(data.model_id)
             result = await self.service.inference(caller, data)

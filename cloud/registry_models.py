@@ -238,12 +238,11 @@ class RegistryModels:
 
     def _read(self) -> list[_ModelState]:
         with Session(self.db) as session:
-            models = [
-                m
-                for m in list_models(session)
-                if m.kind == "causal-lm" and (self.names is None or m.name in self.names)
-            ]
-            for name in sorted((self.names or frozenset()) - {m.name for m in models} - self._missing_reported):
+            every = list_models(session)
+            models = [m for m in every if m.kind == "causal-lm" and (self.names is None or m.name in self.names)]
+            tensors = {m.name for m in every if m.kind == "tensor"}  # cloud.tensor_models serves those
+            unknown = (self.names or frozenset()) - {m.name for m in models} - tensors - self._missing_reported
+            for name in sorted(unknown):
                 logger.warning("registry model %r (TIERLINE_CLOUD_REGISTRY_MODELS) is not a causal-lm model", name)
                 self._missing_reported.add(name)
             states = []

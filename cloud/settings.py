@@ -59,7 +59,20 @@ class CloudSettings(BaseSettings):
     )
     registry_models: str = Field(
         "",
-        description="registry models to serve, comma-separated, or 'all' (every causal-lm model); empty: none",
+        description="registry models to serve (causal-lm and tensor), comma-separated, or 'all'; empty: none",
+    )
+    tensor_memory_mb: int = Field(
+        2048,
+        ge=0,
+        description="memory for loaded registry tensor models (each charged its artifact's size); a model that does "
+        "not fit unloads the least-recently-used idle ones; 0: no limit",
+    )
+    tensor_max_batch_size: int = Field(64, ge=1, description="most rows one tensor-model batch runs")
+    tensor_max_queue_delay_ms: float = Field(
+        2.0, ge=0, description="how long a tensor call waits for others to share its batch"
+    )
+    tensor_max_queue_size: int = Field(
+        4096, ge=1, description="tensor calls waiting per model before 429 (the batch running not counted)"
     )
     canary_refresh_s: float = Field(5.0, gt=0, description="how often rollout plans are re-read for canary routing")
     budget_sweep_interval_s: float = Field(

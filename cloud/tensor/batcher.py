@@ -110,6 +110,7 @@ class DynamicBatcher:
         self.num_batches = 0
         self.num_failed_batches = 0
         self.num_batch_rows = 0
+        self.max_batch_rows = 0  # the largest batch run so far
 
     @property
     def is_running(self) -> bool:
@@ -258,6 +259,7 @@ class DynamicBatcher:
         num_rows = int(batch.shape[0])
         self.num_batches += 1
         self.num_batch_rows += num_rows
+        self.max_batch_rows = max(self.max_batch_rows, num_rows)
         started = time.perf_counter()
         try:
             out = await asyncio.get_running_loop().run_in_executor(self._executor, self._run_batch, batch)

@@ -62,6 +62,9 @@ def prices() -> None:
     help="effective from (UTC; default now); earlier prices stay in force for earlier usage",
 )
 @click.option("--per-call", "per_call", default="0", show_default=True, help="a fee per request, e.g. 0.003")
+@click.option(
+    "--per-row", "per_row", default="0", show_default=True, help="a fee per input row of a tensor call, e.g. 0.0001"
+)
 @click.option("--plan", default=None, help="the price plan it belongs to (default: the plan named default)")
 @click.option("--tenant", default=None, help="instead of a plan: this tenant's own override (name or id)")
 def prices_set(
@@ -74,6 +77,7 @@ def prices_set(
     currency: str,
     effective_from: datetime | None,
     per_call: str,
+    per_row: str,
     plan: str | None,
     tenant: str | None,
 ) -> None:
@@ -97,6 +101,7 @@ def prices_set(
         currency=currency,
         effective_from=effective_from.replace(tzinfo=UTC) if effective_from else None,
         per_call=Decimal(_money(per_call, "--per-call")),
+        per_row=Decimal(_money(per_row, "--per-row")),
         plan=plan,
     )
     with session_scope() as session:
@@ -119,7 +124,8 @@ def prices_list(model: str | None) -> None:
             owner = f"tenant {p.tenant_id}" if p.tenant_id is not None else f"plan {p.plan_id}"
             click.echo(
                 f"{p.id}\t{p.model}\t{scope}\t{p.tier or 'both tiers'}\tprompt {p.prompt_per_mtok} "
-                f"completion {p.completion_per_mtok} cached {p.cached_per_mtok} per call {p.per_call} {p.currency}\t"
+                f"completion {p.completion_per_mtok} cached {p.cached_per_mtok} per call {p.per_call} "
+                f"per row {p.per_row} {p.currency}\t"
                 f"from {p.effective_from:%Y-%m-%d %H:%M}\t{owner}"
             )
 

@@ -141,6 +141,8 @@ def _price_labels(session: Session, price_ids: set[int]) -> dict[int, str]:
         text = f"{rates} per Mtok prompt/completion/cached"
         if p.per_call:
             text += f" + {_plain(p.per_call)} per call"
+        if p.per_row:
+            text += f" + {_plain(p.per_row)} per row"
         owner = "tenant override" if p.tenant_id is not None else f"plan {names.get(p.plan_id, DEFAULT_PLAN)}"
         labels[p.id or 0] = f"{text} ({owner}, from {as_utc(p.effective_from):%Y-%m-%d %H:%M} UTC)"
     return labels
@@ -416,6 +418,7 @@ class PriceSpec:
     currency: str = "USD"
     effective_from: datetime | None = None
     per_call: Decimal = Decimal(0)
+    per_row: Decimal = Decimal(0)  # a fee per input row of a tensor-model call
     plan: str | None = None  # the plan it belongs to (None: the default plan)
     tenant: Tenant | None = None  # set: this tenant's own override (no plan)
 
@@ -433,7 +436,7 @@ def add_price(session: Session, spec: PriceSpec, *, actor: str) -> Price:
     if spec.plan is not None and spec.tenant is not None:
         raise ValidationError("plan: a tenant's override belongs to no plan; give plan or tenant", param="plan")
     plan = plans.get_plan(session, spec.plan) if spec.plan is not None else plans.default_plan(session)
-    for name in ("prompt_per_mtok", "completion_per_mtok", "cached_per_mtok", "per_call"):
+    for name in ("prompt_per_mtok", "completion_per_mtok", "cached_per_mtok", "per_call", "per_row"):
         value = getattr(spec, name)
         if value is not None and (not value.is_finite() or value < 0):
             raise ValidationError(f"{name}: must be a non-negative amount", param=name)
@@ -447,6 +450,7 @@ def add_price(session: Session, spec: PriceSpec, *, actor: str) -> Price:
         completion_per_mtok=spec.completion_per_mtok,
         cached_per_mtok=spec.cached_per_mtok if spec.cached_per_mtok is not None else spec.prompt_per_mtok,
         per_call=spec.per_call,
+        per_row=spec.per_row,
         effective_from=as_utc(start),
         plan_id=None if spec.tenant is not None else plan.id,
         tenant_id=spec.tenant.id if spec.tenant is not None else None,

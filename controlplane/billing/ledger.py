@@ -52,6 +52,7 @@ _IDENTITY = (
     "prompt_tokens",
     "completion_tokens",
     "cached_prompt_tokens",
+    "rows",
     "status",
 )
 
@@ -75,6 +76,7 @@ class NewUsage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
+    rows: int = 0
     api_key_id: int | None = None
     device_id: str | None = None
     status: str = "ok"
@@ -110,7 +112,7 @@ def rater(prices: PriceLookup) -> Rate:
     """Rate a record with the price in force at its own time: ``(price id, cost)``, or ``(None, None)``."""
 
     def rate_usage(u: NewUsage) -> Rating:
-        tokens = Tokens(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
+        tokens = Tokens(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens, rows=u.rows)
         return rate(prices, u.model, u.model_version, u.tier, tokens, as_utc(u.occurred_at), u.tenant_id)
 
     return rate_usage
@@ -129,6 +131,7 @@ def _row(u: NewUsage, rating: Rating, now: datetime) -> dict[str, Any]:
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "cached_prompt_tokens": u.cached_prompt_tokens,
+        "rows": u.rows,
         "status": u.status,
         "latency_ms": u.latency_ms,
         "ttft_ms": u.ttft_ms,

@@ -94,6 +94,7 @@ def price_json(p: Price, plan: str | None = None) -> dict[str, Any]:
         "completion_per_mtok": str(p.completion_per_mtok),
         "cached_per_mtok": str(p.cached_per_mtok),
         "per_call": str(p.per_call),
+        "per_row": str(p.per_row),
         "effective_from": p.effective_from.isoformat(),
         "plan_id": p.plan_id,
         "plan": plan,

@@ -5,7 +5,8 @@ Prices belong to a **plan** (a named set, versioned by its prices' effective dat
 override, the plan the tenant was on at the record's time, then the default plan (a plan need not list every
 model). Within each of those, the rule below picks the price.
 
-A price is per million prompt, completion and cached-prompt tokens, for a model, optionally narrowed to a
+A price is per million prompt, completion and cached-prompt tokens (plus an optional fee per call and per input
+row of a tensor-model call), for a model, optionally narrowed to a
 version and a tier, effective from a moment. The price in force for a usage record is the most specific
 match (version and tier > version > tier > model only) with the latest ``effective_from`` at or before the
 record's time; a price change never rewrites the past because old rows stay in force for old times.
@@ -47,12 +48,14 @@ class PlanAssignment(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Tokens:
-    """What one request used: its tokens, and ``calls`` (1: a request) for a price's per-call fee."""
+    """What one request used: its tokens, ``calls`` (1: a request) for a price's per-call fee, and ``rows`` (the
+    input rows of a tensor-model call) for its per-row fee."""
 
     prompt: int
     completion: int
     cached: int = 0
     calls: int = 1
+    rows: int = 0
 
 
 def _specificity(p: PriceLike) -> int:
@@ -80,13 +83,19 @@ def price_for(
 
 
 def cost(price: PriceLike, tokens: Tokens) -> Decimal:
-    """What ``tokens`` cost at ``price``: cached prompt tokens at the cached rate, the rest at the prompt rate."""
+    """What ``tokens`` cost at ``price``: cached prompt tokens at the cached rate, the rest at the prompt rate, plus
+    the per-call fee and the per-row fee for each input row."""
     cached = min(tokens.cached, tokens.prompt)
     total = (
-        Decimal(tokens.prompt - cached) * price.prompt_per_mtok
-        + Decimal(cached) * price.cached_per_mtok
-        + Decimal(tokens.completion) * price.completion_per_mtok
-    ) / MILLION + Decimal(tokens.calls) * getattr(price, "per_call", Decimal(0))
+        (
+            Decimal(tokens.prompt - cached) * price.prompt_per_mtok
+            + Decimal(cached) * price.cached_per_mtok
+            + Decimal(tokens.completion) * price.completion_per_mtok
+        )
+        / MILLION
+        + Decimal(tokens.calls) * getattr(price, "per_call", Decimal(0))
+        + Decimal(tokens.rows) * getattr(price, "per_row", Decimal(0))
+    )
     return total.quantize(COST_QUANTUM, rounding=ROUND_HALF_EVEN)
 
 

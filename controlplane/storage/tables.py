@@ -166,6 +166,11 @@ class UsageRecord(SQLModel, table=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
+    rows: int = Field(
+        default=0,
+        sa_column_kwargs={"server_default": "0"},  # writers that predate it (raw inserts, COPY) store 0
+        description="input rows of a tensor-model call (0: an LLM request)",
+    )
     status: str = Field(default="ok", max_length=16, description="ok | abandoned | error")
     latency_ms: float | None = None
     ttft_ms: float | None = None
@@ -421,6 +426,7 @@ class Price(SQLModel, table=True):
     completion_per_mtok: Decimal = Field(sa_type=MONEY)
     cached_per_mtok: Decimal = Field(sa_type=MONEY)
     per_call: Decimal = Field(default=Decimal(0), sa_type=MONEY, description="a fee per request (tensor calls too)")
+    per_row: Decimal = Field(default=Decimal(0), sa_type=MONEY, description="a fee per input row of a tensor call")
     effective_from: datetime = Field(sa_type=UTCDateTime)
     created_at: datetime = _ts()
     plan_id: int | None = Field(default=None, foreign_key="price_plan.id", index=True, description="None: an override")

@@ -55,6 +55,8 @@ def test_tensor_bench_batches_and_agrees_with_unbatched(tiny_zoo: Path) -> None:
     r = run_tensor_bench(tiny_zoo, num_requests=200, concurrency=16)
     assert r["max_abs_diff_batched_vs_unbatched"] == 0.0
     assert r["mean_batch_size"] > 1 and r["batched_requests_per_s"] > 0
+    load = r["registry_load"]  # a registry version of the model, verified and loaded on first use
+    assert load["artifact_bytes"] > 0 and load["cold_load_ms_p50"] > 0 and load["cached_load_ms_p50"] > 0
 
 
 def test_api_bench_streams_over_its_own_connections_and_matches_every_request(
