@@ -38,7 +38,7 @@ import numpy as np
 
 from bench.cascade_tasks import TaskResults, run_digits, run_lm
 from bench.common import emit, zoo_root
-from edge_agent.calibrate import PROMPT_TOKENS, validation_row
+from shared.calibration import PROMPT_TOKENS, validation_row
 from shared.escalation import (
     ROUTER,
     EdgePolicy,

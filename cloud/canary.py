@@ -53,6 +53,9 @@ class Routable(Protocol):
     @property
     def stable_moved_at(self) -> datetime | None: ...
 
+    @property
+    def loaded(self) -> frozenset[int]: ...
+
 
 FINISHED: Final = ("promoted", "rolled_back", "aborted")
 ROUTING: Final = ("pending", "running", "paused")

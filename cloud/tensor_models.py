@@ -116,6 +116,11 @@ class TensorEntry:
     default: int | None = None
     stable_moved_at: datetime | None = None
 
+    @property
+    def loaded(self) -> frozenset[int]:
+        """Every version that can serve a call (a tensor version loads on its first call)."""
+        return frozenset(self.versions)
+
 
 @dataclass(slots=True)
 class _Counts:

@@ -7,7 +7,7 @@ at every sync, the newest version of each model whose target matches it (``desir
 verifies the signature before using it.
 
 Two ways to make a version:
-- ``calibrate``: run the calibration (``edge_agent.calibrate``) on the model's validation set, kept by the
+- ``calibrate``: run the calibration (``shared.calibration``) on the model's validation set, kept by the
   control plane under ``$TIERLINE_DATA_DIR/validation/`` (a set given with ``--data`` is stored there first);
 - ``move_operating_point``: a new max quality loss read off the latest version's stored curve, no recalibration.
 """
@@ -161,8 +161,8 @@ def calibrate(
     """Calibrate ``model`` on its validation set (``data`` is stored first as the model's set) and store the
     result as a new signed version. Mode and limits an earlier version set are kept; the target is the given one,
     else the latest version's."""
-    from edge_agent.calibrate import calibrate as run_calibration
-    from edge_agent.calibrate import read_validation, router_inputs
+    from shared.calibration import calibrate as run_calibration
+    from shared.calibration import read_validation, router_inputs
 
     loss = check_loss(max_quality_loss)
     model = resolve_model(session, model)

@@ -38,7 +38,7 @@ def _artifacts() -> Path:
 
 def _calibrated_policy(directory: Path) -> None:
     """A policy as ``tierline edge calibrate`` writes it, with its quality-vs-edge-share curve."""
-    from edge_agent.calibrate import curve_points
+    from shared.calibration import curve_points
     from shared.escalation import EdgePolicy, save_policy
 
     rng = np.random.default_rng(0)

@@ -102,7 +102,7 @@ def test_moving_the_operating_point_reads_the_stored_curve(session: Session, val
     assert shares[0] < shares[1] <= shares[2] == 1.0
     assert strict.threshold > first.threshold >= loose.threshold
     # The new threshold does what the curve says on the validation data it came from.
-    from edge_agent.calibrate import read_validation, router_inputs
+    from shared.calibration import read_validation, router_inputs
 
     data = read_validation(validation, DIGITS)
     policy = EdgePolicy.from_json(strict.policy)

@@ -7,6 +7,7 @@ import tomllib
 from pathlib import Path
 
 from cloud.settings import CloudSettings
+from console.auth import ConsoleAuthSettings
 from edge_agent.settings import EdgeSettings
 from shared.settings import CoreSettings, DatabaseSettings, SecretSettings, ServiceSettings
 
@@ -15,7 +16,15 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 def _known_env_names() -> set[str]:
     names: set[str] = set()
-    for cls in (CoreSettings, DatabaseSettings, SecretSettings, ServiceSettings, CloudSettings, EdgeSettings):
+    for cls in (
+        CoreSettings,
+        DatabaseSettings,
+        SecretSettings,
+        ServiceSettings,
+        CloudSettings,
+        EdgeSettings,
+        ConsoleAuthSettings,
+    ):
         prefix = cls.model_config.get("env_prefix", "")
         names.update(f"{prefix}{field}".upper() for field in cls.model_fields)
     return names

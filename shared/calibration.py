@@ -1,0 +1,192 @@
+"""Calibration of an escalation policy: choose a model's signal and threshold from validation data.
+
+Numpy only (no torch): it runs on a device (``tierline edge calibrate``) and in the control plane
+(``tierline policies calibrate``). The data comes from ``tierline bench cascade --export-validation``, which ran
+the edge and the cloud model on held-out items and recorded, per item, the edge's signals and whether each tier's
+answer was right.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shared.errors import ConfigurationError
+from shared.escalation import (
+    CLASSIFIER_SIGNALS,
+    LM_SIGNALS,
+    ROUTER,
+    EdgePolicy,
+    LearnedRouter,
+    SignalChoice,
+    fit_router,
+    quality_curve,
+    rank_signals,
+)
+
+PROMPT_TOKENS = "prompt_tokens"
+MIN_ITEMS = 10
+MAX_CURVE_POINTS = 51
+
+
+@dataclass(slots=True)
+class ValidationSet:
+    """The validation items of one edge model, as columns."""
+
+    model: str
+    signals: dict[str, np.ndarray]
+    prompt_tokens: np.ndarray | None
+    edge_good: np.ndarray
+    cloud_good: np.ndarray
+    agrees: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.edge_good)
+
+
+def validation_row(
+    model: str,
+    signals: dict[str, float],
+    prompt_tokens: int | None,
+    *,
+    edge_good: bool,
+    cloud_good: bool,
+    agrees_with_cloud: bool,
+) -> dict[str, Any]:
+    """One line of the ``--data`` format."""
+    return {
+        "model": model,
+        "signals": {k: float(v) for k, v in signals.items()},
+        PROMPT_TOKENS: prompt_tokens,
+        "edge_good": bool(edge_good),
+        "cloud_good": bool(cloud_good),
+        "agrees_with_cloud": bool(agrees_with_cloud),
+    }
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _parse_row(line: str, where: str) -> dict[str, Any]:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ConfigurationError(f"{where}: not JSON ({exc.msg})") from exc
+    if not isinstance(row, dict):
+        raise ConfigurationError(f"{where}: expected a JSON object")
+    if not isinstance(row.get("model"), str):
+        raise ConfigurationError(f"{where}: 'model' must be a string")
+    signals = row.get("signals")
+    if not isinstance(signals, dict) or not all(_is_number(v) for v in signals.values()):
+        raise ConfigurationError(f"{where}: 'signals' must be an object of finite numbers")
+    for key in ("edge_good", "cloud_good", "agrees_with_cloud"):
+        if not isinstance(row.get(key), bool):
+            raise ConfigurationError(f"{where}: '{key}' must be true or false")
+    tokens = row.get(PROMPT_TOKENS)
+    if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0):
+        raise ConfigurationError(f"{where}: '{PROMPT_TOKENS}' must be a non-negative integer or null")
+    return row
+
+
+def read_validation(path: Path, model: str) -> ValidationSet:
+    """The rows of ``model`` in ``path``: matched on the full id (``tierline/lm-edge``) or its last part
+    (``lm-edge``). Raises ``ConfigurationError`` naming the file and line on anything malformed."""
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigurationError(f"cannot read {path}: {exc}") from exc
+    rows = [_parse_row(line, f"{path}:{n}") for n, line in enumerate(lines, 1) if line.strip()]
+    mine = [r for r in rows if model in (r["model"], r["model"].rsplit("/", 1)[-1])]
+    ids = sorted({r["model"] for r in mine})
+    if not ids:
+        found = ", ".join(sorted({r["model"] for r in rows})) or "none"
+        raise ConfigurationError(f"{path}: no items for model {model!r} (models in the file: {found})")
+    if len(ids) > 1:
+        raise ConfigurationError(f"{path}: {model!r} matches several models ({', '.join(ids)}); give the full id")
+    if len(mine) < MIN_ITEMS:
+        raise ConfigurationError(f"{path}: only {len(mine)} items for {ids[0]}; calibration needs {MIN_ITEMS}")
+    known = [s for s in dict.fromkeys(LM_SIGNALS + CLASSIFIER_SIGNALS) if all(s in r["signals"] for r in mine)]
+    if not known:
+        raise ConfigurationError(f"{path}: no item of {ids[0]} has a known signal ({', '.join(LM_SIGNALS)}, ...)")
+    tokens = [r.get(PROMPT_TOKENS) for r in mine]
+    return ValidationSet(
+        model=ids[0],
+        signals={s: np.array([r["signals"][s] for r in mine], dtype=np.float64) for s in known},
+        prompt_tokens=np.array(tokens, dtype=np.float64) if all(t is not None for t in tokens) else None,
+        edge_good=np.array([r["edge_good"] for r in mine]),
+        cloud_good=np.array([r["cloud_good"] for r in mine]),
+        agrees=np.array([r["agrees_with_cloud"] for r in mine]),
+    )
+
+
+def router_inputs(data: ValidationSet) -> dict[str, np.ndarray]:
+    """The router's features: every signal, plus ``prompt_tokens`` when the items have it."""
+    table = dict(data.signals)
+    if data.prompt_tokens is not None:
+        table[PROMPT_TOKENS] = data.prompt_tokens
+    return table
+
+
+def fit_validation_router(data: ValidationSet) -> LearnedRouter:
+    """The router, trained to predict that the edge's answer is the one the cloud would give. (Predicting "the
+    edge is no worse than the cloud" instead ranks no better than chance on weak LMs: most such items are ones
+    both tiers get wrong, and a linear model cannot separate them from the confident, right ones.)"""
+    table = router_inputs(data)
+    return fit_router(table, data.agrees, list(table))
+
+
+def curve_points(
+    confidence: np.ndarray, edge_good: np.ndarray, cloud_good: np.ndarray, max_points: int = MAX_CURVE_POINTS
+) -> list[dict[str, float | None]]:
+    """The quality-vs-edge-share curve with the threshold of each point (``None``: nothing answered locally)."""
+    shares, quality = quality_curve(confidence, edge_good, cloud_good)
+    ranked = np.sort(np.asarray(confidence, dtype=np.float64))[::-1]
+    keep = np.unique(np.linspace(0, len(shares) - 1, min(max_points, len(shares))).round().astype(int))
+    points: list[dict[str, float | None]] = []
+    for i in keep:
+        cut = round(float(shares[i]) * len(ranked))
+        threshold = float(ranked[cut - 1]) if cut > 0 else None
+        points.append({"threshold": threshold, "edge_share": float(shares[i]), "quality": float(quality[i])})
+    return points
+
+
+def calibrate(data: ValidationSet, max_quality_loss: float) -> tuple[EdgePolicy, list[SignalChoice]]:
+    """The policy whose signal answers the most requests locally within the bound, and every signal's result."""
+    router = fit_validation_router(data)
+    confidences = {**data.signals, ROUTER: router.confidences(router_inputs(data))}
+    ranking = rank_signals(confidences, data.edge_good, data.cloud_good, max_quality_loss)
+    best = ranking[0]
+    # No threshold qualifies: escalate everything, with a finite threshold (policies travel as strict JSON).
+    threshold = (
+        best.threshold if math.isfinite(best.threshold) else float(np.nextafter(confidences[best.signal].max(), np.inf))
+    )
+    calibration = {
+        "max_quality_loss": max_quality_loss,
+        "num_items": len(data),
+        "calibrated_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "edge_share": best.edge_share,
+        "quality": best.quality,
+        "cloud_only_quality": float(data.cloud_good.mean()),
+        "edge_only_quality": float(data.edge_good.mean()),
+        "curve": curve_points(confidences[best.signal], data.edge_good, data.cloud_good),
+        "signals": {
+            c.signal: {**dataclasses.asdict(c), "threshold": c.threshold if math.isfinite(c.threshold) else None}
+            for c in ranking
+        },
+    }
+    policy = EdgePolicy(
+        model=data.model,
+        signal=best.signal,
+        threshold=threshold,
+        router=router if best.signal == ROUTER else None,
+        calibration=calibration,
+    )
+    return policy, ranking
