@@ -177,21 +177,24 @@ def test_tools_pass_through_to_the_upstream_and_its_calls_come_back(
     client: openai.OpenAI, gateway: dict[str, Any]
 ) -> None:
     """The upstream (``engine serve``) gets the client's tools and tool messages unchanged and generates the calls."""
-    params = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}}
-    tools: Any = [{"type": "function", "function": {"name": "pick", "parameters": {**params, "required": ["n"]}}}]
+    params = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}
+    tools: Any = [
+        {"type": "function", "function": {"name": "pick", "parameters": {**params, "additionalProperties": False}}}
+    ]
     body: Any = {
         "model": MODEL,
         "messages": [{"role": "user", "content": "pick a number"}],
         "tools": tools,
         "tool_choice": {"type": "function", "function": {"name": "pick"}},
-        "max_tokens": 40,
+        "max_tokens": 60,
         "temperature": 0,
     }
     raw = client.chat.completions.with_raw_response.create(**body)
     answer = raw.parse()
     c = answer.choices[0]
+    assert c.finish_reason == "tool_calls", c.message.content
     (call,) = c.message.tool_calls or []
-    assert c.finish_reason == "tool_calls" and call.function.name == "pick"
+    assert call.function.name == "pick"
     assert 0 <= json.loads(call.function.arguments)["n"] <= 9
     (row,) = usage_rows(gateway["db"], [raw.headers["x-tierline-usage-id"]])
     assert answer.usage is not None and row.completion_tokens == answer.usage.completion_tokens > 0

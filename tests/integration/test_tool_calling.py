@@ -333,6 +333,7 @@ def test_cloud_auto_with_a_response_format_gives_calls_or_that_format(cloud: ope
             messages=[{"role": "user", "content": PROMPTS[i]}],
             tools=TOOLS,
             response_format=fmt,
+            parallel_tool_calls=False,
             max_tokens=MAX_TOKENS,
             temperature=1.0,
             seed=i,
@@ -342,5 +343,5 @@ def test_cloud_auto_with_a_response_format_gives_calls_or_that_format(cloud: ope
             assert c.finish_reason == "tool_calls"
             _assert_calls(c.message.tool_calls, set(MODELS))
         else:
-            assert c.finish_reason == "stop"
+            assert c.finish_reason == "stop", c.message.content
             Answer.model_validate_json(c.message.content or "")
