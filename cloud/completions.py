@@ -48,6 +48,7 @@ from shared.errors import (
 )
 from shared.openai_responses import SSE_DONE, chat_logprob, completion_logprobs, sse
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
+from shared.structured import grammar_of
 from shared.tools import StreamParser, template_messages
 from shared.tools import grammar as chat_grammar
 from shared.tools import message as chat_message
@@ -348,7 +349,7 @@ class CompletionService:
             repetition_penalty=req.repetition_penalty,
             logprobs=logprobs,
             speculation=req.speculation,
-            grammar=chat_grammar(req) if isinstance(req, ChatCompletionRequest) else None,
+            grammar=chat_grammar(req) if isinstance(req, ChatCompletionRequest) else grammar_of(req.response_format),
             **req.token_choice(),
         )
 

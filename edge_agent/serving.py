@@ -26,6 +26,7 @@ from shared.errors import ApplicationError, ArtifactVerificationError, NotFoundE
 from shared.escalation import StepSignal, lm_signals
 from shared.openai_responses import SSE_DONE, chat_logprob, completion_logprobs, sse
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest
+from shared.structured import grammar_of
 from shared.tools import StreamParser, chat_prompt
 from shared.tools import grammar as chat_grammar
 from shared.tools import message as chat_message
@@ -104,7 +105,7 @@ def _request(
             if req.frequency_penalty
             else "repetition_penalty",
         )
-    grammar = chat_grammar(req) if isinstance(req, ChatCompletionRequest) else None
+    grammar = chat_grammar(req) if isinstance(req, ChatCompletionRequest) else grammar_of(req.response_format)
     local = LocalRequest(
         prompt_ids=prompt_ids, max_tokens=max_tokens, logprobs=logprobs, grammar=grammar, **req.token_choice()
     )

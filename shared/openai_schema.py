@@ -349,6 +349,7 @@ class CompletionRequest(_Sampling):
     logprobs: Annotated[int | None, _INTEGER] = Field(None, ge=0, le=5)
     echo: Annotated[bool, _BOOLEAN] = False
     suffix: str | None = None
+    response_format: ResponseFormat | None = None  # an extension here (vLLM's too): the chat's formats
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -372,6 +373,11 @@ class CompletionRequest(_Sampling):
             raise ValueError("suffix (insertion) is not supported")
         if self.echo and self.stream:
             raise ValueError("echo is not supported with stream")
+        if self.response_format is not None and self.response_format.type != "text":
+            if self.ignore_eos:
+                raise ValueError("ignore_eos cannot be combined with a structured response_format")
+            if self.stop:
+                raise ValueError("stop cannot be combined with a structured response_format")
         return self
 
     def prompts(self) -> list[str | list[int]]:
