@@ -93,7 +93,7 @@ def test_cloud_parse_returns_a_pet_on_every_prompt(cloud: openai.OpenAI) -> None
 
 
 def test_cloud_constrained_requests_asking_for_speculation_still_match(cloud: openai.OpenAI) -> None:
-    # Constrained sequences decode without speculation (drafts are not checked against the grammar).
+    # Drafts are checked against the grammar (test_structured_speculation.py: greedy equals plain decoding).
     results = _parsed_pets(cloud, CLOUD_LM, 4, extra_body={"speculation": "draft"})
     assert all(isinstance(p, Pet) and reason == "stop" for p, reason in results)
 
