@@ -49,6 +49,9 @@ from shared.errors import (
 from shared.openai_responses import SSE_DONE, chat_logprob, completion_logprobs, sse
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
 from shared.structured import grammar_of
+from shared.tools import StreamParser, template_messages
+from shared.tools import grammar as chat_grammar
+from shared.tools import message as chat_message
 
 if TYPE_CHECKING:  # it imports this module
     from cloud.backends.upstream import RemoteLM
@@ -360,7 +363,7 @@ class CompletionService:
             repetition_penalty=req.repetition_penalty,
             logprobs=logprobs,
             speculation=req.speculation,
-            grammar=grammar_of(req.response_format) if isinstance(req, ChatCompletionRequest) else None,
+            grammar=chat_grammar(req) if isinstance(req, ChatCompletionRequest) else grammar_of(req.response_format),
             **req.token_choice(),
         )
 
@@ -527,9 +530,11 @@ class CompletionService:
 
     # -- chat ---------------------------------------------------------------------------------------------------
     def _chat_prompt(self, served: ServedLM, req: ChatCompletionRequest) -> str:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        tok = served.engine.tokenizer
+        messages = template_messages(req, tok)
         self._checked_size(m["content"] for m in messages)  # before the template copies it
-        return served.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        tools = [t.model_dump(mode="json", exclude_none=True) for t in req.tools] if req.tools else None
+        return tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
 
     async def chat(self, caller: Caller, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[bytes]:
         if self.remote is not None and self.remote.serves(req.model):
@@ -545,10 +550,15 @@ class CompletionService:
         tok = served.engine.tokenizer
         choices = []
         for c in final.outputs:
+            message, finish_reason = (
+                chat_message(c.text, c.finish_reason)
+                if req.calls_tools
+                else ({"role": "assistant", "content": c.text}, c.finish_reason)
+            )
             choice: dict[str, Any] = {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "finish_reason": c.finish_reason,
+                "message": message,
+                "finish_reason": finish_reason,
                 "logprobs": {"content": [chat_logprob(tok, lp) for lp in c.logprobs]}
                 if c.logprobs is not None
                 else None,
@@ -635,14 +645,21 @@ class CompletionService:
         tok = served.engine.tokenizer
         base = {"id": f"chatcmpl-{caller.request_id}", "object": "chat.completion.chunk", "created": int(time.time())}
         base["model"] = served.model_id
-        prologue = [
-            {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None} for i in range(params.n)
-        ]
+        parsers = {i: StreamParser() for i in range(params.n)} if req.calls_tools else None
+        opening = {"role": "assistant"} if parsers is not None else {"role": "assistant", "content": ""}
+        prologue = [{"index": i, "delta": opening, "finish_reason": None} for i in range(params.n)]
 
         def render(_: int, out: RequestOutput) -> list[dict[str, Any]]:
             chunks = []
             for c in out.outputs:
                 if not (c.delta_text or c.finish_reason or c.delta_logprobs):
+                    continue
+                if parsers is not None:  # tool calls: deltas of content or of tool_calls, held while undecided
+                    calls = parsers[c.index].chunks(c.index, c.delta_text, c.finish_reason if out.finished else None)
+                    if params.logprobs is not None and c.delta_logprobs:
+                        calls = calls or [{"index": c.index, "delta": {}, "finish_reason": None}]
+                        calls[0]["logprobs"] = {"content": [chat_logprob(tok, lp) for lp in c.delta_logprobs]}
+                    chunks.extend(calls)
                     continue
                 chunk: dict[str, Any] = {"index": c.index, "delta": {}, "finish_reason": None}
                 if c.delta_text:

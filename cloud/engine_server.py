@@ -46,6 +46,8 @@ from shared.http import EventStream
 from shared.openai_responses import SSE_DONE, chat_logprob, completion_logprobs, sse
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest
 from shared.service_app import create_service_app
+from shared.tools import StreamParser, chat_prompt
+from shared.tools import message as chat_message
 
 
 class ServerChatRequest(ChatCompletionRequest):
@@ -257,8 +259,7 @@ async def chat_completions(
     state = engine_server
     _check_model(state, data.model)
     params = CompletionService._params(data, data.max_new_tokens, data.num_logprobs)
-    messages = [{"role": m.role, "content": m.text()} for m in data.messages]
-    text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    text = chat_prompt(data, engine.tokenizer)
     prompts = _checked(engine, [text], params.max_tokens)
     tok = engine.tokenizer
     base: dict[str, Any] = {
@@ -267,14 +268,21 @@ async def chat_completions(
         "created": int(time.time()),
         "model": state.model_name,
     }
-    prologue = [
-        {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None} for i in range(data.n)
-    ]
+    parsers = {i: StreamParser() for i in range(data.n)} if data.calls_tools else None
+    opening = {"role": "assistant"} if parsers is not None else {"role": "assistant", "content": ""}
+    prologue = [{"index": i, "delta": opening, "finish_reason": None} for i in range(data.n)]
 
     def render(_: int, out: RequestOutput) -> list[dict[str, Any]]:
         chunks = []
         for c in out.outputs:
             if not (c.delta_text or c.finish_reason or c.delta_logprobs):
+                continue
+            if parsers is not None:  # tool calls: deltas of content or of tool_calls (shared.tools)
+                calls = parsers[c.index].chunks(c.index, c.delta_text, c.finish_reason if out.finished else None)
+                if params.logprobs is not None and c.delta_logprobs:
+                    calls = calls or [{"index": c.index, "delta": {}, "finish_reason": None}]
+                    calls[0]["logprobs"] = {"content": [chat_logprob(tok, lp) for lp in c.delta_logprobs]}
+                chunks.extend(calls)
                 continue
             chunk: dict[str, Any] = {"index": c.index, "delta": {}, "finish_reason": None}
             if c.delta_text:
@@ -287,17 +295,15 @@ async def chat_completions(
         return chunks
 
     def answer(final: dict[int, RequestOutput], counts: _Counts) -> dict[str, Any]:
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "finish_reason": c.finish_reason,
-                "logprobs": {"content": [chat_logprob(tok, lp) for lp in c.logprobs]}
-                if c.logprobs is not None
-                else None,
-            }
-            for c in final[0].outputs
-        ]
+        choices = []
+        for c in final[0].outputs:
+            message, finish_reason = (
+                chat_message(c.text, c.finish_reason)
+                if data.calls_tools
+                else ({"role": "assistant", "content": c.text}, c.finish_reason)
+            )
+            logprobs = {"content": [chat_logprob(tok, lp) for lp in c.logprobs]} if c.logprobs is not None else None
+            choices.append({"index": c.index, "message": message, "finish_reason": finish_reason, "logprobs": logprobs})
         return {**base, "object": "chat.completion", "choices": choices, "usage": counts.usage()}
 
     return await _run(

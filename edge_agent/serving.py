@@ -27,6 +27,9 @@ from shared.escalation import StepSignal, lm_signals
 from shared.openai_responses import SSE_DONE, chat_logprob, completion_logprobs, sse
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest
 from shared.structured import grammar_of
+from shared.tools import StreamParser, chat_prompt
+from shared.tools import grammar as chat_grammar
+from shared.tools import message as chat_message
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +105,7 @@ def _request(
             if req.frequency_penalty
             else "repetition_penalty",
         )
-    grammar = grammar_of(req.response_format) if isinstance(req, ChatCompletionRequest) else None
+    grammar = chat_grammar(req) if isinstance(req, ChatCompletionRequest) else grammar_of(req.response_format)
     local = LocalRequest(
         prompt_ids=prompt_ids, max_tokens=max_tokens, logprobs=logprobs, grammar=grammar, **req.token_choice()
     )
@@ -174,7 +177,7 @@ class Prepared:
 async def prepare(models: LocalModels, endpoint: Endpoint, req: ChatCompletionRequest | CompletionRequest) -> Prepared:
     lm = await asyncio.to_thread(models.get, req.model)
     if isinstance(req, ChatCompletionRequest):
-        text = lm.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages])
+        text = chat_prompt(req, lm.tokenizer)
         local = _request(lm, lm.tokenizer.encode(text), req, req.max_new_tokens, req.num_logprobs)
         return Prepared(endpoint, req, lm, local)
     prompts = req.prompts()
@@ -204,6 +207,11 @@ async def run(p: Prepared) -> dict[str, Any]:
     text = "".join(s.delta_text for s in done)
     created = int(time.time())
     if p.endpoint == "chat.completions":
+        message, finish_reason = (
+            chat_message(text, done[-1].finish_reason)
+            if isinstance(p.req, ChatCompletionRequest) and p.req.calls_tools
+            else ({"role": "assistant", "content": text}, done[-1].finish_reason)
+        )
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
@@ -212,8 +220,8 @@ async def run(p: Prepared) -> dict[str, Any]:
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": done[-1].finish_reason,
+                    "message": message,
+                    "finish_reason": finish_reason,
                     "logprobs": {"content": [chat_logprob(p.lm.tokenizer, lp) for lp in lps]}
                     if p.local.logprobs is not None
                     else None,
@@ -245,9 +253,19 @@ async def stream(p: Prepared, source: AsyncIterator[LocalStep]) -> AsyncIterator
     if p.endpoint == "chat.completions":
         base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": created}
         base["model"] = p.req.model
-        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-        yield sse({**base, "choices": [first]})
+        tools = isinstance(p.req, ChatCompletionRequest) and p.req.calls_tools
+        parser = StreamParser() if tools else None
+        opening = {"role": "assistant"} if tools else {"role": "assistant", "content": ""}
+        yield sse({**base, "choices": [{"index": 0, "delta": opening, "finish_reason": None}]})
         async for step in source:
+            if parser is not None:  # tool calls: deltas of content or of tool_calls (shared.tools)
+                calls = parser.chunks(0, step.delta_text, step.finish_reason)
+                if step.logprob is not None:
+                    calls = calls or [{"index": 0, "delta": {}, "finish_reason": None}]
+                    calls[0]["logprobs"] = {"content": [chat_logprob(tok, step.logprob)]}
+                for call in calls:
+                    yield sse({**base, "choices": [call]})
+                continue
             chunk: dict[str, Any] = {"index": 0, "delta": {}, "finish_reason": step.finish_reason}
             if step.delta_text:
                 chunk["delta"]["content"] = step.delta_text

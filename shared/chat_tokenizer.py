@@ -106,14 +106,21 @@ class ChatTokenizer:
         text: str = self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
         return text
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render messages (``role`` + ``content``) to the prompt text."""
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """Render messages (``role`` + ``content``, and ``tool_calls`` / ``tool_call_id`` where they have them) to
+        the prompt text; ``tools`` (OpenAI's tool objects) go to the template as ``tools``, where one renders them."""
         for i, m in enumerate(messages):
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValidationError(f"messages[{i}] needs a string 'role' and 'content'", param=f"messages.{i}")
         try:
             return self._template.render(
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",

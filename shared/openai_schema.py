@@ -11,7 +11,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic import ValidationError as PydanticValidationError
 
 from shared.errors import ValidationError
@@ -78,10 +86,45 @@ class ContentPart(_Request):
     text: str | None = None
 
 
+class FunctionCall(_Request):
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str = Field(max_length=1 << 20)  # a JSON object, as a string (what the model generated)
+
+
+class ToolCall(_Request):
+    """A call an assistant message made (sent back in a conversation's history)."""
+
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, min_length=1, max_length=128)  # role assistant only
+    tool_call_id: str | None = Field(None, min_length=1, max_length=256)  # role tool: the call this answers
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _tool_calls(cls, v: list[ToolCall] | None, info: ValidationInfo) -> list[ToolCall] | None:
+        if v is not None and info.data.get("role") != "assistant":
+            raise ValueError("tool_calls goes with role 'assistant'")
+        return v
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_call_id(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is not None and info.data.get("role") != "tool":
+            raise ValueError("tool_call_id goes with role 'tool'")
+        return v
+
+    @model_validator(mode="after")
+    def _tool_message(self) -> ChatMessage:
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a message of role 'tool' needs tool_call_id (the id of the call it answers)")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -91,6 +134,33 @@ class ChatMessage(_Request):
         if any(p.type != "text" for p in self.content):
             raise ValidationError("messages: only text content parts are supported", param="messages")
         return "".join(p.text or "" for p in self.content)
+
+
+class FunctionDefinition(_Request):
+    """``tools[].function``: a function the model may call. ``parameters`` is the JSON schema of its arguments
+    (an object; none: no arguments); ``strict`` is accepted either way: arguments are always generated under the
+    schema's grammar."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = Field(None, max_length=8192)
+    parameters: dict[str, Any] | None = None
+    strict: Annotated[bool | None, _BOOLEAN] = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str = Field(min_length=1, max_length=64)
+
+
+class NamedToolChoice(_Request):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``: call exactly this function."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class JsonSchemaFormat(_Request):
@@ -201,22 +271,68 @@ class ChatCompletionRequest(_Sampling):
     logprobs: Annotated[bool, _BOOLEAN] = False
     top_logprobs: Annotated[int | None, _INTEGER] = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(None, min_length=1, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: Annotated[bool | None, _BOOLEAN] = None
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v: list[Tool] | None) -> list[Tool] | None:
+        names = [t.function.name for t in v or []]
+        duplicate = next((n for n in names if names.count(n) > 1), None)
+        if duplicate is not None:
+            raise ValueError(f"two tools are named '{duplicate}'")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v: str | NamedToolChoice | None, info: ValidationInfo) -> str | NamedToolChoice | None:
+        tools: list[Tool] | None = info.data.get("tools")
+        if v is None or v == "none":
+            return v
+        if not tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(v, NamedToolChoice) and v.function.name not in {t.function.name for t in tools}:
+            raise ValueError(f"function '{v.function.name}' is not among the tools")
+        return v
+
+    @field_validator("parallel_tool_calls")
+    @classmethod
+    def _parallel(cls, v: bool | None, info: ValidationInfo) -> bool | None:
+        if v is not None and not info.data.get("tools"):
+            raise ValueError("parallel_tool_calls needs tools")
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs: true")
-        if self.is_structured:
+        what = "a structured response_format" if self.is_structured else "tools" if self.calls_tools else None
+        if what is not None:
             # Either would let the output end before the grammar does: it would not parse, and say "stop".
             if self.ignore_eos:
-                raise ValueError("ignore_eos cannot be combined with a structured response_format")
+                raise ValueError(f"ignore_eos cannot be combined with {what}")
             if self.stop:
-                raise ValueError("stop cannot be combined with a structured response_format")
+                raise ValueError(f"stop cannot be combined with {what}")
         return self
 
     @property
     def is_structured(self) -> bool:
         return self.response_format is not None and self.response_format.type != "text"
+
+    @property
+    def tool_mode(self) -> str:
+        """``none``, ``auto``, ``required`` or ``named``: OpenAI's default is ``auto`` with tools, else ``none``."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    @property
+    def calls_tools(self) -> bool:
+        """The model may (or must) answer with tool calls: the output is generated under their grammar."""
+        return self.tool_mode != "none"
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -233,6 +349,7 @@ class CompletionRequest(_Sampling):
     logprobs: Annotated[int | None, _INTEGER] = Field(None, ge=0, le=5)
     echo: Annotated[bool, _BOOLEAN] = False
     suffix: str | None = None
+    response_format: ResponseFormat | None = None  # an extension here (vLLM's too): the chat's formats
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -256,6 +373,11 @@ class CompletionRequest(_Sampling):
             raise ValueError("suffix (insertion) is not supported")
         if self.echo and self.stream:
             raise ValueError("echo is not supported with stream")
+        if self.response_format is not None and self.response_format.type != "text":
+            if self.ignore_eos:
+                raise ValueError("ignore_eos cannot be combined with a structured response_format")
+            if self.stop:
+                raise ValueError("stop cannot be combined with a structured response_format")
         return self
 
     def prompts(self) -> list[str | list[int]]:

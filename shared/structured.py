@@ -130,6 +130,23 @@ class Constraint:
             allowed[[t for t in self.eos_token_ids if t < size]] = True
         return allowed
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens`` (a speculative draft) the grammar takes in a row from here, stopping before an
+        EOS id (nothing follows one). The matcher does not move."""
+        n = int(self._matcher.validate_tokens(tokens)) if tokens else 0
+        return next((i for i, t in enumerate(tokens[:n]) if t in self.eos_token_ids), n)
+
+    def masks_along(self, tokens: list[int], size: int | None = None) -> np.ndarray:
+        """bool[len(tokens) + 1, size]: the mask here and after each of ``tokens`` (a ``valid_prefix``), as plain
+        decoding would compute them one step at a time; the matcher is left where it was."""
+        masks = [self.mask(size)]
+        for token in tokens:
+            self._matcher.consume_token(token)
+            masks.append(self.mask(size))
+        if tokens:
+            self._matcher.rollback(len(tokens))
+        return np.stack(masks)
+
     def accept(self, token: int) -> None:
         """Advance past a sampled token (one the mask allowed)."""
         self._matcher.consume_token(token)

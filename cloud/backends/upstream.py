@@ -49,6 +49,7 @@ from shared.chat_tokenizer import ChatTokenizer
 from shared.errors import ApplicationError, ConfigurationError, DeadlineExceededError, PermissionDeniedError
 from shared.openai_responses import SSE_DONE, sse
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest
+from shared.tools import chat_prompt
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -143,8 +144,13 @@ class _Relay:
             index = choice.get("index", 0)
             source = (choice.get("delta") or choice.get("message") or {}) if chat else choice
             part = source.get("text" if not chat else "content") if isinstance(source, dict) else None
-            if isinstance(part, str) and part:
-                self.texts.setdefault(index if isinstance(index, int) else 0, []).append(part)
+            parts = [part] if isinstance(part, str) and part else []
+            for call in (source.get("tool_calls") or ()) if chat and isinstance(source, dict) else ():
+                function = call.get("function") if isinstance(call, dict) else None  # counted as their text
+                if isinstance(function, dict):
+                    parts.extend(v for v in (function.get("name"), function.get("arguments")) if isinstance(v, str))
+            if parts:
+                self.texts.setdefault(index if isinstance(index, int) else 0, []).extend(parts)
 
 
 def _valid_usage(usage: Any) -> bool:
@@ -306,9 +312,8 @@ class Backends:
         """``remote``: the registry version routing chose (the caller's key was checked then), else the backends
         file's model ``req.model``."""
         remote = remote or self._get(caller, req.model)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        self.service._checked_size(m["content"] for m in messages)
-        prompt = remote.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        self.service._checked_size(m.text() for m in req.messages)
+        prompt = chat_prompt(req, remote.tokenizer)  # counted as the engine would see it (tools and calls too)
         counts = [remote.tokenizer.encode_counted(prompt, remote.max_model_len)[1]]
         key = remote.affinity_key(caller, prompt)
         return await self._run(

@@ -53,6 +53,7 @@ class _Work:
     spec: list[int]  # proposals to verify
     feed: Feed
     row: int  # its first row of the step's logits
+    num_lookahead: int = 0  # proposal slots it was scheduled with (more than ``spec`` when a grammar cut them)
     new_token_ids: list[int] = field(default_factory=list)
 
 
@@ -308,7 +309,6 @@ class LLMEngine:
             if (
                 method == "off"
                 or seq.params.has_penalties
-                or seq.constraint is not None  # drafts are not checked against the grammar: decode plainly
                 or seeded_sampling
                 or (method == "draft" and self.drafter is None)
             ):
@@ -334,6 +334,7 @@ class LLMEngine:
     def _run(self, batch: SchedulerOutput) -> tuple[list[_Work], torch.Tensor]:
         """Draft proposals, one forward over every scheduled sequence, then sampling or verification."""
         draft_probs = self._propose_drafts(batch)
+        self._check_drafts(batch)
         works = self._plan_work(batch)
         logits = self.runner.execute([w.feed for w in works])  # logits: [sum of num_logits, V]
         self._sample(works, logits, draft_probs)
@@ -349,6 +350,16 @@ class LLMEngine:
         return self.drafter.propose(drafts) if drafts and self.drafter is not None else {}
 
     @staticmethod
+    def _check_drafts(batch: SchedulerOutput) -> None:
+        """A constrained sequence's proposals are cut before the first its grammar refuses: the target could never
+        pick it, so verifying it would cost a token slot for nothing (and the grammar cannot step past it)."""
+        for item in batch.scheduled:
+            seq = item.seq
+            if item.num_lookahead and seq.constraint is not None:
+                proposals = seq.spec_token_ids[: item.num_lookahead]
+                seq.spec_token_ids = proposals[: seq.constraint.valid_prefix(proposals)]
+
+    @staticmethod
     def _plan_work(batch: SchedulerOutput) -> list[_Work]:
         works: list[_Work] = []
         row = 0
@@ -359,7 +370,7 @@ class LLMEngine:
             start = seq.num_computed_tokens
             num_logits = (1 + len(spec)) if start + base == seq.num_tokens else 0
             feed = Feed(seq.block_table, seq.token_ids[start : start + base] + spec, start, num_logits)
-            works.append(_Work(seq, start, base, spec, feed, row))
+            works.append(_Work(seq, start, base, spec, feed, row, item.num_lookahead))
             row += num_logits
         return works
 
@@ -373,6 +384,7 @@ class LLMEngine:
         for w in works:
             if w.spec and w.feed.num_logits:
                 rows = logits[w.row : w.row + 1 + len(w.spec)]  # [K+1, V]
+                rows = self.sampler.constrain_along(rows, w.seq, w.spec)  # each row under its grammar state
                 w.new_token_ids = self.sampler.verify(rows, w.seq, w.spec, draft_probs.get(w.seq.seq_id))
 
     def _postprocess(self, works: list[_Work], logits: torch.Tensor) -> list[EngineCoreOutput]:
@@ -404,6 +416,10 @@ class LLMEngine:
             accepted = len(w.new_token_ids) - 1
             self._record_speculation(seq, len(w.spec), accepted)
             seq.num_computed_tokens += accepted
+            seq.draft_num_computed_tokens = min(seq.draft_num_computed_tokens, seq.num_computed_tokens)
+            seq.spec_token_ids = []
+            self.block_manager.trim(seq)
+        elif w.num_lookahead:  # its proposals were all cut (a grammar refused the first): free their slots
             seq.draft_num_computed_tokens = min(seq.draft_num_computed_tokens, seq.num_computed_tokens)
             seq.spec_token_ids = []
             self.block_manager.trim(seq)

@@ -91,6 +91,15 @@ class Sampler:
         logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
         return logits
 
+    @staticmethod
+    def constrain_along(logits: torch.Tensor, seq: Sequence, proposals: list[int]) -> torch.Tensor:
+        """Verification's logits [k+1, V] with row i masked by the grammar's state after ``proposals[:i]`` (the
+        proposals are a valid prefix): the target picks as plain constrained decoding would, token for token."""
+        if seq.constraint is None:
+            return logits
+        allowed = torch.from_numpy(seq.constraint.masks_along(proposals, logits.shape[-1])).to(logits.device)
+        return logits.masked_fill(~allowed, float("-inf"))
+
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """logits: [N, V], one row per sequence → one token per sequence (within its grammar, if it has one)."""
         logits = self.constrain(logits, seqs)

@@ -25,7 +25,8 @@ class SamplingParams:
     (``"off"``, ``"draft"`` or ``"ngram"``); requests with penalties, and seeded sampled requests (so they stay
     reproducible whatever the load), always decode without speculation. ``grammar`` constrains the output
     (``response_format``): each step's logits are masked to the tokens the grammar allows, and the output ends
-    ("stop") when the grammar is complete; such requests decode without speculation too.
+    ("stop") when the grammar is complete; with speculation, proposals are cut before the first token the grammar
+    refuses and each verified position is masked by the grammar's state there (greedy output is unchanged).
     """
 
     n: int = 1

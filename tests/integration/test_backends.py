@@ -174,6 +174,41 @@ def test_the_model_is_listed_and_a_chat_is_billed_once_from_the_upstreams_usage(
     assert (row.prompt_tokens, row.completion_tokens) == (len(expected.prompt_token_ids), 9)
 
 
+def test_tools_pass_through_to_the_upstream_and_its_calls_come_back(
+    client: openai.OpenAI, gateway: dict[str, Any]
+) -> None:
+    """The upstream (``engine serve``) gets the client's tools and tool messages unchanged and generates the calls."""
+    params = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}
+    tools: Any = [
+        {"type": "function", "function": {"name": "pick", "parameters": {**params, "additionalProperties": False}}}
+    ]
+    body: Any = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "pick a number"}],
+        "tools": tools,
+        "tool_choice": {"type": "function", "function": {"name": "pick"}},
+        "max_tokens": 60,
+        "temperature": 0,
+    }
+    raw = client.chat.completions.with_raw_response.create(**body)
+    answer = raw.parse()
+    c = answer.choices[0]
+    assert c.finish_reason == "tool_calls", c.message.content
+    (call,) = c.message.tool_calls or []
+    assert call.function.name == "pick"
+    assert 0 <= json.loads(call.function.arguments)["n"] <= 9
+    (row,) = usage_rows(gateway["db"], [raw.headers["x-tierline-usage-id"]])
+    assert answer.usage is not None and row.completion_tokens == answer.usage.completion_tokens > 0
+    chunks = list(client.chat.completions.create(**body, stream=True))
+    deltas = [d for ch in chunks for choice in ch.choices for d in choice.delta.tool_calls or ()]
+    assert deltas[0].function is not None and deltas[0].function.name == "pick"
+    assert "".join(d.function.arguments or "" for d in deltas if d.function) == call.function.arguments
+    history = [*body["messages"], c.message.model_dump(exclude_none=True)]
+    history.append({"role": "tool", "tool_call_id": call.id, "content": "ok"})
+    follow = client.chat.completions.create(model=MODEL, messages=history, tools=tools, max_tokens=4)
+    assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
 def test_a_stream_relays_the_upstream_text_and_is_billed_even_when_the_client_wants_no_usage(
     client: openai.OpenAI, gateway: dict[str, Any], offline: LLM
 ) -> None:

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -157,3 +159,52 @@ def test_metrics_carry_the_autoscaling_signals_under_vllms_names(client: openai.
     }
     for vllm, ours in pairs.items():
         assert samples[f'{vllm}{{model_name="lm-cloud"}}'] == samples[f'{ours}{{model="lm-cloud"}}'], vllm
+
+
+def test_tool_calls_streamed_and_not_validate_and_a_tool_message_is_accepted(client: openai.OpenAI) -> None:
+    """The server shares the gateway's tool calling (``shared.tools``): same grammar, same response shapes."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 8},
+            "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        },
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    }
+    tools: Any = [{"type": "function", "function": {"name": "get_weather", "parameters": schema}}]
+    body: Any = {
+        "model": "lm-cloud",
+        "messages": [{"role": "user", "content": "weather?"}],
+        "tools": tools,
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_tokens": 100,
+        "temperature": 0,
+    }
+    whole = client.chat.completions.create(**body)
+    c = whole.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None, c.message.content
+    (call,) = c.message.tool_calls or []
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    args = json.loads(call.function.arguments)
+    assert set(args) == {"city", "days"} and isinstance(args["days"], int) and len(args["city"]) <= 8
+    chunks = list(client.chat.completions.create(**body, stream=True))
+    deltas = [d for ch in chunks for choice in ch.choices for d in choice.delta.tool_calls or ()]
+    assert deltas[0].id and deltas[0].function and deltas[0].function.name == "get_weather"
+    assert "".join(d.function.arguments or "" for d in deltas if d.function) == call.function.arguments  # greedy
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == [
+        "tool_calls"
+    ]
+    answer = client.chat.completions.create(
+        model="lm-cloud",
+        messages=[
+            {"role": "user", "content": "weather?"},
+            c.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 7}'},
+        ],
+        tools=tools,
+        tool_choice="none",
+        max_tokens=5,
+    )
+    assert answer.choices[0].message.content and answer.choices[0].finish_reason in ("stop", "length")

@@ -70,8 +70,8 @@ CASES = [
     ("/v1/chat/completions", {"model": CLOUD_LM, **CHAT, "audio": {"voice": "alloy"}}, "audio"),
     (
         "/v1/chat/completions",
-        {"model": CLOUD_LM, "messages": [{"role": "user", "content": "x", "tool_call_id": "c1"}], "max_tokens": 2},
-        "messages.0.tool_call_id",
+        {"model": CLOUD_LM, "messages": [{"role": "user", "content": "x", "function_call": {}}], "max_tokens": 2},
+        "messages.0.function_call",
     ),
     (
         "/v1/chat/completions",
@@ -107,7 +107,7 @@ def test_cloud_accepts_the_documented_no_op_fields_and_the_job_fields(cloud: dic
     ("path", "body", "param"),
     [
         ("/v1/chat/completions", {"model": EDGE_LM, **CHAT, "logit_bias": {"5": 10}}, "logit_bias"),
-        ("/v1/chat/completions", {"model": EDGE_LM, **CHAT, "parallel_tool_calls": False}, "parallel_tool_calls"),
+        ("/v1/chat/completions", {"model": EDGE_LM, **CHAT, "functions": []}, "functions"),
         ("/v1/completions", {"model": EDGE_LM, **COMPLETION, "best_of": 2}, "best_of"),
         ("/v1/completions", {"model": EDGE_LM, **COMPLETION, "async": True}, "async"),  # jobs are the cloud's
         (

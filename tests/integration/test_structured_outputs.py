@@ -93,7 +93,7 @@ def test_cloud_parse_returns_a_pet_on_every_prompt(cloud: openai.OpenAI) -> None
 
 
 def test_cloud_constrained_requests_asking_for_speculation_still_match(cloud: openai.OpenAI) -> None:
-    # Constrained sequences decode without speculation (drafts are not checked against the grammar).
+    # Drafts are checked against the grammar (test_structured_speculation.py: greedy equals plain decoding).
     results = _parsed_pets(cloud, CLOUD_LM, 4, extra_body={"speculation": "draft"})
     assert all(isinstance(p, Pet) and reason == "stop" for p, reason in results)
 
@@ -236,3 +236,45 @@ def test_a_request_dumped_for_the_cloud_validates_again() -> None:
     wire = req.model_dump(mode="json", by_alias=True, exclude_unset=True)
     assert wire["response_format"] == fmt
     assert ChatCompletionRequest.model_validate(wire) == req
+
+
+@pytest.mark.parametrize("tier", ["cloud", "edge"])
+def test_completions_take_a_response_format_too(request: pytest.FixtureRequest, tier: str) -> None:
+    """``/v1/completions`` with ``response_format`` (an extension there, as on vLLM): the same grammars."""
+    client: openai.OpenAI = request.getfixturevalue(tier)
+    model = CLOUD_LM if tier == "cloud" else EDGE_LMS[0]
+    schema = {**Pet.model_json_schema(), "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "Pet", "schema": schema}}
+    for i in range(4):
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": PROMPTS[i],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0 if i < 2 else 1.0,
+            "seed": i,
+            "extra_body": {"response_format": fmt},
+        }
+        if i % 2:
+            chunks = list(client.completions.create(**body, stream=True))
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        else:
+            r = client.completions.create(**body)
+            text, finish = r.choices[0].text, [r.choices[0].finish_reason]
+        assert finish == ["stop"], text
+        Pet.model_validate_json(text)
+    if tier == "cloud":  # several prompts and n: a matcher per sequence
+        r = client.completions.create(
+            model=model,
+            prompt=["yes or no?", "no or yes?"],
+            n=2,
+            max_tokens=8,
+            temperature=1.0,
+            extra_body={"response_format": {"type": "choice", "choice": ["yes", "no"]}},
+        )
+        assert len(r.choices) == 4 and all(c.text in ("yes", "no") and c.finish_reason == "stop" for c in r.choices)
+    with pytest.raises(openai.BadRequestError) as both:
+        client.completions.create(
+            model=model, prompt="x", stop=["}"], extra_body={"response_format": {"type": "json_object"}}
+        )
+    assert "stop cannot be combined" in str(both.value.body)
