@@ -31,7 +31,7 @@ from cloud.canary import CanaryRouter
 from cloud.completions import Caller, CompletionService
 from cloud.edge_gateway import ROUTES as EDGE_ROUTES
 from cloud.edge_gateway import EdgeGateway
-from cloud.edge_releases import ARTIFACT_ROUTES, RELEASES_DIR, ReleaseStore
+from cloud.edge_releases import ARTIFACT_ROUTES, LEGACY_DIR, ReleaseStore
 from cloud.engine_pool import EnginePool
 from cloud.idempotency import IdempotencyStore, request_hash
 from cloud.ids import CloudIds
@@ -335,7 +335,7 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
     catalog = load_catalog(root)
     idempotency = IdempotencyStore(db, settings.idempotency_lease(), CloudIds.from_keys_dir(core.keys_dir))
     auth_cache = AuthCache(settings.auth_cache_s)
-    releases = ReleaseStore(core.data_dir / RELEASES_DIR)
+    releases = ReleaseStore(db, store_from_settings())  # shared by every replica: database + artifact store
     jobs = JobStore(db)
     webhooks = WebhookStore(db)
     budget_alerts = BudgetAlerts(db)
@@ -351,6 +351,7 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
         )
         usage.on_conflicts = observed.usage_id_conflicts.labels("cloud").inc
         await usage.start()
+        await asyncio.to_thread(releases.import_legacy, core.data_dir / LEGACY_DIR)
         pool = EnginePool.from_zoo(root, settings)
         tensors = TensorPool.from_zoo(root, settings.num_threads)
         await tensors.start()
