@@ -46,7 +46,7 @@ def scale(tiny_zoo: Path, session_data_dir: Path) -> dict[str, Any]:
         requests=8,
         concurrency=4,
         max_tokens=8,
-        duration=6.0,
+        duration=10.0,
         vs_litellm=litellm is not None,
         peer_requests={1: 3, 8: 8},
     )
