@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.install-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install chromium demo test lint bench zoo clean help
+.PHONY: install chromium demo test lint bench bench-peers zoo clean help
 
 help:
 	@echo "make demo    run the platform on localhost (cloud API, console, edge agent)"
@@ -23,6 +23,11 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The LiteLLM proxy for `tierline bench scale --vs litellm`, in a virtualenv of its own (its pins clash with ours).
+bench-peers:
+	test -x .venv-peers/bin/python || $(PYTHON) -m venv .venv-peers
+	.venv-peers/bin/python -m pip install --quiet "litellm[proxy]==$$(sed -n 's/^litellm==//p' constraints.txt)"
 
 demo: install
 	$(BIN)/tierline up

@@ -196,3 +196,69 @@ def bench_backends(
     root = zoo_root(preset, zoo_dir)
     data_dir = CoreSettings().data_dir
     emit(run_backends_bench(root, data_dir, requests, concurrency, max_tokens, kills, rounds), as_json)
+
+
+
+@bench.command("scale")
+@_zoo_options
+@click.option("--requests", type=int, default=64, show_default=True, help="streams per path (1 vs 2 gateways)")
+@click.option("--concurrency", type=int, default=16, show_default=True)
+@click.option("--max-tokens", type=int, default=16, show_default=True)
+@click.option("--duration", type=float, default=15.0, show_default=True, help="seconds of load around the kill -9")
+@click.option("--vs", "peer", type=click.Choice(["litellm"]), default=None, help="also run beside the LiteLLM proxy")
+@click.option("--litellm", "litellm_exe", default=None, help="the litellm executable (default: .venv-peers, PATH)")
+@click.option(
+    "--peer-requests",
+    default="1:40,8:160,64:320",
+    show_default=True,
+    help="concurrency:requests points of --vs litellm",
+)
+@click.option("--redis-url", default=None, help="default $TIERLINE_BENCH_REDIS_URL or redis://127.0.0.1:6379/0")
+def bench_scale(
+    preset: str,
+    zoo_dir: Path | None,
+    as_json: bool,
+    requests: int,
+    concurrency: int,
+    max_tokens: int,
+    duration: float,
+    peer: str | None,
+    litellm_exe: str | None,
+    peer_requests: str,
+    redis_url: str | None,
+) -> None:
+    """Two gateways on PostgreSQL + Redis behind a round-robin front: 1 vs 2 gateways, a kill -9 of one mid-load
+    (failed requests, records lost or duplicated, spend); --vs litellm: overhead and CPU beside the LiteLLM proxy.
+
+    PostgreSQL comes from TIERLINE_BENCH_DATABASE_URL (or TIERLINE_TEST_DATABASE_URL): a fresh schema, dropped after.
+    """
+    import os
+
+    from bench.billing_bench import _postgres_answers, _postgres_url
+    from bench.scale_bench import run_scale_bench
+    from shared.settings import CoreSettings
+
+    try:
+        points = {int(c): int(n) for c, n in (p.split(":") for p in peer_requests.split(","))}
+    except ValueError:
+        hint = "CONCURRENCY:REQUESTS[,...], e.g. 1:40,8:160,64:320"
+        raise click.BadParameter(hint, param_hint="--peer-requests") from None
+    url = _postgres_url()
+    problem = _postgres_answers(url) if url else "no PostgreSQL configured (TIERLINE_BENCH_DATABASE_URL)"
+    if url is None or problem:
+        raise click.ClickException(f"bench scale needs PostgreSQL: {problem}")
+    redis_url = redis_url or os.environ.get("TIERLINE_BENCH_REDIS_URL") or "redis://127.0.0.1:6379/0"
+    result = run_scale_bench(
+        zoo_root(preset, zoo_dir),
+        CoreSettings().data_dir,
+        db_url=url,
+        redis_url=redis_url,
+        requests=requests,
+        concurrency=concurrency,
+        max_tokens=max_tokens,
+        duration=duration,
+        vs_litellm=peer == "litellm",
+        litellm=litellm_exe,
+        peer_requests=points,
+    )
+    emit(result, as_json)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from cloud.canary import CanaryRouter
 from cloud.completions import Caller, CompletionService
 from cloud.edge_gateway import ROUTES as EDGE_ROUTES
 from cloud.edge_gateway import EdgeGateway
-from cloud.edge_releases import ARTIFACT_ROUTES, RELEASES_DIR, ReleaseStore
+from cloud.edge_releases import ARTIFACT_ROUTES, LEGACY_DIR, ReleaseStore
 from cloud.engine_pool import EnginePool
 from cloud.idempotency import IdempotencyStore, request_hash
 from cloud.ids import CloudIds
@@ -336,7 +337,7 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
     catalog = load_catalog(root)
     idempotency = IdempotencyStore(db, settings.idempotency_lease(), CloudIds.from_keys_dir(core.keys_dir))
     auth_cache = AuthCache(settings.auth_cache_s)
-    releases = ReleaseStore(core.data_dir / RELEASES_DIR)
+    releases = ReleaseStore(db, store_from_settings())  # shared by every replica: database + artifact store
     jobs = JobStore(db)
     webhooks = WebhookStore(db)
     budget_alerts = BudgetAlerts(db)
@@ -352,6 +353,10 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
         )
         usage.on_conflicts = observed.usage_id_conflicts.labels("cloud").inc
         await usage.start()
+        try:  # a schema still behind is reported by /readyz, not a failed start
+            await asyncio.to_thread(releases.import_legacy, core.data_dir / LEGACY_DIR)
+        except Exception:
+            logging.getLogger(__name__).exception("importing the edge releases on this host's disk failed")
         pool = EnginePool.from_zoo(root, settings)
         signing_public = public_path(core.signing_key_path)
         tensors = TensorPool.from_zoo(
@@ -426,7 +431,17 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
                     jwt=verifier,
                     auth_cache=auth_cache,
                     jobs=jobs,
-                    job_intake=JobIntake(jobs, worker, webhooks, job_settings, pool, tensors, limiter, idempotency.ids),
+                    job_intake=JobIntake(
+                        jobs,
+                        worker,
+                        webhooks,
+                        job_settings,
+                        pool,
+                        tensors,
+                        limiter,
+                        idempotency.ids,
+                        backends.serves if backends is not None else None,
+                    ),
                     webhooks=webhooks,
                     job_settings=job_settings,
                     releases=releases,

@@ -34,7 +34,6 @@ from cloud.shadow import Mirror
 from controlplane.billing import credit
 from controlplane.billing.budgets import BudgetHold, PriceBook
 from controlplane.billing.budgets import reserve as reserve_budget
-from controlplane.billing.budgets import settle as settle_budget
 from controlplane.billing.ledger import NewUsage
 from controlplane.billing.pricing import Tokens
 from controlplane.billing.scopes import MAX_SUBJECT_LEN, applicable
@@ -381,7 +380,8 @@ class CompletionService:
         A request that used no tokens leaves no usage record, except a ``server_failure`` (its upstream failed it)
         in a rollout arm: a zero-token ``error`` record, so the rollout's error rate sees it.
 
-        A stream that wrote checkpoints settles in one transaction: its final record replaces its checkpoint.
+        A request that holds a budget reservation or wrote checkpoints settles in one transaction: its record
+        stored, its hold settled, its checkpoint dropped. Others queue their record for the usage writer.
         """
         if meter.rate_limit is not None:
             await self.limiter.release(meter.rate_limit, meter.prompt_tokens + meter.completion_tokens)
@@ -394,13 +394,13 @@ class CompletionService:
         record = self._record(caller, served, meter, status, price_id, cost, now, usage_source)
         if meter.checkpoint_write is not None:  # a write the client's leaving interrupted must land first
             await asyncio.wait([meter.checkpoint_write])
+        written = False
         if meter.budget is not None or meter.checkpointed:
             reservation, meter.budget = meter.budget, None
-            spent: Decimal | None = None
-            if meter.checkpointed:
-                spent = await self.usage.settle_checkpointed(record, reservation)
-            elif reservation is not None:
-                spent = await asyncio.to_thread(settle_budget, self.usage.engine, reservation, cost or Decimal(0))
+            # The record is stored in the transaction that settles the hold (and drops a checkpoint): a crash
+            # right after never leaves spend without its record, nor a record queued in a dead process's memory.
+            spent = await self.usage.settle_checkpointed(record, reservation)
+            written = True
             if self.alerts is not None and reservation is not None and reservation.on_credit:
                 await self.alerts.after_credit(reservation.tenant_id)
             elif (
@@ -424,7 +424,7 @@ class CompletionService:
             ttft_s,
             meter.engine_s,
         )
-        if not meter.checkpointed:
+        if not written:
             self.usage.enqueue(record)
 
     def _record(

@@ -1,43 +1,41 @@
 """Edge releases: model artifacts published for devices, and the device-authenticated download route.
 
-Layout under ``$TIERLINE_DATA_DIR/edge-releases``::
+Nothing of it lives on one gateway: every replica reads the same state.
 
-    releases.json                      publish log, oldest first: [{name, version, sha256, published_at}]
-    <name>/<version>/manifest.json     the signed manifest
-    <name>/<version>/<file>...         exactly the files the manifest lists
+- the database holds each published version's signed manifest (``edge_release``, one row per name and
+  version) and the publish log (``edge_publish``, oldest first);
+- the artifact store (``controlplane.registry.store``: ``TIERLINE_ARTIFACT_STORE``, a directory every replica
+  mounts or ``s3://bucket/prefix``) holds the files' bytes, each a blob named by its sha256 (the registry's
+  models and the edge's artifacts share blobs with the same bytes).
 
 A published version is immutable: publishing the same name and version with other bytes is refused. Every
 device is told the most recently *published* version of each model, not the highest version string, so
 publishing an existing version again makes it the newest: that is how the fleet is rolled back by hand.
 
 A rollout (``controlplane.rollouts.service``) whose scope covers the edge overrides that rule for its model (the
-rollout's
-model is the artifact name): while it is pending, running or paused, each device gets its sticky arm's
-version (baseline outside the selector); once promoted, the candidate; once rolled back or aborted, the
+rollout's model is the artifact name): while it is pending, running or paused, each device gets its sticky
+arm's version (baseline outside the selector); once promoted, the candidate; once rolled back or aborted, the
 baseline. A publish of the model after the rollout finished makes today's rule apply again. A version the
 rollout names but nobody published is left out of the answer, so devices keep what they run.
 
 ``GET /v1/edge/artifacts/{name}/{version}/{path}`` serves ``manifest.json`` or a file the manifest lists, to
-enrolled devices only, with single-range HTTP Range support so that an interrupted download resumes. Devices
-verify the signature and every hash themselves; this side only refuses to publish what its own key did not
-sign.
+enrolled devices only, with single-range HTTP Range support so that an interrupted download resumes (a ranged
+read of the blob: a seek on disk, a ranged GET on S3). Devices verify the signature and every hash
+themselves; this side only refuses to publish what its own key did not sign.
+
+Releases published before they moved into the database (``$TIERLINE_DATA_DIR/edge-releases/releases.json``
+and its directories) are imported once, at the first start of a gateway that finds the publish log empty.
 """
 
 from __future__ import annotations
 
 import asyncio
-import fcntl
-import hashlib
 import json
 import logging
-import os
 import re
-import shutil
-import time
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -47,16 +45,17 @@ from litestar import Response, get
 from litestar.openapi.spec import OpenAPIFormat, OpenAPIMediaType, OpenAPIResponse, OpenAPIType, Operation, Schema
 from litestar.params import HeaderParameter
 from litestar.response import Stream
+from sqlalchemy import func
 from sqlalchemy.engine import Engine
-from sqlmodel import Session
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Session, select
 
 from cloud.edge_gateway import DEVICE, DEVICE_BEARER, DeviceCaller
-from controlplane.fleet.targets import release_targets, targets_device
-from controlplane.rollouts.service import FINAL, edge_version, load_plans, plans_for
+from controlplane.fleet.releases import Release, desired_releases, published_releases
+from controlplane.registry.store import ArtifactStore, store_from_settings
 from controlplane.storage.session import get_db
-from controlplane.storage.tables import Device
+from controlplane.storage.tables import Device, EdgePublish, EdgeRelease
 from shared.artifacts import (
-    FileEntry,
     Manifest,
     load_or_create_signing_key,
     load_public_key,
@@ -65,16 +64,15 @@ from shared.artifacts import (
     sign_manifest,
     verify_signature,
 )
-from shared.atomic import write_atomic
 from shared.edge_protocol import DesiredModel
-from shared.errors import ArtifactVerificationError, ConflictError, NotFoundError
+from shared.errors import ArtifactVerificationError, ConflictError, NotFoundError, ValidationError
 from shared.http import error_responses
 from shared.settings import CoreSettings
 
 logger = logging.getLogger(__name__)
 
-RELEASES_DIR = "edge-releases"
-INDEX_FILE = "releases.json"
+LEGACY_DIR = "edge-releases"  # where releases lived before the database held them: imported once
+LEGACY_INDEX = "releases.json"
 MANIFEST_FILE = "manifest.json"
 CHUNK_BYTES = 64 * 1024
 _SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
@@ -89,47 +87,48 @@ def is_safe_file_path(path: str) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
-class Release:
-    name: str
-    version: str
-    sha256: str
-    published_at: float
-
-
-@dataclass(frozen=True, slots=True)
 class ServedFile:
-    path: Path
     size: int
     etag: str
     media_type: str
+    chunks: Callable[[int, int], Iterator[bytes]]  # (start, length) -> the bytes, in chunks
 
 
 class ReleaseStore:
-    """Published edge artifacts on the cloud's disk. ``trusted_keys`` default to the platform's signing key;
-    ``engine`` (where rollouts are read) defaults to the process's database."""
+    """Published edge artifacts: manifests and the publish log in the database, bytes in the artifact store.
+
+    ``engine`` defaults to the process's database, ``blobs`` to the store ``TIERLINE_ARTIFACT_STORE`` names,
+    ``trusted_keys`` to the platform's signing key."""
 
     def __init__(
-        self, root: Path, trusted_keys: list[Ed25519PublicKey] | None = None, engine: Engine | None = None
+        self,
+        engine: Engine | None = None,
+        blobs: ArtifactStore | None = None,
+        trusted_keys: list[Ed25519PublicKey] | None = None,
     ) -> None:
-        self.root = root
-        self._trusted_keys = trusted_keys
         self._engine = engine
-        self._index_cache: tuple[tuple[int, int], list[Release]] | None = None
+        self._blobs = blobs
+        self._trusted_keys = trusted_keys
         self._warned: set[tuple[int, str]] = set()
 
     @classmethod
     def from_settings(cls) -> ReleaseStore:
-        return cls(CoreSettings().data_dir / RELEASES_DIR)
+        return cls()
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine or get_db()
+
+    @property
+    def blobs(self) -> ArtifactStore:
+        if self._blobs is None:
+            self._blobs = store_from_settings()
+        return self._blobs
 
     def trusted_keys(self) -> list[Ed25519PublicKey]:
         if self._trusted_keys is not None:
             return self._trusted_keys
         return [load_public_key(public_path(CoreSettings().signing_key_path))]
-
-    def version_dir(self, name: str, version: str) -> Path:
-        if not (_SEGMENT.fullmatch(name) and _SEGMENT.fullmatch(version)):
-            raise NotFoundError(f"no published artifact {name!r} version {version!r}")
-        return self.root / name / version
 
     # --- publishing -----------------------------------------------------------------------------------------
 
@@ -137,8 +136,11 @@ class ReleaseStore:
         """Publish the artifact in ``artifact_dir`` described by the signed manifest at ``manifest_path``."""
         return self.publish_manifest(artifact_dir, read_manifest(manifest_path))
 
-    def publish_manifest(self, artifact_dir: Path, manifest: Manifest) -> Manifest:
-        """Verify ``manifest`` (trusted signature, safe paths, every file's hash) and publish a copy atomically."""
+    def publish_manifest(
+        self, artifact_dir: Path, manifest: Manifest, *, published_at: datetime | None = None
+    ) -> Manifest:
+        """Verify ``manifest`` (trusted signature, safe paths, every file's hash), store the files' bytes, then
+        record the version and its publish in one transaction (a reader sees all of it or nothing)."""
         for value, what in ((manifest.name, "name"), (manifest.version, "version")):
             if not _SEGMENT.fullmatch(value):
                 raise ArtifactVerificationError(f"manifest {what} {value!r}: letters, digits and '._+-' only")
@@ -146,110 +148,119 @@ class ReleaseStore:
         for entry in manifest.files:
             if not is_safe_file_path(entry.path) or entry.path == MANIFEST_FILE:
                 raise ArtifactVerificationError(f"{manifest.name}: file path {entry.path!r} is not allowed")
-        target = self.version_dir(manifest.name, manifest.version)
-        with self._locked():
-            if (target / MANIFEST_FILE).is_file():
-                existing = read_manifest(target / MANIFEST_FILE)
-                if existing.sha256 != manifest.sha256:
-                    raise ConflictError(
-                        f"{manifest.name} {manifest.version} is already published with other content; "
-                        "publish it under a new version"
-                    )
-            else:
-                self._copy_in(artifact_dir, manifest, target)
-            releases = self._read_index()
-            releases.append(Release(manifest.name, manifest.version, manifest.sha256, time.time()))
-            body = json.dumps({"releases": [asdict(r) for r in releases]}, indent=2) + "\n"
-            write_atomic(self.root / INDEX_FILE, body.encode())
-        return manifest
+        existing = self._release(manifest.name, manifest.version)
+        if existing is not None and existing.sha256 != manifest.sha256:
+            raise self._conflict(manifest)
+        if existing is None:
+            for entry in manifest.files:  # bytes first: a version is recorded only once all its bytes are stored
+                self._store_file(artifact_dir / entry.path, entry.sha256, entry.size)
+        for attempt in range(2):
+            with Session(self.engine) as session:
+                if attempt or existing is None:
+                    row = session.exec(
+                        select(EdgeRelease).where(
+                            EdgeRelease.name == manifest.name, EdgeRelease.version == manifest.version
+                        )
+                    ).first()
+                    if row is not None and row.sha256 != manifest.sha256:
+                        raise self._conflict(manifest)
+                    if row is None:
+                        session.add(
+                            EdgeRelease(
+                                name=manifest.name,
+                                version=manifest.version,
+                                sha256=manifest.sha256,
+                                manifest=manifest.to_json(),
+                            )
+                        )
+                stamp = published_at or datetime.now(UTC)
+                session.add(EdgePublish(name=manifest.name, version=manifest.version, published_at=stamp))
+                try:
+                    session.commit()
+                    return manifest
+                except IntegrityError:  # another replica recorded this version at the same moment: look again
+                    session.rollback()
+        raise ConflictError(f"{manifest.name} {manifest.version}: concurrent publishes; try again")
 
-    def _copy_in(self, artifact_dir: Path, manifest: Manifest, target: Path) -> None:
-        for stale in target.parent.glob(".tmp-*"):  # crashed publishes (we hold the lock: none is running)
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = target.with_name(f".tmp-{target.name}-{uuid.uuid4().hex[:8]}")
+    @staticmethod
+    def _conflict(manifest: Manifest) -> ConflictError:
+        return ConflictError(
+            f"{manifest.name} {manifest.version} is already published with other content; "
+            "publish it under a new version"
+        )
+
+    def _store_file(self, src: Path, sha256: str, size: int) -> None:
+        if not src.is_file():
+            raise ArtifactVerificationError(f"{src}: missing")
+        if src.stat().st_size != size:
+            raise ArtifactVerificationError(f"{src}: size {src.stat().st_size} != {size}")
         try:
-            for entry in manifest.files:
-                _copy_checked(artifact_dir / entry.path, tmp / entry.path, entry)
-            (tmp / MANIFEST_FILE).write_text(manifest.to_json())
-            for path in tmp.rglob("*"):
-                if path.is_file():
-                    with path.open("rb") as f:
-                        os.fsync(f.fileno())
-            if target.exists():  # a directory without its manifest: a crashed publish, never served
-                shutil.rmtree(target)
-            tmp.rename(target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            self.blobs.put_file(src, expected_sha256=sha256)
+        except ValidationError:
+            raise ArtifactVerificationError(f"{src}: sha256 mismatch") from None
 
-    @contextmanager
-    def _locked(self) -> Iterator[None]:
-        self.root.mkdir(parents=True, exist_ok=True)
-        with (self.root / ".lock").open("a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+    def import_legacy(self, root: Path) -> int:
+        """Import the releases published on this host's disk before the database held them (``root`` is
+        ``$TIERLINE_DATA_DIR/edge-releases``), in their order, when the publish log is still empty; the number
+        of publishes imported. A version whose files are gone is skipped with a warning."""
+        index = root / LEGACY_INDEX
+        if not index.is_file():
+            return 0
+        with Session(self.engine) as session:
+            if session.exec(select(func.count()).select_from(EdgePublish)).one():
+                return 0
+        imported = 0
+        for entry in json.loads(index.read_text())["releases"]:
+            name, version = str(entry["name"]), str(entry["version"])
+            vdir = root / name / version
             try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+                manifest = read_manifest(vdir / MANIFEST_FILE)
+                stamp = datetime.fromtimestamp(float(entry["published_at"]), UTC)
+                self.publish_manifest(vdir, manifest, published_at=stamp)
+            except (OSError, ArtifactVerificationError, ConflictError) as exc:
+                logger.warning("edge release %s %s not imported from %s: %s", name, version, root, exc)
+                continue
+            imported += 1
+        if imported:
+            logger.info("imported %d edge release publishes from %s into the database", imported, root)
+        return imported
 
     # --- reading ---------------------------------------------------------------------------------------------
 
+    def _release(self, name: str, version: str) -> EdgeRelease | None:
+        with Session(self.engine) as session:
+            row = session.exec(
+                select(EdgeRelease).where(EdgeRelease.name == name, EdgeRelease.version == version)
+            ).first()
+            if row is not None:
+                session.expunge(row)
+            return row
+
     def releases(self) -> list[Release]:
         """Every publish, oldest first."""
-        return list(self._read_index())
+        with Session(self.engine) as session:
+            return published_releases(session)
 
-    def _read_index(self) -> list[Release]:
-        path = self.root / INDEX_FILE
-        try:
-            st = path.stat()
-        except FileNotFoundError:
-            return []
-        stamp = (st.st_mtime_ns, st.st_size)
-        if self._index_cache is not None and self._index_cache[0] == stamp:
-            return list(self._index_cache[1])
-        releases = [Release(**r) for r in json.loads(path.read_text())["releases"]]
-        self._index_cache = (stamp, releases)
-        return list(releases)
+    def manifest(self, name: str, version: str) -> Manifest:
+        """The published manifest of ``name`` ``version``; NotFoundError when it is not published."""
+        row = self._release(name, version)
+        if row is None:
+            raise NotFoundError(f"no published artifact {name!r} version {version!r}")
+        return Manifest.from_json(row.manifest)
 
     def desired(self, device: Device) -> list[DesiredModel]:
         """Per model: the version a rollout assigns this device, else the most recently published one that
-        targets it (``controlplane.fleet.targets``: a release with a target only goes to the devices it selects)."""
-        releases = self._read_index()
-        if not releases:
-            return []
-        with Session(self._engine or get_db()) as session:
-            plans = load_plans(session, "edge")
-            targets = release_targets(session)
-        newest: dict[str, Release] = {}
-        published: dict[tuple[str, str], Release] = {}
-        for release in releases:
-            published[(release.name, release.version)] = release
-            if not targets_device(targets.get((release.name, release.version)), device):
-                continue
-            newest.pop(release.name, None)
-            newest[release.name] = release
-        if not newest:
-            return []
-        chosen: list[Release] = []
-        for name, release in sorted(newest.items()):
-            plan = plans_for(plans, name, device.tenant_id)
-            published_after_end = (
-                plan is not None
-                and plan.status in FINAL
-                and plan.finished_at is not None
-                and release.published_at > plan.finished_at.timestamp()
-            )
-            if plan is None or published_after_end:
-                chosen.append(release)
-                continue
-            version = edge_version(plan, device.id, device.tenant_id, device.labels)
-            assigned = published.get((name, version))
-            if assigned is not None:
-                chosen.append(assigned)
-            elif (plan.id, version) not in self._warned:
-                self._warned.add((plan.id, version))
+        targets it (``controlplane.fleet.releases``)."""
+
+        def unpublished(plan_id: int, name: str, version: str) -> None:
+            if (plan_id, version) not in self._warned:
+                self._warned.add((plan_id, version))
                 logger.warning(
-                    "rollout %s assigns %s %s, which is not published; devices keep theirs", plan.id, name, version
+                    "rollout %s assigns %s %s, which is not published; devices keep theirs", plan_id, name, version
                 )
+
+        with Session(self.engine) as session:
+            chosen = desired_releases(session, device, unpublished)
         return [
             DesiredModel(
                 name=r.name,
@@ -261,42 +272,29 @@ class ReleaseStore:
         ]
 
     def locate(self, name: str, version: str, path: str) -> ServedFile:
-        """The manifest or a listed file of a published version; anything else (or escaping it) is a 404."""
+        """The manifest or a listed file of a published version; anything else is a 404."""
         missing = NotFoundError(f"no artifact file {name}/{version}/{path}")
-        try:
-            vdir = self.version_dir(name, version).resolve(strict=True)
-            manifest = read_manifest(vdir / MANIFEST_FILE)
-        except (OSError, ArtifactVerificationError):
-            raise missing from None
-        if not vdir.is_relative_to(self.root.resolve()):
+        if not (_SEGMENT.fullmatch(name) and _SEGMENT.fullmatch(version)):
+            raise missing
+        row = self._release(name, version)
+        if row is None:
             raise missing
         if path == MANIFEST_FILE:
-            return ServedFile(vdir / MANIFEST_FILE, (vdir / MANIFEST_FILE).stat().st_size, "", "application/json")
+            body = row.manifest.encode()
+            return ServedFile(len(body), "", "application/json", lambda start, length: iter([body[start:][:length]]))
+        try:
+            manifest = Manifest.from_json(row.manifest)
+        except ArtifactVerificationError:
+            raise missing from None
         entry = next((e for e in manifest.files if e.path == path), None)
         if entry is None or not is_safe_file_path(path):
             raise missing
-        try:
-            real = (vdir / path).resolve(strict=True)
-        except OSError:
-            raise missing from None
-        if not real.is_relative_to(vdir) or not real.is_file():
-            raise missing
-        return ServedFile(real, real.stat().st_size, f'"{entry.sha256}"', "application/octet-stream")
+        blobs, sha256 = self.blobs, entry.sha256
 
+        def chunks(start: int, length: int) -> Iterator[bytes]:
+            return blobs.iter_range(sha256, start, length, CHUNK_BYTES)
 
-def _copy_checked(src: Path, dest: Path, entry: FileEntry) -> None:
-    if not src.is_file():
-        raise ArtifactVerificationError(f"{src}: missing")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256()
-    with src.open("rb") as fin, dest.open("wb") as fout:
-        while chunk := fin.read(1 << 20):
-            digest.update(chunk)
-            fout.write(chunk)
-    if dest.stat().st_size != entry.size:
-        raise ArtifactVerificationError(f"{src}: size {dest.stat().st_size} != {entry.size}")
-    if digest.hexdigest() != entry.sha256:
-        raise ArtifactVerificationError(f"{src}: sha256 mismatch")
+        return ServedFile(entry.size, f'"{entry.sha256}"', "application/octet-stream", chunks)
 
 
 # --- HTTP -----------------------------------------------------------------------------------------------------
@@ -329,17 +327,6 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     return start, min(int(last), size - 1) if last else size - 1
 
 
-def _read(path: Path, start: int, length: int) -> Iterator[bytes]:
-    with path.open("rb") as f:
-        f.seek(start)
-        while length > 0:
-            chunk = f.read(min(CHUNK_BYTES, length))
-            if not chunk:
-                return
-            length -= len(chunk)
-            yield chunk
-
-
 def range_response(served: ServedFile, range_header: str | None, if_range: str | None) -> Response[Any]:
     headers = {"Accept-Ranges": "bytes"}
     if served.etag:
@@ -360,7 +347,7 @@ def range_response(served: ServedFile, range_header: str | None, if_range: str |
     headers["Content-Length"] = str(length)
     if status == 206:
         headers["Content-Range"] = f"bytes {start}-{end}/{served.size}"
-    return Stream(_read(served.path, start, length), status_code=status, media_type=served.media_type, headers=headers)
+    return Stream(served.chunks(start, length), status_code=status, media_type=served.media_type, headers=headers)
 
 
 @dataclass

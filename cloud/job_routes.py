@@ -54,13 +54,14 @@ class JobIntake:
     tensors: TensorPool
     limiter: RateLimiter
     ids: CloudIds  # the server-keyed ids of jobs submitted with an Idempotency-Key
+    remote_serves: Callable[[str], bool] | None = None  # models upstream servers answer (``openai`` backends)
 
     def _check_model(self, caller: Caller, endpoint: str, model: str) -> None:
         """Refuse now what the job would fail on at once: an unknown model, or one the key may not use."""
         if endpoint == INFERENCE:
             if not self.tensors.serves(model) and model not in self.pool.engines:
                 raise unknown_model(model)
-        elif self.pool.remote_version(model) is None:  # else upstream servers answer it
+        elif self.pool.remote_version(model) is None and (self.remote_serves is None or not self.remote_serves(model)):
             with contextlib.suppress(EngineRestartingError):  # the worker waits for the restart (Retry-After)
                 self.pool.get(model)
         allowed = caller.key.allowed_models if caller.key is not None else None

@@ -465,8 +465,8 @@ class Backends:
                 if data is None:
                     raise httpx.RemoteProtocolError("upstream closed the stream before [DONE]")
             status, ok = "ok", True
+            counted = await bill("ok")  # billed before [DONE]: a stream the client saw end is never unbilled
             if include_usage and relay.usage is None:  # counted here: the client still gets its usage chunk
-                counted = await bill("ok")
                 yield sse({**rewrite, "object": _chunk_object(chat), "choices": [], "usage": counted})
             yield SSE_DONE
         except (httpx.HTTPError, OSError) as exc:
@@ -481,7 +481,7 @@ class Backends:
         finally:
             await response.aclose()  # a client that left: closing the connection aborts the upstream request
             remote.pool.release(endpoint, ok)
-            await bill(status)  # once: a no-usage stream that asked for usage was billed before its usage chunk
+            await bill(status)  # once: a stream that ended well was billed before its [DONE]
 
     async def _call(
         self,

@@ -26,6 +26,7 @@ from console.pages.common import (
     text,
     write_session,
 )
+from controlplane.fleet.releases import desired_releases
 from controlplane.policies import service as policy_service
 from controlplane.storage.tables import Device, EnrollmentToken, Tenant
 from shared.errors import ApplicationError, NotFoundError, ValidationError
@@ -62,22 +63,10 @@ class DeviceRow:
         return all(w.in_sync for w in (*self.models, *self.policies))
 
 
-def _release_desired(device: Device) -> dict[str, str] | None:
-    """The edge releases the cloud's sync would send this device now (None: not readable from this process)."""
-    try:
-        from cloud.edge_releases import ReleaseStore
-    except ImportError:  # a console installed without the cloud tier's code
-        return None
-    try:
-        return {d.name: d.version for d in ReleaseStore.from_settings().desired(device)}
-    except (OSError, ValueError, KeyError):
-        return None
-
-
 def desired_vs_actual(session: Session, device: Device) -> tuple[tuple[Wanted, ...], tuple[Wanted, ...]]:
     """Per model: the desired release version against the loaded one; per model: the desired policy version
     against the one the device reports running (``override`` when its own file wins)."""
-    desired = _release_desired(device) or {}
+    desired = {r.name: r.version for r in desired_releases(session, device)}
     loaded = {m.removeprefix(MODEL_PREFIX): v for m, v in (device.versions or {}).items()}
     models = tuple(Wanted(n, desired.get(n), loaded.get(n)) for n in sorted({*desired, *loaded}))
     wanted = {r.model: str(r.version) for r in policy_service.desired_rows(session, device)}

@@ -303,7 +303,7 @@ def settle_checkpointed(session: Session, usage: NewUsage, hold: BudgetHold | No
     if hold is not None:
         cost = usage.rating[1] if usage.rating is not None else None
         spent = settle_in(session, hold, cost or Decimal(0))
-    if usage.prompt_tokens or usage.completion_tokens:
+    if usage.prompt_tokens or usage.completion_tokens or usage.rows:
         ingest_usage(session, [usage], count_spend=False)
     session.execute(delete(UsageCheckpoint).where(col(UsageCheckpoint.id) == usage.id))
     return spent

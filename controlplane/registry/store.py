@@ -203,6 +203,15 @@ class ArtifactStore(ABC):
         with self.open(sha256) as f:
             return f.read()
 
+    def iter_range(self, sha256: str, start: int, length: int, chunk: int = CHUNK_BYTES) -> Iterator[bytes]:
+        """``length`` bytes of the blob from offset ``start``, in chunks (an HTTP Range response streams these).
+        The generic way reads past the first ``start`` bytes; the stores below seek or ask for the range."""
+        with self.open(sha256) as f:
+            skip = start
+            while skip > 0 and (data := f.read(min(chunk, skip))):
+                skip -= len(data)
+            yield from _chunks(f, length, chunk)
+
     def fetch(self, sha256: str, dest: Path) -> None:
         """Copy the blob to ``dest`` and check its hash on the way."""
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -238,6 +247,11 @@ class LocalArtifactStore(ArtifactStore):
         except FileNotFoundError:
             raise NotFoundError(f"no blob {sha256} in the artifact store", param="sha256") from None
 
+    def iter_range(self, sha256: str, start: int, length: int, chunk: int = CHUNK_BYTES) -> Iterator[bytes]:
+        with self.open(sha256) as f:
+            f.seek(start)
+            yield from _chunks(f, length, chunk)
+
     def _adopt(self, staged: Path, sha256: str, size: int) -> StoredBlob:
         target = self.path(sha256)
         if not target.is_file():  # same bytes already stored: keep the one copy
@@ -245,6 +259,15 @@ class LocalArtifactStore(ArtifactStore):
             staged.replace(target)
             _fsync_dir(target.parent)
         return StoredBlob(sha256, size, self.uri(sha256))
+
+
+def _chunks(f: BlobReader, length: int, chunk: int) -> Iterator[bytes]:
+    while length > 0:
+        data = f.read(min(chunk, length))
+        if not data:
+            return
+        length -= len(data)
+        yield data
 
 
 def _fsync_dir(path: Path) -> None:
@@ -307,6 +330,23 @@ class S3ArtifactStore(ArtifactStore):
                 raise NotFoundError(f"no blob {sha256} in the artifact store", param="sha256") from None
             raise
         return _Readable(body)
+
+    def iter_range(self, sha256: str, start: int, length: int, chunk: int = CHUNK_BYTES) -> Iterator[bytes]:
+        """One ranged GET: only the bytes asked for cross the network."""
+        from botocore.exceptions import ClientError
+
+        if length <= 0:
+            return
+        try:
+            body = self.client.get_object(
+                Bucket=self.bucket, Key=self.key(sha256), Range=f"bytes={start}-{start + length - 1}"
+            )["Body"]
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                raise NotFoundError(f"no blob {sha256} in the artifact store", param="sha256") from None
+            raise
+        with _Readable(body) as f:
+            yield from _chunks(f, length, chunk)
 
     def _adopt(self, staged: Path, sha256: str, size: int) -> StoredBlob:
         if not self.exists(sha256):

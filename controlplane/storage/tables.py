@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import JSON, Column, Index, Numeric, UniqueConstraint
+from sqlalchemy import JSON, Column, Index, Numeric, Text, UniqueConstraint
 from sqlmodel import Field, SQLModel
 
 from controlplane.storage.types import Micros, UTCDateTime
@@ -812,3 +812,29 @@ class ConsoleLoginAttempt(SQLModel, table=True):
     key: str = Field(primary_key=True, max_length=64, description="sha256 of the lowercased username and address")
     attempts: int = 0
     window_start: datetime = _ts(index=True)
+
+
+class EdgeRelease(SQLModel, table=True):
+    """A published edge artifact version: its signed manifest (the files' bytes are blobs in the artifact store,
+    named by their sha256). Immutable: a name and version is published with one manifest only."""
+
+    __tablename__ = "edge_release"
+    __table_args__ = (UniqueConstraint("name", "version"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(max_length=128)
+    version: str = Field(max_length=128)
+    sha256: str = Field(max_length=64, description="the manifest's sha256")
+    manifest: str = Field(sa_column=Column(Text, nullable=False), description="the signed manifest, as served")
+    created_at: datetime = _ts()
+
+
+class EdgePublish(SQLModel, table=True):
+    """The publish log, oldest first: each device is told the most recently published version of each model."""
+
+    __tablename__ = "edge_publish"
+
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(max_length=128, index=True)
+    version: str = Field(max_length=128)
+    published_at: datetime = _ts()

@@ -86,6 +86,15 @@ def test_a_blob_is_stored_under_its_sha256_and_read_back(store: ArtifactStore, t
     assert staged_files(store) == []
 
 
+def test_a_byte_range_of_a_blob_is_read_without_the_rest(store: ArtifactStore) -> None:
+    data = bytes(range(256)) * 40  # 10,240 bytes
+    blob = store.put_bytes(data)
+    for start, length in ((0, 10), (100, 5000), (len(data) - 16, 16), (7, len(data) - 7), (5, 0)):
+        assert b"".join(store.iter_range(blob.sha256, start, length, chunk=999)) == data[start : start + length]
+    with pytest.raises(NotFoundError):
+        list(store.iter_range("0" * 64, 0, 10))
+
+
 def test_the_same_bytes_are_stored_once(store: ArtifactStore) -> None:
     first = store.put_bytes(b"weights" * 1000)
     second = store.put_stream(io.BytesIO(b"weights" * 1000))

@@ -21,13 +21,26 @@ import pytest
 from click.testing import CliRunner
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import load_pem_public_key
+from sqlalchemy import update
+from sqlalchemy.engine import Engine
+from sqlmodel import Session
 
 from cloud.edge_releases import ReleaseStore, publish_command
+from controlplane.registry.store import LocalArtifactStore
+from controlplane.storage.database import create_db
+from controlplane.storage.tables import EdgeRelease
 from edge_agent.generation import LocalLM, LocalRequest
 from edge_agent.model_store import ModelStore
 from edge_agent.runtime.lm import load_causal_lm
 from edge_agent.updater import HealthWatch, Updater
-from shared.artifacts import FileEntry, load_or_create_signing_key, read_manifest, sign_manifest, verify_files
+from shared.artifacts import (
+    FileEntry,
+    Manifest,
+    load_or_create_signing_key,
+    read_manifest,
+    sign_manifest,
+    verify_files,
+)
 from shared.chat_tokenizer import ChatTokenizer
 from shared.edge_protocol import DesiredModel
 from shared.errors import ArtifactVerificationError
@@ -43,10 +56,28 @@ class Cloud:
     env: dict[str, str]
     device_token: str
     keys: list[Ed25519PublicKey]
+    db: Engine
 
     @property
-    def releases(self) -> Path:
-        return self.data / "edge-releases"
+    def blobs(self) -> LocalArtifactStore:
+        """The artifact store the cloud keeps release files in (the default: a directory in its data dir)."""
+        return LocalArtifactStore(self.data / "artifacts")
+
+    def store(self) -> ReleaseStore:
+        return ReleaseStore(self.db, self.blobs, trusted_keys=self.keys)
+
+    def manifest(self, name: str, version: str) -> Manifest:
+        return self.store().manifest(name, version)
+
+    def replace_manifest(self, manifest: Manifest) -> None:
+        """Overwrite a published manifest where every gateway reads it (as an attacker with the database would)."""
+        with Session(self.db) as session:
+            session.exec(
+                update(EdgeRelease)
+                .where(EdgeRelease.name == manifest.name, EdgeRelease.version == manifest.version)  # type: ignore[arg-type]
+                .values(manifest=manifest.to_json())
+            )
+            session.commit()
 
     def zoo_artifact(self, name: str) -> Path:
         return self.data / "zoo" / "tiny" / "artifacts" / name
@@ -99,7 +130,9 @@ def cloud(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_data
         body = enrolled.json()
         keys = [load_pem_public_key(pem.encode()) for pem in body["signing_public_keys"]]
         assert keys and all(isinstance(k, Ed25519PublicKey) for k in keys)
-        yield Cloud(url, data, env, body["device_token"], keys)  # type: ignore[arg-type]
+        db = create_db(env["TIERLINE_DATABASE_URL"])
+        yield Cloud(url, data, env, body["device_token"], keys, db)  # type: ignore[arg-type]
+        db.dispose()
 
 
 @pytest.fixture
@@ -119,9 +152,9 @@ def device(cloud: Cloud, tmp_path: Path) -> Iterator[Device]:
         yield dev
 
 
-def staged_bytes(stage: Path, manifest_path: Path) -> int:
+def staged_bytes(stage: Path, manifest: Manifest) -> int:
     total = 0
-    for entry in read_manifest(manifest_path).files:
+    for entry in manifest.files:
         for candidate in (stage / entry.path, stage / f"{entry.path}.part"):
             if candidate.is_file():
                 total += candidate.stat().st_size
@@ -182,8 +215,8 @@ print(updater.apply(DesiredModel.model_validate_json(desired)), flush=True)
 def test_a_download_killed_midway_resumes_where_it_stopped(cloud: Cloud, device: Device) -> None:
     cloud.publish("lm-edge-onnx", "big1")
     desired = cloud.desired("lm-edge-onnx")
-    manifest_path = cloud.releases / "lm-edge-onnx" / "big1" / "manifest.json"
-    total = read_manifest(manifest_path).size
+    manifest_path = cloud.manifest("lm-edge-onnx", "big1")
+    total = manifest_path.size
     stage = device.store.root.parent / "staging" / "lm-edge-onnx" / "big1"
     key = cloud.data / "keys" / "artifact-signing.ed25519.pub"
     args = [cloud.url, cloud.device_token, str(device.store.root.parent), str(key), desired.model_dump_json()]
@@ -208,35 +241,39 @@ def test_a_download_killed_midway_resumes_where_it_stopped(cloud: Cloud, device:
     assert downloaded["bytes_fetched"] == total - on_disk
     current = device.store.current_dir("lm-edge-onnx")
     assert current is not None
-    verify_files(read_manifest(manifest_path), current)
+    verify_files(manifest_path, current)
 
 
 def test_a_tampered_file_is_rejected_and_the_current_version_stays(cloud: Cloud, device: Device) -> None:
     cloud.publish("digits-small", "t1")
     assert device.updater.apply(cloud.desired("digits-small")) == "installed"
     cloud.publish("digits-small", "t2")
-    published = cloud.releases / "digits-small" / "t2" / "model.onnx"
-    data = bytearray(published.read_bytes())
+    entry = next(e for e in cloud.manifest("digits-small", "t2").files if e.path == "model.onnx")
+    published = cloud.blobs.path(entry.sha256)  # the stored bytes every gateway serves
+    good = published.read_bytes()
+    data = bytearray(good)
     data[len(data) // 2] ^= 0x01
     published.write_bytes(bytes(data))
 
     device.events.clear()
-    assert device.updater.apply(cloud.desired("digits-small")) == "rejected"
+    try:
+        assert device.updater.apply(cloud.desired("digits-small")) == "rejected"
+    finally:
+        published.write_bytes(good)  # the blob is shared by every version with these bytes
     assert device.kinds() == ["update.rejected"]
     assert "model.onnx: sha256 mismatch" in device.events[0][1]["reason"]
     assert device.store.current("digits-small") == "t1" and device.store.versions("digits-small") == ["t1"]
     assert not (device.store.root.parent / "staging" / "digits-small" / "t2").exists()
 
 
-def resign(path: Path, key: Ed25519PrivateKey | None, **changes: Any) -> None:
-    manifest = read_manifest(path)
+def resign(manifest: Manifest, key: Ed25519PrivateKey | None, **changes: Any) -> Manifest:
     for attr, value in changes.items():
         setattr(manifest, attr, value)
     if key is None:
         manifest.signature = None
     else:
         sign_manifest(manifest, key)
-    path.write_text(manifest.to_json())
+    return manifest
 
 
 def test_foreign_signed_unsigned_unsafe_and_oversized_manifests_are_rejected(cloud: Cloud, device: Device) -> None:
@@ -248,13 +285,13 @@ def test_foreign_signed_unsigned_unsafe_and_oversized_manifests_are_rejected(clo
     ]
     for version, key, unsafe, reason in cases:
         cloud.publish("digits-small", version)
-        path = cloud.releases / "digits-small" / version / "manifest.json"
-        files = read_manifest(path).files
+        manifest = cloud.manifest("digits-small", version)
+        files = manifest.files
         if unsafe:  # signed by the platform key, but a path that climbs out of the artifact
             files[1] = FileEntry("../model.onnx", files[1].size, files[1].sha256)
-        resign(path, key, files=files)
+        cloud.replace_manifest(resign(manifest, key, files=files))
         desired = cloud.desired("digits-small")
-        desired.sha256 = read_manifest(path).sha256
+        desired.sha256 = cloud.manifest("digits-small", version).sha256
         device.events.clear()
         assert device.updater.apply(desired) == "rejected", version
         assert reason in device.events[-1][1]["reason"]
@@ -275,9 +312,9 @@ def test_foreign_signed_unsigned_unsafe_and_oversized_manifests_are_rejected(clo
     assert "over the limit of 1000" in device.events[-1][1]["reason"]
     # The cloud refuses to publish what its own key did not sign.
     foreign = cloud.data / "foreign.json"
-    foreign.write_text((cloud.releases / "digits-small" / "s-foreign" / "manifest.json").read_text())
-    resign(foreign, Ed25519PrivateKey.generate(), version="s-foreign-2")
-    store = ReleaseStore(cloud.releases, trusted_keys=cloud.keys)
+    manifest = resign(cloud.manifest("digits-small", "s-foreign"), Ed25519PrivateKey.generate(), version="s-foreign-2")
+    foreign.write_text(manifest.to_json())
+    store = cloud.store()
     with pytest.raises(ArtifactVerificationError, match="untrusted key"):
         store.publish(cloud.zoo_artifact("digits-small"), foreign)
 
@@ -288,7 +325,7 @@ def test_golden_outputs_gate_the_switch(cloud: Cloud, device: Device) -> None:
     runtime = load_causal_lm(zoo_dir)
     golden = runtime.greedy(ChatTokenizer(zoo_dir).encode(prompt), 6)
     key = load_or_create_signing_key(cloud.data / "keys" / "artifact-signing.ed25519")
-    store = ReleaseStore(cloud.releases, trusted_keys=cloud.keys)
+    store = cloud.store()
     for version, ids in (("g-bad", [(t + 1) % 1024 for t in golden]), ("g-ok", golden)):
         manifest = read_manifest(zoo_dir.parent.parent / "manifests" / "lm-edge-onnx-int8.json")
         manifest.version = version
@@ -367,8 +404,7 @@ def raw_get(url: str, path: str, headers: dict[str, str]) -> tuple[int, dict[str
 
 def test_artifact_route_serves_ranges_to_devices_only(cloud: Cloud) -> None:
     cloud.publish("digits-small", "range1")
-    vdir = cloud.releases / "digits-small" / "range1"
-    blob = (vdir / "model.onnx").read_bytes()
+    blob = (cloud.zoo_artifact("digits-small") / "model.onnx").read_bytes()
     size = len(blob)
     base = "/v1/edge/artifacts/digits-small/range1"
 
@@ -404,12 +440,10 @@ def test_artifact_route_serves_ranges_to_devices_only(cloud: Cloud) -> None:
     assert raw_get(cloud.url, f"{base}/model.onnx", {"Authorization": "Bearer tld-not-a-device"})[0] == 401
     assert get("../../../keys/artifact-signing.ed25519", auth=False)[0] == 401  # no probing without a credential
 
-    (vdir / "notes.txt").write_text("not in the manifest")
-    (vdir / "classifier.json").unlink()
-    (vdir / "classifier.json").symlink_to(cloud.data / "keys" / "artifact-signing.ed25519")
+    (cloud.data / "artifacts" / "notes.txt").write_text("not in the manifest")
     for path in (
         "notes.txt",
-        "classifier.json",
+        "../../../artifacts/notes.txt",
         "../../../keys/artifact-signing.ed25519",
         "%2e%2e/%2e%2e/%2e%2e/keys/artifact-signing.ed25519",
         "..%2f..%2f..%2fkeys%2fartifact-signing.ed25519",

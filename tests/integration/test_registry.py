@@ -293,7 +293,11 @@ def test_an_exported_edge_artifact_publishes_to_the_fleet(tmp_path: Path) -> Non
     published = runner.invoke(publish_command, [str(files)], env=env)  # its signature checks with the platform key
     assert published.exit_code == 0, published.output
     assert published.stdout.startswith("published tiny-edge 1 (3 files")
-    assert (data / "edge-releases" / "tiny-edge" / "1" / "model.onnx").is_file()
+    from controlplane.registry.store import LocalArtifactStore
+    from shared.artifacts import sha256_file
+
+    stored = LocalArtifactStore(data / "artifacts")  # the release's bytes are blobs in the artifact store
+    assert stored.read_bytes(sha256_file(files / "model.onnx")) == (edge / "model.onnx").read_bytes()
 
     again = runner.invoke(models, ["export", "tiny-edge", "1", "--format", "onnx-int8", "--out", str(out)], env=env)
     assert "exists; export somewhere new" in str(again.exception)
