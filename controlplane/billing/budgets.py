@@ -32,7 +32,7 @@ from sqlmodel import Session, col, select
 
 from controlplane.billing import credit
 from controlplane.billing.pricing import DEFAULT_PLAN, PriceIndex, PriceLike, Rating, Tokens, period_of, rate
-from controlplane.billing.scopes import ScopedWindow, applicable, remaining_in
+from controlplane.billing.scopes import Attribution, ScopedWindow, applicable, remaining_in
 from controlplane.storage.tables import (
     BudgetPeriod,
     BudgetReservation,
@@ -299,9 +299,12 @@ def thresholds_reached(spent: Decimal, budget: Decimal) -> list[int]:
     return [t for t in ALERT_THRESHOLDS if spent * 100 >= budget * t]
 
 
-def add_spend(session: Session, tenant_id: int, at: datetime, amount: Decimal) -> None:
+def add_spend(
+    session: Session, tenant_id: int, at: datetime, amount: Decimal, attribution: Attribution | None = None
+) -> None:
     """Spend that was not reserved (edge usage arriving at sync), in the caller's transaction: the tenant's month
-    and its tenant-wide scoped budgets (per day, month, total) of that time."""
+    and its tenant-wide scoped budgets (per day, month, total) of that time, and those of ``attribution`` (the
+    device's key, project, end user)."""
     period = period_of(at)
     month_amount = amount - credit.draw(session, tenant_id, amount, period, f"sync:{period}")
     row = session.get(BudgetPeriod, (tenant_id, period))
@@ -314,23 +317,41 @@ def add_spend(session: Session, tenant_id: int, at: datetime, amount: Decimal) -
             .where(col(BudgetPeriod.tenant_id) == tenant_id, col(BudgetPeriod.period) == period)
             .values(spent=col(BudgetPeriod.spent) + month_amount)
         )
-    windows = applicable(session, tenant_id, at)
+    who = attribution or Attribution()
+    windows = applicable(session, tenant_id, at, key_id=who.key_id, project_id=who.project_id, subject=who.subject)
     if windows:
         _insert_windows(session.connection(), [w.key for w in windows])
         _move_windows(session, [w.key for w in windows], release=Decimal(0), spend=amount)
 
 
-def tightest_remaining(session: Session, tenant: Tenant, at: datetime | None = None) -> Decimal | None:
-    """What the tenant may still spend now under its tightest hard tenant-wide budget (its monthly budget and
-    its scoped tenant budgets per day, month, total); None: no such budget (unlimited). The edge allowance."""
+def tightest(
+    session: Session, tenant: Tenant, at: datetime | None = None, attribution: Attribution | None = None
+) -> tuple[Decimal | None, str | None]:
+    """What may still be spent now under the tightest hard budget that applies, and that budget's name: the
+    tenant's monthly budget (a prepaid tenant: its credit plus the month's remainder), its scoped tenant budgets
+    per day, month, total, and those of ``attribution`` (a device's key, its project, its end user). ``(None,
+    None)``: no hard budget applies (unlimited). The edge allowance."""
     at = at or datetime.now(UTC)
     month = remaining(session, tenant.id or 0, tenant.monthly_budget, at) if tenant.monthly_budget is not None else None
     prepaid = credit.available(session, tenant.id or 0)
+    left: list[tuple[Decimal, str]] = []
     if prepaid is not None:  # a prepaid tenant: its credit, then its month's budget (none: nothing after credit)
-        month = prepaid + (month or Decimal(0))
-    left = [month] if month is not None else []
-    left += [remaining_in(session, w) for w in applicable(session, tenant.id or 0, at) if w.is_hard]
-    return min(left) if left else None
+        name = "the tenant's prepaid credit" + (" and monthly budget" if month is not None else "")
+        left.append((prepaid + (month or Decimal(0)), name))
+    elif month is not None:
+        left.append((month, "the tenant's monthly budget"))
+    who = attribution or Attribution()
+    windows = applicable(session, tenant.id or 0, at, key_id=who.key_id, project_id=who.project_id, subject=who.subject)
+    left += [(remaining_in(session, w), w.label) for w in windows if w.is_hard]
+    if not left:
+        return None, None
+    return min(left, key=lambda item: item[0])  # the first listed wins a tie: the month, then by budget id
+
+
+def tightest_remaining(session: Session, tenant: Tenant, at: datetime | None = None) -> Decimal | None:
+    """What the tenant may still spend now under its tightest hard tenant-wide budget (``tightest`` without
+    an attribution); None: no such budget (unlimited)."""
+    return tightest(session, tenant, at)[0]
 
 
 def remaining(session: Session, tenant_id: int, budget: Decimal, at: datetime | None = None) -> Decimal:
