@@ -12,6 +12,9 @@ and compare the medians (docs/benchmarks.md has the loop):
   engine children, and wall milliseconds per request at that concurrency. The model is priced in both; ``money``
   also puts the key in a project with a daily key budget and a monthly project budget, and makes the tenant
   prepaid, so each request is held on its credit and two budget windows and settles all three (issue 27).
+- ``hold {plain,money} [N] [DATABASE_URL]``: the budget work of N requests in this process, one after the other,
+  without a server: what the cloud runs per request (the applicable budgets, the hold, the settle, the credit
+  alert check), against a fresh SQLite file or a given (empty) database; CPU and wall milliseconds per request.
 """
 
 from __future__ import annotations
@@ -185,10 +188,78 @@ def api_cost(
     }
 
 
+def hold_cost(money: str, num_requests: int = 300, url: str | None = None) -> dict[str, Any]:
+    from datetime import UTC, datetime
+    from decimal import Decimal
+
+    from sqlmodel import Session
+
+    from controlplane.billing import budget_admin, credit
+    from controlplane.billing.budgets import reserve, settle
+    from controlplane.billing.scopes import applicable
+    from controlplane.storage.database import create_db
+    from controlplane.storage.migrate import upgrade
+    from controlplane.tenancy.service import create_api_key, create_tenant
+
+    with tempfile.TemporaryDirectory(prefix="tierline-hold-cost-") as tmp:
+        url = url or f"sqlite:///{tmp}/hold.db"
+        upgrade(url)
+        engine = create_db(url)
+        ample = Decimal(10**6)
+        with Session(engine) as s:
+            tenant = create_tenant(s, f"hold-{os.getpid()}")
+            key = create_api_key(s, tenant).record
+            if money == "money":
+                project = budget_admin.create_project(s, tenant, "p", "bench")
+                budget_admin.assign_key(s, tenant, key.id or 0, project, "bench")
+                for scope, ref, period in (("key", str(key.id), "day"), ("project", "p", "month")):
+                    budget_admin.set_budget(
+                        s, tenant, scope=scope, ref=ref, period=period, amount=ample, is_hard=True, actor="bench"
+                    )
+                credit.top_up(s, tenant, ample, note="", actor="bench")
+            s.commit()
+            tenant_id, key_id, project_id = tenant.id or 0, key.id, key.project_id
+
+        def one() -> None:  # as cloud.completions does per request: _reserve, _settle, after_credit
+            now = datetime.now(UTC)
+            with Session(engine) as s:
+                windows = applicable(s, tenant_id, now, key_id=key_id, project_id=project_id)
+                prepaid = credit.available(s, tenant_id) is not None
+            if not windows and not prepaid:
+                return
+            held = reserve(engine, tenant_id, None, Decimal("0.01"), at=now, windows=windows)
+            settle(engine, held, Decimal("0.005"))
+            if held.on_credit:
+                with Session(engine) as s:
+                    credit.claim_low_alert(s, tenant_id)
+                    s.rollback()
+
+        for _ in range(20):
+            one()
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        for _ in range(num_requests):
+            one()
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+        engine.dispose()
+    return {
+        "mode": "hold",
+        "money": money,
+        "database": url.split(":", 1)[0],
+        "requests": num_requests,
+        "cpu_ms_per_request": round(1000 * cpu / num_requests, 2),
+        "wall_ms_per_request": round(1000 * wall / num_requests, 2),
+    }
+
+
 def main(argv: list[str]) -> None:
     usage = (
         "usage: python -m bench.cpu_cost engine ZOO {inproc,process} [N] | api ZOO KEYS [N] [CONCURRENCY] [plain|money]"
+        " | hold {plain,money} [N] [DATABASE_URL]"
     )
+    if argv[:1] == ["hold"] and argv[1:2] in (["plain"], ["money"]):
+        count = int(argv[2]) if len(argv) > 2 else 300
+        print(json.dumps(hold_cost(argv[1], count, argv[3] if len(argv) > 3 else None)))
+        return
     if (
         len(argv) < 3
         or argv[0] not in ("engine", "api")
