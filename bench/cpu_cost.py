@@ -7,8 +7,14 @@ and compare the medians (docs/benchmarks.md has the loop):
 - ``engine ZOO_PRESET_DIR {inproc,process} [N]``: N mixed requests (``bench engine``'s workload, greedy) through the
   ``LLMEngine`` in this process, or through the engine child process (``EngineProcess``), on one torch thread;
   CPU seconds of this process and of its children during the run only.
-- ``api ZOO_PRESET_DIR KEYS_DIR [N] [CONCURRENCY]``: N streamed chat completions (16 tokens) against a real
-  ``tierline cloud serve``; CPU milliseconds per request of the API process itself and of its engine children.
+- ``api ZOO_PRESET_DIR KEYS_DIR [N] [CONCURRENCY] [plain|money]``: N streamed chat completions (16 tokens)
+  against a real ``tierline cloud serve``; CPU milliseconds per request of the API process itself and of its
+  engine children, and wall milliseconds per request at that concurrency. The model is priced in both; ``money``
+  also puts the key in a project with a daily key budget and a monthly project budget, and makes the tenant
+  prepaid, so each request is held on its credit and two budget windows and settles all three (issue 27).
+- ``hold {plain,money} [N] [DATABASE_URL]``: the budget work of N requests in this process, one after the other,
+  without a server: what the cloud runs per request (the applicable budgets, the hold, the settle, the credit
+  alert check), against a fresh SQLite file or a given (empty) database; CPU and wall milliseconds per request.
 """
 
 from __future__ import annotations
@@ -101,7 +107,23 @@ def engine_cost(zoo: Path, mode: str, num_requests: int = 64) -> dict[str, Any]:
     }
 
 
-def api_cost(zoo: Path, keys: Path, num_requests: int = 300, concurrency: int = 16) -> dict[str, Any]:
+def _money_controls(cli: list[str], env: dict[str, str], key_id: str) -> None:
+    """A project holding the key, a key budget per day, a project budget per month, prepaid credit: all ample."""
+    billing = [*cli, "billing"]
+    for args in (
+        ["projects", "create", "--tenant", "bench", "bench-project"],
+        ["projects", "add-key", "--tenant", "bench", "--project", "bench-project", key_id],
+        ["budgets", "set", "--tenant", "bench", "--scope", "key", "--ref", key_id, "--period", "day"],
+        ["budgets", "set", "--tenant", "bench", "--scope", "project", "--ref", "bench-project", "--period", "month"],
+        ["prepaid", "top-up", "--tenant", "bench", "--amount", "1000000"],
+    ):
+        amount = ["--amount", "1000000"] if args[0] == "budgets" else []
+        subprocess.run([*billing, *args, *amount], env=env, check=True, capture_output=True)
+
+
+def api_cost(
+    zoo: Path, keys: Path, num_requests: int = 300, concurrency: int = 16, money: str = "plain"
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tierline-cpu-cost-") as tmp:
         data = Path(tmp)
         shutil.copytree(keys, data / "keys")
@@ -114,11 +136,15 @@ def api_cost(zoo: Path, keys: Path, num_requests: int = 300, concurrency: int = 
             TIERLINE_LOG_LEVEL="WARNING",
         )
         cli = [sys.executable, "-m", "tierline.cli"]
-        for args in (["db", "upgrade"], ["tenants", "create", "bench"]):
+        price = ["billing", "prices", "set", "--model", "tierline/lm-cloud", "--prompt", "0.5", "--completion", "1.5"]
+        for args in (["db", "upgrade"], ["tenants", "create", "bench"], price):
             subprocess.run([*cli, *args], env=env, check=True, capture_output=True)
-        key = subprocess.run(
+        made = subprocess.run(
             [*cli, "keys", "create", "--tenant", "bench"], env=env, check=True, capture_output=True, text=True
-        ).stdout.strip()
+        )
+        key = made.stdout.strip()
+        if money == "money":
+            _money_controls(cli, env, made.stderr.split("key id ", 1)[1].split()[0])
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         with tierline_server(["cloud", "serve"], env, port, "/readyz") as server:
@@ -147,28 +173,105 @@ def api_cost(zoo: Path, keys: Path, num_requests: int = 300, concurrency: int = 
 
             asyncio.run(load(20))
             api0, engine0 = _proc_cpu(server.pid, children=False), _proc_cpu(server.pid, children=True)
+            wall0 = time.perf_counter()
             ok = asyncio.run(load(num_requests))
+            wall = time.perf_counter() - wall0
             api1, engine1 = _proc_cpu(server.pid, children=False), _proc_cpu(server.pid, children=True)
     return {
+        "money": money,
         "requests": num_requests,
+        "concurrency": concurrency,
         "ok": ok,
+        "wall_ms_per_request": round(1000 * wall / num_requests, 2),
         "api_cpu_ms_per_request": round(1000 * (api1 - api0) / num_requests, 2),
         "engine_cpu_ms_per_request": round(1000 * (engine1 - engine0) / num_requests, 2),
     }
 
 
+def hold_cost(money: str, num_requests: int = 300, url: str | None = None) -> dict[str, Any]:
+    from datetime import UTC, datetime
+    from decimal import Decimal
+
+    from sqlmodel import Session
+
+    from controlplane.billing import budget_admin, credit
+    from controlplane.billing.budgets import reserve, settle
+    from controlplane.billing.scopes import applicable
+    from controlplane.storage.database import create_db
+    from controlplane.storage.migrate import upgrade
+    from controlplane.tenancy.service import create_api_key, create_tenant
+
+    with tempfile.TemporaryDirectory(prefix="tierline-hold-cost-") as tmp:
+        url = url or f"sqlite:///{tmp}/hold.db"
+        upgrade(url)
+        engine = create_db(url)
+        ample = Decimal(10**6)
+        with Session(engine) as s:
+            tenant = create_tenant(s, f"hold-{os.getpid()}")
+            key = create_api_key(s, tenant).record
+            if money == "money":
+                project = budget_admin.create_project(s, tenant, "p", "bench")
+                budget_admin.assign_key(s, tenant, key.id or 0, project, "bench")
+                for scope, ref, period in (("key", str(key.id), "day"), ("project", "p", "month")):
+                    budget_admin.set_budget(
+                        s, tenant, scope=scope, ref=ref, period=period, amount=ample, is_hard=True, actor="bench"
+                    )
+                credit.top_up(s, tenant, ample, note="", actor="bench")
+            s.commit()
+            tenant_id, key_id, project_id = tenant.id or 0, key.id, key.project_id
+
+        def one() -> None:  # as cloud.completions does per request: _reserve, _settle, after_credit
+            now = datetime.now(UTC)
+            with Session(engine) as s:
+                windows = applicable(s, tenant_id, now, key_id=key_id, project_id=project_id)
+                prepaid = credit.available(s, tenant_id) is not None
+            if not windows and not prepaid:
+                return
+            held = reserve(engine, tenant_id, None, Decimal("0.01"), at=now, windows=windows)
+            settle(engine, held, Decimal("0.005"))
+            if held.on_credit:
+                with Session(engine) as s:
+                    credit.claim_low_alert(s, tenant_id)
+                    s.rollback()
+
+        for _ in range(20):
+            one()
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        for _ in range(num_requests):
+            one()
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+        engine.dispose()
+    return {
+        "mode": "hold",
+        "money": money,
+        "database": url.split(":", 1)[0],
+        "requests": num_requests,
+        "cpu_ms_per_request": round(1000 * cpu / num_requests, 2),
+        "wall_ms_per_request": round(1000 * wall / num_requests, 2),
+    }
+
+
 def main(argv: list[str]) -> None:
-    usage = "usage: python -m bench.cpu_cost engine ZOO {inproc,process} [N] | api ZOO KEYS [N] [CONCURRENCY]"
+    usage = (
+        "usage: python -m bench.cpu_cost engine ZOO {inproc,process} [N] | api ZOO KEYS [N] [CONCURRENCY] [plain|money]"
+        " | hold {plain,money} [N] [DATABASE_URL]"
+    )
+    if argv[:1] == ["hold"] and argv[1:2] in (["plain"], ["money"]):
+        count = int(argv[2]) if len(argv) > 2 else 300
+        print(json.dumps(hold_cost(argv[1], count, argv[3] if len(argv) > 3 else None)))
+        return
     if (
         len(argv) < 3
         or argv[0] not in ("engine", "api")
         or (argv[0] == "engine" and argv[2] not in ("inproc", "process"))
+        or (argv[0] == "api" and argv[5:6] not in ([], ["plain"], ["money"]))
     ):
         raise SystemExit(usage)
     if argv[0] == "engine":
         result = engine_cost(Path(argv[1]), argv[2], *(int(a) for a in argv[3:4]))
     else:
-        result = api_cost(Path(argv[1]), Path(argv[2]), *(int(a) for a in argv[3:5]))
+        sizes = dict(zip(("num_requests", "concurrency"), (int(a) for a in argv[3:5]), strict=False))
+        result = api_cost(Path(argv[1]), Path(argv[2]), **sizes, money=argv[5] if len(argv) > 5 else "plain")
     print(json.dumps(result))
 
 

@@ -33,8 +33,9 @@ from cloud.budget_watch import BudgetAlerts
 from cloud.responses import respond
 from cloud.tensor_models import TensorPool
 from controlplane.billing import credit
-from controlplane.billing.budgets import PriceBook, tightest_remaining
+from controlplane.billing.budgets import PriceBook, tightest
 from controlplane.billing.pricing import period_of
+from controlplane.billing.scopes import attribution_of
 from controlplane.fleet.devices import SyncCounts, UsageWindow, authenticate_device, enroll, ingest
 from controlplane.policies.service import desired_for as desired_policies
 from controlplane.storage.tables import BudgetAlert, BudgetPeriod, Device, Tenant
@@ -120,20 +121,24 @@ class EdgeGateway:
             sync_interval_s=self.sync_interval_s,
         )
 
-    def _allowance(self, tenant_id: int) -> tuple[Allowance | None, list[BudgetAlert]]:
-        """The tenant's remaining allowance now, and the budget alerts the synced spend fired."""
+    def _allowance(self, device_id: str) -> tuple[Allowance | None, list[BudgetAlert]]:
+        """The device's allowance now (the tightest hard budget its traffic counts against: its tenant's, and its
+        key's, project's and end user's where it is attributed to them), and the budget alerts the synced spend
+        fired."""
         period = period_of(datetime.now(UTC))
         with Session(self.db) as session:
-            tenant = session.get(Tenant, tenant_id)
-            if tenant is None:
+            device = session.get(Device, device_id)
+            tenant = session.get(Tenant, device.tenant_id) if device is not None else None
+            if device is None or tenant is None:
                 return None, []
-            left = tightest_remaining(session, tenant)
+            tenant_id = device.tenant_id
+            left, budget_name = tightest(session, tenant, attribution=attribution_of(session, device))
             if credit.available(session, tenant_id) is not None:
                 try:
                     self.alerts.check_credit(tenant_id)
                 except Exception:  # retried at the next sync
                     logger.exception("checking the credit balance of tenant %s failed", tenant_id)
-            allowance = Allowance(remaining=left, currency=tenant.currency, period=period)
+            allowance = Allowance(remaining=left, currency=tenant.currency, period=period, budget=budget_name)
             budget = tenant.monthly_budget
             if budget is None:
                 return allowance, []
@@ -173,7 +178,7 @@ class EdgeGateway:
         assert device is not None
         if self.on_sync is not None:
             self.on_sync(counts)
-        allowance, fired = self._allowance(caller.device.tenant_id)
+        allowance, fired = self._allowance(caller.device.id)
         answer = SyncResponse(
             accepted=counts.accepted,
             duplicates=counts.duplicates,

@@ -51,7 +51,8 @@ class AllowanceGuard:
         if self.on_exhausted == "escalate" and can_escalate:
             return True
         assert self.allowance is not None
+        budget = self.allowance.budget or "the tenant's monthly budget"
         raise QuotaExhaustedError(
-            f"the tenant's monthly budget is used up ({self.allowance.remaining} {self.allowance.currency} left "
-            f"for {self.allowance.period}); raise the budget or wait for next month"
+            f"{budget} is used up ({self.allowance.remaining} {self.allowance.currency} left as of the last sync, "
+            f"{self.allowance.period}); raise the budget or wait for its next period"
         )

@@ -89,13 +89,17 @@ class DesiredPolicy(_Strict):
 
 
 class Allowance(_Strict):
-    """What the device's tenant may still spend this month, as of the sync (records just synced included)."""
+    """What the device may still spend, as of the sync (records just synced included): what is left of the
+    tightest hard budget its traffic counts against (its tenant's, and its key's, project's, end user's)."""
 
     remaining: Decimal | None = Field(
         description="budget minus settled spend minus open reservations, never below 0; null: no budget (unlimited)"
     )
     currency: str = Field(max_length=3)
     period: str = Field(description="YYYY-MM (UTC)")
+    budget: str | None = Field(
+        None, max_length=300, description='the budget that sets it, e.g. "the daily budget of API key 12"'
+    )
 
     @property
     def is_exhausted(self) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -32,7 +33,7 @@ from sqlmodel import Session, col, select
 
 from controlplane.billing import credit
 from controlplane.billing.pricing import DEFAULT_PLAN, PriceIndex, PriceLike, Rating, Tokens, period_of, rate
-from controlplane.billing.scopes import ScopedWindow, applicable, remaining_in
+from controlplane.billing.scopes import Attribution, ScopedWindow, applicable, remaining_in
 from controlplane.storage.tables import (
     BudgetPeriod,
     BudgetReservation,
@@ -75,7 +76,35 @@ class BudgetHold:
     on_credit: bool = False
 
 
+# Per database, the budget period and window rows this process has seen exist: a reservation skips creating them
+# again (two more transactions per request otherwise). Period rows are never deleted; a window row deleted since
+# (with its budget) is caught by the retry in ``reserve``.
+_EXISTING: weakref.WeakKeyDictionary[Engine, set[tuple[Any, ...]]] = weakref.WeakKeyDictionary()
+_MAX_EXISTING = 100_000
+
+
+def _known(engine: Engine) -> set[tuple[Any, ...]]:
+    known = _EXISTING.get(engine)
+    if known is None:
+        known = _EXISTING[engine] = set()
+    return known
+
+
+def _remember(engine: Engine, *keys: tuple[Any, ...]) -> None:
+    known = _known(engine)
+    if len(known) + len(keys) > _MAX_EXISTING:
+        known.clear()
+    known.update(keys)
+
+
 def _ensure_row(engine: Engine, tenant_id: int, period: str) -> None:
+    if ("period", tenant_id, period) in _known(engine):
+        return
+    _ensure_row_now(engine, tenant_id, period)
+    _remember(engine, ("period", tenant_id, period))
+
+
+def _ensure_row_now(engine: Engine, tenant_id: int, period: str) -> None:
     with Session(engine) as session:
         if session.get(BudgetPeriod, (tenant_id, period)) is not None:
             return
@@ -97,9 +126,21 @@ def _insert_windows(connection: Connection, keys: Iterable[tuple[int, str, str]]
 
 
 def _ensure_windows(engine: Engine, windows: Sequence[ScopedWindow]) -> None:
-    if windows:
+    known = _known(engine)
+    missing = [w.key for w in windows if ("window", *w.key) not in known]
+    if missing:
         with engine.begin() as connection:
-            _insert_windows(connection, [w.key for w in windows])
+            _insert_windows(connection, missing)
+        _remember(engine, *(("window", *key) for key in missing))
+
+
+def _forget(engine: Engine, windows: Sequence[ScopedWindow]) -> bool:
+    """Drop the request's window rows from what is known to exist; whether any was (a failed hold may have
+    missed one that was deleted since)."""
+    known = _known(engine)
+    keys = [k for k in (("window", *w.key) for w in windows) if k in known]
+    known.difference_update(keys)
+    return bool(keys)
 
 
 def _window_where(key: tuple[int, str, str]) -> tuple[ColumnElement[bool], ...]:
@@ -142,8 +183,8 @@ def _try_reserve(
             )
             if budget is not None:
                 stmt = stmt.where(col(BudgetPeriod.spent) + col(BudgetPeriod.reserved) + amount <= budget)
-            result = session.execute(stmt.values(reserved=col(BudgetPeriod.reserved) + amount))
-            if result.rowcount != 1:  # type: ignore[attr-defined]
+            result = session.connection().execute(stmt.values(reserved=col(BudgetPeriod.reserved) + amount))
+            if result.rowcount != 1:
                 session.rollback()
                 short = f"the tenant's monthly budget ({budget})"
                 return (
@@ -156,22 +197,23 @@ def _try_reserve(
             if w.is_hard:
                 used = col(BudgetWindow.spent) + col(BudgetWindow.reserved) + literal(micros, BigInteger)
                 stmt = stmt.where(used <= literal(to_micros(w.limit), BigInteger))
-            result = session.execute(stmt.values(reserved=col(BudgetWindow.reserved) + literal(micros, BigInteger)))
-            if result.rowcount != 1:  # type: ignore[attr-defined]
+            result = session.connection().execute(
+                stmt.values(reserved=col(BudgetWindow.reserved) + literal(micros, BigInteger))
+            )
+            if result.rowcount != 1:
                 session.rollback()
                 return None, f"{w.label} ({w.limit})", False
-        session.add(
-            BudgetReservation(
-                id=reservation_id,
-                tenant_id=tenant_id,
-                period=period,
-                amount=amount,
-                created_at=now,
-                expires_at=now + timedelta(seconds=lease_s),
-                windows=[list(w.key) for w in windows] or None,
-                on_credit=prepaid == credit.HELD,
-            )
+        row = BudgetReservation(
+            id=reservation_id,
+            tenant_id=tenant_id,
+            period=period,
+            amount=amount,
+            created_at=now,
+            expires_at=now + timedelta(seconds=lease_s),
+            windows=[list(w.key) for w in windows] or None,
+            on_credit=prepaid == credit.HELD,
         )
+        credit.insert_row(session, row)
         session.commit()
     return reservation_id, None, prepaid == credit.HELD
 
@@ -196,6 +238,9 @@ def reserve(
     _ensure_row(engine, tenant_id, period)
     _ensure_windows(engine, windows)
     reservation_id, short, on_credit = _try_reserve(engine, tenant_id, period, budget, amount, lease_s, windows)
+    if reservation_id is None and _forget(engine, windows):  # a window row taken to exist may be gone
+        _ensure_windows(engine, windows)
+        reservation_id, short, on_credit = _try_reserve(engine, tenant_id, period, budget, amount, lease_s, windows)
     if reservation_id is None and reclaim_expired(engine, tenant_id=tenant_id) > 0:
         reservation_id, short, on_credit = _try_reserve(engine, tenant_id, period, budget, amount, lease_s, windows)
     if reservation_id is None:
@@ -218,7 +263,7 @@ def _move_windows(
             values["spent"] = col(BudgetWindow.spent) + literal(to_micros(spend), BigInteger)
         if values:
             where = _window_where((int(key[0]), str(key[1]), str(key[2])))
-            session.execute(update(BudgetWindow).where(*where).values(**values))
+            session.connection().execute(update(BudgetWindow).where(*where).values(**values))
 
 
 def settle(engine: Engine, hold: BudgetHold, actual: Decimal) -> Decimal:
@@ -237,8 +282,8 @@ def settle_in(session: Session, hold: BudgetHold, actual: Decimal) -> Decimal:
     """``settle`` in the caller's transaction (the caller commits): the ledger settles a streamed request's hold
     in the transaction that writes its usage record."""
     actual = min(actual, hold.amount)
-    deleted = session.execute(delete(BudgetReservation).where(col(BudgetReservation.id) == hold.id))
-    is_held = deleted.rowcount == 1  # type: ignore[attr-defined]
+    deleted = session.connection().execute(delete(BudgetReservation).where(col(BudgetReservation.id) == hold.id))
+    is_held = deleted.rowcount == 1
     on_month, release = actual, hold.amount if is_held else Decimal(0)
     if hold.on_credit:
         drawn = credit.draw(session, hold.tenant_id, actual, hold.period, hold.id, held=release)
@@ -246,12 +291,16 @@ def settle_in(session: Session, hold: BudgetHold, actual: Decimal) -> Decimal:
     values: dict[str, Any] = {"spent": col(BudgetPeriod.spent) + on_month}
     if release:
         values["reserved"] = col(BudgetPeriod.reserved) - release
-    spent = session.execute(
-        update(BudgetPeriod)
-        .where(col(BudgetPeriod.tenant_id) == hold.tenant_id, col(BudgetPeriod.period) == hold.period)
-        .values(**values)
-        .returning(col(BudgetPeriod.spent))
-    ).scalar_one()
+    spent = (
+        session.connection()
+        .execute(
+            update(BudgetPeriod)
+            .where(col(BudgetPeriod.tenant_id) == hold.tenant_id, col(BudgetPeriod.period) == hold.period)
+            .values(**values)
+            .returning(col(BudgetPeriod.spent))
+        )
+        .scalar_one()
+    )
     _move_windows(session, hold.windows, release=hold.amount if is_held else Decimal(0), spend=actual)
     return Decimal(spent)
 
@@ -299,9 +348,12 @@ def thresholds_reached(spent: Decimal, budget: Decimal) -> list[int]:
     return [t for t in ALERT_THRESHOLDS if spent * 100 >= budget * t]
 
 
-def add_spend(session: Session, tenant_id: int, at: datetime, amount: Decimal) -> None:
+def add_spend(
+    session: Session, tenant_id: int, at: datetime, amount: Decimal, attribution: Attribution | None = None
+) -> None:
     """Spend that was not reserved (edge usage arriving at sync), in the caller's transaction: the tenant's month
-    and its tenant-wide scoped budgets (per day, month, total) of that time."""
+    and its tenant-wide scoped budgets (per day, month, total) of that time, and those of ``attribution`` (the
+    device's key, project, end user)."""
     period = period_of(at)
     month_amount = amount - credit.draw(session, tenant_id, amount, period, f"sync:{period}")
     row = session.get(BudgetPeriod, (tenant_id, period))
@@ -314,23 +366,41 @@ def add_spend(session: Session, tenant_id: int, at: datetime, amount: Decimal) -
             .where(col(BudgetPeriod.tenant_id) == tenant_id, col(BudgetPeriod.period) == period)
             .values(spent=col(BudgetPeriod.spent) + month_amount)
         )
-    windows = applicable(session, tenant_id, at)
+    who = attribution or Attribution()
+    windows = applicable(session, tenant_id, at, key_id=who.key_id, project_id=who.project_id, subject=who.subject)
     if windows:
         _insert_windows(session.connection(), [w.key for w in windows])
         _move_windows(session, [w.key for w in windows], release=Decimal(0), spend=amount)
 
 
-def tightest_remaining(session: Session, tenant: Tenant, at: datetime | None = None) -> Decimal | None:
-    """What the tenant may still spend now under its tightest hard tenant-wide budget (its monthly budget and
-    its scoped tenant budgets per day, month, total); None: no such budget (unlimited). The edge allowance."""
+def tightest(
+    session: Session, tenant: Tenant, at: datetime | None = None, attribution: Attribution | None = None
+) -> tuple[Decimal | None, str | None]:
+    """What may still be spent now under the tightest hard budget that applies, and that budget's name: the
+    tenant's monthly budget (a prepaid tenant: its credit plus the month's remainder), its scoped tenant budgets
+    per day, month, total, and those of ``attribution`` (a device's key, its project, its end user). ``(None,
+    None)``: no hard budget applies (unlimited). The edge allowance."""
     at = at or datetime.now(UTC)
     month = remaining(session, tenant.id or 0, tenant.monthly_budget, at) if tenant.monthly_budget is not None else None
     prepaid = credit.available(session, tenant.id or 0)
+    left: list[tuple[Decimal, str]] = []
     if prepaid is not None:  # a prepaid tenant: its credit, then its month's budget (none: nothing after credit)
-        month = prepaid + (month or Decimal(0))
-    left = [month] if month is not None else []
-    left += [remaining_in(session, w) for w in applicable(session, tenant.id or 0, at) if w.is_hard]
-    return min(left) if left else None
+        name = "the tenant's prepaid credit" + (" and monthly budget" if month is not None else "")
+        left.append((prepaid + (month or Decimal(0)), name))
+    elif month is not None:
+        left.append((month, "the tenant's monthly budget"))
+    who = attribution or Attribution()
+    windows = applicable(session, tenant.id or 0, at, key_id=who.key_id, project_id=who.project_id, subject=who.subject)
+    left += [(remaining_in(session, w), w.label) for w in windows if w.is_hard]
+    if not left:
+        return None, None
+    return min(left, key=lambda item: item[0])  # the first listed wins a tie: the month, then by budget id
+
+
+def tightest_remaining(session: Session, tenant: Tenant, at: datetime | None = None) -> Decimal | None:
+    """What the tenant may still spend now under its tightest hard tenant-wide budget (``tightest`` without
+    an attribution); None: no such budget (unlimited)."""
+    return tightest(session, tenant, at)[0]
 
 
 def remaining(session: Session, tenant_id: int, budget: Decimal, at: datetime | None = None) -> Decimal:

@@ -17,8 +17,8 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import BigInteger, func, literal, update
-from sqlmodel import Session, col, select
+from sqlalchemy import BigInteger, func, insert, literal, update
+from sqlmodel import Session, SQLModel, col, select
 
 from controlplane.storage.audit import audit
 from controlplane.storage.tables import CreditAccount, CreditEntry, Tenant
@@ -35,16 +35,25 @@ def _micros(amount: Decimal) -> Any:
     return literal(to_micros(amount), BigInteger)
 
 
+def insert_row(session: Session, row: SQLModel) -> None:
+    """INSERT one new row in the caller's transaction, now and without the ORM's unit of work (the hot path's
+    rows are written once and never read back through the session)."""
+    values = row.model_dump()
+    if values.get("id") is None:
+        values.pop("id", None)  # autoincrement
+    session.connection().execute(insert(type(row)), [values])
+
+
 def hold(session: Session, tenant_id: int, amount: Decimal) -> str:
     """Hold ``amount`` of the tenant's available credit, in the caller's transaction: ``HELD``, ``SHORT`` (a
     prepaid tenant whose available credit cannot cover it) or ``NO_ACCOUNT`` (not prepaid)."""
     available = col(CreditAccount.balance) - col(CreditAccount.reserved)
-    result = session.execute(
+    result = session.connection().execute(
         update(CreditAccount)
         .where(col(CreditAccount.tenant_id) == tenant_id, available >= _micros(amount))
         .values(reserved=col(CreditAccount.reserved) + _micros(amount))
     )
-    if result.rowcount == 1:  # type: ignore[attr-defined]
+    if result.rowcount == 1:
         return HELD
     return SHORT if session.get(CreditAccount, tenant_id) is not None else NO_ACCOUNT
 
@@ -73,24 +82,33 @@ def draw(
     released), only the credit no other request holds is drawn; the caller counts the rest against the month.
     """
     # The first UPDATE takes the row's lock (PostgreSQL) or the database's (SQLite), so the read below is current.
-    locked = session.execute(
+    locked = session.connection().execute(
         update(CreditAccount)
         .where(col(CreditAccount.tenant_id) == tenant_id)
         .values(reserved=col(CreditAccount.reserved) - _micros(held))
     )
-    if locked.rowcount != 1:  # type: ignore[attr-defined]
+    if locked.rowcount != 1:
         return Decimal(0)
-    account = session.exec(select(CreditAccount).where(col(CreditAccount.tenant_id) == tenant_id)).one()
-    session.refresh(account)
-    free = account.balance if held else account.balance - account.reserved
+    # Columns, not the entity: read from the row now, whatever the session's identity map holds.
+    balance, reserved = (
+        session.connection()
+        .execute(
+            select(col(CreditAccount.balance), col(CreditAccount.reserved)).where(
+                col(CreditAccount.tenant_id) == tenant_id
+            )
+        )
+        .one()
+    )
+    free = balance if held else balance - reserved
     drawn = max(Decimal(0), min(cost, free))
     if drawn:
-        session.execute(
+        session.connection().execute(
             update(CreditAccount)
             .where(col(CreditAccount.tenant_id) == tenant_id)
             .values(balance=col(CreditAccount.balance) - _micros(drawn))
         )
-        session.add(CreditEntry(tenant_id=tenant_id, kind=DRAW, amount=-drawn, period=period, reference=reference))
+        entry = CreditEntry(tenant_id=tenant_id, kind=DRAW, amount=-drawn, period=period, reference=reference)
+        insert_row(session, entry)
     return drawn
 
 
@@ -146,8 +164,19 @@ def set_low_balance(session: Session, tenant: Tenant, threshold: Decimal | None,
 
 def claim_low_alert(session: Session, tenant_id: int) -> CreditAccount | None:
     """Mark the low-balance alert fired when the balance is below the line and it has not fired since the last
-    top-up; the account when this call fired it (once, whatever replicas race), else None."""
-    fired = session.execute(
+    top-up; the account when this call fired it (once, whatever replicas race), else None.
+
+    Called after every request that drew credit: a read decides first, so the usual answer (not low, or told
+    already) takes no write lock (on SQLite, one writer at a time: a lock per request costs the others waits)."""
+    account = session.get(CreditAccount, tenant_id)
+    if (
+        account is None
+        or account.low_balance is None
+        or account.low_alerted_at is not None
+        or account.balance >= account.low_balance
+    ):
+        return None
+    fired = session.connection().execute(
         update(CreditAccount)
         .where(
             col(CreditAccount.tenant_id) == tenant_id,
@@ -157,7 +186,10 @@ def claim_low_alert(session: Session, tenant_id: int) -> CreditAccount | None:
         )
         .values(low_alerted_at=datetime.now(UTC))
     )
-    return session.get(CreditAccount, tenant_id) if fired.rowcount == 1 else None  # type: ignore[attr-defined]
+    if fired.rowcount != 1:
+        return None  # another replica fired it (or a top-up came) meanwhile
+    session.refresh(account)
+    return account
 
 
 def credit_used(session: Session, tenant_id: int, period: str) -> Decimal:

@@ -33,7 +33,8 @@ from sqlalchemy.sql.elements import ColumnElement
 from sqlmodel import Session, col, select
 
 from controlplane.billing.budgets import BudgetHold, add_spend, load_price_index, settle_in
-from controlplane.billing.pricing import PriceIndex, PriceLookup, Rating, Tokens, period_bounds, period_of, rate
+from controlplane.billing.pricing import PriceIndex, PriceLookup, Rating, Tokens, rate
+from controlplane.billing.scopes import Attribution
 from controlplane.storage.tables import BudgetReservation, UsageCheckpoint, UsageRecord
 from controlplane.storage.types import as_utc, from_micros, to_micros
 from shared.errors import ValidationError
@@ -181,6 +182,7 @@ def ingest_usage(
     prices: PriceLookup | None = None,
     *,
     count_spend: bool = True,
+    attribution: Attribution | None = None,
 ) -> IngestResult:
     """Rate and store ``records``, skipping ids already stored (or repeated in the batch). The caller commits.
 
@@ -189,8 +191,9 @@ def ingest_usage(
         records: the batch, in any order, duplicates allowed.
         prices: the price book to rate unrated records with (``load_prices``, or the cloud's cached
             ``PriceBook``); None loads it when a record needs rating.
-        count_spend: add the cost of each inserted record to its tenant's budget period (of its own time);
-            False for records whose cost a budget hold already settled.
+        count_spend: add the cost of each inserted record to its tenant's budget period and scoped budget
+            windows (of its own day); False for records whose cost a budget hold already settled.
+        attribution: the key, project and end user the batch's spend also counts against (a device's).
     """
     batch: dict[str, NewUsage] = {}
     num_in = 0
@@ -227,11 +230,12 @@ def ingest_usage(
         if row["cost"] is None:
             unpriced += 1
         elif row["cost"]:
-            key = (row["tenant_id"], period_of(row["occurred_at"]))
+            key = (row["tenant_id"], as_utc(row["occurred_at"]).strftime("%Y-%m-%d"))
             spend[key] = spend.get(key, Decimal(0)) + row["cost"]
-    if count_spend:
-        for (tenant_id, period), amount in sorted(spend.items()):
-            add_spend(session, tenant_id, period_bounds(period)[0], amount)
+    if count_spend:  # per day: a daily budget's window is the record's own day (its month is the day's)
+        for (tenant_id, day), amount in sorted(spend.items()):
+            at = datetime.strptime(day, "%Y-%m-%d").replace(tzinfo=UTC)
+            add_spend(session, tenant_id, at, amount, attribution or Attribution())
     num_conflicts = len(conflicting)
     return IngestResult(len(accepted), num_in - len(accepted) - num_conflicts, unpriced, accepted, num_conflicts)
 

@@ -15,13 +15,18 @@ from decimal import Decimal
 from sqlalchemy import or_
 from sqlmodel import Session, col, select
 
-from controlplane.storage.tables import Budget, BudgetWindow, Project
+from controlplane.storage.tables import ApiKey, Budget, BudgetWindow, Device, Project
 from controlplane.storage.types import as_utc
+from shared.errors import ValidationError
 
 SCOPES = ("tenant", "key", "project", "user")
 PERIODS = ("day", "month", "total")
 EVERY_USER = "*"
 MAX_SUBJECT_LEN = 256
+
+# A device's billing attribution: labels its enrollment token gives it (an operator's choice, never the device's).
+KEY_LABEL, PROJECT_LABEL, USER_LABEL = "billing.key", "billing.project", "billing.user"
+ATTRIBUTION_LABELS = (KEY_LABEL, PROJECT_LABEL, USER_LABEL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,15 +83,15 @@ def applicable(
         scopes.append((col(Budget.scope) == "project") & (col(Budget.ref) == str(project_id)))
     if subject:
         scopes.append((col(Budget.scope) == "user") & col(Budget.ref).in_([subject, EVERY_USER]))
-    budgets = session.exec(select(Budget).where(col(Budget.tenant_id) == tenant_id, or_(*scopes))).all()
-    if not budgets:
+    query = select(Budget, Project.name).where(col(Budget.tenant_id) == tenant_id, or_(*scopes))
+    # The project's name (for the budget's label) in the same query: a request pays one query here, not two.
+    is_project = (col(Budget.scope) == "project") & (col(Project.id) == (project_id or 0))
+    rows = session.exec(query.outerjoin(Project, is_project)).all()
+    if not rows:
         return []
-    names: dict[str, str] = {}
-    if any(b.scope == "project" for b in budgets) and project_id is not None:
-        project = session.get(Project, project_id)
-        names[str(project_id)] = project.name if project is not None else str(project_id)
+    names = {b.ref: name for b, name in rows if name is not None}
     windows = []
-    for b in budgets:
+    for b, _ in rows:
         per_user = b.scope == "user" and b.ref == EVERY_USER
         who = (subject or "") if per_user else ""
         windows.append(
@@ -107,3 +112,64 @@ def remaining_in(session: Session, window: ScopedWindow) -> Decimal:
     row = session.get(BudgetWindow, window.key)
     used = (row.spent + row.reserved) if row is not None else Decimal(0)
     return max(Decimal(0), window.limit - used)
+
+
+@dataclass(frozen=True, slots=True)
+class Attribution:
+    """Whose budgets a device's traffic counts against below its tenant: an API key (and so the key's project),
+    a project, an end user. Empty: the tenant's budgets only."""
+
+    key_id: int | None = None
+    project_id: int | None = None
+    subject: str | None = None
+
+
+def check_attribution(session: Session, tenant_id: int, labels: dict[str, str]) -> Attribution:
+    """The attribution the ``billing.*`` labels of an enrollment token name, checked against the tenant's keys and
+    projects; ``ValidationError`` naming the label when one does not fit."""
+    key_id = project_id = None
+    if KEY_LABEL in labels:
+        raw = labels[KEY_LABEL].strip()
+        key = session.get(ApiKey, int(raw)) if raw.isascii() and raw.isdigit() and len(raw) < 10 else None
+        if key is None or key.tenant_id != tenant_id:
+            raise ValidationError(f"labels: {KEY_LABEL}={raw!r} is not an API key id of this tenant", param="labels")
+        key_id, project_id = key.id, key.project_id
+    if PROJECT_LABEL in labels:
+        raw = labels[PROJECT_LABEL].strip()
+        stmt = select(Project).where(col(Project.tenant_id) == tenant_id)
+        project = session.exec(stmt.where(col(Project.name) == raw)).first()
+        if project is None and raw.isascii() and raw.isdigit() and len(raw) < 10:
+            project = session.exec(stmt.where(col(Project.id) == int(raw))).first()
+        if project is None:
+            raise ValidationError(f"labels: {PROJECT_LABEL}={raw!r} is not a project of this tenant", param="labels")
+        if key_id is not None and project.id != project_id:
+            raise ValidationError(
+                f"labels: {KEY_LABEL} and {PROJECT_LABEL} disagree (the key is not in project {raw!r})", param="labels"
+            )
+        project_id = project.id
+    subject = labels.get(USER_LABEL)
+    if subject is not None and not (0 < len(subject) <= MAX_SUBJECT_LEN and subject != EVERY_USER):
+        raise ValidationError(f"labels: {USER_LABEL} must be an end user id of 1 to 256 characters", param="labels")
+    return Attribution(key_id, project_id, subject)
+
+
+def attribution_of(session: Session, device: Device) -> Attribution:
+    """A device's attribution now: its key's current project (a key may move between projects), else its project
+    label. A key or project deleted since enrollment no longer applies (the tenant's budgets still do)."""
+    labels = device.labels or {}
+    if not any(name in labels for name in ATTRIBUTION_LABELS):
+        return Attribution()
+    key_id = project_id = None
+    raw_key = labels.get(KEY_LABEL, "")
+    if raw_key.isascii() and raw_key.isdigit() and len(raw_key) < 10:
+        key = session.get(ApiKey, int(raw_key))
+        if key is not None and key.tenant_id == device.tenant_id:
+            key_id, project_id = key.id, key.project_id
+    raw_project = labels.get(PROJECT_LABEL)
+    if project_id is None and raw_project:
+        stmt = select(Project.id).where(col(Project.tenant_id) == device.tenant_id)
+        found = session.exec(stmt.where(col(Project.name) == raw_project)).first()
+        if found is None and raw_project.isascii() and raw_project.isdigit() and len(raw_project) < 10:
+            found = session.exec(stmt.where(col(Project.id) == int(raw_project))).first()
+        project_id = found
+    return Attribution(key_id, project_id, labels.get(USER_LABEL) or None)

@@ -19,6 +19,7 @@ from sqlmodel import Session, col, select
 
 from controlplane.billing.ledger import NewUsage, ingest_usage
 from controlplane.billing.pricing import PriceLookup
+from controlplane.billing.scopes import ATTRIBUTION_LABELS, attribution_of, check_attribution
 from controlplane.rollouts.service import load_plans, usage_arm
 from controlplane.storage.tables import Device, DeviceEvent, EnrollmentToken, Tenant
 from controlplane.storage.types import as_utc
@@ -48,6 +49,7 @@ def create_enrollment_token(
         raise ValueError("tenant must be saved first")
     if ttl <= timedelta(0):
         raise ValidationError("ttl must be positive", param="ttl")
+    check_attribution(session, tenant.id, labels or {})  # billing.* labels name the tenant's own key/project
     secret = ENROLL_PREFIX + secrets.token_urlsafe(32)
     record = EnrollmentToken(
         tenant_id=tenant.id,
@@ -64,6 +66,11 @@ def enroll(
     session: Session, token: str, *, name: str, labels: dict[str, str], agent_version: str, runtime: dict[str, Any]
 ) -> tuple[Device, Tenant, str]:
     """Exchange a one-time token for a device and its credential (returned once)."""
+    claimed_labels = sorted(set(labels) & set(ATTRIBUTION_LABELS))
+    if claimed_labels:  # whose budgets a device counts against is the operator's choice (the token's labels)
+        raise ValidationError(
+            f"labels: {', '.join(claimed_labels)} can only be given by the enrollment token", param="labels"
+        )
     record = session.exec(select(EnrollmentToken).where(EnrollmentToken.token_hash == _hash(token))).first()
     if record is None:
         raise AuthenticationError("invalid enrollment token")
@@ -186,7 +193,8 @@ def ingest(
     The caller commits, so a batch is stored whole or not at all. Usage goes to the ledger
     (``controlplane.billing.ledger.ingest_usage``), which rates each new record at its own time with ``prices``
     (the cloud's cached price book; without it the price book is read once for the batch) and counts its cost
-    against the tenant's budget period of that time.
+    against the tenant's budget period of that time and the budgets of the device's attribution (its
+    enrollment token's ``billing.*`` labels: an API key, a project, an end user).
     """
     ids = [u.id for u in usage]
     if len(set(ids)) != len(ids):
@@ -194,6 +202,7 @@ def ingest(
     window = window or UsageWindow()
     now = datetime.now(UTC)
     plans = load_plans(session, "edge") if usage else []
+    attribution = attribution_of(session, device) if usage else None
     records = []
     for u in usage:
         reported = _ts(u.occurred_at)
@@ -202,6 +211,7 @@ def ingest(
             NewUsage(
                 id=device_usage_id(device.tenant_id, device.id, u.id),
                 tenant_id=device.tenant_id,
+                api_key_id=attribution.key_id if attribution is not None else None,
                 device_id=device.id,
                 model=u.model,
                 model_version=version_number(u.model_version),
@@ -220,7 +230,7 @@ def ingest(
                 reported_at=reported if booked != reported else None,
             )
         )
-    result = ingest_usage(session, records, prices)
+    result = ingest_usage(session, records, prices, attribution=attribution)
     clamped = sum(1 for r in records if r.reported_at is not None and r.id in result.accepted_ids)
     if clamped:
         logger.warning(

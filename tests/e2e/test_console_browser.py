@@ -252,6 +252,16 @@ def test_console_in_headless_chromium(tmp_path: Path) -> None:
             page.wait_for_selector(".status.s-void")
             assert "billed twice" in page.content()
 
+            # Money: a budget for each end user of the tenant, set through its form.
+            page.goto(f"/tenants/{tenant}/money")
+            page.select_option("#b-scope", "user")
+            page.fill("#b-ref", "*")
+            page.select_option("#b-period", "day")
+            page.fill("#b-amount", "0.50")
+            page.click("button:has-text('Set budget')")
+            page.wait_for_selector("td:has-text(\"the daily budget of end user '*'\")")
+            shot("10b-money")
+
             for path, name in (
                 ("/fleet", "11-fleet"),
                 ("/billing", "12-billing"),
@@ -260,12 +270,23 @@ def test_console_in_headless_chromium(tmp_path: Path) -> None:
                 assert page.goto(path).status == 200
                 shot(name)
             audit = page.content()
-            actions = ("tenant.create", "api_key.create", "model.artifact.add", "rollout.resume", "invoice.void")
+            actions = (
+                "tenant.create",
+                "api_key.create",
+                "model.artifact.add",
+                "rollout.resume",
+                "invoice.void",
+                "budget.set",
+            )
             assert all(a in audit for a in actions), audit
 
             # Phone width: still readable (tables stack), nothing wider than the screen.
             page.set_viewport_size({"width": 390, "height": 844})
-            for path, name in ((f"/tenants/{tenant}", "14-tenant-phone"), ("/models/tiny-chat", "15-model-phone")):
+            for path, name in (
+                (f"/tenants/{tenant}", "14-tenant-phone"),
+                ("/models/tiny-chat", "15-model-phone"),
+                (f"/tenants/{tenant}/money", "16-money-phone"),
+            ):
                 page.goto(path)
                 overflow: Any = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
                 assert overflow <= 0, f"{path} is {overflow}px wider than a phone"

@@ -257,3 +257,37 @@ def test_the_cloud_api_holds_keys_projects_and_end_users_to_their_budgets(
         assert ask("carol", **{"x-tierline-subject": "alice"}).status_code == 429
         assert ask("carol").status_code == 200
         engine.dispose()
+
+
+def test_a_window_row_gone_since_it_was_seen_is_made_again(migrated_db: str) -> None:
+    """A process remembers the window rows it has seen so a request does not create them again; a row deleted
+    behind its back (the budget stays) is made again, and the hold is neither refused nor lost."""
+    engine = _engine(migrated_db)
+    with Session(engine) as s:
+        tenant = Tenant(name="forgetful")
+        s.add(tenant)
+        s.flush()
+        key = ApiKey(tenant_id=tenant.id or 0, prefix="f", key_hash="h-forgetful")
+        s.add(key)
+        s.flush()
+        budget = budget_admin.set_budget(
+            s, tenant, scope="key", ref=str(key.id), period="day", amount=Decimal("1.00"), is_hard=True, actor="t"
+        )
+        s.commit()
+        tenant_id, key_id, budget_id = tenant.id or 0, key.id or 0, budget.id or 0
+
+    def hold_and_settle() -> None:
+        with Session(engine) as s:
+            windows = applicable(s, tenant_id, datetime.now(UTC), key_id=key_id)
+        settle(engine, reserve(engine, tenant_id, None, Decimal("0.10"), windows=windows), Decimal("0.10"))
+
+    hold_and_settle()
+    assert _window(engine, budget_id).spent == Decimal("0.10")
+    with Session(engine) as s:
+        for row in s.exec(select(BudgetWindow).where(BudgetWindow.budget_id == budget_id)):
+            s.delete(row)
+        s.commit()
+    hold_and_settle()
+    row = _window(engine, budget_id)
+    assert (row.spent, row.reserved) == (Decimal("0.10"), Decimal(0))
+    engine.dispose()
