@@ -198,7 +198,6 @@ def bench_backends(
     emit(run_backends_bench(root, data_dir, requests, concurrency, max_tokens, kills, rounds), as_json)
 
 
-
 @bench.command("scale")
 @_zoo_options
 @click.option("--requests", type=int, default=64, show_default=True, help="streams per path (1 vs 2 gateways)")
