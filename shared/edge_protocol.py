@@ -16,7 +16,16 @@ MAX_BATCH = 1000
 
 
 class _Strict(BaseModel):
+    """What a device sends: the cloud refuses a field it does not know (a typo must not be silently dropped)."""
+
     model_config = ConfigDict(extra="forbid")
+
+
+class _Answer(BaseModel):
+    """What the cloud answers: a device ignores fields newer than itself, so a cloud upgraded before its fleet
+    (the usual order) never breaks the agents still running the previous release."""
+
+    model_config = ConfigDict(extra="ignore")
 
 
 class EnrollRequest(_Strict):
@@ -27,7 +36,7 @@ class EnrollRequest(_Strict):
     runtime: dict[str, Any] = Field(default_factory=dict, description="host and runtime summary")
 
 
-class EnrollResponse(_Strict):
+class EnrollResponse(_Answer):
     device_id: str
     device_token: str = Field(description="the device's bearer credential (tld-...); shown once")
     tenant: str
@@ -70,14 +79,14 @@ class SyncRequest(_Strict):
     events: list[EventItem] = Field(default_factory=list, max_length=MAX_BATCH)
 
 
-class DesiredModel(_Strict):
+class DesiredModel(_Answer):
     name: str
     version: str
     sha256: str
     manifest_url: str = Field(description="relative to the cloud's base URL")
 
 
-class DesiredPolicy(_Strict):
+class DesiredPolicy(_Answer):
     """An escalation policy version the cloud wants the device to use, signed with the registry's key."""
 
     model: str = Field(max_length=128)
@@ -88,7 +97,7 @@ class DesiredPolicy(_Strict):
     signature: str = Field(description="base64 Ed25519 over shared.policy_signing.canonical_bytes")
 
 
-class Allowance(_Strict):
+class Allowance(_Answer):
     """What the device may still spend, as of the sync (records just synced included): what is left of the
     tightest hard budget its traffic counts against (its tenant's, and its key's, project's, end user's)."""
 
@@ -106,7 +115,7 @@ class Allowance(_Strict):
         return self.remaining is not None and self.remaining <= 0
 
 
-class SyncResponse(_Strict):
+class SyncResponse(_Answer):
     accepted: int = Field(description="records new to the cloud")
     duplicates: int = Field(description="records the cloud already had (a retried batch)")
     conflicts: int = Field(0, description="usage records not stored: their id holds a record with another payload")
