@@ -32,6 +32,7 @@ PGR_TARGETS = (0.5, 0.8, 0.95)
 QUALITY_FRACTION = 0.95
 DEFAULT_RESAMPLES = 1000
 RANDOM_SAMPLE = "random_sample"
+ORACLE = "oracle"
 _EPS = 1e-12
 
 
@@ -106,12 +107,15 @@ def pgr_for_quality(edge_quality: np.ndarray | float, cloud_quality: np.ndarray 
 
 def threshold_for_pgr(confidence: np.ndarray, edge_good: np.ndarray, cloud_good: np.ndarray, target: float) -> float:
     """The threshold that reaches PGR ``target`` on these items with the fewest cloud calls (at a cut a
-    threshold can make); ``-inf`` when nothing need go up, ``inf`` (all up) when the target is never reached."""
+    threshold can make); ``-inf`` when nothing need go up, ``inf`` (all up) when the target is never reached,
+    NaN when these items have no gap to recover."""
     conf = _as_float(confidence)
     curves = pgr_curves(conf, edge_good, cloud_good)
     pgr = curves.pgr[0]
-    if np.isnan(pgr[-1]) or target <= 0:
-        return float("-inf") if target <= 0 else float("inf")
+    if np.isnan(pgr[-1]) or not np.isfinite(target):
+        return float("nan")
+    if target <= 0:
+        return float("-inf")
     hits = np.flatnonzero(pgr >= target - _EPS)
     if len(hits) == 0:
         return float("inf")
@@ -196,8 +200,10 @@ def _router_report(name: str, val: Half, test: Half, weights: np.ndarray) -> dic
             "test_curve": _r(cpt(point, test_target)[0]),
             "test_curve_ci95": _ci(cpt(boot, boot_target)),
         }
-        if name in val.confidences and np.isfinite(val_target):
+        threshold = float("nan")
+        if name in val.confidences:  # the oracle has no threshold: it reads the labels
             threshold = threshold_for_pgr(val.confidences[name], val.edge_good, val.cloud_good, val_target)
+        if not np.isnan(threshold):  # NaN: no gap on validation to choose a threshold by
             share, pgr, quality = routed_at(conf, test.edge_good, test.cloud_good, threshold)
             b_share, b_pgr, b_quality = routed_at(conf, test.edge_good, test.cloud_good, threshold, weights)
             entry |= {
@@ -218,6 +224,11 @@ def _router_report(name: str, val: Half, test: Half, weights: np.ndarray) -> dic
     return out
 
 
+def oracle_confidence(edge_good: np.ndarray, cloud_good: np.ndarray) -> np.ndarray:
+    """The oracle router: sends first what the cloud fixes, keeps last what it would break."""
+    return _as_float(edge_good) - _as_float(cloud_good)
+
+
 def random_expected(edge_quality: float, cloud_quality: float) -> dict[str, Any]:
     """Random routing in expectation: PGR equals the call share (APGR 0.5, CPT(x) = x)."""
     x95 = float(pgr_for_quality(edge_quality, cloud_quality))
@@ -228,24 +239,29 @@ def random_expected(edge_quality: float, cloud_quality: float) -> dict[str, Any]
     return out
 
 
+def random_scores(n_val: int, n_test: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """The seeded random router's confidences on each half (what ``evaluate_routers`` draws)."""
+    rng = np.random.default_rng(seed)
+    return rng.random(n_val), rng.random(n_test)
+
+
 def evaluate_routers(val: Half, test: Half, *, resamples: int = DEFAULT_RESAMPLES, seed: int = 0) -> dict[str, Any]:
     """Every router of ``val``/``test`` (thresholds chosen on ``val``, measured on ``test``), a seeded random
     router (``random_sample``), random routing's expectation and the oracle on ``test``, each with 95 %
     bootstrap intervals from ``resamples`` resamples of the test items.
     """
-    n_val, n_test = len(val.edge_good), len(test.edge_good)
-    rng = np.random.default_rng(seed)
-    val = Half({**val.confidences, RANDOM_SAMPLE: rng.random(n_val)}, val.edge_good, val.cloud_good)
-    oracle_conf = _as_float(test.edge_good) - _as_float(test.cloud_good)  # keep first what escalation cannot fix
+    n_test = len(test.edge_good)
+    val_random, test_random = random_scores(len(val.edge_good), n_test, seed)
+    val = Half({**val.confidences, RANDOM_SAMPLE: val_random}, val.edge_good, val.cloud_good)
     test = Half(
-        {**test.confidences, RANDOM_SAMPLE: rng.random(n_test), "oracle": oracle_conf},
+        {**test.confidences, RANDOM_SAMPLE: test_random, ORACLE: oracle_confidence(test.edge_good, test.cloud_good)},
         test.edge_good,
         test.cloud_good,
     )
     weights = bootstrap_weights(n_test, resamples, seed)
     qe, qc = float(np.mean(test.edge_good)), float(np.mean(test.cloud_good))
     gap_b = weights @ (_as_float(test.cloud_good) - _as_float(test.edge_good)) / n_test
-    routers = {name: _router_report(name, val, test, weights) for name in test.confidences if name != "oracle"}
+    routers = {name: _router_report(name, val, test, weights) for name in test.confidences if name != ORACLE}
     return {
         "edge_quality": _r(qe),
         "cloud_quality": _r(qc),
@@ -255,5 +271,5 @@ def evaluate_routers(val: Half, test: Half, *, resamples: int = DEFAULT_RESAMPLE
         "resamples_without_gap": int(np.sum(gap_b <= _EPS)),
         "routers": routers,
         "random_expected": random_expected(qe, qc),
-        "oracle": _router_report("oracle", val, test, weights),
+        "oracle": _router_report(ORACLE, val, test, weights),
     }

@@ -81,6 +81,7 @@ def test_no_gap_leaves_pgr_undefined() -> None:
     curves = pgr_curves(np.arange(4.0), np.ones(4, dtype=bool), np.array([1, 1, 1, 0], dtype=bool))
     assert np.isnan(apgr(curves)[0]) and np.isnan(cpt(curves, 0.5)[0])
     assert np.isnan(pgr_for_quality(0.9, 0.9))
+    assert np.isnan(threshold_for_pgr(np.arange(4.0), np.ones(4, dtype=bool), np.ones(4, dtype=bool), 0.5))
 
 
 def test_pgr_for_ninety_five_percent_of_cloud_quality() -> None:
