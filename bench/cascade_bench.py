@@ -23,6 +23,14 @@ Per task:
   ``winner``: the best on validation (``rank_signals``).
 - ``decision_p95_ms``: per test request, computing the signals and comparing the best simple signal with its
   threshold; ``router_decision_p95_ms``: the same with the learned router (signals, features, logistic).
+- ``routing``: RouteLLM's evaluation (``shared.routing_eval.evaluate_routers``) of every signal, the router, a
+  seeded random router (``random_sample``), random routing's expectation and the oracle: APGR, CPT(50/80/95 %)
+  and the cloud-call share at 95 % of cloud quality, each for the test curve (``test_curve``) and for the
+  threshold chosen on validation measured on test (``call_share``, ``pgr``), with 95 % bootstrap intervals
+  over ``--resamples`` resamples of the test items.
+
+Tasks: ``digits`` (digits-small, the near-equal pair), ``digits-micro`` (the INT8 micro model, a real gap) and
+``lm``.
 """
 
 from __future__ import annotations
@@ -50,6 +58,16 @@ from shared.escalation import (
     rank_signals,
     routed_quality,
     threshold_for_quality,
+)
+from shared.routing_eval import (
+    DEFAULT_RESAMPLES,
+    ORACLE,
+    RANDOM_SAMPLE,
+    Half,
+    evaluate_routers,
+    oracle_confidence,
+    pgr_curves,
+    random_scores,
 )
 from shared.zoo.registry import ZooLayout
 
@@ -129,6 +147,7 @@ class TaskEvaluation:
     curve: tuple[np.ndarray, np.ndarray]
     oracle_curve: tuple[np.ndarray, np.ndarray]
     validation_rows: np.ndarray
+    pgr_curves: dict[str, tuple[np.ndarray, np.ndarray]]  # router -> (cloud-call share, PGR) on the test half
 
 
 def _signal_reports(ranking: list[SignalChoice], test: _Half) -> dict[str, dict[str, Any]]:
@@ -173,7 +192,28 @@ def _sweep(signal: str, val: _Half, test: _Half) -> tuple[list[dict[str, float]]
     return points, random_points
 
 
-def evaluate(results: TaskResults, seed: int) -> TaskEvaluation:
+def _routing(val: _Half, test: _Half, resamples: int, seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """RouteLLM's evaluation of every signal and the router (``shared.routing_eval``), and the test curves to
+    draw (the oracle's and the seeded random router's included)."""
+    report = evaluate_routers(
+        Half(val.confidences, val.edge_good, val.cloud_good),
+        Half(test.confidences, test.edge_good, test.cloud_good),
+        resamples=resamples,
+        seed=seed,
+    )
+    curves: dict[str, Any] = {}
+    if report["gap"] is not None and report["gap"] > 0:
+        extra = {
+            RANDOM_SAMPLE: random_scores(len(val.rows), len(test.rows), seed)[1],
+            ORACLE: oracle_confidence(test.edge_good, test.cloud_good),
+        }
+        for name, conf in {**test.confidences, **extra}.items():
+            c = pgr_curves(conf, test.edge_good, test.cloud_good)
+            curves[name] = (c.call_share[0], c.pgr[0])
+    return report, curves
+
+
+def evaluate(results: TaskResults, seed: int, resamples: int = DEFAULT_RESAMPLES) -> TaskEvaluation:
     """Split the items, choose on the validation half, report on the test half."""
     n = len(results)
     order = np.random.default_rng(seed).permutation(n)
@@ -216,12 +256,14 @@ def evaluate(results: TaskResults, seed: int) -> TaskEvaluation:
         "policy_points": points,
         "random_points": random_points,
     }
+    report["routing"], routing_curves = _routing(val, test, resamples, seed)
     gain = test.edge_good.astype(np.float64) - test.cloud_good.astype(np.float64)
     return TaskEvaluation(
         report,
         quality_curve(test.confidences[winner], test.edge_good, test.cloud_good),
         quality_curve(gain, test.edge_good, test.cloud_good),  # the oracle ranks by what escalation gains
         val_rows,
+        routing_curves,
     )
 
 
@@ -261,7 +303,9 @@ def plot_cascade(path: Path, evaluations: dict[str, TaskEvaluation]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(evaluations), figsize=(6 * len(evaluations), 4.5), squeeze=False)
+    fig, axes = plt.subplots(2, len(evaluations), figsize=(6 * len(evaluations), 9), squeeze=False)
+    for ax, (task, evaluation) in zip(axes[1], evaluations.items(), strict=True):
+        _plot_pgr(ax, task, evaluation)
     for ax, (task, evaluation) in zip(axes[0], evaluations.items(), strict=True):
         report = evaluation.report
         shares, quality = evaluation.curve
@@ -284,7 +328,7 @@ def plot_cascade(path: Path, evaluations: dict[str, TaskEvaluation]) -> None:
         )
         ax.set_title(f"{task}: {report['edge_model']} -> {report['cloud_model']} (n_test={report['n_test']})")
         ax.set_xlabel("edge share")
-        ax.set_ylabel("accuracy" if task == "digits" else "exact line match")
+        ax.set_ylabel("exact line match" if task == "lm" else "accuracy")
         ax.set_xlim(0, 1)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="lower left")
@@ -294,6 +338,26 @@ def plot_cascade(path: Path, evaluations: dict[str, TaskEvaluation]) -> None:
     plt.close(fig)
 
 
+def _plot_pgr(ax: Any, task: str, evaluation: TaskEvaluation) -> None:
+    """RouteLLM's view: PGR against the cloud-call share per signal, random routing and the oracle (test half)."""
+    routing = evaluation.report["routing"]
+    ax.plot([0, 1], [0, 1], "--", color="tab:gray", label="random (expected), APGR 0.5")
+    if not evaluation.pgr_curves:
+        ax.text(0.5, 0.5, "no quality gap on test: PGR undefined", ha="center", transform=ax.transAxes)
+    for name, (share, pgr) in evaluation.pgr_curves.items():
+        r = routing["oracle"] if name == ORACLE else routing["routers"][name]
+        style = {ORACLE: (":", "tab:green"), RANDOM_SAMPLE: ("-", "tab:gray")}.get(name, ("-", None))
+        lw = 0.8 if name == RANDOM_SAMPLE else 1.4
+        ax.plot(share, pgr, style[0], color=style[1], lw=lw, label=f"{name}: APGR {r['apgr']:.2f}")
+    ax.axhline(0.8, color="tab:red", lw=0.6)
+    ax.set_title(f"{task}: PGR vs cloud calls (gap {routing['gap']}, n_test={evaluation.report['n_test']})")
+    ax.set_xlabel("cloud-call share")
+    ax.set_ylabel("performance gap recovered")
+    ax.set_xlim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+
+
 def run_cascade_bench(
     zoo_root: Path,
     num_lines: int = DEFAULT_LINES,
@@ -301,15 +365,18 @@ def run_cascade_bench(
     *,
     export_path: Path | None = None,
     plot_path: Path | None = None,
+    resamples: int = DEFAULT_RESAMPLES,
 ) -> dict[str, Any]:
-    """Both tasks on one built zoo preset; returns ``{"digits": ..., "lm": ..., "seconds": ...}``.
+    """Every task on one built zoo preset; returns ``{"digits": ..., "digits-micro": ..., "lm": ...,
+    "seconds": ...}``.
 
     Args:
         zoo_root: a built preset, ``<zoo dir>/<preset>``.
         num_lines: LM items (held-out line starts).
         seed: draws the LM items and both validation/test splits.
         export_path: write the validation items here (``tierline edge calibrate --data``).
-        plot_path: draw quality vs edge share for both tasks into this PNG.
+        plot_path: draw quality vs edge share and PGR vs cloud calls for every task into this PNG.
+        resamples: bootstrap resamples of the test items for the routing intervals.
     """
     started = time.perf_counter()
     layout = ZooLayout(zoo_root)
@@ -317,10 +384,11 @@ def run_cascade_bench(
     exported = []
     if plot_path is not None:
         _require_matplotlib()
-    for run in (lambda: run_digits(layout), lambda: run_lm(layout, num_lines, seed)):
+    runs = [lambda: run_digits(layout), lambda: run_digits(layout, "digits-micro")]
+    for run in (*runs, lambda: run_lm(layout, num_lines, seed)):
         task_started = time.perf_counter()
         task = run()
-        evaluation = evaluations[task.task] = evaluate(task, seed)
+        evaluation = evaluations[task.task] = evaluate(task, seed, resamples)
         evaluation.report["seconds"] = round(time.perf_counter() - task_started, 1)
         exported.append((task, evaluation.validation_rows))
     if export_path is not None:
@@ -342,7 +410,14 @@ def run_cascade_bench(
     show_default=True,
     help="LM items (held-out line starts)",
 )
-@click.option("--seed", type=int, default=0, show_default=True, help="draws the LM items and the splits")
+@click.option("--seed", type=int, default=0, show_default=True, help="draws the LM items, the splits, the resamples")
+@click.option(
+    "--resamples",
+    type=click.IntRange(min=100),
+    default=DEFAULT_RESAMPLES,
+    show_default=True,
+    help="bootstrap resamples of the test items for the routing intervals",
+)
 @click.option(
     "--plot",
     "plot_path",
@@ -363,12 +438,20 @@ def cascade_command(
     as_json: bool,
     num_lines: int,
     seed: int,
+    resamples: int,
     plot_path: Path | None,
     export_path: Path | None,
 ) -> None:
     """Edge/cloud cascade: quality vs edge share per escalation signal, thresholds chosen on a validation half
     of the held-out data and reported on the other half."""
     emit(
-        run_cascade_bench(zoo_root(preset, zoo_dir), num_lines, seed, export_path=export_path, plot_path=plot_path),
+        run_cascade_bench(
+            zoo_root(preset, zoo_dir),
+            num_lines,
+            seed,
+            export_path=export_path,
+            plot_path=plot_path,
+            resamples=resamples,
+        ),
         as_json,
     )

@@ -3,7 +3,9 @@ edge's and the cloud's answers were right.
 
 - ``digits``: the held-out digits (never trained on); ``digits-small`` at the edge, ``digits-large`` in the cloud,
   both through ONNX Runtime. Right = the predicted class is the label. Signals: ``classifier_signals`` of the edge
-  logits.
+  logits. The near-equal pair.
+- ``digits-micro``: the same with ``digits-micro`` (INT8 logistic regression on 2x2-pooled pixels) at the edge:
+  the pair with a real gap.
 - ``lm``: line completion on the held-out standard-library files. An item is a line start: the prompt is up to
   ``CONTEXT_TOKENS`` tokens of the file before it, cut at a token boundary of the file's own tokenisation (so
   the prompt is tokenised as in training); the answer is the rest of the line. Both tiers decode greedily until
@@ -56,14 +58,19 @@ class TaskResults:
         return len(self.edge_good)
 
 
-def run_digits(layout: ZooLayout) -> TaskResults:
-    """Both classifiers on every held-out digit."""
+DIGITS_PAIRS = {"digits": "digits-small", "digits-micro": "digits-micro"}  # task -> edge artifact
+
+
+def run_digits(layout: ZooLayout, task: str = "digits") -> TaskResults:
+    """Both classifiers of ``task`` (its edge artifact in ``DIGITS_PAIRS``, ``digits-large`` in the cloud) on
+    every held-out digit."""
     import onnxruntime as ort
 
+    edge = DIGITS_PAIRS[task]
     with np.load(layout.artifact_dir("digits-held-out") / "digits-held-out.npz") as held_out:
         x, y = held_out["x"].astype(np.float32), held_out["y"]
     logits = {}
-    for name in ("digits-small", "digits-large"):
+    for name in (edge, "digits-large"):
         model_dir = layout.artifact_dir(name)
         meta = json.loads((model_dir / "classifier.json").read_text())
         opts = ort.SessionOptions()
@@ -73,17 +80,17 @@ def run_digits(layout: ZooLayout) -> TaskResults:
     signal_s = np.empty(len(x))
     for i in range(len(x)):  # per request, as the agent sees them one at a time
         started = time.perf_counter()
-        classifier_signals(logits["digits-small"][i])
+        classifier_signals(logits[edge][i])
         signal_s[i] = time.perf_counter() - started
     return TaskResults(
-        task="digits",
-        edge_model="tierline/digits-small",
+        task=task,
+        edge_model=f"tierline/{edge}",
         cloud_model="tierline/digits-large",
-        signals=classifier_signals(logits["digits-small"]),
+        signals=classifier_signals(logits[edge]),
         prompt_tokens=None,
-        edge_good=logits["digits-small"].argmax(-1) == y,
+        edge_good=logits[edge].argmax(-1) == y,
         cloud_good=logits["digits-large"].argmax(-1) == y,
-        agrees=logits["digits-small"].argmax(-1) == logits["digits-large"].argmax(-1),
+        agrees=logits[edge].argmax(-1) == logits["digits-large"].argmax(-1),
         signal_s=signal_s,
     )
 

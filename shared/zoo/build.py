@@ -222,6 +222,14 @@ def _artifact_metadata(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "role": "cloud",
             "held_out_accuracy": report["digits"]["large_accuracy"],
         },
+        "digits-micro": {
+            "kind": "tensor",
+            "format": "onnx-int8",
+            "role": "edge",
+            "held_out_accuracy": report["digits"]["micro_accuracy"],
+            "num_params": report["digits"]["micro_num_params"],
+            "size_bytes": report["digits"]["micro_model_bytes"],
+        },
         "digits-held-out": {"kind": "dataset", "format": "npz"},
     }
     if report["edge_lm"].get("tflite"):

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from bench.cascade_bench import cascade_command
 from edge_agent.calibrate import calibrate_command
 from shared.escalation import CLASSIFIER_SIGNALS, LM_SIGNALS, ROUTER, EdgePolicy, load_policy, save_policy
+from shared.routing_eval import RANDOM_SAMPLE
 
 pytestmark = pytest.mark.integration
 
@@ -59,8 +60,12 @@ def _calibrate(*args: str) -> Any:
 
 def test_cascade_reports_every_number_in_range(cascade: dict[str, Any]) -> None:
     report = cascade["report"]
-    expected_signals = {"digits": {*CLASSIFIER_SIGNALS, ROUTER}, "lm": {*LM_SIGNALS, ROUTER}}
-    for task, total in (("digits", 540), ("lm", NUM_LINES)):
+    expected_signals = {
+        "digits": {*CLASSIFIER_SIGNALS, ROUTER},
+        "digits-micro": {*CLASSIFIER_SIGNALS, ROUTER},
+        "lm": {*LM_SIGNALS, ROUTER},
+    }
+    for task, total in (("digits", 540), ("digits-micro", 540), ("lm", NUM_LINES)):
         r = report[task]
         assert set(r) >= TASK_KEYS, TASK_KEYS - set(r)
         assert r["n_validation"] + r["n_test"] == total and r["n_validation"] > 0 and r["n_test"] > 0
@@ -190,3 +195,47 @@ def test_plot_writes_a_png(cascade: dict[str, Any]) -> None:
     png = cascade["dir"] / "cascade.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert png.stat().st_size > 10_000
+
+
+def test_cascade_reports_routellm_metrics_for_every_signal(cascade: dict[str, Any]) -> None:
+    report = cascade["report"]
+    for task in ("digits", "digits-micro", "lm"):
+        routing = report[task]["routing"]
+        assert set(routing["routers"]) == {*report[task]["signals"], RANDOM_SAMPLE}, task
+        assert routing["resamples"] == 1000
+        assert routing["random_expected"]["apgr"] in (0.5, None)
+    # The pair with a real gap: on the test half its 95 % interval excludes zero.
+    routing = report["digits-micro"]["routing"]
+    lo, hi = routing["gap_ci95"]
+    assert 0 < lo <= routing["gap"] <= hi and routing["gap"] >= 0.05
+    oracle = routing["oracle"]
+    for name, r in routing["routers"].items():
+        assert 0.0 <= r["apgr"] <= oracle["apgr"] + 1e-9, name  # nothing beats the oracle's curve
+        assert r["apgr_ci95"][0] <= r["apgr"] <= r["apgr_ci95"][1], name
+        assert len(r["pgr_at_call_share"]) == 21 and r["pgr_at_call_share"][0] == 0.0
+        for key in ("cpt_50", "cpt_80", "cpt_95", "share_at_95pct_quality"):
+            entry = r[key]
+            assert 0.0 <= entry["test_curve"] <= 1.0 and 0.0 <= entry["call_share"] <= 1.0, (name, key)
+            assert entry["call_share_ci95"][0] <= entry["call_share"] <= entry["call_share_ci95"][1]
+        assert r["cpt_50"]["test_curve"] <= r["cpt_80"]["test_curve"] <= r["cpt_95"]["test_curve"], name
+    assert oracle["cpt_80"]["test_curve"] <= min(r["cpt_80"]["test_curve"] for r in routing["routers"].values())
+    # The edge's own confidence is worth far more than a coin: every signal beats random routing's 0.5 by its
+    # whole interval, and needs fewer cloud calls for 80 % of the gap than the random router does.
+    for name in (*CLASSIFIER_SIGNALS, ROUTER):
+        r = routing["routers"][name]
+        assert r["apgr_ci95"][0] > 0.5, name
+        assert r["cpt_80"]["test_curve"] < routing["routers"][RANDOM_SAMPLE]["cpt_80"]["test_curve"], name
+
+
+def test_zoo_holds_a_microcontroller_class_digits_model_with_a_real_gap(tiny_zoo: Path) -> None:
+    digits = json.loads((tiny_zoo / "zoo.json").read_text())["digits"]
+    assert digits["large_accuracy"] - digits["micro_accuracy"] >= 0.08
+    manifest = json.loads((tiny_zoo / "manifests" / "digits-micro.json").read_text())
+    assert "digits-micro" in json.dumps(manifest) and "onnx-int8" in json.dumps(manifest)
+    model = tiny_zoo / "artifacts" / "digits-micro" / "model.onnx"
+    assert model.stat().st_size < 8 * 1024, "a few KB: fits a microcontroller's flash"
+    import onnx
+
+    graph = onnx.load(str(model)).graph
+    assert graph.input[0].name == "pixels" and graph.output[0].name == "logits"
+    assert {init.data_type for init in graph.initializer if init.name.endswith("_quantized")} == {onnx.TensorProto.INT8}

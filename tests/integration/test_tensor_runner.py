@@ -21,7 +21,7 @@ from shared.zoo.registry import ZooLayout
 
 pytestmark = pytest.mark.integration
 
-DIGITS = ("digits-small", "digits-large")
+DIGITS = ("digits-small", "digits-large", "digits-micro")
 
 
 def classifier(zoo: Path, name: str) -> tuple[Path, dict[str, Any]]:

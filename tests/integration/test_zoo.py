@@ -31,6 +31,7 @@ EXPECTED_ARTIFACTS = {
     "lm-edge-tflite",
     "digits-small",
     "digits-large",
+    "digits-micro",
     "digits-held-out",
 }
 
