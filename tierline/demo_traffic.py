@@ -2,7 +2,7 @@
 
 Requests are built from data no model was trained on: line starts from the held-out standard-library files
 (``shared.zoo.corpus.held_out_files``, what the cascade benchmark scores) and the zoo's held-out digits
-(``<zoo>/data/digits-held-out.npz``). Three kinds, mixed by ``--mix``:
+(``<zoo>/data/digits-held-out.npz``). Three kinds, interleaved evenly in the shares ``--mix`` gives:
 
 - ``easy``: complete a line given the file's preceding lines (a few hundred characters of context) and the
   line's first half, at most 16 tokens, stopping at the newline: what the device is good at;
@@ -26,9 +26,11 @@ import json
 import math
 import os
 import random
+import signal
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -225,9 +227,29 @@ def find_target(agent: str | None, key: str | None, zoo: Path | None) -> Target:
 
 
 # -- the requests ---------------------------------------------------------------------------------------------
-def lm_items(model: str, rng: random.Random, count: int) -> tuple[list[Item], list[Item]]:
+def prompt_fits(zoo: Path, model: str) -> Callable[[str, int], bool]:
+    """Whether a prompt and ``max_tokens`` fit the device model's context, by its own tokenizer in the zoo (a
+    dense stretch of code, a table of hex numbers say, can take more tokens than its characters suggest); every
+    prompt fits when the tokenizer or the ``tokenizers`` package is not there (the agent then escalates or
+    refuses what does not)."""
+    directory = zoo / "artifacts" / model.removeprefix("tierline/")
+    try:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        context = int(json.loads((directory / "config.json").read_text())["max_position_embeddings"])
+    except Exception:  # no tokenizers package, no tokenizer or config in the zoo, or an unreadable one
+        return lambda prompt, max_tokens: True
+    return lambda prompt, max_tokens: len(tokenizer.encode(prompt).ids) + max_tokens <= context
+
+
+def lm_items(
+    model: str, rng: random.Random, count: int, fits: Callable[[str, int], bool] | None = None
+) -> tuple[list[Item], list[Item]]:
     """``count`` easy and ``count`` hard line-completion requests from the held-out standard-library files."""
     from shared.zoo.corpus import held_out_files
+
+    fits = fits or (lambda prompt, max_tokens: True)
 
     files = [f.text for f in held_out_files() if len(f.text) > 2 * EASY_CONTEXT_CHARS]
     if not files:
@@ -248,11 +270,12 @@ def lm_items(model: str, rng: random.Random, count: int) -> tuple[list[Item], li
                 context = context[context.find("\n") + 1 :]  # whole lines only
                 head = line[: len(line) - len(line.lstrip()) + len(line.strip()) // 2]
                 body = {"model": model, "prompt": context + head, "max_tokens": 16, "temperature": 0, "stop": ["\n"]}
-                easy.append(Item("easy", "/v1/completions", body))
+                if fits(context + head, 16):
+                    easy.append(Item("easy", "/v1/completions", body))
         if len(hard) < count:
             j = rng.randrange(0, max(1, len(lines) - HARD_CONTEXT_LINES))
             start = "".join(lines[j : j + HARD_CONTEXT_LINES])
-            if len(start.strip()) >= MIN_LINE_CHARS and len(start) <= EASY_CONTEXT_CHARS:
+            if len(start.strip()) >= MIN_LINE_CHARS and len(start) <= EASY_CONTEXT_CHARS and fits(start, 48):
                 body = {"model": model, "prompt": start, "max_tokens": 48, "temperature": 0}
                 if len(hard) % 3 == 2:
                     body["quality"] = "high"
@@ -286,7 +309,7 @@ def build_items(
             raise click.ClickException(
                 f"the agent serves none of {', '.join(LM_MODELS)} (use --mix digits=1 for the classifier only)"
             )
-        easy, hard = lm_items(model, rng, count)
+        easy, hard = lm_items(model, rng, count, prompt_fits(zoo, model))
         items["easy"], items["hard"] = easy, hard
     if mix.get("digits"):
         if DIGITS_MODEL not in models:
@@ -295,6 +318,22 @@ def build_items(
         rng.shuffle(digits)
         items["digits"] = digits
     return {k: v for k, v in items.items() if mix.get(k)}
+
+
+def mixer(weights: dict[str, float]) -> Callable[[], str]:
+    """The next kind by smooth weighted round robin: every run, however short, holds the mix's shares (a
+    random draw could send no digits at all in 40 requests); the arrivals stay random."""
+    total = sum(weights.values())
+    current = dict.fromkeys(weights, 0.0)
+
+    def next_kind() -> str:
+        for kind, weight in weights.items():
+            current[kind] += weight
+        kind = max(current, key=lambda k: current[k])
+        current[kind] -= total
+        return kind
+
+    return next_kind
 
 
 # -- sending --------------------------------------------------------------------------------------------------
@@ -337,9 +376,8 @@ async def run_traffic(
     progress: IO[str],
 ) -> None:
     headers = {"Authorization": f"Bearer {target.key}"} if target.key else {}
-    kinds = list(items)
-    weights = [mix[k] for k in kinds]
-    cursor = dict.fromkeys(kinds, 0)
+    next_kind = mixer({k: mix[k] for k in items})
+    cursor = dict.fromkeys(items, 0)
     slots = asyncio.Semaphore(concurrency)
     tasks: set[asyncio.Task[None]] = set()
     show = asyncio.create_task(_show(stats, progress))
@@ -368,7 +406,7 @@ async def run_traffic(
                 if time.monotonic() >= deadline:
                     slots.release()
                     break
-                kind = rng.choices(kinds, weights)[0]
+                kind = next_kind()
                 pool = items[kind]
                 item = pool[cursor[kind] % len(pool)]
                 cursor[kind] += 1
@@ -503,6 +541,7 @@ def traffic(
     items = build_items(models, mix, target.zoo, rng, count)
     stats = Stats()
     progress = sys.stderr if as_json else sys.stdout
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C, even when a shell started us ignoring it
     try:
         asyncio.run(run_traffic(target, items, mix, rate, duration, int(concurrency_f), rng, stats, progress))
     except KeyboardInterrupt:
