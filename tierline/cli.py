@@ -25,6 +25,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
     "rollouts": ("controlplane.registry.cli", "rollouts", "Canary rollouts of model versions."),
     "bench": ("bench.cli", "bench", "Benchmarks that print JSON."),
     "billing": ("controlplane.billing.cli", "billing", "Prices, budgets and invoices."),
+    "demo": ("tierline.demo_traffic", "demo", "Demo traffic through the local edge agent (tierline demo traffic)."),
     "policies": ("controlplane.policies.cli", "policies", "Escalation policies: calibrate, operating point, list."),
 }
 

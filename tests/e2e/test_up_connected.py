@@ -31,6 +31,7 @@ from controlplane.storage.tables import (
 )
 from tests.conftest import REPO, base_env, free_port, tierline_cmd
 from tests.e2e.test_up import _pid_alive, _start_up
+from tests.e2e.tour import demo_traffic_reaches_ledger_and_console
 
 pytestmark = pytest.mark.e2e
 INT8 = "tierline/lm-edge-onnx-int8"
@@ -147,6 +148,7 @@ def test_up_is_connected_idempotent_and_quiet(tmp_path: Path, tiny_zoo: Path, se
             tierline_cmd("devices", "list", "--tenant", "demo"), env=env, cwd=REPO, capture_output=True, text=True
         )
         assert listed.returncode == 0 and device.id in listed.stdout, listed.stderr
+        demo_traffic_reaches_ledger_and_console(env, info, db, device.id)
     finally:
         out = _stop(proc)
     assert "tierline is up" in out and info["api_key"] in out and info["console_admin_password"] in out
