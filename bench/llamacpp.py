@@ -108,6 +108,22 @@ class LlamaCppBatch:
         b.seq_id[n][0] = seq
         b.logits[n] = logits
 
+    def prompt_logits(self, prompt: list[int]) -> np.ndarray:
+        """The logits at every position of ``prompt`` (one forward, sequence 0): float32 [T, vocab]."""
+        lib, ctx = self._lib, self._ctx.ctx
+        if not 0 < len(prompt) <= min(self.max_len, self.batch_tokens):
+            raise ValueError(f"a {len(prompt)}-token prompt does not fit one batch of {self.batch_tokens}")
+        lib.llama_memory_clear(lib.llama_get_memory(ctx), True)
+        for i, token in enumerate(prompt):
+            self._add(i, token, i, 0, True)
+        self._batch.n_tokens = len(prompt)
+        if lib.llama_decode(ctx, self._batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        rows = [
+            np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, i), shape=(self.n_vocab,)) for i in range(len(prompt))
+        ]
+        return np.stack(rows).astype(np.float32)
+
     def generate(self, work: list[tuple[list[int], int]]) -> list[list[int]]:
         """Greedy continuations of every ``(prompt ids, new tokens)``, at most ``slots`` at a time."""
         lib, ctx = self._lib, self._ctx.ctx

@@ -9,10 +9,12 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
@@ -93,7 +95,32 @@ def test_llamacpp_greedy_is_the_engines_token_for_token_at_f32(
         many.close()
     assert sum(a == e for a, e in zip(alone, expected, strict=True)) == NUM_PROMPTS, (alone, expected)
     assert batched == alone
-    assert len({tuple(e) for e in expected}) == NUM_PROMPTS  # distinct continuations: the check has teeth
+
+
+def test_llamacpp_f32_logits_are_transformers_at_every_prompt_position(
+    tiny_zoo: Path, lm_dir: Path, prompts: list[list[int]]
+) -> None:
+    """The tiny LMs barely trained, so their greedy continuations repeat a token; the logits at every position
+    of held-out prompts are the sharper check that the export (RoPE permutation, GQA, norms, tied embeddings)
+    computes what the checkpoint does."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bench.llamacpp import LlamaCppBatch, gguf_path
+
+    for lm in ("lm-cloud", "lm-edge"):
+        model = AutoModelForCausalLM.from_pretrained(ZooLayout(tiny_zoo).artifact_dir(lm), dtype=torch.float32)
+        peer = LlamaCppBatch(gguf_path(tiny_zoo, lm, "f32"), slots=1, max_len=256, threads=1)
+        try:
+            for prompt in prompts:
+                with torch.inference_mode():
+                    want = model(torch.tensor([prompt])).logits[0].numpy()
+                got = peer.prompt_logits(prompt)
+                assert got.shape == want.shape
+                assert float(np.abs(got - want).max()) < 1e-3 * max(1.0, float(np.abs(want).max())), lm
+                assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.99, lm
+        finally:
+            peer.close()
 
 
 Q8_SCRIPT = """
@@ -257,3 +284,38 @@ def test_llamacpp_server_behind_the_gateway_streams_and_bills_each_request_once(
         12,
     )
     assert rows[usage_ids[2]].completion_tokens == len(offline.tokenizer.encode(expected.text))
+
+
+def test_bench_engine_vs_llamacpp_reports_rates_ratios_and_identical_outputs(tiny_zoo: Path) -> None:
+    from bench.engine_bench import bench_engine_vs_llamacpp
+
+    result = bench_engine_vs_llamacpp(tiny_zoo, num_requests=6, max_num_seqs=6, rounds=2, batch1_requests=2)
+    concurrent, batch1 = result["concurrent"], result["batch1"]
+    assert concurrent["outputs_identical_f32"] == "6/6" and batch1["outputs_identical_f32"] == "2/2"
+    assert len(concurrent["tierline_tokens_per_s_runs"]) == len(concurrent["llamacpp_f32_tokens_per_s_runs"]) == 2
+    for part in (concurrent, batch1):
+        assert part["tierline_tokens_per_s"] > 0 and part["llamacpp_f32_tokens_per_s"] > 0
+        assert part["ratio_vs_llamacpp_f32"] > 0
+    assert batch1["llamacpp_q8_0_tokens_per_s"] > 0
+
+
+def test_bench_edge_puts_llamacpp_in_the_same_rounds(tiny_zoo: Path) -> None:
+    from bench.edge_bench import _best_rates, _held_out_ids, _llamacpp_runs, _vs_llamacpp
+    from edge_agent.runtime.lm import load_causal_lm
+
+    layout = ZooLayout(tiny_zoo)
+    runtimes = {
+        k: load_causal_lm(layout.artifact_dir(d), 1)
+        for k, d in (("fp32", "lm-edge-onnx"), ("int8", "lm-edge-onnx-int8"))
+    }
+    prompt, _ = _held_out_ids(layout)
+    runs: dict[str, Callable[[], list[int]]] = {name: partial(rt.greedy, prompt, 24) for name, rt in runtimes.items()}
+    peer_runs, peers = _llamacpp_runs(tiny_zoo, prompt, 24, 1, runtimes["fp32"].max_context)
+    runs.update(peer_runs)
+    rates, tokens = _best_rates(runs, 24, 2)
+    for peer in peers:
+        peer.close()
+    report = _vs_llamacpp(rates, tokens)
+    assert report["llamacpp_f32_outputs_identical_to_fp32"] is True
+    assert report["llamacpp_f32_tokens_per_s"] > 0 and report["llamacpp_q8_0_tokens_per_s"] > 0
+    assert report["int8_vs_llamacpp_q8_0"] > 0
