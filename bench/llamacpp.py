@@ -86,7 +86,7 @@ class LlamaCppBatch:
         params.n_ctx = slots * max_len
         params.n_batch = params.n_ubatch = self.batch_tokens
         params.n_seq_max = slots
-        params.kv_unified = True
+        params.kv_unified = False  # a KV stream per slot, as llama-server: attention spans its own sequence only
         params.n_threads = params.n_threads_batch = threads
         params.no_perf = True
         with _quiet_stderr():
