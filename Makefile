@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.install-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install chromium demo test lint bench bench-peers zoo clean help
+.PHONY: install peers chromium demo test lint bench bench-peers zoo clean help
 
 help:
 	@echo "make demo    run the platform on localhost (cloud API, console, edge agent)"
@@ -14,6 +14,7 @@ help:
 	@echo "make lint    ruff + mypy"
 	@echo "make bench   benchmarks (JSON)"
 	@echo "make install create .venv and install tierline[dev]"
+	@echo "make peers   build (once, cached) and install tierline[peers]: llama.cpp for the peer benchmarks/tests"
 
 # Re-installs only when the project's dependency files change.
 $(STAMP): pyproject.toml constraints.txt
@@ -28,6 +29,22 @@ install: $(STAMP)
 bench-peers:
 	test -x .venv-peers/bin/python || $(PYTHON) -m venv .venv-peers
 	.venv-peers/bin/python -m pip install --quiet "litellm[proxy]==$$(sed -n 's/^litellm==//p' constraints.txt)"
+
+# The third-party peers (tierline[peers]: llama.cpp through llama-cpp-python), compiled from source once into a
+# wheel cache keyed by the CPU's features (llama.cpp builds for the host's instruction set), then installed from it.
+WHEEL_CACHE ?= $(HOME)/.cache/tierline-wheels/$(shell uname -m)-$(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | md5sum | cut -c1-8)
+# llama.cpp's AMX kernels crash on the zoo's small Q8_0 matrices (a segfault in ggml_backend_amx_mul_mat): built
+# for this CPU without them where the compiler knows the flags.
+NO_AMX := $(shell echo | cc -mno-amx-tile -mno-amx-int8 -mno-amx-bf16 -E - >/dev/null 2>&1 && echo '-mno-amx-tile -mno-amx-int8 -mno-amx-bf16')
+LLAMA_CMAKE_ARGS ?= $(if $(NO_AMX),-DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)')
+PEERS_STAMP := $(VENV)/.peers-stamp
+$(PEERS_STAMP): $(STAMP)
+	mkdir -p $(WHEEL_CACHE)
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip wheel --quiet --no-deps --no-cache-dir -c constraints.txt --find-links $(WHEEL_CACHE) -w $(WHEEL_CACHE) llama-cpp-python
+	$(BIN)/python -m pip install --quiet -c constraints.txt --find-links $(WHEEL_CACHE) -e '.[dev,peers]'
+	touch $(PEERS_STAMP)
+
+peers: $(PEERS_STAMP)
 
 demo: install
 	$(BIN)/tierline up

@@ -52,6 +52,13 @@ def bench_zoo(preset: str, zoo_dir: Path | None, tokens: int, repeats: int) -> N
     show_default=True,
     help="every contender once a round, in turn; medians reported (a host whose speed drifts slows all alike)",
 )
+@click.option(
+    "--vs",
+    type=click.Choice(["hf", "llamacpp"]),
+    default="hf",
+    show_default=True,
+    help="the peer: transformers, or llama.cpp on the zoo's GGUF exports (needs tierline[peers]: make peers)",
+)
 def bench_engine(
     preset: str,
     zoo_dir: Path | None,
@@ -60,8 +67,18 @@ def bench_engine(
     max_num_seqs: int,
     skip_hf: bool,
     rounds: int,
+    vs: str,
 ) -> None:
-    """Continuous batching on mixed requests beside transformers (sequential and static batches)."""
+    """Continuous batching on mixed requests beside transformers (sequential and static batches) or llama.cpp."""
+    if vs == "llamacpp":
+        from bench.engine_bench import bench_engine_vs_llamacpp
+        from bench.llamacpp import missing_reason
+
+        if (reason := missing_reason()) is not None:
+            raise click.UsageError(f"--vs llamacpp: {reason}")
+        root = zoo_root(preset, zoo_dir)
+        emit(bench_engine_vs_llamacpp(root, num_requests, max_num_seqs, rounds=rounds), as_json)
+        return
     from bench.engine_bench import bench_engine as run
 
     emit(run(zoo_root(preset, zoo_dir), num_requests, max_num_seqs, skip_hf, rounds=rounds), as_json)

@@ -242,11 +242,43 @@ def _host(threads: int) -> dict[str, Any]:
     }
 
 
+def _llamacpp_runs(
+    zoo_root: Path, prompt: list[int], num_tokens: int, threads: int, max_len: int
+) -> tuple[dict[str, Callable[[], list[int]]], list[Any]]:
+    """llama.cpp on the edge LM's GGUF exports (f32 and Q8_0), greedy, batch 1, the same prompt and thread count."""
+    from bench.llamacpp import LlamaCppBatch, gguf_path
+
+    peers = {
+        f"llamacpp_{kind}": LlamaCppBatch(gguf_path(zoo_root, "lm-edge", kind), 1, max_len, threads)
+        for kind in ("f32", "q8_0")
+    }
+
+    def run(peer: LlamaCppBatch) -> list[int]:
+        return peer.generate([(prompt, num_tokens)])[0]
+
+    return {name: partial(run, peer) for name, peer in peers.items()}, list(peers.values())
+
+
+def _vs_llamacpp(rates: dict[str, float], tokens: dict[str, list[int]]) -> dict[str, Any]:
+    return {
+        "llamacpp_f32_tokens_per_s": round(rates["llamacpp_f32"], 1),
+        "llamacpp_q8_0_tokens_per_s": round(rates["llamacpp_q8_0"], 1),
+        "fp32_vs_llamacpp_f32": round(rates["fp32"] / rates["llamacpp_f32"], 2),
+        "int8_vs_llamacpp_q8_0": round(rates["int8"] / rates["llamacpp_q8_0"], 2),
+        "best_onnx_vs_llamacpp_q8_0": round(max(rates["fp32"], rates["int8"]) / rates["llamacpp_q8_0"], 2),
+        # same weights in f32 on both: greedy must agree token for token
+        "llamacpp_f32_outputs_identical_to_fp32": tokens["llamacpp_f32"] == tokens["fp32"],
+        "llamacpp_q8_0_tokens_before_divergence_from_fp32": _tokens_before_divergence(
+            tokens["llamacpp_q8_0"], tokens["fp32"]
+        ),
+    }
+
+
 def run_edge_bench(
-    zoo_root: Path, data_dir: Path, num_tokens: int = 64, repeats: int = 5, threads: int = 1
+    zoo_root: Path, data_dir: Path, num_tokens: int = 64, repeats: int = 5, threads: int = 1, vs: str = "torch"
 ) -> dict[str, Any]:
     """Every figure of ``tierline bench edge`` on the built zoo preset at ``zoo_root`` (signed by the key in
-    ``data_dir``)."""
+    ``data_dir``); with ``vs="llamacpp"`` llama.cpp on the edge LM's GGUF exports runs in the same rounds."""
     layout = ZooLayout(zoo_root)
     fp32 = load_causal_lm(layout.artifact_dir("lm-edge-onnx"), threads)
     if PROMPT_TOKENS + num_tokens > fp32.max_context:
@@ -265,8 +297,14 @@ def run_edge_bench(
         name: partial(rt.greedy, prompt, num_tokens) for name, rt in runtimes.items()
     }
     runs["torch"] = _torch_greedy(layout.artifact_dir("lm-edge"), prompt, num_tokens)
+    peers: list[Any] = []
+    if vs == "llamacpp":
+        peer_runs, peers = _llamacpp_runs(zoo_root, prompt, num_tokens, threads, fp32.max_context)
+        runs.update(peer_runs)
     with _torch_threads(threads):
         rates, tokens = _best_rates(runs, num_tokens, repeats)
+    for peer in peers:
+        peer.close()
     int8_choice, _ = _next_token_choices(int8, windows)
     fp32_choice, fp32_margin = _next_token_choices(fp32, windows)
     same = int8_choice == fp32_choice
@@ -299,6 +337,8 @@ def run_edge_bench(
         "agent_idle_rss_mb": round(rss_mb, 1),
         "agent_models": num_models,
     }
+    if vs == "llamacpp":
+        result["vs_llamacpp"] = _vs_llamacpp(rates, tokens)
     result["targets"] = TARGETS
     result["targets_met"] = {key: result[key] >= target for key, target in TARGETS.items()}
     result["host"] = _host(threads)
@@ -312,12 +352,27 @@ def run_edge_bench(
 @click.option("--tokens", type=click.IntRange(min=1), default=64, show_default=True, help="tokens to decode per run")
 @click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="timed runs (best kept)")
 @click.option("--threads", type=click.IntRange(1, 64), default=1, show_default=True, help="threads per runtime")
-def edge_command(preset: str, zoo_dir: Path | None, as_json: bool, tokens: int, repeats: int, threads: int) -> None:
-    """Edge LM on this host: INT8/fp32/TFLite decode speed beside eager torch, INT8 agreement, sizes, agent RSS."""
+@click.option(
+    "--vs",
+    type=click.Choice(["torch", "llamacpp"]),
+    default="torch",
+    show_default=True,
+    help="add llama.cpp on the edge LM's GGUF exports (f32, Q8_0) to the rounds (needs tierline[peers])",
+)
+def edge_command(
+    preset: str, zoo_dir: Path | None, as_json: bool, tokens: int, repeats: int, threads: int, vs: str
+) -> None:
+    """Edge LM on this host: INT8/fp32/TFLite decode speed beside eager torch (and llama.cpp with --vs llamacpp),
+    INT8 agreement, sizes, agent RSS."""
     from shared.settings import CoreSettings
 
+    if vs == "llamacpp":
+        from bench.llamacpp import missing_reason
+
+        if (reason := missing_reason()) is not None:
+            raise click.UsageError(f"--vs llamacpp: {reason}")
     root = zoo_root(preset, zoo_dir)
-    emit(run_edge_bench(root, CoreSettings().data_dir, tokens, repeats, threads), as_json)
+    emit(run_edge_bench(root, CoreSettings().data_dir, tokens, repeats, threads, vs), as_json)
 
 
 if __name__ == "__main__":

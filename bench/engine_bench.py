@@ -448,3 +448,87 @@ def bench_prefix(zoo_root: Path, num_requests: int = 16, system_tokens: int = 44
         "ttft_speedup": round(results["without_cache"] / results["with_cache"], 2),
         "prefix_cache_hit_rate": results["prefix_cache_hit_rate"],
     }
+
+
+def bench_engine_vs_llamacpp(
+    zoo_root: Path,
+    num_requests: int = 64,
+    max_num_seqs: int = 64,
+    seed: int = 0,
+    rounds: int = 3,
+    batch1_requests: int = 8,
+) -> dict[str, Any]:
+    """This engine beside llama.cpp on lm-cloud's GGUF exports of the same weights: the same token-id requests
+    (``bench engine``'s mix of prompt and output lengths), greedy, all ``num_requests`` at once (llama.cpp with a
+    slot per request, as ``llama-server --parallel``, in process like the engine: no HTTP on either side) and the
+    first ``batch1_requests`` one at a time. Contenders alternate within each round; rates are the median round's,
+    ratios the median of the rounds' own ratios. llama.cpp's f32 outputs must be the engine's token for token."""
+    from bench.llamacpp import LlamaCppBatch, gguf_path, timed_generate
+
+    model_dir = _lm(zoo_root, "lm-cloud")
+    threads = torch.get_num_threads()
+    engine = LLMEngine(
+        EngineConfig(model_dir, kv_cache_bytes=KV_BYTES, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
+    )
+    max_len = engine.max_model_len
+    work = _workload(_corpus_ids(engine), num_requests, (16, 256), (16, 128), seed, max_len)
+    alone = work[:batch1_requests]
+    peers = {
+        "f32": LlamaCppBatch(gguf_path(zoo_root, "lm-cloud", "f32"), max_num_seqs, max_len, threads),
+        "f32_1": LlamaCppBatch(gguf_path(zoo_root, "lm-cloud", "f32"), 1, max_len, threads),
+        "q8_0_1": LlamaCppBatch(gguf_path(zoo_root, "lm-cloud", "q8_0"), 1, max_len, threads),
+    }
+    run_engine_workload(engine, work[:4], cache_salt="warm-up")
+    for name, peer in peers.items():
+        peer.generate(work[:4] if name == "f32" else work[:1])
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in ("ours", "ours_1", "f32", "f32_1", "q8_0_1")}
+    for r in range(rounds):
+        runs["ours"].append(run_engine_workload(engine, work, cache_salt=f"round-{r}"))
+        runs["f32"].append(timed_generate(peers["f32"], work, one_at_a_time=False))
+        started = time.perf_counter()
+        outs = [run_engine_workload(engine, [w], cache_salt=f"round-{r}-1")["outputs"][0] for w in alone]
+        seconds = time.perf_counter() - started
+        tokens = sum(map(len, outs))
+        runs["ours_1"].append({"tokens_per_s": tokens / seconds, "outputs": outs})
+        runs["f32_1"].append(timed_generate(peers["f32_1"], alone, one_at_a_time=True))
+        runs["q8_0_1"].append(timed_generate(peers["q8_0_1"], alone, one_at_a_time=True))
+    for peer in peers.values():
+        peer.close()
+    ours = runs["ours"][0]["outputs"]
+    same = min(sum(a == b for a, b in zip(run["outputs"], ours, strict=True)) for run in runs["f32"])
+    same_1 = min(sum(a == b for a, b in zip(run["outputs"], ours, strict=False)) for run in runs["f32_1"])
+    q8_same = sum(a == b for a, b in zip(runs["q8_0_1"][0]["outputs"], ours, strict=False))
+    prompt_tokens = sum(len(p) for p, _ in work)
+    return {
+        "bench": "engine-vs-llamacpp",
+        "model": str(model_dir),
+        "peer": "llama.cpp via llama-cpp-python (in process, greedy), the zoo's GGUF exports",
+        "threads": threads,
+        "rounds": rounds,
+        "concurrent": {
+            "requests": num_requests,
+            "slots": max_num_seqs,
+            "prompt_tokens": prompt_tokens,
+            "generated_tokens": sum(n for _, n in work),
+            "tierline_tokens_per_s": round(_median_run(runs["ours"])["tokens_per_s"], 1),
+            "tierline_tokens_per_s_runs": _rates(runs["ours"]),
+            "llamacpp_f32_tokens_per_s": round(_median_run(runs["f32"])["tokens_per_s"], 1),
+            "llamacpp_f32_tokens_per_s_runs": _rates(runs["f32"]),
+            "ratio_vs_llamacpp_f32": _median_ratio(runs["ours"], runs["f32"]),
+            "outputs_identical_f32": f"{same}/{len(work)}",
+        },
+        "batch1": {
+            "requests": len(alone),
+            "tierline_tokens_per_s": round(_median_run(runs["ours_1"])["tokens_per_s"], 1),
+            "tierline_tokens_per_s_runs": _rates(runs["ours_1"]),
+            "llamacpp_f32_tokens_per_s": round(_median_run(runs["f32_1"])["tokens_per_s"], 1),
+            "llamacpp_f32_tokens_per_s_runs": _rates(runs["f32_1"]),
+            "llamacpp_q8_0_tokens_per_s": round(_median_run(runs["q8_0_1"])["tokens_per_s"], 1),
+            "llamacpp_q8_0_tokens_per_s_runs": _rates(runs["q8_0_1"]),
+            "ratio_vs_llamacpp_f32": _median_ratio(runs["ours_1"], runs["f32_1"]),
+            "ratio_vs_llamacpp_q8_0": _median_ratio(runs["ours_1"], runs["q8_0_1"]),
+            "outputs_identical_f32": f"{same_1}/{len(alone)}",
+            # Q8_0 rounds its weights: its greedy path may leave f32's at a near-tie.
+            "outputs_identical_q8_0": f"{q8_same}/{len(alone)}",
+        },
+    }

@@ -28,7 +28,7 @@ MANIFEST_SCHEMA = "tierline.artifact/v1"
 SIGNATURE_ALG = "ed25519"
 _CHUNK = 1 << 20
 ARTIFACT_KINDS = ("causal-lm", "tensor", "dataset")
-ARTIFACT_FORMATS = ("hf-safetensors", "onnx", "onnx-int8", "tflite", "npz")
+ARTIFACT_FORMATS = ("hf-safetensors", "onnx", "onnx-int8", "tflite", "gguf", "npz")
 
 
 def sha256_file(path: Path) -> str:

@@ -32,9 +32,9 @@ from shared.zoo.registry import ARTIFACTS_DIR, MANIFESTS_DIR, ZOO_REPORT, ZooLay
 logger = logging.getLogger(__name__)
 
 StepFn = Callable[[str], None]
-# Messages a full build sends to ``step`` (weights, edge export, INT8 check, TFLite check, digits, signing,
+# Messages a full build sends to ``step`` (weights, edge export, INT8 check, TFLite check, GGUF, digits, signing,
 # done), so a caller can draw a progress bar.
-NUM_BUILD_STEPS = 7
+NUM_BUILD_STEPS = 8
 BUILD_FORMAT = 1
 COMMITTED_WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 PINNED_HASHES = "SHA256SUMS"
@@ -107,7 +107,7 @@ def build_zoo(
     arts = work / ARTIFACTS_DIR
     report: dict[str, Any] = {"preset": preset.name, "fingerprint": fingerprint(preset)}
 
-    from shared.zoo.derive import derive_digits_artifacts, derive_edge_lm_artifacts
+    from shared.zoo.derive import derive_digits_artifacts, derive_edge_lm_artifacts, derive_gguf_artifacts
 
     if preset.is_committed and not retrain:
         say(f"taking the committed {preset.name} weights (pinned sha256)")
@@ -129,6 +129,8 @@ def build_zoo(
 
     say("deriving edge LM artifacts: ONNX fp32 with KV cache, ONNX INT8, TFLite")
     report["edge_lm"] = derive_edge_lm_artifacts(arts / "lm-edge", arts, say)
+    say("exporting the cloud and edge LMs to GGUF (f32, Q8_0) for llama.cpp")
+    report["gguf"] = derive_gguf_artifacts(arts)
     say("training and exporting the digits classifiers")
     report["digits"] = derive_digits_artifacts(preset, arts, work / "data")
 
@@ -232,6 +234,15 @@ def _artifact_metadata(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
         },
         "digits-held-out": {"kind": "dataset", "format": "npz"},
     }
+    for lm, files in report.get("gguf", {}).items():
+        meta[f"{lm}-gguf"] = {
+            "kind": "causal-lm",
+            "format": "gguf",
+            "role": meta[lm]["role"],
+            "derived_from": lm,
+            "runtime": "llama.cpp",
+            "files": {kind: f["file"] for kind, f in files.items()},
+        }
     if report["edge_lm"].get("tflite"):
         meta["lm-edge-tflite"] = {
             "kind": "causal-lm",

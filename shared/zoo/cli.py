@@ -33,7 +33,7 @@ def _step(msg: str) -> None:
 @click.option("--force", is_flag=True, help="rebuild even when a build with the same fingerprint exists")
 @click.option("--json", "as_json", is_flag=True, help="print the build report as JSON")
 def build(preset: str, out_dir: Path | None, retrain: bool, force: bool, as_json: bool) -> None:
-    """Build the zoo: LMs, edge exports (ONNX fp32/INT8, TFLite), digits classifiers, signed manifests.
+    """Build the zoo: LMs, edge exports (ONNX fp32/INT8, TFLite), GGUF for llama.cpp, digits, signed manifests.
 
     Cached: a second call with the same preset returns at once.
     """

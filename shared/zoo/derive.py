@@ -1,4 +1,5 @@
-"""Derived zoo artifacts: edge LM exports (ONNX fp32/INT8, TFLite) and the digits classifiers."""
+"""Derived zoo artifacts: edge LM exports (ONNX fp32/INT8, TFLite), GGUF exports of the LMs for llama.cpp, and
+the digits classifiers."""
 
 from __future__ import annotations
 
@@ -99,6 +100,24 @@ def derive_edge_lm_artifacts(lm_dir: Path, arts: Path, say: Callable[[str], None
     diff = _tflite_max_abs_diff(tfl_dir / "model.tflite", windows[0], fp32[0], io["prefill_chunk"])
     result["tflite"] = {"max_abs_diff_vs_onnx": float(f"{diff:.3g}"), **io}
     say(f"TFLite prefill logits within {diff:.2g} of ONNX fp32")
+    return result
+
+
+GGUF_LMS = ("lm-cloud", "lm-edge")
+
+
+def derive_gguf_artifacts(arts: Path) -> dict[str, Any]:
+    """Write ``<lm>-gguf/model-f32.gguf`` and ``model-q8_0.gguf`` for the cloud and edge LMs (what llama.cpp runs,
+    for the project's benchmarks against it and for serving them with llama.cpp's server); return the facts."""
+    from shared.zoo.export_gguf import GGUF_FILES, export_gguf
+
+    result: dict[str, Any] = {}
+    for lm in GGUF_LMS:
+        out = arts / f"{lm}-gguf"
+        out.mkdir()
+        files = {kind: export_gguf(arts / lm, out / name, kind) for kind, name in GGUF_FILES.items()}
+        _copy_side_files(arts / lm, out)
+        result[lm] = files
     return result
 
 

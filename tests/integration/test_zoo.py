@@ -29,6 +29,8 @@ EXPECTED_ARTIFACTS = {
     "lm-edge-onnx",
     "lm-edge-onnx-int8",
     "lm-edge-tflite",
+    "lm-cloud-gguf",
+    "lm-edge-gguf",
     "digits-small",
     "digits-large",
     "digits-micro",
