@@ -234,6 +234,14 @@ class Backends:
             models[model_id] = make_remote(model_id, cfg, cfg.tokenizer)
         return cls(models, service, request_timeout_s)
 
+    def health(self) -> dict[str, dict[str, int]]:
+        """Per served model: its endpoints (draining ones left out) and how many the pool admits (for /readyz)."""
+        report: dict[str, dict[str, int]] = {}
+        for pool in list(self.pools):
+            live = [e for e in list(pool.endpoints) if not e.draining]
+            report[pool.model_id] = {"endpoints": len(live), "admitted": sum(1 for e in live if e.admitted)}
+        return report
+
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         for remote in self.models.values():
