@@ -151,8 +151,13 @@ INFERENCE_RESPONSES = {
 
 
 @get("/readyz", sync_to_thread=True, include_in_schema=False)
-def readyz(db: Engine, pool: EnginePool) -> dict[str, Any]:
-    """Readiness: the database answers and is migrated, and the engines are loaded."""
+def readyz(db: Engine, pool: EnginePool, completions: CompletionService) -> dict[str, Any]:
+    """Readiness: the database answers and is migrated, and the engines are loaded (503 naming what is not).
+
+    Models that upstream servers answer are reported, not judged: per model its endpoints and how many the pool
+    admits, and under ``degraded`` those with none admitted (their requests get 503 with Retry-After). The gateway
+    stays ready meanwhile: it still serves every other model, and taking it out of a load balancer would not
+    bring the upstream back."""
     try:
         ok = is_up_to_date(db)
     except Exception as exc:
@@ -165,7 +170,9 @@ def readyz(db: Engine, pool: EnginePool) -> dict[str, Any]:
     problems += [f"engine not running: {', '.join(dead)}"] if dead else []
     if problems:
         raise ServiceUnavailableError("; ".join(problems))
-    return {"status": "ready", "models": sorted(pool.engines)}
+    upstreams = completions.remote.health() if completions.remote is not None else {}
+    degraded = sorted(m for m, u in upstreams.items() if u["admitted"] == 0)
+    return {"status": "ready", "models": sorted(pool.engines), "upstreams": upstreams, "degraded": degraded}
 
 
 @get("/metrics", sync_to_thread=False, include_in_schema=False)

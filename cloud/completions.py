@@ -137,6 +137,8 @@ class RemoteModels(Protocol):
 
     def model_ids(self) -> list[str]: ...
 
+    def health(self) -> dict[str, dict[str, int]]: ...
+
     async def chat(
         self, caller: Caller, req: ChatCompletionRequest, remote: RemoteLM | None = None
     ) -> dict[str, Any] | AsyncIterator[bytes]: ...
@@ -164,6 +166,10 @@ class _Meter:
     checkpoint_at: float | None = None  # when the last one was written (None: never)
     checkpointed_tokens: int = 0  # completion tokens it held
     checkpoint_write: asyncio.Future[None] | None = None  # the last write, awaited before settling
+
+    def checkpoint_age(self) -> float:
+        """Seconds since the last checkpoint (infinite: none yet)."""
+        return time.monotonic() - self.checkpoint_at if self.checkpoint_at is not None else float("inf")
 
     def update(self, out: RequestOutput) -> None:
         u = out.usage
@@ -462,14 +468,18 @@ class CompletionService:
             engine_ms=round(meter.engine_s * 1000, 2) if meter.engine_s is not None else None,
         )
 
-    async def _checkpoint(self, caller: Caller, served: ServedLM, meter: _Meter) -> None:
+    async def _checkpoint(self, caller: Caller, served: Metered, meter: _Meter, *, due: bool | None = None) -> None:
         """Make a stream's usage so far durable before its next bytes go out, when a checkpoint is due
-        (``TIERLINE_CLOUD_USAGE_CHECKPOINT_TOKENS`` / ``_MS``): a crash then loses at most the tokens sent since.
+        (``TIERLINE_CLOUD_USAGE_CHECKPOINT_TOKENS`` / ``_MS``; ``due``: the caller decided): a crash then loses at
+        most the tokens sent since.
 
         A failed write is logged and the stream goes on (billing falls back to the end-of-stream record).
         """
-        since = time.monotonic() - meter.checkpoint_at if meter.checkpoint_at is not None else float("inf")
-        if not self.usage.is_checkpoint_due(meter.completion_tokens - meter.checkpointed_tokens, since):
+        if due is None:
+            due = self.usage.is_checkpoint_due(
+                meter.completion_tokens - meter.checkpointed_tokens, meter.checkpoint_age()
+            )
+        if not due:
             return
         record = self._record(caller, served, meter, "ok", None, None, time.monotonic())
         meter.checkpointed = True

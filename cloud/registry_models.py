@@ -30,23 +30,25 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, col, select
+from sqlmodel import Session
 
 from cloud.canary import routed_versions
 from cloud.engine_pool import EnginePool, RegistryEntry, ServedLM, engine_config, start_engine
 from cloud.settings import CloudSettings
 from controlplane.registry.artifacts import materialize
 from controlplane.registry.service import (
+    STABLE,
     TOKENIZER_FORMATS,
     artifacts_of,
     get_model,
     get_version,
     list_models,
     list_versions,
+    routing_aliases,
 )
 from controlplane.registry.store import ArtifactStore
 from controlplane.rollouts.service import RolloutPlan
-from controlplane.storage.tables import ModelAlias, ModelArtifact, ModelVersion
+from controlplane.storage.tables import ModelArtifact
 from shared.artifacts import Manifest, verify_files
 from shared.backend_spec import ServingSpec
 from shared.errors import ArtifactVerificationError
@@ -57,7 +59,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ALL: Final = "all"
-STABLE: Final = "stable"
 CACHE_DIR: Final = "cloud-models"
 REMOTE_RETRY_S: Final = 30.0  # a version whose backend failed to start is tried again at most this often
 
@@ -253,15 +254,8 @@ class RegistryModels:
                     state.created[v.number] = int(v.created_at.timestamp()) if v.created_at else 0
                     if v.serving:
                         state.serving[v.number] = dict(v.serving)
-                rows = session.exec(
-                    select(ModelAlias.name, ModelVersion.number, ModelAlias.updated_at)
-                    .join(ModelVersion, col(ModelVersion.id) == col(ModelAlias.version_id))
-                    .where(ModelAlias.model_id == model.id)
-                )
-                for alias, number, moved_at in rows:
-                    state.aliases[alias] = number
-                    if alias == STABLE:
-                        state.stable_moved_at = moved_at
+                aliases, state.stable_moved_at = routing_aliases(session, model)
+                state.aliases.update(aliases)
                 states.append(state)
             return states
 

@@ -37,13 +37,19 @@ import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, col, select
+from sqlmodel import Session
 
 from cloud.tensor import DynamicBatcher, OnnxRunner
 from controlplane.billing.pricing import Tokens
-from controlplane.registry.service import artifacts_of, is_safe_relpath, list_models, list_versions
+from controlplane.registry.service import (
+    STABLE,
+    artifacts_of,
+    is_safe_relpath,
+    list_models,
+    list_versions,
+    routing_aliases,
+)
 from controlplane.registry.store import ArtifactStore
-from controlplane.storage.tables import ModelAlias, ModelVersion
 from shared.artifacts import Manifest, verify_files, verify_signature
 from shared.errors import (
     ApplicationError,
@@ -67,7 +73,6 @@ if TYPE_CHECKING:  # the engines (torch) load only where requests are served
 logger = logging.getLogger(__name__)
 
 ZOO_TENSOR_MODELS = {"tierline/digits-large": "digits-large", "tierline/digits-small": "digits-small"}
-STABLE: Final = "stable"
 PIN: Final = "@"
 CACHE_DIR: Final = "cloud-tensor-models"
 
@@ -622,15 +627,8 @@ class TensorRegistry:
                         int(a.size),
                         int(version.created_at.timestamp()) if version.created_at else 0,
                     )
-                rows = session.exec(
-                    select(ModelAlias.name, ModelVersion.number, ModelAlias.updated_at)
-                    .join(ModelVersion, col(ModelVersion.id) == col(ModelAlias.version_id))
-                    .where(ModelAlias.model_id == model.id)
-                )
-                for alias, number, moved_at in rows:
-                    read.aliases[alias] = number
-                    if alias == STABLE:
-                        read.stable_moved_at = moved_at
+                aliases, read.stable_moved_at = routing_aliases(session, model)
+                read.aliases.update(aliases)
                 out.append(read)
             return out
 

@@ -237,10 +237,12 @@ def enroll_agent(cloud_url: str, home: Path, seeded: Seeded) -> None:
 
 
 def _policy_models(validation: Path) -> list[str]:
+    """The edge models of the validation data that the local agent serves (the data also holds pairs the agent
+    does not run, such as ``tierline/digits-micro``: those get no policy)."""
     models: list[str] = []
     for line in validation.read_text().splitlines():
         model = json.loads(line).get("model") if line.strip() else None
-        if isinstance(model, str) and model not in models:
+        if isinstance(model, str) and model in EDGE_MODELS and model not in models:
             models.append(model)
     return models
 

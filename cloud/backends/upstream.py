@@ -133,6 +133,7 @@ class _Relay:
 
     usage: dict[str, Any] | None = None
     texts: dict[int, list[str]] = field(default_factory=dict)
+    pieces: int = 0  # text pieces relayed so far (about a token each): when a usage checkpoint may be due
 
     def add(self, chunk: dict[str, Any], chat: bool) -> None:
         usage = chunk.get("usage")
@@ -151,6 +152,7 @@ class _Relay:
                     parts.extend(v for v in (function.get("name"), function.get("arguments")) if isinstance(v, str))
             if parts:
                 self.texts.setdefault(index if isinstance(index, int) else 0, []).extend(parts)
+                self.pieces += len(parts)
 
 
 def _valid_usage(usage: Any) -> bool:
@@ -231,6 +233,14 @@ class Backends:
                 raise ConfigurationError(f"{path}: models.{model_id}.tokenizer: {cfg.tokenizer} holds no tokenizer")
             models[model_id] = make_remote(model_id, cfg, cfg.tokenizer)
         return cls(models, service, request_timeout_s)
+
+    def health(self) -> dict[str, dict[str, int]]:
+        """Per served model: its endpoints (draining ones left out) and how many the pool admits (for /readyz)."""
+        report: dict[str, dict[str, int]] = {}
+        for pool in list(self.pools):
+            live = [e for e in list(pool.endpoints) if not e.draining]
+            report[pool.model_id] = {"endpoints": len(live), "admitted": sum(1 for e in live if e.admitted)}
+        return report
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -391,6 +401,25 @@ class Backends:
             )
             return meter.usage()
 
+        relayed_at_checkpoint = 0
+
+        async def checkpoint() -> None:
+            """Make the stream's usage so far durable, when one is due (as the built-in engine's streams do): the
+            upstream tells usage only at the end, so what was relayed is counted here with the model's tokenizer.
+            A gateway killed mid-stream then leaves a checkpoint, billed as ``interrupted`` after its lease."""
+            nonlocal relayed_at_checkpoint
+            if billed or not self.service.usage.is_checkpoint_due(
+                relay.pieces - relayed_at_checkpoint, meter.checkpoint_age()
+            ):
+                return
+            meter.prompt_tokens = sum(counts)
+            # Both undercount, never over: re-encoding merges tokens the model emitted apart, and a piece may
+            # carry several tokens. The larger is kept; the upstream's usage replaces it when the stream ends.
+            encoded = sum(len(remote.tokenizer.encode("".join(parts))) for parts in relay.texts.values())
+            meter.completion_tokens = max(encoded, relay.pieces)
+            relayed_at_checkpoint = relay.pieces
+            await self.service._checkpoint(caller, remote, meter, due=True)
+
         if not req.stream:
             status, failed = "error", False
             try:
@@ -426,7 +455,9 @@ class Backends:
             await bill("error", isinstance(exc, (BadGatewayError, UpstreamUnavailableError)))
             raise
         include_usage = req.include_usage
-        return self._relay(remote, endpoint, response, events, first, relay, rewrite, include_usage, chat, bill)
+        return self._relay(
+            remote, endpoint, response, events, first, relay, rewrite, include_usage, chat, bill, checkpoint
+        )
 
     async def _relay(
         self,
@@ -440,6 +471,7 @@ class Backends:
         include_usage: bool,
         chat: bool,
         bill: Callable[[str], Awaitable[dict[str, Any]]],
+        checkpoint: Callable[[], Awaitable[None]],
     ) -> AsyncIterator[bytes]:
         status, ok = "abandoned", None
         try:
@@ -460,6 +492,7 @@ class Backends:
                     if not include_usage:
                         chunk.pop("usage", None)
                     if chunk.get("choices") or include_usage:
+                        await checkpoint()  # before the bytes: a crash after them leaves them billed
                         yield sse({**chunk, **rewrite})
                     data = await anext(events, None)
                 if data is None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
+from datetime import datetime
 from typing import Any, Final
 
 from pydantic import ValidationError as PydanticValidationError
@@ -27,6 +28,8 @@ from sqlmodel import Session, col, select
 from controlplane.storage.tables import AuditLog, Model, ModelAlias, ModelArtifact, ModelVersion, utcnow
 from shared.backend_spec import ServingSpec
 from shared.errors import ConflictError, NotFoundError, ValidationError
+
+STABLE: Final = "stable"  # the alias that names the version served when no rollout says otherwise
 
 KINDS: Final = ("causal-lm", "tensor")
 TARGETS: Final = ("cloud", "edge")
@@ -443,6 +446,23 @@ def aliases_of(session: Session, model: Model) -> dict[str, int]:
         .order_by(col(ModelAlias.name))
     )
     return {name: number for name, number in rows}
+
+
+def routing_aliases(session: Session, model: Model) -> tuple[dict[str, int], datetime | None]:
+    """What routing reads of a model's aliases: alias name -> version number, and when ``stable`` last moved (a
+    rollout's baseline is measured from then)."""
+    aliases: dict[str, int] = {}
+    stable_moved_at = None
+    rows = session.exec(
+        select(ModelAlias.name, ModelVersion.number, ModelAlias.updated_at)
+        .join(ModelVersion, col(ModelVersion.id) == col(ModelAlias.version_id))
+        .where(ModelAlias.model_id == model.id)
+    )
+    for alias, number, moved_at in rows:
+        aliases[alias] = number
+        if alias == STABLE:
+            stable_moved_at = moved_at
+    return aliases, stable_moved_at
 
 
 def resolve(session: Session, name: str, ref: str) -> ModelVersion:

@@ -295,6 +295,11 @@ def test_an_unreachable_upstream_is_502_then_503_with_retry_after_and_bills_noth
     assert ejected.status_code == 503, ejected.text
     assert "no healthy upstream endpoint" in ejected.json()["error"]["message"]
     assert int(ejected.headers["retry-after"]) >= 1
+    # /readyz names the degraded model and stays 200: the gateway still serves every other model.
+    ready = httpx.get(f"{gateway['url']}/readyz")
+    assert ready.status_code == 200, ready.text
+    assert DOWN_MODEL in ready.json()["degraded"] and MODEL not in ready.json()["degraded"]
+    assert ready.json()["upstreams"][DOWN_MODEL] == {"endpoints": 1, "admitted": 0}
     time.sleep(0.3)  # past the usage writer's flush interval
     engine = create_engine(gateway["db"])
     with Session(engine) as s:

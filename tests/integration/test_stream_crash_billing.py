@@ -27,7 +27,8 @@ from controlplane.billing.ledger import NewUsage, checkpoint, reconcile_checkpoi
 from controlplane.storage.database import create_db
 from controlplane.storage.tables import BudgetPeriod, BudgetReservation, Price, Tenant, UsageCheckpoint, UsageRecord
 from controlplane.tenancy.service import create_api_key, create_tenant
-from tests.conftest import REPO, base_env, free_port, seed_data_dir, tierline_cmd
+from shared.zoo.registry import ZooLayout
+from tests.conftest import REPO, base_env, free_port, seed_data_dir, server_process, tierline_cmd
 
 pytestmark = pytest.mark.integration
 MODEL = "tierline/lm-cloud"
@@ -147,6 +148,30 @@ BODY = {
 }
 
 
+def _stream_until_killed(url: str, headers: dict[str, str], proc: subprocess.Popen[bytes]) -> tuple[str, int]:
+    """A long stream whose server process group is SIGKILLed once the client received 3 checkpoint intervals and
+    a bit: (the request's id, the tokens the client received)."""
+    received, finished, killed_id = 0, False, ""
+    with httpx.stream("POST", url, json={**BODY, "max_tokens": 240}, headers=headers, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        try:
+            for event in _events(r):
+                if event == "[DONE]":
+                    finished = True
+                if isinstance(event, dict) and event.get("choices"):
+                    killed_id = event["id"].removeprefix("cmpl-")
+                received += _tokens(event)
+                if received >= 3 * EVERY_TOKENS + 3 and proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                # what the server wrote before it died is still read: every token the client got counts
+        except httpx.HTTPError:
+            pass
+    assert not finished, "the stream finished before the kill: make it longer"
+    assert received >= 3 * EVERY_TOKENS + 3 and killed_id
+    return killed_id, received
+
+
 def test_tokens_streamed_before_a_kill_are_billed_after_the_restart(
     migrated_db: str, tiny_zoo: Path, session_data_dir: Path, tmp_path: Path
 ) -> None:
@@ -187,25 +212,8 @@ def test_tokens_streamed_before_a_kill_are_billed_after_the_restart(
         assert before.reserved == 0 and before.spent == normal.cost and normal.cost > 0
 
         # A long stream, killed (SIGKILL to the server's process group) after the client received some tokens.
-        received, finished = 0, False
-        with httpx.stream("POST", url, json={**BODY, "max_tokens": 240}, headers=headers, timeout=60) as r:
-            assert r.status_code == 200, r.read()
-            try:
-                for event in _events(r):
-                    if event == "[DONE]":
-                        finished = True
-                    if isinstance(event, dict) and event.get("choices"):
-                        killed_id = event["id"].removeprefix("cmpl-")
-                    received += _tokens(event)
-                    if received >= 3 * EVERY_TOKENS + 3 and proc.poll() is None:
-                        os.killpg(proc.pid, signal.SIGKILL)
-                        proc.wait()
-                    # what the server wrote before it died is still read: every token the client got counts
-            except httpx.HTTPError:
-                pass
-        assert not finished, "the stream finished before the kill: make it longer"
+        killed_id, received = _stream_until_killed(url, headers, proc)
         killed_at = time.monotonic()
-        assert received >= 3 * EVERY_TOKENS + 3
         assert _records(engine, killed_id) == []  # the process died before its end-of-stream record
         assert _budget(engine, tenant_id).reserved > 0  # and before settling its hold
 
@@ -229,6 +237,56 @@ def test_tokens_streamed_before_a_kill_are_billed_after_the_restart(
         assert _checkpoints(engine) == []
         with Session(engine) as s:
             assert s.exec(select(BudgetReservation)).all() == []
+    engine.dispose()
+
+
+def test_tokens_relayed_from_an_upstream_before_a_gateway_kill_are_billed(
+    migrated_db: str, tiny_zoo: Path, session_data_dir: Path, tmp_path: Path
+) -> None:
+    """The same guarantee for a model an upstream server answers (an ``openai`` backend): the upstream tells usage
+    only at the end of its stream, so the gateway checkpoints what it relayed, counted with the model's tokenizer.
+    The gateway is killed, the upstream (``tierline engine serve``) lives on."""
+    engine, tenant_id, key = _setup(migrated_db)
+    data = seed_data_dir(tmp_path / "data", tiny_zoo, session_data_dir)
+    lm_dir = ZooLayout(tiny_zoo).artifact_dir("lm-cloud")
+    upstream_port = free_port()
+    backends = data / "backends.json"
+    spec = {"type": "openai", "endpoints": [f"http://127.0.0.1:{upstream_port}"], "upstream_model": "lm-cloud"}
+    backends.write_text(json.dumps({"models": {MODEL: {**spec, "tokenizer": str(lm_dir)}}}))
+    env = base_env(
+        data,
+        TIERLINE_DATABASE_URL=migrated_db,
+        TIERLINE_CLOUD_ZOO_PRESET="none",  # a gateway only
+        TIERLINE_CLOUD_BACKENDS=str(backends),
+        TIERLINE_CLOUD_USAGE_FLUSH_MS="50",
+        TIERLINE_CLOUD_USAGE_CHECKPOINT_TOKENS=str(EVERY_TOKENS),
+        TIERLINE_CLOUD_USAGE_CHECKPOINT_MS="0",
+        TIERLINE_CLOUD_REQUEST_TIMEOUT_S=str(REQUEST_TIMEOUT_S),
+        TIERLINE_CLOUD_BUDGET_LEASE_MARGIN_S=str(LEASE_MARGIN_S),
+        TIERLINE_CLOUD_BUDGET_SWEEP_INTERVAL_S="0.5",
+    )
+    upstream_env = base_env(data, TIERLINE_CLOUD_KV_CACHE_MB="16", TIERLINE_CLOUD_SPECULATION="off")
+    headers = {"Authorization": f"Bearer {key}"}
+    log = tmp_path / "gateway.log"
+    upstream = ["engine", "serve", "--model", str(lm_dir), "--name", "lm-cloud"]
+    with server_process(upstream, upstream_env, upstream_port, ready_path="/health", timeout=180):
+        port = free_port()
+        with _cloud(env, port, log) as proc:
+            killed_id, received = _stream_until_killed(f"http://127.0.0.1:{port}/v1/completions", headers, proc)
+            killed_at = time.monotonic()
+            assert _records(engine, killed_id) == []
+            assert _budget(engine, tenant_id).reserved > 0
+        with _cloud(env, free_port(), log):
+            wait_s = max(0.0, REQUEST_TIMEOUT_S + LEASE_MARGIN_S - (time.monotonic() - killed_at)) + 30
+            (billed,) = _wait_for("the killed relay's record", lambda: _records(engine, killed_id), wait_s)
+            print(f"relayed {received} tokens before the kill; billed {billed.completion_tokens} completion tokens")
+            assert billed.status == "interrupted" and billed.prompt_tokens > 0
+            assert received - EVERY_TOKENS < billed.completion_tokens <= received + EVERY_TOKENS
+            period = _wait_for(
+                "the reservation released", lambda: (b := _budget(engine, tenant_id)).reserved == 0 and b, 10
+            )
+            assert billed.cost is not None and period.spent == billed.cost
+            assert _checkpoints(engine) == []
     engine.dispose()
 
 
