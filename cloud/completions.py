@@ -36,7 +36,7 @@ from controlplane.billing.budgets import BudgetHold, PriceBook
 from controlplane.billing.budgets import reserve as reserve_budget
 from controlplane.billing.ledger import NewUsage
 from controlplane.billing.pricing import Tokens
-from controlplane.billing.scopes import MAX_SUBJECT_LEN, applicable
+from controlplane.billing.scopes import MAX_SUBJECT_LEN, Attribution, applicable
 from controlplane.storage.tables import ApiKey, Tenant
 from shared.errors import (
     ApplicationError,
@@ -116,11 +116,17 @@ class Caller:
     shadow: tuple[int, ServedLM] | None = None  # (rollout id, candidate) to mirror the answer to, when sampled
     is_job: bool = False  # an async job's run: counted against requests/min when it was submitted
     user: str | None = None  # the request's ``user`` field: the end user, unless x-tierline-subject names one
+    attribution: Attribution | None = None  # an escalating device's key and project (its billing.* labels)
 
     @property
     def cache_salt(self) -> str:
         """The tenant's prefix-cache namespace: no tenant's requests hit another's cached prefix."""
         return f"tenant:{self.tenant.id}"
+
+    @property
+    def attribution_key_id(self) -> int | None:
+        """The API key an escalating device's traffic is attributed to (its ``billing.key`` label), if any."""
+        return self.attribution.key_id if self.attribution is not None else None
 
     @property
     def end_user(self) -> str | None:
@@ -256,18 +262,15 @@ class CompletionService:
 
     def _reserve(self, caller: Caller, worst: Decimal) -> BudgetHold | None:
         """Hold ``worst`` on the tenant's monthly budget and on every scoped budget that applies to the caller's
-        key, its project and its end user, all at once; None when no budget applies (nothing to hold)."""
+        key, its project and its end user (an escalating device's: those of its attribution, its ``billing.user``
+        label unless the request names a user), all at once; None when no budget applies (nothing to hold)."""
         tenant_id = caller.tenant.id or 0
         key = caller.key
+        who = Attribution(key.id, key.project_id) if key is not None else caller.attribution or Attribution()
         now = datetime.now(UTC)
         with Session(self.usage.engine) as session:
             windows = applicable(
-                session,
-                tenant_id,
-                now,
-                key_id=key.id if key is not None else None,
-                project_id=key.project_id if key is not None else None,
-                subject=caller.end_user,
+                session, tenant_id, now, key_id=who.key_id, project_id=who.project_id, subject=caller.end_user
             )
             is_prepaid = credit.available(session, tenant_id) is not None
         budget = caller.tenant.monthly_budget
@@ -450,7 +453,7 @@ class CompletionService:
             caller.tenant.id or 0,
             served.model_id,
             "cloud",
-            api_key_id=caller.key.id if caller.key is not None else None,
+            api_key_id=caller.key.id if caller.key is not None else caller.attribution_key_id,
             device_id=caller.device_id,
             escalation_reason=caller.escalation_reason,
             price_id=price_id,

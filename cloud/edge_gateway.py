@@ -35,7 +35,7 @@ from cloud.tensor_models import TensorPool
 from controlplane.billing import credit
 from controlplane.billing.budgets import PriceBook, tightest
 from controlplane.billing.pricing import period_of
-from controlplane.billing.scopes import attribution_of
+from controlplane.billing.scopes import ATTRIBUTION_LABELS, Attribution, attribution_of
 from controlplane.fleet.devices import SyncCounts, UsageWindow, authenticate_device, enroll, ingest
 from controlplane.policies.service import desired_for as desired_policies
 from controlplane.storage.tables import BudgetAlert, BudgetPeriod, Device, Tenant
@@ -151,6 +151,13 @@ class EdgeGateway:
             logger.exception("recording budget alerts for tenant %s failed", tenant_id)
         return allowance, fired
 
+    def attribution(self, device: Device) -> Attribution:
+        """Whose budgets below the tenant the device's escalations are held against (its ``billing.*`` labels)."""
+        if not any(name in (device.labels or {}) for name in ATTRIBUTION_LABELS):
+            return Attribution()
+        with Session(self.db) as session:
+            return attribution_of(session, device)
+
     def sync(self, caller: DeviceCaller, data: SyncRequest) -> tuple[SyncResponse, list[BudgetAlert]]:
         device: Device | None = None
         for attempt in (1, 2):
@@ -224,21 +231,26 @@ async def sync(edge: EdgeGateway, device: DeviceCaller, data: SyncRequest) -> Sy
     operation_class=StreamingOperation,
 )
 async def escalate(
-    tensors: TensorPool, completions: CompletionService, device: DeviceCaller, data: EscalateRequest
+    edge: EdgeGateway, tensors: TensorPool, completions: CompletionService, device: DeviceCaller, data: EscalateRequest
 ) -> Response[Any]:
-    """A request the device chose not to answer locally, served by the cloud and billed to its tenant."""
+    """A request the device chose not to answer locally, served by the cloud and billed to its tenant; held
+    against every budget a direct call would be: the tenant's and those of the device's attribution (its key,
+    project and end user; the request's ``user`` names the end user, else the device's ``billing.user``)."""
     from cloud.completions import Caller  # imports the engine (torch); the rest of this module does not
 
     if data.request_id is not None and not data.request_id.replace("-", "").replace("_", "").isalnum():
         raise ValidationError("request_id: letters, digits, '-' and '_' only", param="request_id")
     # Billed under an id the cloud chooses; the device's id is for correlation (logged) only.
     logger.info("escalation from %s (device request %s): %s", device.device.id, data.request_id, data.reason)
+    attribution = await asyncio.to_thread(edge.attribution, device.device)
     caller = Caller(
         tenant=device.tenant,
         key=None,
         request_id=uuid.uuid4().hex,
         device_id=device.device.id,
         escalation_reason=data.reason,
+        attribution=attribution,
+        user=attribution.subject,  # the default end user: the request's own ``user`` replaces it
     )
     result: dict[str, Any] | AsyncIterator[bytes]
     try:

@@ -46,6 +46,9 @@ class PriceCreate(_Body):
     currency: str = Field("USD", pattern=r"^[A-Za-z]{3}$")
     effective_from: datetime | None = Field(None, description="default: now; earlier usage keeps earlier prices")
     per_call: Decimal = Field(Decimal(0), ge=0, max_digits=18, decimal_places=6, description="a fee per request")
+    per_row: Decimal = Field(
+        Decimal(0), ge=0, max_digits=18, decimal_places=6, description="a fee per input row of a tensor-model call"
+    )
     plan: str | None = Field(None, max_length=64, description="the plan it belongs to (default: the default plan)")
     tenant: str | None = Field(None, max_length=64, description="instead of a plan: this tenant's own override")
 

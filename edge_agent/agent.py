@@ -19,6 +19,7 @@ from edge_agent.outbox import Outbox
 from edge_agent.tiering import Served
 from shared.edge_protocol import (
     MAX_BATCH,
+    MAX_USAGE_SUBJECT,
     Allowance,
     DesiredModel,
     DesiredPolicy,
@@ -194,6 +195,7 @@ class Agent:
             ttft_ms=served.ttft_ms,
             escalation_reason=served.escalation_reason,
             occurred_at=time.time(),
+            subject=served.subject[:MAX_USAGE_SUBJECT] if served.subject else None,
         )
         self.outbox.put("usage", item.model_dump(mode="json"), record_id=served.request_id)
 

@@ -110,7 +110,8 @@ async def chat_completions(
     request: Request[Any, Any, Any], tiering: TieringDependency, _auth: None, data: ChatCompletionRequest
 ) -> Response[Any]:
     """OpenAI chat completions: answered on the device or escalated (``x-tierline-tier`` says which)."""
-    return _respond(await tiering.handle("chat.completions", data, request.headers.get("x-tierline-tier")))
+    subject = request.headers.get("x-tierline-subject")
+    return _respond(await tiering.handle("chat.completions", data, request.headers.get("x-tierline-tier"), subject))
 
 
 @post("/v1/completions", dependencies=LOCAL_AUTH, status_code=200)
@@ -118,7 +119,8 @@ async def completions(
     request: Request[Any, Any, Any], tiering: TieringDependency, _auth: None, data: CompletionRequest
 ) -> Response[Any]:
     """OpenAI completions: answered on the device or escalated (``x-tierline-tier`` says which)."""
-    return _respond(await tiering.handle("completions", data, request.headers.get("x-tierline-tier")))
+    subject = request.headers.get("x-tierline-subject")
+    return _respond(await tiering.handle("completions", data, request.headers.get("x-tierline-tier"), subject))
 
 
 @post("/v1/inference", dependencies=LOCAL_AUTH, status_code=200)

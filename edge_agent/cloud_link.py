@@ -188,6 +188,9 @@ class CloudLink:
     async def sync(self, request: SyncRequest, attempts: int = 3) -> SyncResponse:
         """Idempotent (records carry ids), so retried with jittered backoff."""
         body = request.model_dump(mode="json")
+        for item in body["usage"]:  # a cloud older than the optional field refuses it even as null
+            if item.get("subject") is None:
+                item.pop("subject", None)
         for attempt in range(attempts):
             try:
                 r = await self._guarded(lambda: self.client.post("/v1/edge/sync", json=body))

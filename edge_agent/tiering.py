@@ -37,6 +37,7 @@ from edge_agent.allowance import QUOTA_REASON, AllowanceGuard
 from edge_agent.cloud_link import CloudLink, CloudUnavailableError
 from edge_agent.generation import LocalStep, ModelFaultError
 from edge_agent.tensors import LocalClassifier, classifier_confidence
+from shared.edge_protocol import MAX_USAGE_SUBJECT
 from shared.errors import ApplicationError, NotFoundError, ServiceUnavailableError, ValidationError
 from shared.escalation import CLASSIFIER_SIGNALS, MODES, EdgePolicy
 from shared.logs import server_request_id
@@ -86,6 +87,7 @@ class Served:
     ttft_ms: float | None
     escalation_reason: str | None
     degraded: bool
+    subject: str | None = None  # the end user (x-tierline-subject, else the request's user): whose budgets it counts
 
 
 def family(model: str) -> str:
@@ -123,10 +125,18 @@ class Tiering:
         return self.policy(model).mode
 
     async def handle(
-        self, endpoint: serving.Endpoint, req: ChatCompletionRequest | CompletionRequest, header: str | None
+        self,
+        endpoint: serving.Endpoint,
+        req: ChatCompletionRequest | CompletionRequest,
+        header: str | None,
+        subject: str | None = None,
     ) -> Answer:
+        """Answer locally or escalate. ``subject`` (``x-tierline-subject``) names the end user in place of the
+        request's ``user``, for its usage record and, as ``user``, for an escalation (as the cloud reads it)."""
         started = time.monotonic()
         request_id = server_request_id()
+        if subject:
+            req = req.model_copy(update={"user": subject[:MAX_USAGE_SUBJECT]})
         try:
             return await self._handle(endpoint, req, header, request_id, started)
         except ModelFaultError:
@@ -145,6 +155,7 @@ class Tiering:
                     ttft_ms=None,
                     escalation_reason=None,
                     degraded=False,
+                    subject=req.user,
                 )
             )
             raise
@@ -366,6 +377,7 @@ class Tiering:
                 ttft_ms=None,
                 escalation_reason=reason,
                 degraded=degraded is not None,
+                subject=prepared.req.user,
             )
         )
         return Answer(body, "edge", reason, degraded, request_id=request_id)
@@ -411,6 +423,7 @@ class Tiering:
                         ttft_ms=round(ttft, 2) if ttft is not None else None,
                         escalation_reason=reason,
                         degraded=degraded is not None,
+                        subject=prepared.req.user,
                     )
                 )
 

@@ -44,6 +44,9 @@ class EnrollResponse(_Answer):
     sync_interval_s: float
 
 
+MAX_USAGE_SUBJECT = 128  # an end user id on an edge usage record; an agent truncates a longer one
+
+
 class UsageItem(_Strict):
     id: str = Field(min_length=8, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     model: str = Field(max_length=128)
@@ -56,6 +59,13 @@ class UsageItem(_Strict):
     ttft_ms: float | None = Field(None, ge=0)
     escalation_reason: str | None = Field(None, max_length=32)
     occurred_at: float = Field(description="unix seconds on the device")
+    subject: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_USAGE_SUBJECT,
+        description="the request's end user (x-tierline-subject, else its user field): whose budgets the record "
+        "counts against; absent, the device's billing.user label. Optional: older agents and clouds omit it",
+    )
 
 
 class EventItem(_Strict):

@@ -89,6 +89,7 @@ class NewUsage:
     rating: Rating | None = None
     reported_at: datetime | None = None
     usage_source: str | None = None
+    subject: str | None = None  # the end user whose budgets the record counts against (not stored), else the batch's
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +194,8 @@ def ingest_usage(
             ``PriceBook``); None loads it when a record needs rating.
         count_spend: add the cost of each inserted record to its tenant's budget period and scoped budget
             windows (of its own day); False for records whose cost a budget hold already settled.
-        attribution: the key, project and end user the batch's spend also counts against (a device's).
+        attribution: the key, project and end user the batch's spend also counts against (a device's); a
+            record's own ``subject`` replaces the end user for that record.
     """
     batch: dict[str, NewUsage] = {}
     num_in = 0
@@ -223,19 +225,22 @@ def ingest_usage(
             ", ".join(sorted(set(conflicting))[:20]),
         )
     unpriced = 0
-    spend: dict[tuple[int, str], Decimal] = {}
+    spend: dict[tuple[int, str, str], Decimal] = {}
     for row in rows:
         if row["id"] not in accepted:
             continue
         if row["cost"] is None:
             unpriced += 1
         elif row["cost"]:
-            key = (row["tenant_id"], as_utc(row["occurred_at"]).strftime("%Y-%m-%d"))
+            subject = batch[row["id"]].subject or ""
+            key = (row["tenant_id"], as_utc(row["occurred_at"]).strftime("%Y-%m-%d"), subject)
             spend[key] = spend.get(key, Decimal(0)) + row["cost"]
     if count_spend:  # per day: a daily budget's window is the record's own day (its month is the day's)
-        for (tenant_id, day), amount in sorted(spend.items()):
+        for (tenant_id, day, subject), amount in sorted(spend.items()):
             at = datetime.strptime(day, "%Y-%m-%d").replace(tzinfo=UTC)
-            add_spend(session, tenant_id, at, amount, attribution or Attribution())
+            who = attribution or Attribution()
+            # A record naming its own end user counts against that user's budgets, not the batch's default.
+            add_spend(session, tenant_id, at, amount, replace(who, subject=subject) if subject else who)
     num_conflicts = len(conflicting)
     return IngestResult(len(accepted), num_in - len(accepted) - num_conflicts, unpriced, accepted, num_conflicts)
 

@@ -222,6 +222,7 @@ def ingest(
                 latency_ms=u.latency_ms,
                 ttft_ms=u.ttft_ms,
                 escalation_reason=u.escalation_reason,
+                subject=u.subject,
                 # The arm of the rollout governing the model, by the version that served it (for billing).
                 rollout_arm=usage_arm(
                     plans, model=u.model.removeprefix("tierline/"), tenant_id=device.tenant_id, version=u.model_version

@@ -59,11 +59,20 @@ def test_billing_api_end_to_end(migrated_db: str, tmp_path: Path) -> None:
             ({**price, "tier": "moon"}, "tier"),
             ({**price, "currency": "dollars"}, "currency"),
             ({**price, "colour": "red"}, "colour"),
+            ({**price, "per_row": "-0.01"}, "per_row"),
+            ({**price, "per_row": "0.0000001"}, "per_row"),  # finer than a micro
         ):
             resp = api("POST", "/prices", json=bad)
             assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (bad, resp.text)
+        # A tensor model is priced per call and per input row.
+        tensor = {"model": "acme/digits", "prompt_per_mtok": 0, "completion_per_mtok": 0, "tier": "cloud"}
+        created = api("POST", "/prices", json={**tensor, "per_call": "0.001", "per_row": "0.0002"})
+        assert created.status_code == 201, created.text
+        fees = [Decimal(created.json()[name]) for name in ("per_call", "per_row")]
+        assert fees == [Decimal("0.001"), Decimal("0.0002")]
         listed = api("GET", "/prices", token=viewer).json()["data"]
-        assert [p["model"] for p in listed] == ["acme/lm"]
+        per_row = sorted((p["model"], Decimal(p["per_row"])) for p in listed)
+        assert per_row == [("acme/digits", Decimal("0.0002")), ("acme/lm", Decimal(0))]
 
         # Usage arrives (rated at ingestion with the price in force).
         engine = create_db(migrated_db)

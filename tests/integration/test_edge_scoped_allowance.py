@@ -149,3 +149,81 @@ def test_the_agent_names_the_budget_that_stopped_it() -> None:
     guard.update(Allowance(remaining=Decimal(0), currency="USD", period="2026-03", budget=PROJECT))
     with pytest.raises(QuotaExhaustedError, match="the monthly budget of project 'field' is used up"):
         guard.must_escalate(can_escalate=False)
+
+
+def _escalate(url: str, device: dict[str, Any], **body: Any) -> httpx.Response:
+    auth = {"Authorization": f"Bearer {device['device_token']}"}
+    request = {"model": CLOUD_MODEL, "prompt": "def f(x):", "max_tokens": 4, **body}
+    data = {"endpoint": "completions", "reason": "low-confidence", "body": request}
+    return httpx.post(f"{url}/v1/edge/escalate", json=data, headers=auth, timeout=60)
+
+
+def _refused_by(resp: httpx.Response) -> str:
+    assert resp.status_code == 429 and resp.json()["error"]["type"] == "insufficient_quota", resp.text
+    message: str = resp.json()["error"]["message"]
+    return message
+
+
+def test_escalations_are_held_against_the_budgets_of_the_devices_attribution(
+    migrated_db: str, tmp_path: Path, tiny_zoo: Path, session_data_dir: Path
+) -> None:
+    engine = create_db(migrated_db)
+    with Session(engine) as s:
+        tenant = create_tenant(s, "escalateco", budget=Decimal("100"))
+        issued = create_api_key(s, tenant, name="field-app")
+        key_id = issued.record.id or 0
+        for scope, ref in (("key", str(key_id)), ("user", "dave")):
+            budget_admin.set_budget(
+                s, tenant, scope=scope, ref=ref, period="day", amount=Decimal("2.00"), is_hard=True, actor="t"
+            )
+        zero = Decimal(0)
+        add_price(s, PriceSpec(CLOUD_MODEL, zero, zero, tier="cloud", per_call=Decimal("1.20")), actor="t")
+        tokens = {
+            name: create_enrollment_token(s, tenant, labels=labels).secret
+            for name, labels in (("field", {"billing.key": str(key_id)}), ("desk", {"billing.user": "dave"}))
+        }
+        plain = create_enrollment_token(s, tenant).secret
+        s.commit()
+
+    data = seed_data_dir(tmp_path / "data", tiny_zoo, session_data_dir)
+    env = base_env(
+        data,
+        TIERLINE_DATABASE_URL=migrated_db,
+        TIERLINE_CLOUD_ZOO_PRESET="tiny",
+        TIERLINE_CLOUD_KV_CACHE_MB="16",
+        TIERLINE_CLOUD_USAGE_FLUSH_MS="50",
+        TIERLINE_CLOUD_SPECULATION="off",
+    )
+    key_budget = f"the daily budget of API key {key_id}"
+    with run_server(["cloud", "serve"], env, free_port(), timeout=120) as url:
+        field, desk = (httpx.post(f"{url}/v1/edge/enroll", json={"token": tokens[n]}).json() for n in ("field", "desk"))
+        lobby = httpx.post(f"{url}/v1/edge/enroll", json={"token": plain}).json()
+
+        # The key's 2.00 a day pays one escalation at 1.20; the second cannot be held on what is left (0.80).
+        first = _escalate(url, field)
+        assert first.status_code == 200, first.text
+        assert key_budget in _refused_by(_escalate(url, field))
+        # Exactly as a direct call with the key is refused; a device not attributed to it still escalates.
+        direct = {"model": CLOUD_MODEL, "prompt": "def f(x):", "max_tokens": 4}
+        auth = {"Authorization": f"Bearer {issued.secret}"}
+        assert key_budget in _refused_by(httpx.post(f"{url}/v1/completions", json=direct, headers=auth))
+        for _ in range(2):
+            assert _escalate(url, lobby).status_code == 200
+
+        # The device's end user (billing.user) is the default; a request naming its own user counts against that.
+        assert _escalate(url, desk).status_code == 200
+        assert "the daily budget of end user 'dave'" in _refused_by(_escalate(url, desk))
+        assert _escalate(url, desk, user="erin").status_code == 200
+        assert "the daily budget of end user 'dave'" in _refused_by(_escalate(url, desk, user="dave"))
+
+    with Session(engine) as s:
+        cloud = s.exec(select(UsageRecord).where(col(UsageRecord.tier) == "cloud")).all()
+        windows = {w.budget_id: w for w in s.exec(select(BudgetWindow))}
+        budgets = {b.scope: b.id or 0 for b in s.exec(select(Budget))}
+    engine.dispose()
+    # Each escalation is billed once, the attributed device's under its key.
+    by_device = sorted((u.device_id == field["device_id"], u.api_key_id) for u in cloud if u.status == "ok")
+    assert by_device == [(False, None)] * 4 + [(True, key_id)]
+    assert windows[budgets["key"]].spent == Decimal("1.20")
+    assert windows[budgets["user"]].spent == Decimal("1.20")
+    assert all(w.reserved == 0 for w in windows.values())
