@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -152,6 +152,31 @@ class Constraint:
         self._matcher.consume_token(token)
 
     @property
+    def num_words(self) -> int:
+        """int32 words of one bitmask row (32 token ids a word, little-endian bits)."""
+        return int(self._bits.shape[0])
+
+    @property
     def done(self) -> bool:
         """Nothing more can follow: the output is complete (or the matcher failed, which ends it as well)."""
         return bool(self._matcher.is_stopped() or self._matcher.is_error())
+
+
+def fill_bitmasks(constraints: Sequence[Constraint], bits: np.ndarray) -> None:
+    """Row i of ``bits`` (int32[>= len(constraints), num_words], C-contiguous) := constraint i's next-token bitmask.
+    llguidance drops the GIL while it computes, so this can run on a thread beside the model's forward; nothing
+    else may move these matchers meanwhile."""
+    row_bytes = bits.shape[1] * bits.itemsize
+    for i, constraint in enumerate(constraints):
+        constraint._matcher.unsafe_compute_mask_ptr(bits.ctypes.data + i * row_bytes, row_bytes)
+
+
+def forbidden_of(bits: np.ndarray, eos_token_ids: Iterable[int]) -> np.ndarray:
+    """bool[N, 32 * num_words]: True where a bitmask row forbids a token (one vectorised unpack for the batch). A
+    row that allows nothing (an error state, never expected) allows the EOS ids, as ``Constraint.mask`` does."""
+    forbidden = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little") == 0
+    stuck = forbidden.all(axis=1)
+    if stuck.any():
+        eos = np.array([t for t in eos_token_ids if t < forbidden.shape[1]], dtype=np.intp)
+        forbidden[np.ix_(np.flatnonzero(stuck), eos)] = False
+    return forbidden
