@@ -3,6 +3,7 @@ speculative-decoding acceptance rules."""
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -37,6 +38,10 @@ class Sampler:
         # one thread that fills them while the forward runs (llguidance drops the GIL; so does most of torch).
         self._bitmasks: dict[tuple[int, int], np.ndarray] = {}
         self._mask_thread: ThreadPoolExecutor | None = None
+        # Overlap only where a core is free during the forward: on an accelerator (the CPU waits), or when torch
+        # leaves a core unused. With every core in torch's pool the hand-off costs more than the masks
+        # (measured: docs/benchmarks.md, "bench structured"), so they are computed inline, after the forward.
+        self.overlap_masks = device.type != "cpu" or torch.get_num_threads() < (os.cpu_count() or 1)
 
     def generator(self, seq: Sequence) -> torch.Generator | None:
         if seq.params.seed is None:
@@ -99,10 +104,12 @@ class Sampler:
         return float(torch.rand((), generator=generator, device=self.device))
 
     # -- plain sampling -----------------------------------------------------------------------------------------
-    def prepare_masks(self, seqs: list[Sequence], background: bool = True) -> GrammarMasks | None:
+    def prepare_masks(self, seqs: list[Sequence], background: bool | None = None) -> GrammarMasks | None:
         """Start computing the next-token masks of the constrained ``seqs`` (None when there are none). Call it
         before the forward whose logits they mask; until ``forbidden()`` returns, nothing may move their matchers.
-        ``background=False``: computed here, now."""
+        ``background``: on the mask thread (default: ``overlap_masks``), else here, now."""
+        if background is None:
+            background = self.overlap_masks
         rows = [i for i, s in enumerate(seqs) if s.constraint is not None]
         if not rows:
             return None

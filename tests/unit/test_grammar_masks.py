@@ -103,7 +103,7 @@ def test_the_sampler_masks_constrained_rows_only_and_the_background_masks_equal_
     logits = torch.randn(len(seqs), vocab, generator=torch.Generator().manual_seed(3))
     before = logits.clone()
     for _ in range(3):  # the bitmask buffer is reused from step to step
-        masks = sampler.prepare_masks(seqs)
+        masks = sampler.prepare_masks(seqs, background=True)  # on the mask thread, as beside a forward
         assert masks is not None and masks.rows == [0, 2]
         background = sampler.constrain(logits, seqs, masks)
         inline = sampler.constrain(logits, seqs)
