@@ -42,6 +42,7 @@ SCHEMA: dict[str, Any] = {
     "required": ["title", "count", "tags"],
     "additionalProperties": False,
 }
+ROUNDS = 3  # unconstrained/constrained pairs per batch size
 PROMPTS = ["def main():", "import os\n", "class Config:", "# parse the", "for item in", "return {", "x = [", "if not"]
 
 
@@ -66,7 +67,7 @@ def _engine_rate(
     """Tokens/s for ``num_requests`` requests, ``concurrency`` in the engine at a time."""
     prompts = [engine.encode_prompt(PROMPTS[i % len(PROMPTS)]) for i in range(num_requests)]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=grammar is None, grammar=grammar)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     tokens = 0
     for first in range(0, num_requests, concurrency):
         batch = list(range(first, min(num_requests, first + concurrency)))
@@ -76,8 +77,41 @@ def _engine_rate(
             for out in engine.step():
                 if out.finished:
                     tokens += len(out.token_ids)
-    seconds = time.perf_counter() - started
-    return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1)}
+    seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
+    return {
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "cpu_seconds": round(cpu_seconds, 3),  # every thread of this process: the mask thread's work counts
+        "tokens_per_cpu_s": round(tokens / cpu_seconds, 1),
+    }
+
+
+def _compare(engine: LLMEngine, concurrency: int, count: int, max_tokens: int, grammar: str, rounds: int) -> Any:
+    """Unconstrained and constrained runs alternated ``rounds`` times (a shared host's load drifts between runs):
+    the median of each side and the median of the per-round ratios, wall clock and CPU time."""
+    pairs = [
+        (
+            _engine_rate(engine, concurrency, count, max_tokens, None),
+            _engine_rate(engine, concurrency, count, max_tokens, grammar),
+        )
+        for _ in range(rounds)
+    ]
+
+    def median(side: int, key: str) -> float:
+        return round(statistics.median(p[side][key] for p in pairs), 1)
+
+    return {
+        "rounds": rounds,
+        "tokens_per_run": pairs[0][0]["tokens"],
+        "unconstrained_tokens_per_s": median(0, "tokens_per_s"),
+        "constrained_tokens_per_s": median(1, "tokens_per_s"),
+        "ratio": round(statistics.median(c["tokens_per_s"] / p["tokens_per_s"] for p, c in pairs), 3),
+        "unconstrained_tokens_per_cpu_s": median(0, "tokens_per_cpu_s"),
+        "constrained_tokens_per_cpu_s": median(1, "tokens_per_cpu_s"),
+        "cpu_ratio": round(statistics.median(c["tokens_per_cpu_s"] / p["tokens_per_cpu_s"] for p, c in pairs), 3),
+        "constrained_tokens_per_run": [c["tokens"] for _, c in pairs],
+    }
 
 
 def _edge_rate(lm: LocalLM, num_requests: int, max_tokens: int, grammar: str | None) -> dict[str, Any]:
@@ -128,7 +162,9 @@ def _mask_costs(
     }
 
 
-def bench_structured(zoo_root: Path, num_requests: int = 32, max_tokens: int = 64) -> dict[str, Any]:
+def bench_structured(
+    zoo_root: Path, num_requests: int = 32, max_tokens: int = 64, rounds: int = ROUNDS
+) -> dict[str, Any]:
     grammar = _grammar(max_tokens)
     engine = LLMEngine(EngineConfig(_lm(zoo_root, "lm-cloud"), kv_cache_bytes=KV_BYTES, max_num_seqs=64))
     t0 = time.perf_counter()
@@ -138,13 +174,7 @@ def bench_structured(zoo_root: Path, num_requests: int = 32, max_tokens: int = 6
     _engine_rate(engine, 4, 4, 8, grammar)
     cloud: dict[str, Any] = {}
     for concurrency, count in ((1, max(4, num_requests // 4)), (32, num_requests)):
-        plain = _engine_rate(engine, concurrency, count, max_tokens, None)
-        constrained = _engine_rate(engine, concurrency, count, max_tokens, grammar)
-        cloud[f"batch_{concurrency}"] = {
-            "unconstrained": plain,
-            "constrained": constrained,
-            "ratio": round(constrained["tokens_per_s"] / plain["tokens_per_s"], 3),
-        }
+        cloud[f"batch_{concurrency}"] = _compare(engine, concurrency, count, max_tokens, grammar, rounds)
     costs = _mask_costs(grammar_tokenizer, grammar, engine, max_tokens)
     edge_lm = LocalLM(_lm(zoo_root, "lm-edge-onnx-int8"))
     _edge_rate(edge_lm, 1, 8, grammar)
