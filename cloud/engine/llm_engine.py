@@ -337,7 +337,7 @@ class LLMEngine:
         self._check_drafts(batch)
         works = self._plan_work(batch)
         plain = [w for w in works if w.feed.num_logits and not w.spec]  # sampled in one batch, after the forward
-        masks = self.sampler.prepare_masks([w.seq for w in plain])  # beside the forward if a core is free
+        masks = self.sampler.prepare_masks([w.seq for w in plain])  # beside the forward on an accelerator
         try:
             logits = self.runner.execute([w.feed for w in works])  # logits: [sum of num_logits, V]
         finally:

@@ -3,7 +3,6 @@ speculative-decoding acceptance rules."""
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -38,10 +37,10 @@ class Sampler:
         # one thread that fills them while the forward runs (llguidance drops the GIL; so does most of torch).
         self._bitmasks: dict[tuple[int, int], np.ndarray] = {}
         self._mask_thread: ThreadPoolExecutor | None = None
-        # Overlap only where a core is free during the forward: on an accelerator (the CPU waits), or when torch
-        # leaves a core unused. With every core in torch's pool the hand-off costs more than the masks
-        # (measured: docs/benchmarks.md, "bench structured"), so they are computed inline, after the forward.
-        self.overlap_masks = device.type != "cpu" or torch.get_num_threads() < (os.cpu_count() or 1)
+        # Overlap only on an accelerator, where the CPU waits on the forward. On a CPU device the hand-off to the
+        # thread cost more than it hid, even with a core left free (tiny zoo, 32 concurrent, torch on 1 of 2
+        # cores: 7,547 tok/s with the thread, 8,098 inline; docs/benchmarks.md, "bench structured").
+        self.overlap_masks = device.type != "cpu"
 
     def generator(self, seq: Sequence) -> torch.Generator | None:
         if seq.params.seed is None:
