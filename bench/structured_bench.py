@@ -9,7 +9,9 @@ Every run decodes greedily to ``max_tokens``: the schema (an array of bounded st
 ``max_tokens`` items, so no output can close it in time) keeps constrained outputs going, and unconstrained ones
 ignore EOS, so both sides generate the same number of tokens and tokens/s compare the same work. (Without the
 lower bound the tiny zoo's model closed most objects after 47 tokens: the constrained side then finished its
-batch with fewer rows and was charged for that, not for its masks.)
+batch with fewer rows and was charged for that, not for its masks.) Each batch size alternates the two sides
+``rounds`` times and reports medians, in tokens per wall-clock second and per CPU-second (a shared host's load
+moves the second far less).
 """
 
 from __future__ import annotations
