@@ -138,6 +138,7 @@ def _mask_costs(
     """Compile time, and the time of every mask a greedy constrained generation of the real model computes."""
     compile_s = []
     for _ in range(5):
+        grammar_tokenizer._compiled.clear()  # a first request's cost: later ones copy the compiled grammar
         t0 = time.perf_counter()
         grammar_tokenizer.check(grammar)
         Constraint(grammar_tokenizer, grammar)

@@ -16,6 +16,7 @@ from cloud.engine.model_config import ModelConfig
 from cloud.engine.sampler import Sampler
 from cloud.engine.sequence import Sequence
 from cloud.engine.tokenizer import ChatTokenizer
+from shared.errors import ValidationError
 from shared.openai_schema import ResponseFormat
 from shared.structured import Constraint, GrammarTokenizer, fill_bitmasks, forbidden_of, grammar_of
 from shared.zoo.registry import ZooLayout
@@ -139,3 +140,17 @@ def test_mixed_batches_decode_as_each_request_alone(lm_dir: Path) -> None:
     assert [o.token_ids for o in together] == alone
     assert together[2].text in ("cat", "dog", "goldfish") and together[2].finish_reason == "stop"
     assert together[0].finish_reason in ("stop", "length")
+
+
+def test_matchers_of_one_compiled_grammar_move_independently(grammar_tokenizer: GrammarTokenizer) -> None:
+    vocab = grammar_tokenizer.vocab_size
+    first = grammar_tokenizer.constraint(GRAMMARS[1])
+    start = first.mask(vocab)
+    token = int(np.flatnonzero(start)[0])
+    first.accept(token)
+    second = grammar_tokenizer.constraint(GRAMMARS[1])  # copied from the compiled grammar, not from ``first``
+    assert (second.mask(vocab) == start).all() and not (first.mask(vocab) == start).all()
+    second.accept(token)
+    assert (second.mask(vocab) == first.mask(vocab)).all()
+    with pytest.raises(ValidationError, match="response_format"):
+        grammar_tokenizer.constraint("start: (")  # a grammar that does not compile is still a 400, cached or not
