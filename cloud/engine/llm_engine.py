@@ -24,7 +24,7 @@ from cloud.engine.output_processor import OutputProcessor
 from cloud.engine.outputs import RequestOutput
 from cloud.engine.prompts import check_context_length, encode_prompt
 from cloud.engine.protocol import AddRequest, EngineCoreOutput, EngineCoreOutputs, SequenceOutput
-from cloud.engine.sampler import Sampler
+from cloud.engine.sampler import GrammarMasks, Sampler
 from cloud.engine.sampling_params import SamplingParams
 from cloud.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from cloud.engine.sequence import FinishReason, Sequence
@@ -336,8 +336,14 @@ class LLMEngine:
         draft_probs = self._propose_drafts(batch)
         self._check_drafts(batch)
         works = self._plan_work(batch)
-        logits = self.runner.execute([w.feed for w in works])  # logits: [sum of num_logits, V]
-        self._sample(works, logits, draft_probs)
+        plain = [w for w in works if w.feed.num_logits and not w.spec]  # sampled in one batch, after the forward
+        masks = self.sampler.prepare_masks([w.seq for w in plain])  # beside the forward on an accelerator
+        try:
+            logits = self.runner.execute([w.feed for w in works])  # logits: [sum of num_logits, V]
+        finally:
+            if masks is not None:
+                masks.forbidden()  # the mask thread is done with the matchers, whatever happened
+        self._sample(works, logits, draft_probs, plain, masks)
         return works, logits
 
     def _propose_drafts(self, batch: SchedulerOutput) -> dict[int, torch.Tensor | None]:
@@ -374,11 +380,18 @@ class LLMEngine:
             row += num_logits
         return works
 
-    def _sample(self, works: list[_Work], logits: torch.Tensor, draft_probs: dict[int, torch.Tensor | None]) -> None:
+    def _sample(
+        self,
+        works: list[_Work],
+        logits: torch.Tensor,
+        draft_probs: dict[int, torch.Tensor | None],
+        plain: list[_Work],
+        masks: GrammarMasks | None,
+    ) -> None:
         # Plain sampling for every sequence that reached its end without proposals, in one batch.
-        plain = [w for w in works if w.feed.num_logits and not w.spec]
         if plain:
-            tokens = self.sampler.sample(logits[[w.row for w in plain]], [w.seq for w in plain])
+            rows = logits.index_select(0, torch.tensor([w.row for w in plain], device=logits.device))
+            tokens = self.sampler.sample(rows, [w.seq for w in plain], masks)
             for w, tok in zip(plain, tokens, strict=True):
                 w.new_token_ids = [tok]
         for w in works:

@@ -3,11 +3,28 @@ speculative-decoding acceptance rules."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import numpy as np
 import torch
 
 from cloud.engine.sampling_params import SamplingParams
 from cloud.engine.sequence import Logprob, Sequence
+from shared.structured import Constraint, fill_bitmasks, forbidden_of
+
+
+class GrammarMasks:
+    """The grammar masks of one batch's constrained rows, being computed (on the sampler's mask thread, while the
+    forward runs) or done: ``rows`` (indices into the batch) and, from ``forbidden()``, bool[len(rows), W]."""
+
+    __slots__ = ("_future", "rows")
+
+    def __init__(self, rows: list[int], future: Future[np.ndarray]) -> None:
+        self.rows = rows
+        self._future = future
+
+    def forbidden(self) -> np.ndarray:
+        return self._future.result()
 
 
 class Sampler:
@@ -16,6 +33,14 @@ class Sampler:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._generators: dict[int, torch.Generator] = {}
+        # Grammar masks: one bitmask buffer per number of constrained rows (allocated once, reused every step) and
+        # one thread that fills them while the forward runs (llguidance drops the GIL; so does most of torch).
+        self._bitmasks: dict[tuple[int, int], np.ndarray] = {}
+        self._mask_thread: ThreadPoolExecutor | None = None
+        # Overlap only on an accelerator, where the CPU waits on the forward. On a CPU device the hand-off to the
+        # thread cost more than it hid, even with a core left free (tiny zoo, 32 concurrent, torch on 1 of 2
+        # cores: 7,547 tok/s with the thread, 8,098 inline; docs/benchmarks.md, "bench structured").
+        self.overlap_masks = device.type != "cpu"
 
     def generator(self, seq: Sequence) -> torch.Generator | None:
         if seq.params.seed is None:
@@ -78,17 +103,52 @@ class Sampler:
         return float(torch.rand((), generator=generator, device=self.device))
 
     # -- plain sampling -----------------------------------------------------------------------------------------
-    def constrain(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """logits [N, V] with every token a sequence's grammar forbids at -inf (rows without one as they are)."""
+    def prepare_masks(self, seqs: list[Sequence], background: bool | None = None) -> GrammarMasks | None:
+        """Start computing the next-token masks of the constrained ``seqs`` (None when there are none). Call it
+        before the forward whose logits they mask; until ``forbidden()`` returns, nothing may move their matchers.
+        ``background``: on the mask thread (default: ``overlap_masks``), else here, now."""
+        if background is None:
+            background = self.overlap_masks
         rows = [i for i, s in enumerate(seqs) if s.constraint is not None]
         if not rows:
-            return logits
-        vocab = logits.shape[-1]
-        allowed = np.stack([seqs[i].constraint.mask(vocab) for i in rows])  # type: ignore[union-attr]
+            return None
+        constraints: list[Constraint] = [seqs[i].constraint for i in rows]  # type: ignore[misc]
+        key = (len(rows), constraints[0].num_words)
+        bits = self._bitmasks.get(key)
+        if bits is None:
+            bits = self._bitmasks[key] = np.zeros(key, dtype=np.int32)
+        eos = constraints[0].eos_token_ids
+        if not background:
+            done: Future[np.ndarray] = Future()
+            done.set_result(self._masks(constraints, bits, eos))
+            return GrammarMasks(rows, done)
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        return GrammarMasks(rows, self._mask_thread.submit(self._masks, constraints, bits, eos))
+
+    @staticmethod
+    def _masks(constraints: list[Constraint], bits: np.ndarray, eos: list[int]) -> np.ndarray:
+        fill_bitmasks(constraints, bits)
+        return forbidden_of(bits, eos)
+
+    def constrain(self, logits: torch.Tensor, seqs: list[Sequence], masks: GrammarMasks | None = None) -> torch.Tensor:
+        """logits [N, V] with every token a sequence's grammar forbids at -inf (rows without one as they are).
+        ``masks``: from ``prepare_masks(seqs)`` (computed now when not given)."""
+        if masks is None:
+            masks = self.prepare_masks(seqs, background=False)
+            if masks is None:
+                return logits
+        n, vocab = logits.shape
+        part = masks.forbidden()
+        forbidden = np.zeros((n, vocab), dtype=bool)  # unconstrained rows: nothing forbidden, no mask computed
+        width = min(vocab, part.shape[1])
+        forbidden[masks.rows, :width] = part[:, :width]
+        forbidden[masks.rows, width:] = True  # ids past the grammar's vocabulary
         logits = logits.clone()
-        index = torch.tensor(rows, device=logits.device)
-        forbidden = ~torch.from_numpy(allowed).to(logits.device)
-        logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
+        if logits.device.type == "cpu" and logits.dtype == torch.float32:
+            np.putmask(logits.numpy(), forbidden, -np.inf)  # one vectorised op, no torch thread-pool wake-up
+        else:
+            logits.masked_fill_(torch.from_numpy(forbidden).to(logits.device), float("-inf"))
         return logits
 
     @staticmethod
@@ -100,9 +160,10 @@ class Sampler:
         allowed = torch.from_numpy(seq.constraint.masks_along(proposals, logits.shape[-1])).to(logits.device)
         return logits.masked_fill(~allowed, float("-inf"))
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """logits: [N, V], one row per sequence → one token per sequence (within its grammar, if it has one)."""
-        logits = self.constrain(logits, seqs)
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], masks: GrammarMasks | None = None) -> list[int]:
+        """logits: [N, V], one row per sequence → one token per sequence (within its grammar, if it has one;
+        ``masks``: from ``prepare_masks(seqs)``, else computed here)."""
+        logits = self.constrain(logits, seqs, masks)
         if all(s.params.is_greedy and not s.params.has_penalties for s in seqs):
             return torch.argmax(logits, dim=-1).tolist()
         tokens: list[int] = []
