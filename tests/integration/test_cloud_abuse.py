@@ -176,13 +176,22 @@ def test_a_prompt_above_the_byte_limit_is_refused_and_health_keeps_answering(clo
 
 
 def test_a_large_prompt_is_tokenised_off_the_event_loop(cloud: dict[str, Any]) -> None:
-    big = _prompt(1_000_000)  # under the default limit (a quarter of the 4 MiB body): tokenised, seconds of work
+    big = _prompt(1_000_000)  # under the default limit (a quarter of the 4 MiB body): tokenised, real work
     body = {"model": MODEL, "prompt": big, "max_tokens": 4}
     url = f"{cloud['url']}/v1/completions"
-    response, latencies = _beside_health(
-        cloud["url"], lambda: httpx.post(url, json=body, headers=_auth(cloud["key"]), timeout=120)
-    )
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert error["code"] == "context_length_exceeded" and "maximum context length" in error["message"]
-    assert len(latencies) >= 5 and max(latencies) < 0.1, sorted(latencies)[-5:]
+    # Tokenised on the loop, every attempt holds a health check for the whole tokenisation (~0.2 s here); a shared
+    # host can stall one check for longer by itself (0.55 s seen once in a full run), so a second attempt is made
+    # before failing: a blocking loop fails both.
+    worst: list[list[float]] = []
+    for _ in range(2):
+        response, latencies = _beside_health(
+            cloud["url"], lambda: httpx.post(url, json=body, headers=_auth(cloud["key"]), timeout=120)
+        )
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["code"] == "context_length_exceeded" and "maximum context length" in error["message"]
+        assert len(latencies) >= 5
+        if max(latencies) < 0.1:
+            break
+        worst.append(sorted(latencies)[-3:])
+    assert len(worst) < 2, worst
