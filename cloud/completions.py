@@ -173,6 +173,11 @@ class _Meter:
     checkpointed_tokens: int = 0  # completion tokens it held
     checkpoint_write: asyncio.Future[None] | None = None  # the last write, awaited before settling
 
+    @property
+    def served_nothing(self) -> bool:
+        """No token and no row was served: no usage record is owed (but see ``_settle``'s rollout errors)."""
+        return self.prompt_tokens == 0 and self.completion_tokens == 0 and self.rows == 0
+
     def checkpoint_age(self) -> float:
         """Seconds since the last checkpoint (infinite: none yet)."""
         return time.monotonic() - self.checkpoint_at if self.checkpoint_at is not None else float("inf")
@@ -397,7 +402,7 @@ class CompletionService:
             meter.rate_limit = None
         tokens = Tokens(meter.prompt_tokens, meter.completion_tokens, meter.cached_tokens, rows=meter.rows)
         price_id, cost = self.prices.cost(served.model_id, served.version, "cloud", tokens, tenant_id=caller.tenant.id)
-        if meter.prompt_tokens == 0 and meter.completion_tokens == 0 and meter.rows == 0 and cost is not None:
+        if meter.served_nothing and cost is not None:
             cost = Decimal(0)  # nothing was served, and no record is written: the hold is given back whole
         now = time.monotonic()
         record = self._record(caller, served, meter, status, price_id, cost, now, usage_source)
@@ -419,7 +424,7 @@ class CompletionService:
                 and reservation.budget is not None
             ):
                 await self.alerts.after_settle(reservation.tenant_id, reservation.period, spent, reservation.budget)
-        if meter.prompt_tokens == 0 and meter.completion_tokens == 0 and meter.rows == 0:
+        if meter.served_nothing:
             if server_failure and meter.rollout_arm is not None and not meter.checkpointed:
                 self.usage.enqueue(record)
             return

@@ -5,6 +5,7 @@ signing and the audit rows live in :mod:`controlplane.policies.service`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from litestar import get, post
@@ -46,12 +47,13 @@ def get_policy(db: Engine, operator: Operator, name: str, version: int | None = 
         return service.policy_json(service.get_version(session, _model(name), version), with_curve=True)
 
 
-@post("/policies/{name:str}/operating-point", status_code=201, sync_to_thread=True)
-def move_operating_point(db: Engine, operator: Operator, name: str, data: PolicyChange) -> dict[str, Any]:
-    """A new version at another point of the latest version's curve (no recalibration)."""
+def _new_version(
+    db: Engine, operator: Operator, name: str, data: PolicyChange, make: Callable[..., Any]
+) -> dict[str, Any]:
+    """A new version of ``name``'s policy made by ``make`` (the service's move or calibrate); admins only."""
     operator.require_admin()
     with session_scope(db) as session:
-        row = service.move_operating_point(
+        row = make(
             session,
             _model(name),
             max_quality_loss=data.max_quality_loss,
@@ -60,22 +62,18 @@ def move_operating_point(db: Engine, operator: Operator, name: str, data: Policy
             key=platform_signing_key(),
         )
         return service.policy_json(row, with_curve=True)
+
+
+@post("/policies/{name:str}/operating-point", status_code=201, sync_to_thread=True)
+def move_operating_point(db: Engine, operator: Operator, name: str, data: PolicyChange) -> dict[str, Any]:
+    """A new version at another point of the latest version's curve (no recalibration)."""
+    return _new_version(db, operator, name, data, service.move_operating_point)
 
 
 @post("/policies/{name:str}/calibrate", status_code=201, sync_to_thread=True)
 def calibrate(db: Engine, operator: Operator, name: str, data: PolicyChange) -> dict[str, Any]:
     """Calibrate again on the model's kept validation set (given once with ``tierline policies calibrate --data``)."""
-    operator.require_admin()
-    with session_scope(db) as session:
-        row = service.calibrate(
-            session,
-            _model(name),
-            max_quality_loss=data.max_quality_loss,
-            target=data.target,
-            actor=operator.actor,
-            key=platform_signing_key(),
-        )
-        return service.policy_json(row, with_curve=True)
+    return _new_version(db, operator, name, data, service.calibrate)
 
 
 POLICIES_ROUTER = management_router([list_policies, get_policy, move_operating_point, calibrate], "policies")
