@@ -44,6 +44,7 @@ from cloud.limits import RateLimiter
 from cloud.metering import UsageWriter
 from cloud.models_catalog import ServedModel, find, load_catalog, registry_catalog
 from cloud.observability import Metrics
+from cloud.quality_monitor import ShadowIntake
 from cloud.registry_models import CACHE_DIR, RegistryModels, parse_names
 from cloud.responses import respond
 from cloud.settings import CloudSettings
@@ -464,6 +465,7 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
                             max_age=timedelta(days=settings.edge_usage_max_age_days),
                             enrollment_margin=timedelta(seconds=settings.edge_usage_enrollment_margin_s),
                         ),
+                        ShadowIntake(db, prices, settings.edge_shadow_share, settings.edge_shadow_rows_per_minute),
                     ),
                 )
         finally:

@@ -8,6 +8,8 @@
 - ``POST /v1/edge/escalate``: device-authenticated inference on the cloud's models, billed to the device's
   tenant (tier ``cloud``, the escalation reason recorded) under a usage id the cloud chooses and returns in
   ``x-tierline-usage-id``; the agent records no usage of its own for an escalated request.
+- ``POST /v1/edge/shadow``: device-authenticated, rate-bounded; edge-answered inputs answered again by the cloud
+  for the live quality monitor, billed as ``shadow`` usage (``cloud.quality_monitor``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
 
 from cloud.budget_watch import BudgetAlerts
+from cloud.quality_monitor import ShadowIntake
 from cloud.responses import respond
 from cloud.tensor_models import TensorPool
 from controlplane.billing import credit
@@ -46,10 +49,12 @@ from shared.edge_protocol import (
     EnrollRequest,
     EnrollResponse,
     EscalateRequest,
+    ShadowRequest,
+    ShadowResponse,
     SyncRequest,
     SyncResponse,
 )
-from shared.errors import AuthenticationError, ValidationError
+from shared.errors import AuthenticationError, NotFoundError, ValidationError
 from shared.http import StreamingOperation, error_responses
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest, request_error
 from shared.settings import CoreSettings
@@ -100,6 +105,7 @@ class EdgeGateway:
     sync_interval_s: float
     on_sync: Callable[[SyncCounts], None] | None = None  # told each sync's counts (Metrics.count_edge_sync)
     window: UsageWindow | None = None  # when a device's usage may have occurred (None: UsageWindow's defaults)
+    shadow: ShadowIntake | None = None  # the quality monitor's shadow samples (None: refused)
 
     def enroll(self, data: EnrollRequest) -> EnrollResponse:
         with Session(self.db) as session:
@@ -193,7 +199,10 @@ class EdgeGateway:
             clamped=counts.clamped,
             desired=self.releases.desired(device),  # as updated now: the facts this sync reported count
             policies=policies,
-            config={"sync_interval_s": self.sync_interval_s},
+            config={
+                "sync_interval_s": self.sync_interval_s,
+                "shadow_share": self.shadow.share if self.shadow is not None else 0.0,
+            },
             server_time=time.time(),
             allowance=allowance,
         )
@@ -269,4 +278,19 @@ async def escalate(
     return respond(caller, result)
 
 
-ROUTES = [enroll_device, sync, escalate]
+@post(
+    "/v1/edge/shadow",
+    dependencies=DEVICE,
+    status_code=200,
+    security=DEVICE_BEARER,
+    responses=error_responses(400, 401, 404, 413, 429),
+)
+async def shadow(edge: EdgeGateway, tensors: TensorPool, device: DeviceCaller, data: ShadowRequest) -> ShadowResponse:
+    """Edge-answered inputs answered again by the cloud for the quality monitor (never shown to a client), billed
+    once per batch id as ``shadow`` usage."""
+    if edge.shadow is None:
+        raise NotFoundError("this cloud does not take shadow samples", param="id")
+    return await edge.shadow.answer(tensors, device.device, device.tenant, data)
+
+
+ROUTES = [enroll_device, sync, escalate, shadow]

@@ -113,6 +113,16 @@ class CloudSettings(BaseSettings):
         description="... or once this many ms passed since the last write with new tokens (0: by tokens only)",
     )
     edge_sync_interval_s: float = Field(30.0, gt=0, description="how often enrolled agents sync (told at enroll)")
+    edge_shadow_share: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="share of edge-answered requests the cloud answers again in the background for the quality "
+        "monitor, billed as shadow usage (told at each sync; 0: off)",
+    )
+    edge_shadow_rows_per_minute: int = Field(
+        600, ge=0, description="most shadow inputs the cloud answers per device and minute (more: 429)"
+    )
     edge_usage_max_future_s: float = Field(
         300.0,
         ge=0,

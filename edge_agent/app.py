@@ -27,7 +27,8 @@ from edge_agent.models import EDGE_ARTIFACTS, PREFIX, ServedModels
 from edge_agent.outbox import Outbox
 from edge_agent.policies import PolicyBook
 from edge_agent.settings import EdgeSettings, policy_dir, state_dir
-from edge_agent.tiering import Answer, Tiering
+from edge_agent.shadow_sampler import ShadowSampler
+from edge_agent.tiering import Answer, Tiering, family
 from edge_agent.updater import HealthWatch, Updater
 from shared.artifacts import load_public_key, public_path
 from shared.edge_protocol import DesiredModel
@@ -151,9 +152,17 @@ def agent_status(agent: Agent, tiering: TieringDependency, _auth: None) -> dict[
         "outbox": agent.outbox.stats(),
         "synced_records": agent.synced_records,
         "policies": agent.policy_sources(),
+        "shadow": tiering.shadow.as_json() if tiering.shadow is not None else None,
         "allowance": tiering.allowance.allowance.model_dump(mode="json") if tiering.allowance.allowance else None,
         "models": agent.stats.snapshot(),
     }
+
+
+def _cloud_version(sources: dict[str, str], model: str) -> int | None:
+    """The cloud's policy version that runs for ``model`` (by id, else by family); None for an override or the
+    default (no calibration to check)."""
+    value = sources.get(model) or sources.get(family(model))
+    return int(value) if value and value.isascii() and value.isdigit() else None
 
 
 def create_app(settings: EdgeSettings) -> Litestar:
@@ -182,6 +191,13 @@ def create_app(settings: EdgeSettings) -> Litestar:
         book = PolicyBook(policy_dir(settings), [*served.ids(), *served.aliases], keys, tiering, agent.event)
         agent.on_policies = book.apply
         agent.policy_sources = book.sources
+        sampler = ShadowSampler(
+            lambda: tiering.link,
+            lambda: float(agent.last_sync.config.get("shadow_share", 0.0)) if agent.last_sync is not None else 0.0,
+            lambda model: _cloud_version(book.sources(), model),
+        )
+        tiering.shadow = sampler
+        await sampler.start()
         enrollment = Enrollment(home, settings, served, agent, tiering, keys)
         if creds is not None:
             enrollment.connect(creds)
@@ -192,6 +208,7 @@ def create_app(settings: EdgeSettings) -> Litestar:
             watching.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watching
+            await sampler.close()
             await enrollment.close(drain_s=settings.shutdown_sync_s)
             outbox.close()
 

@@ -185,6 +185,19 @@ class CloudLink:
 
         return response, relay()
 
+    async def shadow(self, batch: dict[str, Any]) -> int:
+        """Send one shadow batch (``edge_agent.shadow_sampler``); the status code. Skipped while the breaker is
+        open and never counted against it: the quality monitor must not take a device off its cloud."""
+        if self.breaker.state != "closed":
+            raise CloudUnavailableError("cloud-unreachable")
+        try:
+            r = await asyncio.wait_for(self.client.post("/v1/edge/shadow", json=batch), self.deadline_s)
+        except (httpx.TransportError, TimeoutError) as exc:
+            raise CloudUnavailableError("cloud-unreachable") from exc
+        if r.status_code >= 500:
+            raise CloudUnavailableError(f"cloud answered {r.status_code}")
+        return r.status_code
+
     async def sync(self, request: SyncRequest, attempts: int = 3) -> SyncResponse:
         """Idempotent (records carry ids), so retried with jittered backoff."""
         body = request.model_dump(mode="json")

@@ -36,6 +36,7 @@ from edge_agent import serving
 from edge_agent.allowance import QUOTA_REASON, AllowanceGuard
 from edge_agent.cloud_link import CloudLink, CloudUnavailableError
 from edge_agent.generation import LocalStep, ModelFaultError
+from edge_agent.shadow_sampler import ShadowSampler
 from edge_agent.tensors import LocalClassifier, classifier_confidence
 from shared.edge_protocol import MAX_USAGE_SUBJECT
 from shared.errors import ApplicationError, NotFoundError, ServiceUnavailableError, ValidationError
@@ -47,7 +48,11 @@ logger = logging.getLogger(__name__)
 
 TIER_ALIASES = {"edge": "local-only", "cloud": "cloud-only"}
 LOCAL_SUFFIXES = ("-onnx-int8", "-onnx", "-tflite")
-DEFAULT_CLOUD_MODELS = {"tierline/lm-edge": "tierline/lm-cloud", "tierline/digits-small": "tierline/digits-large"}
+DEFAULT_CLOUD_MODELS = {
+    "tierline/lm-edge": "tierline/lm-cloud",
+    "tierline/digits-small": "tierline/digits-large",
+    "tierline/digits-micro": "tierline/digits-large",
+}
 STRIP_FIELDS = ("tier", "quality")
 DEFAULT_MARGIN = 0.5  # uncalibrated classifiers: a top-1 minus top-2 probability below this escalates
 
@@ -106,6 +111,7 @@ class Tiering:
     classifiers: dict[str, LocalClassifier] = field(default_factory=dict)
     cloud_models: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_CLOUD_MODELS))
     allowance: AllowanceGuard = field(default_factory=AllowanceGuard)
+    shadow: ShadowSampler | None = None  # the quality monitor's: told the rows answered on the edge
 
     def policy(self, model: str) -> EdgePolicy:
         return self.policies.get(model) or self.policies.get(family(model)) or EdgePolicy(model=family(model))
@@ -249,6 +255,11 @@ class Tiering:
         threshold = policy.threshold if policy.signal in (*CLASSIFIER_SIGNALS, "router") else DEFAULT_MARGIN
         low = np.flatnonzero(confidence < threshold) if mode == "local-first" else np.array([], dtype=np.int64)
         result["tiers"] = ["edge"] * len(rows)
+        if mode == "local-first" and self.shadow is not None:
+            kept = np.flatnonzero(confidence >= threshold)
+            self.shadow.offer(
+                req.model_id, self.cloud_model(req.model_id), rows[kept], logits[kept], confidence[kept], time.time()
+            )
         if low.size == 0:
             return self._infer_edge(req, result, len(rows), request_id, started, None)
         try:

@@ -155,3 +155,26 @@ def version_number(version: str | None) -> int | None:
     ASCII digits only: ``str.isdigit`` also accepts characters such as ``²`` that ``int`` refuses.
     """
     return int(version) if version and version.isascii() and version.isdigit() else None
+
+
+MAX_SHADOW_ROWS = 64
+
+
+class ShadowRequest(_Strict):
+    """Edge-answered inputs for the cloud to answer again in the background (the live quality monitor): never
+    returned to a client; the cloud bills the work as ``shadow`` usage once per ``id``."""
+
+    id: str = Field(min_length=8, max_length=48, pattern=r"^[A-Za-z0-9_-]+$", description="the device's batch id")
+    model: str = Field(max_length=128, description="the edge model that answered")
+    cloud_model: str = Field(max_length=128, description="the cloud model to answer again with")
+    policy_version: int = Field(ge=1, description="the cloud's escalation policy version the device ran")
+    inputs: list[list[float]] = Field(min_length=1, max_length=MAX_SHADOW_ROWS)
+    edge_answers: list[int] = Field(min_length=1, max_length=MAX_SHADOW_ROWS, description="the predicted classes")
+    confidences: list[float] = Field(min_length=1, max_length=MAX_SHADOW_ROWS, description="the policy's signal")
+    occurred_at: float
+
+
+class ShadowResponse(_Answer):
+    num_samples: int
+    num_agreements: int
+    duplicate: bool = Field(False, description="a retry of a batch the cloud already has: nothing was redone")

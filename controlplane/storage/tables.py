@@ -838,3 +838,47 @@ class EdgePublish(SQLModel, table=True):
     name: str = Field(max_length=128, index=True)
     version: str = Field(max_length=128)
     published_at: datetime = _ts()
+
+
+class ShadowSample(SQLModel, table=True):
+    """One edge-answered input the cloud answered again in the background (the live quality monitor): whether
+    the cloud's answer agreed with the edge's, and the edge's confidence (a recalibration reads it)."""
+
+    __tablename__ = "shadow_sample"
+    __table_args__ = (Index("ix_shadow_sample_group", "model", "policy_version", "device_group"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    usage_id: str = Field(max_length=64, index=True, description="the shadow usage record that billed its batch")
+    tenant_id: int = Field(foreign_key="tenant.id")
+    device_id: str = Field(max_length=64)
+    model: str = Field(max_length=128, description="the edge model")
+    policy_version: int = Field(description="the escalation policy version the device ran")
+    device_group: str = Field(max_length=64, description="the device's group label ('' when it has none)")
+    confidence: float = Field(description="the policy's signal on the edge's answer")
+    agrees: bool = Field(description="the cloud's answer equals the edge's")
+    created_at: datetime = _ts()
+
+
+class QualityAlert(SQLModel, table=True):
+    """Agreement with the cloud fell below what a policy version's calibration promised, for one device group;
+    with a recalibrated threshold proposed from the shadow samples, until an admin accepts or dismisses it."""
+
+    __tablename__ = "quality_alert"
+
+    id: int | None = Field(default=None, primary_key=True)
+    model: str = Field(max_length=128, index=True)
+    policy_version: int
+    device_group: str = Field(max_length=64)
+    num_samples: int
+    num_agreements: int
+    upper_bound: float = Field(description="one-sided upper confidence bound on the agreement (Wilson)")
+    promised: float = Field(description="the agreement the calibration promised on edge-answered requests")
+    status: str = Field(default="open", max_length=16, description="open | accepted | dismissed")
+    proposed_threshold: float | None = None
+    proposed_policy: dict[str, Any] | None = Field(
+        default=None, sa_column=Column(JSON, nullable=True), description="the EdgePolicy JSON proposed"
+    )
+    accepted_version: int | None = Field(default=None, description="the policy version accepting it made")
+    resolved_by: str | None = Field(default=None, max_length=128)
+    created_at: datetime = _ts()
+    resolved_at: datetime | None = _ts(nullable=True)

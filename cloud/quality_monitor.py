@@ -1,0 +1,156 @@
+"""The cloud's half of the live quality monitor: edge-answered inputs a device sends in the background
+(``POST /v1/edge/shadow``) are answered again by the cloud's model, compared with the edge's answers, billed as
+``shadow`` usage and handed to the control plane's monitor (``controlplane.policies.monitor``).
+
+- Exactly once per batch: the usage record's id is derived from the device's batch id (namespaced by tenant and
+  device, in a space the device's own usage ids cannot reach), and the record and the samples are stored in one
+  transaction; a retried batch is answered ``duplicate`` without running the model again.
+- Rate-bounded per device (``edge_shadow_rows_per_minute``, a token bucket): a device over it gets 429 and its
+  agent drops the batch (a sample is a sample).
+- Never on a client's path: devices send these after answering, from a bounded background queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import numpy as np
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, select
+
+from cloud.tensor_models import TensorPool
+from controlplane.billing.budgets import PriceBook
+from controlplane.billing.ledger import NewUsage
+from controlplane.billing.pricing import Tokens
+from controlplane.fleet.devices import device_usage_id
+from controlplane.policies import monitor
+from controlplane.storage.tables import Device, QualityAlert, Tenant, UsageRecord
+from shared.edge_protocol import ShadowRequest, ShadowResponse
+from shared.errors import NotFoundError, RateLimitError, ValidationError
+
+logger = logging.getLogger(__name__)
+SHADOW_TIER = "shadow"
+SHADOW_REASON = "quality-monitor"
+
+
+def shadow_usage_id(tenant_id: int, device_id: str, batch_id: str) -> str:
+    """``.`` is outside a device's usage-id alphabet, so no usage record a device sends can take this id."""
+    return device_usage_id(tenant_id, device_id, f"{batch_id}.shadow")
+
+
+@dataclass(slots=True)
+class _Bucket:
+    tokens: float
+    at: float
+
+
+@dataclass(slots=True)
+class ShadowIntake:
+    """Answers shadow batches: rate bound, cloud model, comparison, billing and the monitor's check."""
+
+    db: Engine
+    prices: PriceBook
+    share: float = 0.0
+    rows_per_minute: int = 600
+    num_batches: int = 0
+    num_alerts: int = 0
+    _buckets: dict[str, _Bucket] = field(default_factory=dict)
+
+    def _take(self, device_id: str, rows: int) -> None:
+        now = time.monotonic()
+        capacity = float(self.rows_per_minute)
+        bucket = self._buckets.setdefault(device_id, _Bucket(capacity, now))
+        bucket.tokens = min(capacity, bucket.tokens + (now - bucket.at) * capacity / 60.0)
+        bucket.at = now
+        if bucket.tokens < rows:
+            raise RateLimitError(f"shadow samples: at most {self.rows_per_minute} inputs per device and minute")
+        bucket.tokens -= rows
+
+    async def answer(self, tensors: TensorPool, device: Device, tenant: Tenant, data: ShadowRequest) -> ShadowResponse:
+        n = len(data.inputs)
+        if len(data.edge_answers) != n or len(data.confidences) != n:
+            raise ValidationError("edge_answers and confidences: one per input", param="edge_answers")
+        assert tenant.id is not None
+        usage_id = shadow_usage_id(tenant.id, device.id, data.id)
+        if await asyncio.to_thread(self._is_stored, usage_id):
+            return ShadowResponse(num_samples=n, num_agreements=0, duplicate=True)
+        model = tensors.get(data.cloud_model)
+        if model is None:
+            raise NotFoundError(f"the cloud does not serve '{data.cloud_model}'", param="cloud_model")
+        self._take(device.id, n)
+        started = time.monotonic()
+        result = await tensors.infer(model, [list(row) for row in data.inputs])
+        cloud_answers = np.argmax(np.asarray(result["outputs"], dtype=np.float64), axis=-1).tolist()
+        samples = [
+            monitor.Sample(confidence=c, agrees=int(a) == int(b))
+            for c, a, b in zip(data.confidences, data.edge_answers, cloud_answers, strict=True)
+        ]
+        latency = round((time.monotonic() - started) * 1000, 2)
+        is_new, alert = await asyncio.to_thread(self._record, device, tenant, data, usage_id, samples, latency)
+        agreements = sum(s.agrees for s in samples)
+        if alert is not None:
+            logger.warning(
+                "quality alert %s: %s v%s group %r agrees with the cloud on %d/%d shadow samples (promised %.3f)",
+                alert.id,
+                alert.model,
+                alert.policy_version,
+                alert.device_group,
+                alert.num_agreements,
+                alert.num_samples,
+                alert.promised,
+            )
+        return ShadowResponse(num_samples=n, num_agreements=agreements, duplicate=not is_new)
+
+    def _is_stored(self, usage_id: str) -> bool:
+        with Session(self.db) as session:
+            return session.exec(select(UsageRecord.id).where(UsageRecord.id == usage_id)).first() is not None
+
+    def _record(
+        self,
+        device: Device,
+        tenant: Tenant,
+        data: ShadowRequest,
+        usage_id: str,
+        samples: list[monitor.Sample],
+        latency_ms: float,
+    ) -> tuple[bool, QualityAlert | None]:
+        assert tenant.id is not None
+        rows = Tokens(0, 0, rows=len(samples))
+        # A price for the shadow tier wins; else the cloud's own price for the same work.
+        price = self.prices.lookup(data.cloud_model, None, SHADOW_TIER, tenant_id=tenant.id)
+        rating = self.prices.cost(
+            data.cloud_model, None, SHADOW_TIER if price is not None else "cloud", rows, tenant_id=tenant.id
+        )
+        usage = NewUsage(
+            id=usage_id,
+            tenant_id=tenant.id,
+            model=data.cloud_model,
+            tier=SHADOW_TIER,
+            occurred_at=datetime.now(UTC),
+            rows=len(samples),
+            device_id=device.id,
+            latency_ms=latency_ms,
+            escalation_reason=SHADOW_REASON,
+            rating=rating,
+        )
+        with Session(self.db) as session:
+            is_new, alert = monitor.record_batch(
+                session,
+                usage,
+                model=data.model,
+                policy_version=data.policy_version,
+                group=monitor.device_group(device.labels),
+                samples=samples,
+                prices=self.prices,
+            )
+            session.commit()
+            if alert is not None:
+                session.refresh(alert)
+                session.expunge(alert)
+        self.num_batches += int(is_new)
+        self.num_alerts += int(alert is not None)
+        return is_new, alert
