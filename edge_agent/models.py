@@ -27,7 +27,7 @@ from shared.zoo.registry import ZooLayout
 
 logger = logging.getLogger(__name__)
 
-EDGE_ARTIFACTS = ("lm-edge-onnx-int8", "lm-edge-onnx", "lm-edge-tflite", "digits-small")
+EDGE_ARTIFACTS = ("lm-edge-onnx-int8", "lm-edge-onnx", "lm-edge-tflite", "digits-small", "digits-micro")
 EDGE_LM, EDGE_LM_INT8, EDGE_LM_FP32 = "tierline/lm-edge", "tierline/lm-edge-onnx-int8", "tierline/lm-edge-onnx"
 PREFIX = "tierline/"
 
@@ -164,4 +164,4 @@ def _is_lm(m: LocalModel) -> bool:
 
 
 def _is_classifier(m: LocalModel) -> bool:
-    return m.kind == "tensor" and m.format == "onnx"
+    return m.kind == "tensor" and m.format in ("onnx", "onnx-int8")

@@ -24,6 +24,7 @@ from console.pages.common import (
     text,
     write_session,
 )
+from console.pages.quality import model_view
 from controlplane.registry import service as registry
 from controlplane.storage.tables import Model, ModelAlias, ModelArtifact, ModelVersion
 from shared.errors import ApplicationError, NotFoundError, ValidationError
@@ -157,6 +158,7 @@ def detail_page(request: Request[Any, Any, Any], db: Engine, name: str, **extra:
             )
         ]
         policy = escalation.registry_view(session, model.name)
+        quality = model_view(session, model.name)
     lineage = {
         v.id: (
             f"v{by_id[v.derived_from_id].number}"
@@ -195,6 +197,7 @@ def detail_page(request: Request[Any, Any, Any], db: Engine, name: str, **extra:
         derivable=derivable,
         is_pending=is_pending,
         policy=policy or escalation.policy_for(escalation.policy_dir(), model.name),
+        quality=quality,
         **extra,
     )
 

@@ -16,6 +16,7 @@ from sqlmodel import Session, col, select
 
 from console.pages.charts import stacked_columns
 from console.pages.common import render
+from console.pages.quality import open_alerts
 from controlplane.storage.tables import ApiKey, Device, Model, Rollout, Tenant, UsageRecord
 from controlplane.tenancy import service as tenancy
 
@@ -165,7 +166,8 @@ def _stats(db: Engine, minutes: int, tenant: str) -> dict[str, Any]:
 @get("/", sync_to_thread=True)
 def overview(request: Request[Any, Any, Any], db: Engine, window: int | None = None, tenant: str = "") -> Template:
     """The installation at a glance: traffic now (of every tenant, or one) and what is configured."""
-    return render(request, "overview.html.j2", **_stats(db, _window(window), tenant.strip()[:64]))
+    stats = _stats(db, _window(window), tenant.strip()[:64])
+    return render(request, "overview.html.j2", quality_alerts=open_alerts(db), **stats)
 
 
 @get("/overview/stats", sync_to_thread=True)
