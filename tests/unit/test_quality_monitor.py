@@ -1,0 +1,110 @@
+"""The quality monitor's pure parts: the Wilson bound that decides an alert, the threshold a proposal re-reads from
+shadow samples, and the device's bounded, background-only sampler."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+
+from controlplane.policies.monitor import (
+    MIN_SAMPLES,
+    device_group,
+    is_below_promise,
+    propose_threshold,
+    wilson_lower,
+    wilson_upper,
+)
+from edge_agent.cloud_link import CloudUnavailableError
+from edge_agent.shadow_sampler import ShadowSampler
+
+
+def test_the_wilson_bounds_bracket_the_observed_share_and_narrow_with_samples() -> None:
+    assert wilson_lower(90, 100) < 0.9 < wilson_upper(90, 100)
+    assert wilson_upper(900, 1000) < wilson_upper(90, 100)
+    assert wilson_upper(0, 0) == 1.0 and wilson_upper(100, 100) == 1.0
+
+
+def test_an_alert_needs_confidence_not_just_a_lower_share() -> None:
+    promised = 0.99
+    assert not is_below_promise(MIN_SAMPLES - 10, MIN_SAMPLES - 1, promised)  # far below, but too few samples
+    assert not is_below_promise(196, 200, promised)  # 0.98: within what chance allows
+    assert is_below_promise(176, 200, promised)  # 0.88: below with 99 % confidence
+    assert is_below_promise(36, 40, promised)
+
+
+def test_the_proposal_is_the_lowest_threshold_whose_samples_meet_the_promise() -> None:
+    rng = np.random.default_rng(0)
+    confidence = rng.uniform(0, 1, 400)
+    agrees = confidence > 0.4  # the edge is right exactly above 0.4
+    threshold = propose_threshold(confidence, agrees, 0.99)
+    assert 0.38 < threshold < 0.45
+    assert agrees[confidence >= threshold].mean() >= 0.99
+    # No threshold meets it: one above every sampled confidence.
+    assert propose_threshold(confidence, np.zeros(400, dtype=bool), 0.9) > confidence.max()
+
+
+def test_the_device_group_is_its_group_label_else_its_ring() -> None:
+    assert device_group({"group": "lab", "ring": "beta"}) == "lab"
+    assert device_group({"ring": "beta"}) == "beta"
+    assert device_group({}) == "" and device_group(None) == ""
+
+
+class _Link:
+    def __init__(self, answers: list[int | Exception]) -> None:
+        self.answers = answers
+        self.sent: list[dict[str, Any]] = []
+
+    async def shadow(self, batch: dict[str, Any]) -> int:
+        self.sent.append(batch)
+        answer = self.answers.pop(0) if self.answers else 200
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+def _offer(sampler: ShadowSampler, rows: int = 3) -> bool:
+    x = np.ones((rows, 4))
+    logits = np.tile(np.array([0.0, 2.0, 1.0]), (rows, 1))
+    return sampler.offer("tierline/digits-micro", "tierline/digits-large", x, logits, np.full(rows, 0.9), 1.0)
+
+
+def test_the_sampler_only_queues_and_drops_when_full() -> None:
+    link = _Link([])
+    sampler = ShadowSampler(lambda: link, lambda: 1.0, lambda m: 2, queue_size=2)  # type: ignore[arg-type,return-value]
+    assert _offer(sampler) and _offer(sampler)
+    assert not _offer(sampler)  # full: dropped at once, nothing waits
+    assert sampler.stats.dropped == 1 and link.sent == []
+
+
+def test_the_sampler_samples_nothing_off_without_a_cloud_policy_version_or_share() -> None:
+    link = _Link([])
+    assert not _offer(ShadowSampler(lambda: link, lambda: 0.0, lambda m: 2))  # type: ignore[arg-type,return-value]
+    assert not _offer(ShadowSampler(lambda: link, lambda: 1.0, lambda m: None))  # type: ignore[arg-type,return-value]
+    assert not _offer(ShadowSampler(lambda: None, lambda: 1.0, lambda m: 2))
+    half = ShadowSampler(lambda: link, lambda: 0.5, lambda m: 2, draw=iter([0.7, 0.2]).__next__)  # type: ignore[arg-type,return-value]
+    assert not _offer(half) and _offer(half)
+
+
+def test_a_batch_is_retried_under_its_id_and_sent_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import edge_agent.shadow_sampler as module
+
+    monkeypatch.setattr(module, "RETRY_S", 0.0)
+    link = _Link([CloudUnavailableError("cloud-unreachable"), 200])
+    sampler = ShadowSampler(lambda: link, lambda: 1.0, lambda m: 2)  # type: ignore[arg-type,return-value]
+
+    async def run() -> None:
+        await sampler.start()
+        assert _offer(sampler, rows=100)
+        for _ in range(200):
+            if sampler.stats.sent:
+                break
+            await asyncio.sleep(0.01)
+        await sampler.close()
+
+    asyncio.run(run())
+    assert sampler.stats.sent == 1 and len(link.sent) == 2 and link.sent[0]["id"] == link.sent[1]["id"]
+    batch = link.sent[0]
+    assert len(batch["inputs"]) == 64 and batch["edge_answers"][:2] == [1, 1] and batch["policy_version"] == 2
