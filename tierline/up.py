@@ -40,6 +40,7 @@ ADMIN_USER = "admin"
 STARTUP_TIMEOUT_S = 300.0  # a loaded laptop (or CI box) starting the cloud beside a first calibration
 STOP_TIMEOUT_S = 20.0
 LOG_FILE = "logs/up.log"
+DEMO_SHADOW_SHARE = "0.05"  # of edge-answered requests, answered again by the cloud (docs/quality-monitor.md)
 SECRETS_FILE = "demo/up-secrets.json"  # the key and password, kept as soon as they exist (0600)
 PROBES = ("/healthz", "/readyz")  # access lines of health probes go to the log only
 SERVICE_LOGGER = "tierline.service"  # the children's lines, re-logged per service: tierline.service.cloud, ...
@@ -247,6 +248,8 @@ def up(zoo_preset: str, bare: bool, new_key: bool) -> None:
         "TIERLINE_EDGE_TRUSTED_KEYS": json.dumps([str(public_path(core.signing_key_path).resolve())]),
         "TIERLINE_EDGE_CLOUD_URL": svc.resolved_cloud_url,
     }
+    # The demo runs the live quality monitor at a small share (production's default is off).
+    env.setdefault("TIERLINE_CLOUD_EDGE_SHADOW_SHARE", DEMO_SHADOW_SHARE)
     seeded = seed.Seeded()
     old_key = previous.get("api_key") if not new_key else None
     api_key = seed.seed_tenant(old_key if isinstance(old_key, str) else None, seeded, budget=not bare)

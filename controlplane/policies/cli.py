@@ -132,3 +132,63 @@ def show_command(model: str, version: int | None) -> None:
         click.echo(
             json.dumps(service.policy_json(service.get_version(session, model, version), with_curve=True), indent=2)
         )
+
+
+@policies.command("alerts")
+@click.option("--model", default=None, help="only this model's alerts")
+@click.option("--all", "show_all", is_flag=True, help="resolved alerts too (default: open ones)")
+@click.option("--json", "as_json", is_flag=True)
+def alerts_command(model: str | None, show_all: bool, as_json: bool) -> None:
+    """The live quality monitor's alerts: agreement with the cloud below what a version's calibration promised."""
+    from controlplane.policies import monitor, service
+    from controlplane.storage.session import session_scope
+
+    with session_scope() as session:
+        name = service.resolve_model(session, model) if model else None
+        rows = [monitor.alert_json(a) for a in monitor.alerts(session, name, only_open=not show_all)]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        click.echo("no quality alerts")
+    for a in rows:
+        group = f" group {a['device_group']}" if a["device_group"] else ""
+        click.echo(
+            f"alert {a['id']} ({a['status']}): {a['model']} v{a['policy_version']}{group}: agreement "
+            f"{a['agreement']:.1%} on {a['num_samples']} shadow samples, promised {a['promised']:.1%}; "
+            f"proposed threshold {a['proposed_threshold']:.6g}"
+        )
+
+
+@policies.command("accept-alert")
+@click.argument("alert_id", type=int)
+def accept_alert_command(alert_id: int) -> None:
+    """Make the alert's proposed threshold the model's next signed policy version."""
+    from controlplane.policies import monitor
+    from controlplane.registry.artifacts import platform_signing_key
+    from controlplane.storage.audit import cli_actor
+    from controlplane.storage.session import session_scope
+    from shared.errors import ApplicationError
+
+    try:
+        with session_scope() as session:
+            _echo(monitor.accept(session, alert_id, actor=cli_actor(), key=platform_signing_key()))
+    except ApplicationError as exc:
+        raise click.ClickException(exc.message) from exc
+
+
+@policies.command("dismiss-alert")
+@click.argument("alert_id", type=int)
+def dismiss_alert_command(alert_id: int) -> None:
+    """Close the alert without a new version."""
+    from controlplane.policies import monitor
+    from controlplane.storage.audit import cli_actor
+    from controlplane.storage.session import session_scope
+    from shared.errors import ApplicationError
+
+    try:
+        with session_scope() as session:
+            monitor.dismiss(session, alert_id, actor=cli_actor())
+    except ApplicationError as exc:
+        raise click.ClickException(exc.message) from exc
+    click.echo(f"alert {alert_id} dismissed")

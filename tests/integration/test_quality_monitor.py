@@ -286,6 +286,13 @@ def test_a_mis_set_policy_raises_an_alert_within_200_samples_and_a_correct_one_n
         lambda s: set(s.exec(select(AuditLog.action).where(col(AuditLog.action).like("quality_alert.%"))).all())
     )
     assert actions == {"quality_alert.raise", "quality_alert.accept"}
+    # The CLI lists it resolved; a second accept is refused by name.
+    assert p.cli("policies", "alerts") == "no quality alerts"
+    assert f"alert {alert.id} (accepted): {MICRO} v2 group lab" in p.cli("policies", "alerts", "--all")
+    again_accepted = subprocess.run(
+        tierline_cmd("policies", "accept-alert", str(alert.id)), env=p.env, cwd=REPO, capture_output=True, text=True
+    )
+    assert again_accepted.returncode != 0 and "already accepted" in again_accepted.stderr
     wait_for("v3 reaches the agent", lambda: p.agent()["policies"] == {MICRO: "3"})
     # The recalibrated threshold sends the doubtful digits up again.
     tiers = [t for a in send(p, rows[:200]) for t in a["tiers"]]
