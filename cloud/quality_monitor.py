@@ -28,7 +28,7 @@ from controlplane.billing.ledger import NewUsage
 from controlplane.billing.pricing import Tokens
 from controlplane.fleet.devices import device_usage_id
 from controlplane.policies import monitor
-from controlplane.storage.tables import Device, QualityAlert, Tenant, UsageRecord
+from controlplane.storage.tables import Device, EscalationPolicy, QualityAlert, Tenant, UsageRecord
 from shared.edge_protocol import ShadowRequest, ShadowResponse
 from shared.errors import NotFoundError, RateLimitError, ValidationError
 
@@ -76,8 +76,13 @@ class ShadowIntake:
             raise ValidationError("edge_answers and confidences: one per input", param="edge_answers")
         assert tenant.id is not None
         usage_id = shadow_usage_id(tenant.id, device.id, data.id)
-        if await asyncio.to_thread(self._is_stored, usage_id):
+        is_stored, is_known = await asyncio.to_thread(self._lookup, usage_id, data.model, data.policy_version)
+        if is_stored:
             return ShadowResponse(num_samples=n, num_agreements=0, duplicate=True)
+        if not is_known:
+            raise NotFoundError(
+                f"no escalation policy version {data.policy_version} of '{data.model}'", param="policy_version"
+            )
         model = tensors.get(data.cloud_model)
         if model is None:
             raise NotFoundError(f"the cloud does not serve '{data.cloud_model}'", param="cloud_model")
@@ -105,9 +110,14 @@ class ShadowIntake:
             )
         return ShadowResponse(num_samples=n, num_agreements=agreements, duplicate=not is_new)
 
-    def _is_stored(self, usage_id: str) -> bool:
+    def _lookup(self, usage_id: str, model: str, version: int) -> tuple[bool, bool]:
+        """Whether the batch is stored already (a retry), and whether its policy version exists."""
         with Session(self.db) as session:
-            return session.exec(select(UsageRecord.id).where(UsageRecord.id == usage_id)).first() is not None
+            is_stored = session.exec(select(UsageRecord.id).where(UsageRecord.id == usage_id)).first() is not None
+            policy = session.exec(
+                select(EscalationPolicy.id).where(EscalationPolicy.model == model, EscalationPolicy.version == version)
+            ).first()
+            return is_stored, policy is not None
 
     def _record(
         self,

@@ -170,6 +170,16 @@ def _policy_row(session: Session, model: str, version: int) -> EscalationPolicy 
     return session.exec(query).first()
 
 
+def _counts(session: Session, model: str, version: int, group: str) -> tuple[int, int]:
+    query = sql_select(func.count(), func.sum(cast(col(ShadowSample.agrees), Integer))).where(
+        col(ShadowSample.model) == model,
+        col(ShadowSample.policy_version) == version,
+        col(ShadowSample.device_group) == group,
+    )
+    n, k = session.execute(query).one()
+    return int(n), int(k or 0)
+
+
 def _samples(session: Session, model: str, version: int, group: str) -> tuple[np.ndarray, np.ndarray]:
     query = select(ShadowSample.confidence, ShadowSample.agrees).where(
         ShadowSample.model == model, ShadowSample.policy_version == version, ShadowSample.device_group == group
@@ -215,10 +225,11 @@ def check_group(
     promised = promised_agreement(row)
     if promised is None:
         return None
-    confidence, agrees = _samples(session, model, version, group)
-    n, k = len(agrees), int(agrees.sum())
+    n, k = _counts(session, model, version, group)
     if not is_below_promise(k, n, promised):
         return None
+    confidence, agrees = _samples(session, model, version, group)  # read whole only to propose a threshold
+    n, k = len(agrees), int(agrees.sum())
     threshold = propose_threshold(confidence, agrees, promised)
     policy = EdgePolicy.from_json(row.policy)
     kept = confidence >= threshold

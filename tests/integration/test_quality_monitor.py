@@ -260,6 +260,10 @@ def test_a_mis_set_policy_raises_an_alert_within_200_samples_and_a_correct_one_n
     assert first.json()["duplicate"] is False and retry.json()["duplicate"] is True
     assert p.query(billed)[0] == num_records + 1
     assert samples_of(p, 2)[0] == n2 + 3
+    unknown = httpx.post(
+        f"{p.cloud_url}/v1/edge/shadow", json={**batch, "id": uuid.uuid4().hex, "policy_version": 99}, headers=auth
+    )
+    assert unknown.status_code == 404 and "policy_version" in unknown.text
     bad = httpx.post(f"{p.cloud_url}/v1/edge/shadow", json={**batch, "id": "x" * 8, "confidences": []}, headers=auth)
     assert bad.status_code == 400 and "confidences" in bad.text
 
