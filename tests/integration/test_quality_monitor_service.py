@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 from sqlmodel import Session, select
 
+from controlplane.billing import invoicing
 from controlplane.billing.ledger import NewUsage
+from controlplane.billing.pricing import period_of
 from controlplane.policies import monitor, service
 from controlplane.storage.database import create_db
 from controlplane.storage.tables import AuditLog, Device, QualityAlert, ShadowSample, Tenant, UsageRecord
@@ -81,6 +83,11 @@ def test_a_batch_counts_once_and_a_low_agreement_raises_one_alert(
     assert len(session.exec(select(ShadowSample)).all()) == 20
     (usage,) = session.exec(select(UsageRecord)).all()
     assert usage.tier == "shadow" and usage.rows == 20 and usage.cost == Decimal("0.002")
+
+    # On the month's invoice the shadow work is its own line, labelled shadow.
+    draft = invoicing.month_invoice(session, tenant, period_of(datetime.now(UTC)))
+    (line,) = draft["lines"]
+    assert line["tier"] == "shadow" and "(shadow)" in line["description"], line
 
     is_new, alert = record("b", 15, 5)  # 35 of 40 agree: below the promise with 99 % confidence
     assert is_new and alert is not None
