@@ -201,7 +201,7 @@ class EdgeGateway:
             policies=policies,
             config={
                 "sync_interval_s": self.sync_interval_s,
-                "shadow_share": self.shadow.share if self.shadow is not None else 0.0,
+                "shadow_share": self.shadow.share_for(caller.tenant) if self.shadow is not None else 0.0,
             },
             server_time=time.time(),
             allowance=allowance,

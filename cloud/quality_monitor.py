@@ -60,6 +60,10 @@ class ShadowIntake:
     num_alerts: int = 0
     _buckets: dict[str, _Bucket] = field(default_factory=dict)
 
+    def share_for(self, tenant: Tenant) -> float:
+        """The share the tenant's devices sample: the tenant's own setting, else the cloud's."""
+        return tenant.shadow_share if tenant.shadow_share is not None else self.share
+
     def _take(self, device_id: str, rows: int) -> None:
         now = time.monotonic()
         capacity = float(self.rows_per_minute)

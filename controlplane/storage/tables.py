@@ -57,6 +57,9 @@ class Tenant(SQLModel, table=True):
     webhook_url: str | None = Field(
         default=None, max_length=2048, description="where tenant events (budget.threshold) are POSTed"
     )
+    shadow_share: float | None = Field(
+        default=None, description="share of its devices' edge answers shadowed by the cloud (None: the cloud's)"
+    )
     created_at: datetime = _ts()
 
 

@@ -26,6 +26,27 @@ def tenants_create(name: str, budget: str | None) -> None:
         click.echo(f"created tenant {tenant.name} (id {tenant.id})")
 
 
+@tenants.command("shadow-share")
+@click.argument("name")
+@click.argument("share", required=False, type=click.FloatRange(0.0, 1.0))
+@click.option("--default", "use_default", is_flag=True, help="follow the cloud's TIERLINE_CLOUD_EDGE_SHADOW_SHARE")
+def tenants_shadow_share(name: str, share: float | None, use_default: bool) -> None:
+    """Set the share of tenant NAME's edge answers the cloud answers again for the quality monitor (0: off)."""
+    from controlplane.storage.audit import audit, cli_actor
+    from controlplane.storage.session import session_scope
+    from controlplane.tenancy.service import get_tenant
+
+    if (share is None) == (not use_default):
+        raise click.UsageError("give SHARE (0 to 1) or --default")
+    with session_scope() as session:
+        tenant = get_tenant(session, name)
+        before = {"shadow_share": tenant.shadow_share}
+        tenant.shadow_share = None if use_default else share
+        session.add(tenant)
+        audit(session, cli_actor(), "tenant.shadow_share", f"tenant/{tenant.name}", before, {"shadow_share": share})
+    click.echo(f"tenant {name}: shadow share {'the cloud default' if use_default else share}")
+
+
 @tenants.command("list")
 def tenants_list() -> None:
     """List tenants."""

@@ -302,3 +302,12 @@ def test_a_mis_set_policy_raises_an_alert_within_200_samples_and_a_correct_one_n
     tiers = [t for a in send(p, rows[:200]) for t in a["tiers"]]
     assert 0 < tiers.count("cloud") < 200
     assert p.query(lambda s: s.exec(select(func.count()).select_from(QualityAlert)).one()) == 1
+
+    # A tenant's own share wins over the cloud's: 0 turns the monitor off for its devices at their next sync.
+    assert "shadow share 0.0" in p.cli("tenants", "shadow-share", "acme", "0")
+    wait_for("the agent hears share 0", lambda: p.agent()["shadow"]["share"] == 0.0)
+    counted = p.query(lambda s: s.exec(select(func.count()).select_from(ShadowSample)).one())
+    send(p, rows[:40])
+    assert p.query(lambda s: s.exec(select(func.count()).select_from(ShadowSample)).one()) == counted
+    p.cli("tenants", "shadow-share", "acme", "--default")
+    wait_for("back to the cloud's share", lambda: p.agent()["shadow"]["share"] == 1.0)

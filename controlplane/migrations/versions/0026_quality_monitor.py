@@ -1,4 +1,4 @@
-"""live quality monitor: shadow samples and quality alerts
+"""live quality monitor: shadow samples, quality alerts, a tenant's shadow share
 
 Revision ID: 0026_quality_monitor
 Revises: 0025_edge_release_log
@@ -55,9 +55,13 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id", name=op.f("pk_quality_alert")),
     )
     op.create_index(op.f("ix_quality_alert_model"), "quality_alert", ["model"], unique=False)
+    with op.batch_alter_table("tenant") as batch:
+        batch.add_column(sa.Column("shadow_share", sa.Float(), nullable=True))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("tenant") as batch:
+        batch.drop_column("shadow_share")
     op.drop_index(op.f("ix_quality_alert_model"), table_name="quality_alert")
     op.drop_table("quality_alert")
     op.drop_index("ix_shadow_sample_group", table_name="shadow_sample")
