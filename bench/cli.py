@@ -40,6 +40,20 @@ def bench_zoo(preset: str, zoo_dir: Path | None, tokens: int, repeats: int) -> N
     click.echo(json.dumps(run_zoo_bench(root, num_tokens=tokens, repeats=repeats), indent=2))
 
 
+@bench.command("monitor")
+@click.option("--preset", type=click.Choice(["tiny", "demo"]), default="demo", show_default=True)
+@click.option("--zoo-dir", type=click.Path(path_type=Path), default=None, help="default $TIERLINE_DATA_DIR/zoo")
+@click.option("--trials", type=click.IntRange(min=1), default=1000, show_default=True, help="random shadow streams")
+@click.option("--horizon", type=click.IntRange(min=1), default=200, show_default=True, help="shadow samples per stream")
+def bench_monitor(preset: str, zoo_dir: Path | None, trials: int, horizon: int) -> None:
+    """The quality monitor on the digits pair with a real gap: alerts on mis-set and on calibrated policies."""
+    from bench.monitor_bench import run_monitor_bench
+    from shared.settings import CoreSettings
+
+    root = (zoo_dir or CoreSettings().zoo_dir) / preset
+    click.echo(json.dumps(run_monitor_bench(root, trials=trials, horizon=horizon), indent=2))
+
+
 @bench.command("engine")
 @_zoo_options
 @click.option("--requests", "num_requests", type=int, default=64, show_default=True)

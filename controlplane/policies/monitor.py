@@ -102,11 +102,17 @@ def _validation_agreement(path: str, mtime_ns: int, model: str, policy_json: str
         confidence = data.signals[policy.signal]
     else:
         return None
-    keep = round(edge_share * len(data))
+    return calibrated_agreement(confidence, data.agrees, edge_share)
+
+
+def calibrated_agreement(confidence: np.ndarray, agrees: np.ndarray, edge_share: float) -> float | None:
+    """The agreement with the cloud on the ``edge_share`` of items with the highest confidence: what a policy
+    calibrated to that share promises on the requests it keeps on the edge (None: it keeps none)."""
+    keep = round(edge_share * len(agrees))
     if keep <= 0:
         return None
     order = np.argsort(-np.asarray(confidence, dtype=np.float64), kind="stable")[:keep]
-    return float(np.mean(data.agrees[order]))
+    return float(np.mean(np.asarray(agrees)[order]))
 
 
 def promised_agreement(row: EscalationPolicy, data_dir: Path | None = None) -> float | None:
