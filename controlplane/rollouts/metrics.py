@@ -17,7 +17,7 @@ from sqlmodel import Session, col, select
 
 from controlplane.billing.ledger import cost_total
 from controlplane.rollouts.analysis import ArmStats, ShadowStats, Window
-from controlplane.rollouts.assignment import BASELINE, CANDIDATE, EXCLUDED, Arm
+from controlplane.rollouts.assignment import BASELINE, CANDIDATE, EXCLUDED, Arm, arm, fleet_subject
 from controlplane.rollouts.plans import model_names
 from controlplane.storage.tables import (
     Device,
@@ -235,6 +235,115 @@ def _add_device(
         if last_p95 is not None:
             acc.p95_weighted += last_p95 * total.requests
             acc.p95_weight += total.requests
+
+
+# --- policy rollouts: devices as arms -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _PolicyDevice:
+    id: str
+    arm: Arm
+    converged: bool  # the device reports running its arm's policy version
+
+
+def policy_devices(session: Session, rollout: Rollout) -> list[_PolicyDevice]:
+    """The devices a policy rollout judges: those its selector picks (excluded pins left out), each with its sticky
+    arm at the rollout's weight and whether it already reports running that arm's version (``SyncRequest.policies``:
+    a device that runs its own policy file reports ``override`` and never counts)."""
+    pins = list(session.exec(select(RolloutPin).where(RolloutPin.rollout_id == rollout.id)))
+    tenant_pins = {p.key: p.arm for p in pins if p.kind == "tenant"}
+    tenant_names: dict[int, str] = {}
+    if tenant_pins:
+        rows = session.exec(select(Tenant.id, Tenant.name).where(col(Tenant.name).in_(tenant_pins)))
+        tenant_names = {tid: name for tid, name in rows if tid is not None}
+    device_pins = {p.key: p.arm for p in pins if p.kind == "device"}
+    query = select(Device.id, Device.tenant_id, Device.labels, Device.policies).where(Device.status == "active")
+    if rollout.tenant_id is not None:
+        query = query.where(Device.tenant_id == rollout.tenant_id)
+    names = model_names(rollout.model)
+    out: list[_PolicyDevice] = []
+    for device_id, tenant_id, labels, reported in session.exec(query):
+        pin = device_pins.get(device_id) or tenant_pins.get(tenant_names.get(tenant_id, ""))
+        if pin == EXCLUDED or not all((labels or {}).get(k) == v for k, v in rollout.device_selector.items()):
+            continue
+        subject = fleet_subject(device_id)
+        which = arm(rollout.id or 0, subject, rollout.weight, {subject: pin} if pin else None)
+        version = rollout.candidate_version if which == CANDIDATE else rollout.baseline_version
+        running = next((str(v) for n, v in (reported or {}).items() if n in names), None)
+        out.append(_PolicyDevice(device_id, which, running == version))
+    return out
+
+
+def policy_window(session: Session, rollout: Rollout, since: datetime, now: datetime) -> Window:
+    """Per-arm aggregates of a policy rollout: each arm is the devices assigned to it that run its version.
+
+    Requests, errors, escalations and p95 come from the devices' telemetry for the policy's model (every model
+    version, as in :func:`_edge_window`); cost from the ledger: the devices' edge records of the model and their
+    escalated (cloud) records in the window, over the number of those records. A device that has not yet
+    switched to its arm's version is left out until it has (it reports the policy in use at every sync)."""
+    devices = [d for d in policy_devices(session, rollout) if d.converged]
+    arms: dict[Arm, _EdgeArm] = {BASELINE: _EdgeArm(), CANDIDATE: _EdgeArm()}
+    members: dict[Arm, list[str]] = {BASELINE: [], CANDIDATE: []}
+    for d in devices:
+        members[d.arm].append(d.id)
+    names = model_names(rollout.model)
+    for which, ids in members.items():
+        for start in range(0, len(ids), 500):
+            chunk = ids[start : start + 500]
+            events = select(DeviceEvent.device_id, DeviceEvent.occurred_at, DeviceEvent.payload).where(
+                DeviceEvent.kind == "telemetry",
+                col(DeviceEvent.device_id).in_(chunk),
+                col(DeviceEvent.occurred_at) >= since - TELEMETRY_LOOKBACK,
+                col(DeviceEvent.occurred_at) <= now,
+            )
+            by_device: dict[str, list[tuple[datetime, Any]]] = {}
+            for device_id, at, payload in session.exec(events.order_by(col(DeviceEvent.occurred_at))):
+                by_device.setdefault(device_id, []).append((at, (payload or {}).get("metrics")))
+            for device_id, samples in by_device.items():
+                keys = {
+                    key: which
+                    for _, metrics in samples
+                    if isinstance(metrics, dict)
+                    for key in metrics
+                    if isinstance(key, str) and key.partition("@")[0] in names
+                }
+                _add_device(arms, keys, device_id, samples, since)
+    stats = {which: _with_cost(session, arms[which].stats(), members[which], names, since, now) for which in arms}
+    return Window("policy", stats[BASELINE], stats[CANDIDATE])
+
+
+def _with_cost(
+    session: Session, stats: ArmStats, devices: list[str], names: tuple[str, ...], since: datetime, now: datetime
+) -> ArmStats:
+    if not devices:
+        return stats
+    cost = Decimal(0)
+    priced = 0
+    for start in range(0, len(devices), 500):
+        chunk = devices[start : start + 500]
+        amount, count = session.execute(
+            sa_select(cost_total(), func.count(col(UsageRecord.cost))).where(
+                col(UsageRecord.device_id).in_(chunk),
+                col(UsageRecord.occurred_at) >= since,
+                col(UsageRecord.occurred_at) <= now,
+                or_(
+                    and_(col(UsageRecord.tier) == "edge", col(UsageRecord.model).in_(names)),
+                    and_(col(UsageRecord.tier) == "cloud", col(UsageRecord.escalation_reason).is_not(None)),
+                ),
+            )
+        ).one()
+        cost += amount
+        priced += int(count)
+    return ArmStats(
+        requests=stats.requests,
+        errors=stats.errors,
+        p95_latency_ms=stats.p95_latency_ms,
+        escalations=stats.escalations,
+        cost=cost if priced else None,
+        num_priced=priced,
+        num_devices=stats.num_devices,
+    )
 
 
 # --- billing: what a candidate served ---------------------------------------------------------------------------
