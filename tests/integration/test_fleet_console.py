@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -21,7 +22,7 @@ from controlplane.fleet.targets import release_targets, set_release_target
 from controlplane.policies import service as policies
 from controlplane.storage.database import create_db
 from controlplane.storage.session import session_scope
-from controlplane.storage.tables import AuditLog, Device, EdgePublish, UsageRecord
+from controlplane.storage.tables import AuditLog, Device, EdgePublish, Model, UsageRecord
 from controlplane.tenancy.service import create_tenant
 from shared.artifacts import load_or_create_signing_key
 from shared.escalation import EdgePolicy
@@ -290,6 +291,12 @@ def test_a_policy_rollout_from_the_management_api_and_the_form(
                 action="escalation_policy.calibrate",
             )
     short = model.removeprefix("tierline/")
+    with session_scope(console.engine) as s:
+        s.add(Model(name=short, kind="causal-lm"))
+    # The model's page offers to canary each policy version against the one before it.
+    page = admin.get(f"/models/{short}").text
+    link = f'href="/rollouts/new?kind=policy&amp;model={quote(model)}&amp;baseline=1&amp;candidate=2"'
+    assert link in page
     with api(console) as ops:
         body = {"model": short, "baseline_version": "1", "candidate_version": "2", "kind": "policy", "steps": [20, 100]}
         resp = ops.post("/api/rollouts", json=body)
