@@ -5,6 +5,7 @@ and p95; a failed check rolls back and every device returns to the baseline vers
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -14,8 +15,10 @@ from pathlib import Path
 import pytest
 from sqlmodel import Session, select
 
+from controlplane.fleet.devices import ingest
 from controlplane.policies import service as policies
 from controlplane.rollouts.assignment import arm
+from controlplane.rollouts.metrics import POLICIES_KEY
 from controlplane.rollouts.service import (
     RolloutSpec,
     create_rollout,
@@ -28,6 +31,7 @@ from controlplane.storage.database import create_db
 from controlplane.storage.tables import Device, DeviceEvent, RolloutEvent, UsageRecord
 from controlplane.tenancy.service import create_tenant
 from shared.artifacts import load_or_create_signing_key
+from shared.edge_protocol import EventItem
 from shared.errors import ConflictError, ValidationError
 from shared.escalation import EdgePolicy
 
@@ -264,3 +268,63 @@ def test_a_bad_policy_rollout_is_refused_naming_the_field(
         with pytest.raises(ValidationError) as err:
             create_rollout(s, RolloutSpec(**fields), actor="test")  # type: ignore[arg-type]
         assert err.value.param == param
+
+
+def sample(device: str, tid: int, at: datetime, requests: int, escalations: int, used: str | None) -> DeviceEvent:
+    """A telemetry sample as the cloud stores it: cumulative counters, and the policy its sync reported in use."""
+    payload: dict[str, object] = {
+        "metrics": {f"{MODEL}@demo-1": {"requests": requests, "errors": 0, "escalations": escalations, "p95_ms": 9.0}}
+    }
+    if used is not None:
+        payload[POLICIES_KEY] = {MODEL: used}
+    return DeviceEvent(
+        id=uuid.uuid4().hex, device_id=device, tenant_id=tid, kind="telemetry", payload=payload, occurred_at=at
+    )
+
+
+def test_each_increase_counts_for_the_version_its_sync_reported(engine: object, tmp_path: Path) -> None:
+    """A device that switched inside the window: what it served before the switch counts for the baseline, after
+    it for the candidate; what it served on its own policy file (override) counts for neither arm."""
+    key = tmp_path / "signing.key"
+    start = datetime.now(UTC) - timedelta(minutes=10)
+    minute = timedelta(minutes=1)
+    with Session(engine) as s:  # type: ignore[call-overload]
+        tid = create_tenant(s, "acme").id or 0
+        s.add(Device(id="dev-switch", tenant_id=tid, labels={}, token_hash="h1", policies={MODEL: "2"}))
+        s.add(Device(id="dev-own", tenant_id=tid, labels={}, token_hash="h2", policies={MODEL: "override"}))
+        v1, v2 = new_version(s, -3.0, key), new_version(s, -4.0, key)
+        spec = RolloutSpec(model=MODEL, baseline_version=str(v1), candidate_version=str(v2), kind="policy", steps=[100])
+        rollout = create_rollout(s, spec, actor="test")
+        s.flush()
+        s.add_all(
+            [
+                sample("dev-switch", tid, start - minute, 1000, 100, "1"),  # the reference, before the window
+                sample("dev-switch", tid, start + minute, 1100, 110, "1"),  # +100, 10 escalated: baseline
+                sample("dev-switch", tid, start + 2 * minute, 1300, 170, "2"),  # +200, 60 escalated: candidate
+                sample("dev-switch", tid, start + 3 * minute, 1400, 200, "2"),  # +100, 30 escalated: candidate
+                sample("dev-own", tid, start - minute, 10, 0, "override"),
+                sample("dev-own", tid, start + minute, 500, 400, "override"),  # neither arm
+            ]
+        )
+        s.commit()
+        window = policy_window(s, rollout, start, datetime.now(UTC))
+    assert (window.baseline.requests, window.baseline.escalations) == (100, 10)
+    assert (window.candidate.requests, window.candidate.escalations) == (300, 90)
+    assert window.candidate.num_devices == window.baseline.num_devices == 1
+
+
+def test_a_sync_stores_the_policies_in_use_with_its_telemetry(engine: object) -> None:
+    with Session(engine) as s:  # type: ignore[call-overload]
+        tid = create_tenant(s, "acme").id or 0
+        device = Device(id="dev-a", tenant_id=tid, labels={}, token_hash="h")
+        s.add(device)
+        s.flush()
+        events = [
+            EventItem(id=uuid.uuid4().hex, kind="telemetry", payload={"metrics": {}}, occurred_at=time.time()),
+            EventItem(id=uuid.uuid4().hex, kind="event", payload={"type": "x"}, occurred_at=time.time()),
+        ]
+        ingest(s, device, [], events, policies={MODEL: "3"})
+        s.commit()
+        stored = {e.kind: e.payload for e in s.exec(select(DeviceEvent)).all()}
+    assert stored["telemetry"] == {"metrics": {}, POLICIES_KEY: {MODEL: "3"}}
+    assert stored["event"] == {"type": "x"}
