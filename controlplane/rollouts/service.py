@@ -1,4 +1,7 @@
-"""Canary rollouts of model versions to cloud traffic and device fleets.
+"""Canary rollouts of model versions to cloud traffic and device fleets, and of escalation policy versions to
+device fleets (a rollout's ``kind``: ``model`` or ``policy``; a policy rollout is judged by
+:func:`controlplane.rollouts.metrics.policy_window` and its assignment read by
+:func:`controlplane.policies.service.desired_rows`).
 
 A rollout moves a candidate version through steps of weight (the candidate's share of subjects, default
 5 → 25 → 50 → 100 %) against a baseline version. State machine::
