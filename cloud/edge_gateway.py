@@ -169,7 +169,15 @@ class EdgeGateway:
         for attempt in (1, 2):
             try:
                 with Session(self.db) as session:
-                    counts = ingest(session, caller.device, data.usage, data.events, self.prices, window=self.window)
+                    counts = ingest(
+                        session,
+                        caller.device,
+                        data.usage,
+                        data.events,
+                        self.prices,
+                        window=self.window,
+                        policies=data.policies,
+                    )
                     device = session.get(Device, caller.device.id)
                     assert device is not None
                     device.last_seen_at = datetime.now(UTC)

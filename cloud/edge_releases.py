@@ -52,6 +52,7 @@ from sqlmodel import Session, select
 
 from cloud.edge_gateway import DEVICE, DEVICE_BEARER, DeviceCaller
 from controlplane.fleet.releases import Release, desired_releases, published_releases
+from controlplane.fleet.targets import set_release_target
 from controlplane.registry.store import ArtifactStore, store_from_settings
 from controlplane.storage.session import get_db
 from controlplane.storage.tables import Device, EdgePublish, EdgeRelease
@@ -68,6 +69,7 @@ from shared.edge_protocol import DesiredModel
 from shared.errors import ArtifactVerificationError, ConflictError, NotFoundError, ValidationError
 from shared.http import error_responses
 from shared.settings import CoreSettings
+from shared.targeting import check_target, describe
 
 logger = logging.getLogger(__name__)
 
@@ -137,10 +139,20 @@ class ReleaseStore:
         return self.publish_manifest(artifact_dir, read_manifest(manifest_path))
 
     def publish_manifest(
-        self, artifact_dir: Path, manifest: Manifest, *, published_at: datetime | None = None
+        self,
+        artifact_dir: Path,
+        manifest: Manifest,
+        *,
+        published_at: datetime | None = None,
+        target: list[str] | None = None,
+        actor: str = "",
     ) -> Manifest:
         """Verify ``manifest`` (trusted signature, safe paths, every file's hash), store the files' bytes, then
-        record the version and its publish in one transaction (a reader sees all of it or nothing)."""
+        record the version and its publish in one transaction (a reader sees all of it or nothing). ``target``
+        (selector terms, ``controlplane.fleet.targets``) is set in that same transaction, so no device outside it
+        ever hears of the version; None leaves the version's target as it is."""
+        if target is not None:
+            check_target(target)  # a bad term is refused before any byte is stored
         for value, what in ((manifest.name, "name"), (manifest.version, "version")):
             if not _SEGMENT.fullmatch(value):
                 raise ArtifactVerificationError(f"manifest {what} {value!r}: letters, digits and '._+-' only")
@@ -174,6 +186,8 @@ class ReleaseStore:
                             )
                         )
                 stamp = published_at or datetime.now(UTC)
+                if target is not None:
+                    set_release_target(session, manifest.name, manifest.version, target, actor=actor or "publish")
                 session.add(EdgePublish(name=manifest.name, version=manifest.version, published_at=stamp))
                 try:
                     session.commit()
@@ -405,11 +419,23 @@ ARTIFACT_ROUTES = [download_artifact]
     help="signed manifest (default: ARTIFACT_DIR/../../manifests/<dir name>.json, as in a built zoo)",
 )
 @click.option("--as-version", default=None, help="publish under this version, re-signed with the platform key")
-def publish_command(artifact_dir: Path, manifest_path: Path | None, as_version: str | None) -> None:
+@click.option(
+    "--target",
+    "target",
+    multiple=True,
+    help="send it only to the devices this selects (repeatable, all must hold): ring=beta, site!=lab, "
+    "device.arch=x86_64, device.memory_mb>=2048, device.runtime=tflite, device.bucket<=19; set in the same "
+    "transaction as the publish [default: the version's target as it is, every device if none]",
+)
+def publish_command(
+    artifact_dir: Path, manifest_path: Path | None, as_version: str | None, target: tuple[str, ...]
+) -> None:
     """Publish an edge artifact for devices: they install it at their next sync.
 
     Publishing a version that is already published makes it the newest again, which rolls devices back.
     """
+    from controlplane.storage.audit import cli_actor
+
     store = ReleaseStore.from_settings()
     path = manifest_path or artifact_dir.parent.parent / "manifests" / f"{artifact_dir.name}.json"
     manifest = read_manifest(path)
@@ -418,8 +444,13 @@ def publish_command(artifact_dir: Path, manifest_path: Path | None, as_version: 
         manifest.metadata = {**manifest.metadata, "published_from_version": manifest.version}
         manifest.version = as_version
         sign_manifest(manifest, load_or_create_signing_key(CoreSettings().signing_key_path))
-    store.publish_manifest(artifact_dir, manifest)
+    terms = list(target) if target else None
+    try:
+        store.publish_manifest(artifact_dir, manifest, target=terms, actor=cli_actor())
+    except ValidationError as exc:
+        raise click.BadParameter(exc.message, param_hint="--target") from None
+    who = f"the devices {describe(check_target(terms))} selects" if terms else "devices"
     click.echo(
         f"published {manifest.name} {manifest.version} ({len(manifest.files)} files, {manifest.size} bytes, "
-        f"sha256 {manifest.sha256}); devices install it at their next sync"
+        f"sha256 {manifest.sha256}); {who} install it at their next sync"
     )

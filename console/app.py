@@ -23,6 +23,7 @@ from sqlalchemy.engine import Engine
 
 from console.auth import ConsoleAuth, ConsoleAuthSettings, security_headers
 from console.billing_api import BILLING_ROUTER
+from console.fleet_api import FLEET_ROUTER
 from console.management_api import OPENAPI_CONFIG
 from console.money_api import MONEY_ROUTER
 from console.pages import LOGIN_ROUTER, PAGES_ROUTER
@@ -112,6 +113,7 @@ def create_app(db: Engine | None = None, auth_settings: ConsoleAuthSettings | No
             BILLING_ROUTER,
             MONEY_ROUTER,
             POLICIES_ROUTER,
+            FLEET_ROUTER,
             create_static_files_router("/static", directories=[STATIC], include_in_schema=False),
         ],
         start=start,

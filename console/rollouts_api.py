@@ -39,6 +39,11 @@ class RolloutCreate(_Body):
         0.0, description="percent of baseline cloud requests mirrored to the candidate at a shadow step 0 (0: none)"
     )
     shadow_min_agreement: float = Field(0.9, description="least mean token agreement for the shadow step to pass")
+    kind: str = Field(
+        "model",
+        description="model: versions of a model; policy: escalation policy versions of the edge model ``model`` "
+        "(scope edge; judged on escalation rate, cost per request, errors and p95)",
+    )
 
 
 class RolloutAction(_Body):

@@ -64,6 +64,7 @@ def _spec(form: dict[str, str]) -> rollouts.RolloutSpec:
         min_step_s=optional_float(form, "min_step_s", maximum=30 * 86400) or 300.0,
         min_samples=optional_int(form, "min_samples", minimum=1) or 100,
         tenant=text(form, "tenant", max_length=64) or None,
+        kind=form.get("kind") or "model",
     )
 
 
@@ -84,13 +85,38 @@ def _form_page(
     with Session(db) as session:
         tenants = changes.tenant_names(session)
     return render(
-        request, "rollout_form.html.j2", status_code, form=form, errors=errors, tenants=tenants, scopes=rollouts.SCOPES
+        request,
+        "rollout_form.html.j2",
+        status_code,
+        form=form,
+        errors=errors,
+        tenants=tenants,
+        scopes=rollouts.SCOPES,
+        kinds=rollouts.KINDS,
     )
 
 
 @get("/rollouts/new", sync_to_thread=True)
-def rollout_new(request: Request[Any, Any, Any], db: Engine) -> Template:
-    form = {"scope": "cloud", "steps": "5, 25, 50, 100", "min_step_s": "300", "min_samples": "100"}
+def rollout_new(
+    request: Request[Any, Any, Any],
+    db: Engine,
+    kind: str = "model",
+    model: str = "",
+    baseline: str = "",
+    candidate: str = "",
+) -> Template:
+    """The form; ``?kind=policy&model=…&baseline=…&candidate=…`` fills it in (a policy's page links here)."""
+    policy = kind == "policy"
+    form = {
+        "kind": "policy" if policy else "model",
+        "model": model[:128],
+        "baseline_version": baseline[:64],
+        "candidate_version": candidate[:64],
+        "scope": "edge" if policy else "cloud",
+        "steps": "20, 100" if policy else "5, 25, 50, 100",
+        "min_step_s": "300",
+        "min_samples": "100",
+    }
     return _form_page(request, db, form, {})
 
 

@@ -20,6 +20,7 @@ from sqlmodel import Session, col, select
 from controlplane.billing.ledger import NewUsage, ingest_usage
 from controlplane.billing.pricing import PriceLookup
 from controlplane.billing.scopes import ATTRIBUTION_LABELS, attribution_of, check_attribution
+from controlplane.rollouts.metrics import POLICIES_KEY
 from controlplane.rollouts.service import load_plans, usage_arm
 from controlplane.storage.tables import Device, DeviceEvent, EnrollmentToken, Tenant
 from controlplane.storage.types import as_utc
@@ -184,6 +185,7 @@ def ingest(
     events: list[EventItem],
     prices: PriceLookup | None = None,
     window: UsageWindow | None = None,
+    policies: dict[str, str] | None = None,
 ) -> SyncCounts:
     """Store what is new, skip what the cloud already has; count what conflicts and what was clamped.
 
@@ -195,6 +197,9 @@ def ingest(
     (the cloud's cached price book; without it the price book is read once for the batch) and counts its cost
     against the tenant's budget period of that time and the budgets of the device's attribution (its
     enrollment token's ``billing.*`` labels: an API key, a project, an end user).
+
+    ``policies`` (the escalation policies the sync reports in use) is stored with each telemetry sample of the
+    batch, so a policy rollout knows which version served the requests the sample counts.
     """
     ids = [u.id for u in usage]
     if len(set(ids)) != len(ids):
@@ -251,7 +256,9 @@ def ingest(
                 device_id=device.id,
                 tenant_id=device.tenant_id,
                 kind=e.kind,
-                payload=e.payload,
+                payload={**e.payload, POLICIES_KEY: dict(policies)}
+                if policies is not None and e.kind == "telemetry"
+                else e.payload,
                 occurred_at=min(_ts(e.occurred_at), now + window.max_future),
             )
         )

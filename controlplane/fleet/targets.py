@@ -2,7 +2,8 @@
 
 A release with no target goes to every device, as before; one with a target (``shared.targeting``) only to the
 devices whose labels and reported facts match it. Set a release's target before publishing it
-(``tierline devices target-release NAME VERSION --target ring=beta``), so no device outside it ever hears of it.
+(``tierline devices target-release NAME VERSION --target ring=beta``, ``tierline cloud publish … --target``, the
+console's fleet page or ``PUT /api/releases/{name}/{version}/target``), so no device outside it ever hears of it.
 """
 
 from __future__ import annotations
@@ -10,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from controlplane.storage.audit import audit
-from controlplane.storage.tables import Device, ReleaseTarget
+from controlplane.storage.tables import Device, EdgePublish, EdgeRelease, ReleaseTarget
 from shared.errors import ValidationError
 from shared.targeting import check_target, describe, matches
 
@@ -48,3 +49,28 @@ def release_targets(session: Session) -> dict[tuple[str, str], list[dict[str, st
 
 def targets_device(target: list[dict[str, str]] | None, device: Device) -> bool:
     return not target or matches(target, device.labels or {}, device.runtime or {}, device.id)
+
+
+def release_target_rows(session: Session) -> list[dict[str, Any]]:
+    """Every stored edge release (newest first) with its target (``[]``: every device) and whether it has been
+    published, and the targets set ahead of a release not stored yet."""
+    targets = release_targets(session)
+    published = {(n, v) for n, v in session.exec(select(EdgePublish.name, EdgePublish.version).distinct())}
+    rows = []
+    seen = set()
+    for r in session.exec(select(EdgeRelease).order_by(col(EdgeRelease.id).desc())):
+        seen.add((r.name, r.version))
+        rows.append(_row(r.name, r.version, targets.get((r.name, r.version)), (r.name, r.version) in published))
+    rows.extend(_row(n, v, t, False) for (n, v), t in sorted(targets.items()) if (n, v) not in seen)
+    return rows
+
+
+def _row(name: str, version: str, target: list[dict[str, str]] | None, published: bool) -> dict[str, Any]:
+    terms = list(target or [])
+    return {
+        "name": name,
+        "version": version,
+        "target": [f"{t['key']}{t['op']}{t['value']}" for t in terms],
+        "describe": describe(terms),
+        "published": published,
+    }

@@ -26,8 +26,10 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlmodel import Session, col, select
 
+from controlplane.rollouts.plans import edge_version, load_policy_plans, plans_for
 from controlplane.storage.audit import audit
 from controlplane.storage.tables import Device, EscalationPolicy
+from controlplane.storage.types import as_utc
 from shared.edge_protocol import DesiredPolicy
 from shared.errors import ConfigurationError, ConflictError, NotFoundError, ValidationError
 from shared.escalation import ROUTER, EdgePolicy
@@ -35,6 +37,7 @@ from shared.policy_signing import sign_policy
 from shared.settings import CoreSettings
 from shared.targeting import check_target, describe, matches
 
+FINAL = ("promoted", "rolled_back", "aborted")  # a finished rollout (controlplane.rollouts.service.FINAL)
 VALIDATION_DIR = "validation"
 QUALITY_EPS = 1e-12
 
@@ -271,12 +274,29 @@ def move_operating_point(
 
 
 def desired_rows(session: Session, device: Device) -> list[EscalationPolicy]:
-    """Per model, the newest version whose target matches the device."""
+    """Per model, the newest version whose target matches the device, unless a policy rollout governs the model:
+    then the version of the device's sticky arm (the baseline outside the rollout's selector, the candidate once
+    promoted, the baseline once rolled back or aborted). A version made after the rollout finished makes the
+    first rule apply again."""
     chosen: dict[str, EscalationPolicy] = {}
+    every: dict[tuple[str, int], EscalationPolicy] = {}
     query = select(EscalationPolicy).order_by(col(EscalationPolicy.model), col(EscalationPolicy.version).desc())
     for row in session.exec(query):
+        every[(row.model, row.version)] = row
         if row.model not in chosen and matches(row.target, device.labels or {}, device.runtime or {}, device.id):
             chosen[row.model] = row
+    plans = load_policy_plans(session) if every else []
+    for model in {m for m, _ in every}:
+        plan = plans_for(plans, model, device.tenant_id)
+        if plan is None:
+            continue
+        newest = max((r for (m, _), r in every.items() if m == model), key=lambda r: r.version)
+        ended = as_utc(plan.finished_at) if plan.status in FINAL and plan.finished_at is not None else None
+        if ended is not None and as_utc(newest.created_at) > ended:
+            continue  # made after the rollout ended: the newest targeting the device again
+        assigned = every.get((model, int(edge_version(plan, device.id, device.tenant_id, device.labels or {}))))
+        if assigned is not None:
+            chosen[model] = assigned
     return [chosen[m] for m in sorted(chosen)]
 
 

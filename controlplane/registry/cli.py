@@ -322,7 +322,8 @@ def _checks(_ctx: click.Context, _param: click.Parameter, value: str | None) -> 
 def _summary(r: Any) -> str:
     step = f"step {r.step_index + 1}/{len(r.steps)}" if r.status not in ("pending",) else "not started"
     return (
-        f"{r.id}\t{r.status}\t{r.model}\t{r.baseline_version} -> {r.candidate_version}\t{r.scope}\t"
+        f"{r.id}\t{r.status}\t{'policy ' if r.kind == 'policy' else ''}{r.model}\t"
+        f"{r.baseline_version} -> {r.candidate_version}\t{r.scope}\t"
         f"{step}\tcandidate {r.weight:g}%"
     )
 
@@ -331,6 +332,13 @@ def _summary(r: Any) -> str:
 @click.option("--model", required=True, help="cloud model name, or the edge artifact name (e.g. lm-edge-onnx-int8)")
 @click.option("--baseline", required=True, help="the version serving now")
 @click.option("--candidate", required=True, help="the version to roll out")
+@click.option(
+    "--policy",
+    "is_policy",
+    is_flag=True,
+    help="roll out an escalation policy version of edge model MODEL (versions are policy version numbers; "
+    "the scope is edge; judged on escalation rate, cost per request, errors and p95)",
+)
 @click.option("--scope", type=click.Choice(["cloud", "edge", "both"]), default="cloud", show_default=True)
 @click.option("--label", "labels", multiple=True, callback=_labels, help="device label K=V the fleet must carry")
 @click.option("--steps", callback=_steps, default=None, help="candidate weights in percent [default: 5,25,50,100]")
@@ -368,6 +376,7 @@ def rollouts_create(
     tenant: str | None,
     shadow_sample: float,
     shadow_min_agreement: float,
+    is_policy: bool,
 ) -> None:
     """Create a rollout of CANDIDATE against BASELINE; the controller starts it at its next pass."""
     from controlplane.rollouts.service import RolloutSpec, create_rollout
@@ -386,6 +395,7 @@ def rollouts_create(
         tenant=tenant,
         shadow_sample=shadow_sample,
         shadow_min_agreement=shadow_min_agreement,
+        kind="policy" if is_policy else "model",
     )
     with session_scope() as session:
         r = create_rollout(session, spec, actor=_actor())
@@ -393,7 +403,8 @@ def rollouts_create(
         if r.shadow_sample > 0:
             weights += f"; step 0 is a shadow step mirroring {r.shadow_sample:g}% of baseline requests"
         click.echo(
-            f"created rollout {r.id}: {r.model} {r.baseline_version} -> {r.candidate_version} ({r.scope}; "
+            f"created rollout {r.id}: {'policy of ' if r.kind == 'policy' else ''}{r.model} "
+            f"{r.baseline_version} -> {r.candidate_version} ({r.scope}; "
             f"steps {weights}); pending until the controller's next pass"
         )
 

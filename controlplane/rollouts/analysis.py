@@ -16,7 +16,7 @@ from typing import Any, Final, Literal
 from controlplane.rollouts.assignment import BASELINE, CANDIDATE
 
 Action = Literal["wait", "advance", "promote", "rollback"]
-Source = Literal["cloud", "edge"]
+Source = Literal["cloud", "edge", "policy"]
 
 METRICS: Final = ("error_rate", "p95_latency_ms", "p95_ttft_ms", "escalation_rate", "cost_per_request")
 DEFAULT_CHECKS: Final[dict[str, dict[str, float]]] = {
@@ -24,10 +24,20 @@ DEFAULT_CHECKS: Final[dict[str, dict[str, float]]] = {
     "p95_latency_ms": {"factor": 1.3, "slack": 0.0},
     "escalation_rate": {"factor": 1.2, "slack": 0.02},
 }
-# What each source can measure: the cloud has no escalations, telemetry has no TTFT or cost.
+# A policy version is judged on what it is for: how often it escalates and what a request then costs (edge and
+# cloud tokens from the ledger), with errors and latency as guards.
+POLICY_DEFAULT_CHECKS: Final[dict[str, dict[str, float]]] = {
+    "error_rate": {"factor": 1.2, "slack": 0.005},
+    "p95_latency_ms": {"factor": 1.3, "slack": 0.0},
+    "escalation_rate": {"factor": 1.2, "slack": 0.02},
+    "cost_per_request": {"factor": 1.1, "slack": 0.0},
+}
+# What each source can measure: the cloud has no escalations, telemetry has no TTFT or cost; a policy rollout's
+# devices have telemetry (requests, escalations, errors, p95) and ledger cost.
 SOURCE_METRICS: Final[dict[str, frozenset[str]]] = {
     "cloud": frozenset({"error_rate", "p95_latency_ms", "p95_ttft_ms", "cost_per_request"}),
     "edge": frozenset({"error_rate", "p95_latency_ms", "escalation_rate"}),
+    "policy": frozenset({"error_rate", "p95_latency_ms", "escalation_rate", "cost_per_request"}),
 }
 
 

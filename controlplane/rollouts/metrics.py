@@ -17,7 +17,7 @@ from sqlmodel import Session, col, select
 
 from controlplane.billing.ledger import cost_total
 from controlplane.rollouts.analysis import ArmStats, ShadowStats, Window
-from controlplane.rollouts.assignment import BASELINE, CANDIDATE, EXCLUDED, Arm
+from controlplane.rollouts.assignment import BASELINE, CANDIDATE, EXCLUDED, Arm, arm, fleet_subject
 from controlplane.rollouts.plans import model_names
 from controlplane.storage.tables import (
     Device,
@@ -235,6 +235,170 @@ def _add_device(
         if last_p95 is not None:
             acc.p95_weighted += last_p95 * total.requests
             acc.p95_weight += total.requests
+
+
+# --- policy rollouts: devices as arms -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _PolicyDevice:
+    id: str
+    arm: Arm
+    converged: bool  # the device reports running its arm's policy version
+
+
+def policy_devices(session: Session, rollout: Rollout) -> list[_PolicyDevice]:
+    """The devices a policy rollout judges: those its selector picks (excluded pins left out), each with its sticky
+    arm at the rollout's weight and whether it already reports running that arm's version (``SyncRequest.policies``:
+    a device that runs its own policy file reports ``override`` and never counts)."""
+    pins = list(session.exec(select(RolloutPin).where(RolloutPin.rollout_id == rollout.id)))
+    tenant_pins = {p.key: p.arm for p in pins if p.kind == "tenant"}
+    tenant_names: dict[int, str] = {}
+    if tenant_pins:
+        rows = session.exec(select(Tenant.id, Tenant.name).where(col(Tenant.name).in_(tenant_pins)))
+        tenant_names = {tid: name for tid, name in rows if tid is not None}
+    device_pins = {p.key: p.arm for p in pins if p.kind == "device"}
+    query = select(Device.id, Device.tenant_id, Device.labels, Device.policies).where(Device.status == "active")
+    if rollout.tenant_id is not None:
+        query = query.where(Device.tenant_id == rollout.tenant_id)
+    names = model_names(rollout.model)
+    out: list[_PolicyDevice] = []
+    for device_id, tenant_id, labels, reported in session.exec(query):
+        pin = device_pins.get(device_id) or tenant_pins.get(tenant_names.get(tenant_id, ""))
+        if pin == EXCLUDED or not all((labels or {}).get(k) == v for k, v in rollout.device_selector.items()):
+            continue
+        subject = fleet_subject(device_id)
+        which = arm(rollout.id or 0, subject, rollout.weight, {subject: pin} if pin else None)
+        version = rollout.candidate_version if which == CANDIDATE else rollout.baseline_version
+        running = next((str(v) for n, v in (reported or {}).items() if n in names), None)
+        out.append(_PolicyDevice(device_id, which, running == version))
+    return out
+
+
+POLICIES_KEY: Final = "reported_policies"  # on a stored telemetry sample: the policies its sync reported in use
+
+
+def policy_window(session: Session, rollout: Rollout, since: datetime, now: datetime) -> Window:
+    """Per-arm aggregates of a policy rollout over the devices its selector picks.
+
+    Requests, errors, escalations and p95 come from the devices' telemetry for the policy's model (every model
+    version), as increases between samples (restarts counted from zero, as in :func:`_edge_window`). Each increase
+    counts for the arm whose version the device reported using at the sync that carried the sample (the cloud
+    stores it with the sample: :data:`POLICIES_KEY`; the agent takes a sample just before each sync and switches
+    policy at a sync's answer, so the requests between two samples were all served under the later one's
+    policy). A sample stored without it (an older cloud) counts for the device's assigned arm once the device
+    reports running that arm's version. An increase under a version that is neither arm's (``override``: the
+    device's own file) counts for neither.
+
+    Cost comes from the ledger: the edge records of the model and the escalated (cloud) records, in the window,
+    of the devices that now report running their arm's version, over the number of those records."""
+    devices = policy_devices(session, rollout)
+    arms: dict[Arm, _EdgeArm] = {BASELINE: _EdgeArm(), CANDIDATE: _EdgeArm()}
+    members: dict[Arm, list[str]] = {BASELINE: [], CANDIDATE: []}
+    fallback: dict[str, Arm | None] = {}
+    for d in devices:
+        fallback[d.id] = d.arm if d.converged else None
+        if d.converged:
+            members[d.arm].append(d.id)
+    names = model_names(rollout.model)
+    versions: dict[str, Arm] = {rollout.baseline_version: BASELINE, rollout.candidate_version: CANDIDATE}
+    ids = [d.id for d in devices]
+    for start in range(0, len(ids), 500):
+        chunk = ids[start : start + 500]
+        events = select(DeviceEvent.device_id, DeviceEvent.occurred_at, DeviceEvent.payload).where(
+            DeviceEvent.kind == "telemetry",
+            col(DeviceEvent.device_id).in_(chunk),
+            col(DeviceEvent.occurred_at) >= since - TELEMETRY_LOOKBACK,
+            col(DeviceEvent.occurred_at) <= now,
+        )
+        if rollout.tenant_id is not None:
+            events = events.where(DeviceEvent.tenant_id == rollout.tenant_id)
+        by_device: dict[str, list[tuple[datetime, Any, Arm | None]]] = {}
+        for device_id, at, payload in session.exec(events.order_by(col(DeviceEvent.occurred_at))):
+            payload = payload or {}
+            reported = payload.get(POLICIES_KEY)
+            if isinstance(reported, dict):
+                used = next((str(v) for n, v in reported.items() if n in names), None)
+                which = versions.get(used) if used is not None else None
+            else:
+                which = fallback.get(device_id)
+            by_device.setdefault(device_id, []).append((at, payload.get("metrics"), which))
+        for device_id, samples in by_device.items():
+            _add_policy_device(arms, names, device_id, samples, since)
+    stats = {which: _with_cost(session, arms[which].stats(), members[which], names, since, now) for which in arms}
+    return Window("policy", stats[BASELINE], stats[CANDIDATE])
+
+
+def _add_policy_device(
+    arms: dict[Arm, _EdgeArm],
+    names: tuple[str, ...],
+    device_id: str,
+    samples: list[tuple[datetime, Any, Arm | None]],
+    since: datetime,
+) -> None:
+    """Add one device's increases inside the window, each to the arm of the sample that ends it."""
+    before = [s for s in samples if s[0] < since]
+    inside = [s for s in samples if s[0] >= since]
+    if not before and inside:  # no reference before the window: the first sample inside is the reference
+        before, inside = inside[:1], inside[1:]
+    keys = {
+        key
+        for _, metrics, _ in samples
+        if isinstance(metrics, dict)
+        for key in metrics
+        if isinstance(key, str) and key.partition("@")[0] in names
+    }
+    for key in keys:
+        prev = _Counters.of(before[-1][1], key) if before else _Counters()
+        for _, metrics, which in inside:
+            cur = _Counters.of(metrics, key)
+            if cur.requests < prev.requests:  # the agent restarted: its counters began again at zero
+                prev = _Counters()
+            requests = cur.requests - prev.requests
+            if which is not None and requests > 0:
+                acc = arms[which]
+                acc.requests += requests
+                acc.errors += max(0, cur.errors - prev.errors)
+                acc.escalations += max(0, cur.escalations - prev.escalations)
+                acc.devices.add(device_id)
+                p95 = metrics.get(key, {}).get("p95_ms") if isinstance(metrics, dict) else None
+                if isinstance(p95, int | float) and not isinstance(p95, bool) and math.isfinite(p95):
+                    acc.p95_weighted += float(p95) * requests
+                    acc.p95_weight += requests
+            prev = cur
+
+
+def _with_cost(
+    session: Session, stats: ArmStats, devices: list[str], names: tuple[str, ...], since: datetime, now: datetime
+) -> ArmStats:
+    if not devices:
+        return stats
+    cost = Decimal(0)
+    priced = 0
+    for start in range(0, len(devices), 500):
+        chunk = devices[start : start + 500]
+        amount, count = session.execute(
+            sa_select(cost_total(), func.count(col(UsageRecord.cost))).where(
+                col(UsageRecord.device_id).in_(chunk),
+                col(UsageRecord.occurred_at) >= since,
+                col(UsageRecord.occurred_at) <= now,
+                or_(
+                    and_(col(UsageRecord.tier) == "edge", col(UsageRecord.model).in_(names)),
+                    and_(col(UsageRecord.tier) == "cloud", col(UsageRecord.escalation_reason).is_not(None)),
+                ),
+            )
+        ).one()
+        cost += amount
+        priced += int(count)
+    return ArmStats(
+        requests=stats.requests,
+        errors=stats.errors,
+        p95_latency_ms=stats.p95_latency_ms,
+        escalations=stats.escalations,
+        cost=cost if priced else None,
+        num_priced=priced,
+        num_devices=stats.num_devices,
+    )
 
 
 # --- billing: what a candidate served ---------------------------------------------------------------------------

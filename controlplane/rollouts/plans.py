@@ -65,15 +65,15 @@ def model_names(model: str) -> tuple[str, ...]:
     return (bare, MODEL_PREFIX + bare)
 
 
-def load_plans(session: Session, target: Source) -> list[RolloutPlan]:
-    """The newest rollout per model (and tenant) whose scope covers ``target``, with its pins.
+def load_plans(session: Session, target: Source, *, kind: str = "model") -> list[RolloutPlan]:
+    """The newest rollout of ``kind`` per model (and tenant) whose scope covers ``target``, with its pins.
 
     The newest governs, whatever its state: pending or active rollouts hold the model, a finished one
     decides the outcome (the edge lets a later publish override a finished rollout, see edge_releases).
     """
     newest = (
         select(func.max(Rollout.id))
-        .where(col(Rollout.scope).in_((target, "both")))
+        .where(col(Rollout.scope).in_((target, "both")), col(Rollout.kind) == kind)
         .group_by(col(Rollout.model), col(Rollout.tenant_id))
     )
     rollouts = list(session.exec(select(Rollout).where(col(Rollout.id).in_(newest))))
@@ -109,6 +109,11 @@ def load_plans(session: Session, target: Source) -> list[RolloutPlan]:
         )
         for r in rollouts
     ]
+
+
+def load_policy_plans(session: Session) -> list[RolloutPlan]:
+    """The newest policy rollout per edge model (and tenant): which escalation policy version each device runs."""
+    return load_plans(session, "edge", kind="policy")
 
 
 def plans_for(plans: Iterable[RolloutPlan], model: str, tenant_id: int) -> RolloutPlan | None:

@@ -1,4 +1,7 @@
-"""Canary rollouts of model versions to cloud traffic and device fleets.
+"""Canary rollouts of model versions to cloud traffic and device fleets, and of escalation policy versions to
+device fleets (a rollout's ``kind``: ``model`` or ``policy``; a policy rollout is judged by
+:func:`controlplane.rollouts.metrics.policy_window` and its assignment read by
+:func:`controlplane.policies.service.desired_rows`).
 
 A rollout moves a candidate version through steps of weight (the candidate's share of subjects, default
 5 → 25 → 50 → 100 %) against a baseline version. State machine::
@@ -44,6 +47,7 @@ from sqlmodel import Session, col, select
 
 from controlplane.rollouts.analysis import DEFAULT_CHECKS as DEFAULT_CHECKS
 from controlplane.rollouts.analysis import METRICS as METRICS
+from controlplane.rollouts.analysis import POLICY_DEFAULT_CHECKS as POLICY_DEFAULT_CHECKS
 from controlplane.rollouts.analysis import SOURCE_METRICS as SOURCE_METRICS
 from controlplane.rollouts.analysis import Action as Action
 from controlplane.rollouts.analysis import ArmStats as ArmStats
@@ -59,22 +63,26 @@ from controlplane.rollouts.assignment import PIN_VALUES
 from controlplane.rollouts.metrics import TELEMETRY_LOOKBACK as TELEMETRY_LOOKBACK
 from controlplane.rollouts.metrics import candidate_usage as candidate_usage
 from controlplane.rollouts.metrics import collect_windows as collect_windows
+from controlplane.rollouts.metrics import policy_window as policy_window
 from controlplane.rollouts.metrics import shadow_stats as shadow_stats
 from controlplane.rollouts.plans import MODEL_PREFIX as MODEL_PREFIX
 from controlplane.rollouts.plans import CloudRoute as CloudRoute
 from controlplane.rollouts.plans import RolloutPlan as RolloutPlan
 from controlplane.rollouts.plans import edge_version as edge_version
 from controlplane.rollouts.plans import load_plans as load_plans
+from controlplane.rollouts.plans import load_policy_plans as load_policy_plans
 from controlplane.rollouts.plans import model_names as model_names
 from controlplane.rollouts.plans import plans_for as plans_for
 from controlplane.rollouts.plans import resolve_cloud_arm as resolve_cloud_arm
 from controlplane.rollouts.plans import usage_arm as usage_arm
-from controlplane.storage.tables import AuditLog, Device, Rollout, RolloutEvent, RolloutPin, Tenant
+from controlplane.storage.tables import AuditLog, Device, EscalationPolicy, Rollout, RolloutEvent, RolloutPin, Tenant
+from shared.edge_protocol import version_number
 from shared.errors import ConflictError, NotFoundError, ValidationError
 
 logger = logging.getLogger(__name__)
 
 SCOPES: Final = ("cloud", "edge", "both")
+KINDS: Final = ("model", "policy")  # what the versions are: a model's, or an edge model's escalation policy's
 ACTIVE: Final = ("pending", "running", "paused")
 FINAL: Final = ("promoted", "rolled_back", "aborted")
 PIN_KINDS: Final = ("tenant", "device")
@@ -108,6 +116,7 @@ class RolloutSpec:
     tenant: str | None = None
     shadow_sample: float = 0.0
     shadow_min_agreement: float = 0.9
+    kind: str = "model"
 
 
 def validate_spec(spec: RolloutSpec) -> RolloutSpec:
@@ -118,17 +127,28 @@ def validate_spec(spec: RolloutSpec) -> RolloutSpec:
         value = getattr(spec, name)
         if not isinstance(value, str) or not _VERSION_RE.fullmatch(value):
             raise ValidationError(f"{name} must be 1-64 letters, digits or '._+-'", param=name)
+    if spec.kind not in KINDS:
+        raise ValidationError(f"kind must be one of {', '.join(KINDS)}", param="kind")
+    scope = spec.scope
+    if spec.kind == "policy":
+        # A policy version goes to devices: its arms are devices, judged on their telemetry and usage.
+        if scope == "both":
+            raise ValidationError("a policy rollout goes to devices: scope edge", param="scope")
+        scope = "edge"
+        for name in ("baseline_version", "candidate_version"):
+            if version_number(getattr(spec, name)) is None:
+                raise ValidationError(f"{name}: a policy version number such as 3", param=name)
     if spec.baseline_version == spec.candidate_version:
         raise ValidationError(
             f"candidate_version {spec.candidate_version!r} must differ from baseline_version", param="candidate_version"
         )
-    if spec.scope not in SCOPES:
+    if scope not in SCOPES:
         raise ValidationError(f"scope must be one of {', '.join(SCOPES)}", param="scope")
     selector = dict(spec.device_selector or {})
     for key, value in selector.items():
         if not (isinstance(key, str) and isinstance(value, str) and _LABEL_RE.fullmatch(key) and len(value) <= 128):
             raise ValidationError(f"device_selector: bad label {key!r}={value!r}", param="device_selector")
-    if selector and spec.scope == "cloud":
+    if selector and scope == "cloud":
         raise ValidationError("device_selector picks devices; a cloud rollout has none", param="device_selector")
     steps = list(DEFAULT_STEPS) if spec.steps is None else spec.steps
     if not steps or len(steps) > MAX_STEPS:
@@ -152,28 +172,31 @@ def validate_spec(spec: RolloutSpec) -> RolloutSpec:
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= high:
             raise ValidationError(f"{name} must be a number in [0, {high:g}]", param=name)
     if spec.shadow_sample > 0:
-        if spec.scope != "cloud":
+        if scope != "cloud":
             raise ValidationError("a shadow step mirrors cloud requests: it needs scope cloud", param="shadow_sample")
         clean.insert(0, 0.0)  # step 0, the shadow step: weight 0, a sample of baseline requests mirrored
     return RolloutSpec(
         model=spec.model,
         baseline_version=spec.baseline_version,
         candidate_version=spec.candidate_version,
-        scope=spec.scope,
+        scope=scope,
         device_selector=selector,
         steps=clean,
         min_step_s=float(spec.min_step_s),
         min_samples=spec.min_samples,
-        checks=validate_checks(spec.checks),
+        checks=validate_checks(spec.checks, kind=spec.kind),
         tenant=spec.tenant,
         shadow_sample=float(spec.shadow_sample),
         shadow_min_agreement=float(spec.shadow_min_agreement),
+        kind=spec.kind,
     )
 
 
-def validate_checks(checks: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Overrides merged over :data:`DEFAULT_CHECKS`; ``{"metric": null}`` turns a check off."""
-    merged: dict[str, Any] = {k: dict(v) for k, v in DEFAULT_CHECKS.items()}
+def validate_checks(checks: Mapping[str, Any] | None, *, kind: str = "model") -> dict[str, Any]:
+    """Overrides merged over :data:`DEFAULT_CHECKS` (:data:`POLICY_DEFAULT_CHECKS` for a policy rollout);
+    ``{"metric": null}`` turns a check off."""
+    defaults = POLICY_DEFAULT_CHECKS if kind == "policy" else DEFAULT_CHECKS
+    merged: dict[str, Any] = {k: dict(v) for k, v in defaults.items()}
     if checks is None:
         return merged
     if not isinstance(checks, Mapping):
@@ -204,9 +227,14 @@ def create_rollout(session: Session, spec: RolloutSpec, *, actor: str) -> Rollou
         if tenant is None:
             raise ValidationError(f"no tenant named {spec.tenant!r}", param="tenant")
         tenant_id = tenant.id
+    if spec.kind == "policy":
+        spec.model = _policy_model(session, spec.model, spec.baseline_version, spec.candidate_version)
     scopes = SCOPES if spec.scope == "both" else (spec.scope, "both")
     overlapping = select(Rollout).where(
-        col(Rollout.model).in_(model_names(spec.model)), col(Rollout.status).in_(ACTIVE), col(Rollout.scope).in_(scopes)
+        col(Rollout.model).in_(model_names(spec.model)),
+        col(Rollout.status).in_(ACTIVE),
+        col(Rollout.scope).in_(scopes),
+        col(Rollout.kind) == spec.kind,
     )
     if tenant_id is not None:  # a platform-wide rollout overlaps every tenant's
         overlapping = overlapping.where(or_(col(Rollout.tenant_id).is_(None), col(Rollout.tenant_id) == tenant_id))
@@ -230,6 +258,7 @@ def create_rollout(session: Session, spec: RolloutSpec, *, actor: str) -> Rollou
         checks=spec.checks,
         shadow_sample=spec.shadow_sample,
         shadow_min_agreement=spec.shadow_min_agreement,
+        kind=spec.kind,
         created_by=actor,
         created_at=now,
         updated_at=now,
@@ -239,6 +268,20 @@ def create_rollout(session: Session, spec: RolloutSpec, *, actor: str) -> Rollou
     _event(session, rollout, "created", None, f"created by {actor}", None, actor)
     _audit(session, actor, "rollout.create", rollout, None, rollout_json(rollout))
     return rollout
+
+
+def _policy_model(session: Session, model: str, baseline: str, candidate: str) -> str:
+    """The stored escalation-policy model id ``model`` names (its full id or last part), once both versions exist."""
+    names = set(session.exec(select(EscalationPolicy.model).distinct()).all())
+    found = [model] if model in names else sorted(n for n in names if n.rsplit("/", 1)[-1] == model)
+    if len(found) != 1:
+        what = "no escalation policy for" if not found else "more than one escalation policy matches"
+        raise ValidationError(f"model: {what} {model!r}", param="model")
+    have = set(session.exec(select(EscalationPolicy.version).where(EscalationPolicy.model == found[0])).all())
+    for name, value in (("baseline_version", baseline), ("candidate_version", candidate)):
+        if int(value) not in have:
+            raise ValidationError(f"{name}: {found[0]} has no policy version {value}", param=name)
+    return found[0]
 
 
 # --- reading ------------------------------------------------------------------------------------------------------
@@ -274,6 +317,7 @@ def rollout_json(r: Rollout) -> dict[str, Any]:
 
     return {
         "id": r.id,
+        "kind": r.kind,
         "model": r.model,
         "baseline_version": r.baseline_version,
         "candidate_version": r.candidate_version,
@@ -372,7 +416,7 @@ def _transition(
     )
     if result.rowcount != 1:  # type: ignore[attr-defined]
         raise ConflictError(f"rollout {rollout.id} changed meanwhile; read it again and retry")
-    if kind in ("rolled_back", "aborted"):  # billed as served: the event says what the candidate served
+    if kind in ("rolled_back", "aborted") and rollout.kind == "model":  # billed as served: what the candidate served
         metrics = {**(metrics or {}), "candidate_usage": candidate_usage(session, rollout, now)}
     before = rollout.status
     fresh = get_rollout(session, rollout.id or 0)
@@ -542,8 +586,13 @@ def _evaluate(engine: Engine, rollout_id: int, now: datetime, actor: str) -> Pas
                     next_weight=nxt,
                 )
             else:
+                windows = (
+                    [policy_window(read, rollout, since, now)]
+                    if rollout.kind == "policy"
+                    else collect_windows(read, rollout, since, now)
+                )
                 decision = analyse(
-                    collect_windows(read, rollout, since, now),
+                    windows,
                     checks=rollout.checks,
                     min_samples=rollout.min_samples,
                     min_step_s=rollout.min_step_s,

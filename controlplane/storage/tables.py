@@ -646,6 +646,12 @@ class Rollout(SQLModel, table=True):
         default=0.0, description="percent of baseline cloud requests mirrored at step 0 (0: no shadow step)"
     )
     shadow_min_agreement: float = Field(default=0.9, description="least mean token agreement to leave the shadow step")
+    kind: str = Field(
+        default="model",
+        max_length=8,
+        sa_column_kwargs={"server_default": "model"},
+        description="model: versions of a model; policy: versions of an edge model's escalation policy",
+    )
 
 
 class RolloutShadowSample(SQLModel, table=True):

@@ -140,6 +140,20 @@ def _console(env: dict[str, str], info: dict[str, Any], db: str, device: str) ->
                 assert time.monotonic() < deadline, f"device {device}: {behind} of {synced} out of sync"
                 time.sleep(2)
             assert "ring=dev" in row.inner_text()
+            # The device's own page, linked from its row: the same desired == actual, its facts and its usage.
+            row.locator("a.device-link").click()
+            page.wait_for_url(f"{base}/tenants/demo/devices/{device}")
+            assert page.locator("#desired-actual .out-of-sync").count() == 0
+            assert page.locator("#desired-actual tr.model, #desired-actual tr.policy").count() == synced
+            assert page.locator("#device-state .tag:text-is('ring=dev')").count() == 1
+            assert page.locator("#device-facts dt:text-is('device.bucket')").count() == 1
+            usage = page.locator("#recent-usage")
+            edge = int(usage.locator("dt:text-is('Answered on the edge') + dd").inner_text().split()[0])
+            cloud = int(usage.locator("dt:text-is('Escalated to the cloud') + dd").inner_text())
+            assert edge > 0 and cloud > 0, f"the device page shows {edge} edge and {cloud} cloud requests"
+            assert usage.locator("dt:text-is('Escalation reasons') + dd .tag").count() >= 1
+            if page.locator("#runtime-choice").count():  # when the agent reports its runtime choice
+                assert page.locator("#runtime-choice h3 code").count() >= 1
             shot("02-device")
 
             page.goto("/models/lm-edge")
