@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -89,6 +90,9 @@ class GgufCausalLM(CausalLMRuntime):
         from llama_cpp._internals import LlamaContext, LlamaModel
 
         self._lib = llama_cpp
+        quiet = logging.getLogger("llama-cpp-python")  # where llama-cpp-python's log callback sends llama.cpp's
+        if quiet.level == logging.NOTSET:  # (unset: it prints every line) - errors only, unless someone chose
+            quiet.setLevel(logging.ERROR)
         model_params = llama_cpp.llama_model_default_params()
         # llama.cpp's AMX kernels (a -march=native build on a CPU with AMX) crash on small Q8_0 matrices: such a
         # build runs without its extra buffer types, as bench/llamacpp.py does.
@@ -112,10 +116,11 @@ class GgufCausalLM(CausalLMRuntime):
 
     def close(self) -> None:
         if getattr(self, "_batch", None) is not None:
-            self._lib.llama_batch_free(self._batch)
-            self._batch = None
-            self._ctx.close()
-            self._model.close()
+            with _quiet_stderr():  # (llama.cpp reports the freed buffers on file descriptor 2)
+                self._lib.llama_batch_free(self._batch)
+                self._batch = None
+                self._ctx.close()
+                self._model.close()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
