@@ -13,6 +13,7 @@ The caller verifies the artifact's files (signature, sha256) before constructing
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib.util
 import json
 import logging
@@ -111,7 +112,17 @@ class GgufCausalLM(CausalLMRuntime):
         with _quiet_stderr():
             self._ctx = LlamaContext(model=self._model, params=params, verbose=False)
         self._batch = llama_cpp.llama_batch_init(self.max_context, 0, 1)
+        for i in range(self.max_context):  # one sequence: every slot of the batch belongs to sequence 0, for good
+            self._batch.n_seq_id[i] = 1
+            self._batch.seq_id[i][0] = 0
         self._n_vocab = n_vocab
+        # The per-token path, bound once: a decode step costs tens of microseconds, Python's share of it counts.
+        self._c = self._ctx.ctx
+        self._decode_fn = llama_cpp.llama_decode
+        self._logits_fn = llama_cpp.llama_get_logits
+        self._token, self._pos, self._want = self._batch.token, self._batch.pos, self._batch.logits
+        self._logits_at: int | None = None  # the address the view below reads; llama.cpp may move its buffer
+        self._logits_view = np.empty(0, np.float32)
         self.reset()
 
     def close(self) -> None:
@@ -133,21 +144,27 @@ class GgufCausalLM(CausalLMRuntime):
 
     def _run(self, ids: list[int]) -> np.ndarray:
         self._check_room(len(ids))
-        b, lib = self._batch, self._lib
-        for i, token in enumerate(ids):
-            b.token[i] = token
-            b.pos[i] = self.num_tokens + i
-            b.n_seq_id[i] = 1
-            b.seq_id[i][0] = 0
-            b.logits[i] = i == len(ids) - 1
-        b.n_tokens = len(ids)
-        status = lib.llama_decode(self._ctx.ctx, b)
+        token, pos, want, start, last = self._token, self._pos, self._want, self.num_tokens, len(ids) - 1
+        for i, t in enumerate(ids):
+            token[i] = t
+            pos[i] = start + i
+            want[i] = i == last
+        self._batch.n_tokens = len(ids)
+        status = self._decode_fn(self._c, self._batch)
         if status != 0:
             raise RuntimeError(f"llama_decode failed with status {status}")
         self.num_tokens += len(ids)
-        row = lib.llama_get_logits_ith(self._ctx.ctx, len(ids) - 1)
-        # A copy: llama.cpp reuses the buffer at the next decode, and callers keep the logits past it.
-        return np.ctypeslib.as_array(row, shape=(self._n_vocab,)).astype(np.float32, copy=True)
+        return self._logits()
+
+    def _logits(self) -> np.ndarray:
+        """The one output row's logits (only the last token of a batch asks for them), as a fresh float32 copy:
+        llama.cpp reuses its buffer at the next decode, and callers keep the logits past it."""
+        ptr = self._logits_fn(self._c)
+        at = ctypes.cast(ptr, ctypes.c_void_p).value
+        if at != self._logits_at:
+            self._logits_view = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+            self._logits_at = at
+        return self._logits_view.copy()
 
     def prefill(self, ids: list[int]) -> np.ndarray:
         if not ids:
