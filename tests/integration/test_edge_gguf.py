@@ -6,6 +6,7 @@ artifact. Needs ``tierline[edge-gguf]`` (or ``make peers``); skipped, saying so,
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,11 +21,13 @@ from edge_agent.model_store import ModelStore
 from edge_agent.models import EDGE_LM, EDGE_LM_FP32, EDGE_LM_GGUF, ServedModels
 from edge_agent.runtime import gguf
 from edge_agent.runtime.lm import load_causal_lm
+from edge_agent.updater import Updater
 from shared.artifacts import load_public_key
 from shared.errors import NotFoundError
 from shared.zoo.corpus import held_out_files
 from shared.zoo.registry import ZooLayout
 from tests.conftest import base_env, free_port, run_server, seed_data_dir
+from tests.integration.test_edge_updates import Cloud, cloud  # noqa: F401 - the module's cloud process fixture
 
 pytestmark = [
     pytest.mark.integration,
@@ -205,3 +208,36 @@ def test_v1_models_shows_the_runtime_choice_and_the_plain_id_answers_as_the_refe
             assert r.status_code == 200 and r.headers["x-tierline-tier"] == "edge", r.text
             texts.append(r.json()["choices"][0]["text"])
         assert texts[0] == texts[1]
+
+
+# -- the device receives the GGUF export as any edge artifact: published, downloaded, verified, smoke-tested -------
+def test_a_published_gguf_export_reaches_the_device_and_joins_the_runtime_guard(
+    cloud: Cloud,  # noqa: F811 - the fixture imported above
+    tmp_path: Path,
+    tiny_zoo: Path,
+    session_data_dir: Path,
+) -> None:
+    cloud.publish("lm-edge-gguf", "g1")
+    desired = cloud.desired("lm-edge-gguf")
+    assert desired.manifest_url == "/v1/edge/artifacts/lm-edge-gguf/g1/manifest.json"
+    events: list[str] = []
+    store = ModelStore(tmp_path / "state")
+    with httpx.Client(base_url=cloud.url, headers=cloud.auth()) as client:
+        updater = Updater(
+            client, store, tmp_path / "state" / "staging", cloud.keys, 50 << 20, lambda kind, _: events.append(kind)
+        )
+        assert updater.apply(desired) == "installed"
+    assert events == ["update.downloaded", "update.smoke_tested", "update.activated"]
+    installed = store.current_dir("lm-edge-gguf")
+    assert installed is not None and sorted(gguf.variants(installed)) == ["f32", "q8_0"]
+
+    # A device whose own zoo has no GGUF export: the installed one joins the guard's candidates.
+    data = seed_data_dir(tmp_path / "data", tiny_zoo, session_data_dir)
+    zoo = data / "zoo" / "tiny"
+    shutil.rmtree(zoo / "artifacts" / "lm-edge-gguf")
+    (zoo / "manifests" / "lm-edge-gguf.json").unlink()
+    keys = [load_public_key(data / "keys" / "artifact-signing.ed25519.pub")]
+    served = ServedModels(zoo, store, keys, 1)
+    assert served.models[EDGE_LM_GGUF].source == "store" and served.models[EDGE_LM_GGUF].version == "g1"
+    measured = {c.format: c for c in served.guards[EDGE_LM].candidates}
+    assert measured["gguf-f32"].agreement == 1.0 and (measured["gguf-q8_0"].ms_per_token or 0) > 0
