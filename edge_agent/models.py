@@ -148,6 +148,8 @@ class ServedModels:
                     out.append(runtime_guard.Candidate(runtime, fmt_name, unavailable=reason, model_id=model_id))
                     continue
                 missing = runtime_missing(fmt)
+                if missing is None and not self.lms.has(m.id):  # refused since: a load found its files changed
+                    missing = "refused: its files changed after they were verified"
                 load = _loader(m, self.num_threads, variant) if missing is None else None
                 out.append(runtime_guard.Candidate(runtime, fmt_name, load, missing, m.id, variant))
         return out

@@ -157,12 +157,17 @@ def test_a_tampered_gguf_file_is_never_loaded(data: Path, monkeypatch: pytest.Mo
     assert served.lms.has(EDGE_LM_GGUF)
     loads.clear()
     q8.write_bytes(pristine[:-1] + bytes([pristine[-1] ^ 1]))
-    with pytest.raises(NotFoundError, match="failed verification"):
-        served.lms.get(EDGE_LM_GGUF)
-    served._guard(EDGE_LM, ("tierline/lm-edge-onnx", EDGE_LM_GGUF))  # the guard's own loads verify too
+    served._guard(EDGE_LM, ("tierline/lm-edge-onnx", EDGE_LM_GGUF))  # the guard's own loads verify first
     measured = {c.format: c for c in served.guards[EDGE_LM].candidates}
     assert (measured["gguf-q8_0"].reason or "").startswith("cannot load: ") and not measured["gguf-q8_0"].eligible
+    assert "sha256" in (measured["gguf-q8_0"].reason or "")
     assert served.guards[EDGE_LM].chosen != "gguf-q8_0" and loads == []
+    with pytest.raises(NotFoundError, match="failed verification"):  # and so does serving's
+        served.lms.get(EDGE_LM_GGUF)
+    assert loads == [] and not served.lms.has(EDGE_LM_GGUF)
+    served._guard(EDGE_LM, ("tierline/lm-edge-onnx", EDGE_LM_GGUF))  # refused for good: not even tried again
+    measured = {c.format: c for c in served.guards[EDGE_LM].candidates}
+    assert (measured["gguf-f32"].reason or "").startswith("refused: ") and loads == []
 
 
 def test_the_updater_smoke_tests_every_weight_file_of_a_gguf_artifact(tiny_zoo: Path) -> None:
