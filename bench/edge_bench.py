@@ -1,8 +1,10 @@
 """``tierline bench edge``: what the edge LM costs on this host.
 
-Decode speed of the zoo's edge LM in each device format (ONNX fp32, ONNX INT8, TFLite) beside eager torch
-(transformers, same weights), INT8's next-token agreement with fp32 on held-out code, model file sizes, and
-the resident memory of a real, idle edge agent serving the zoo.
+Decode speed of the zoo's edge LM in each device format (ONNX fp32, ONNX INT8, TFLite, and GGUF Q8_0/f32 through
+the agent's llama.cpp runtime when llama-cpp-python is installed) beside eager torch (transformers, same
+weights), INT8's next-token agreement with fp32 on held-out code, model file sizes, and the resident memory of a
+real, idle edge agent serving the zoo, with the runtime its runtime guard chose for ``tierline/lm-edge`` and that
+runtime's speed in the same rounds (``agent_serving``; beside llama.cpp's own loop with ``--vs llamacpp``).
 
 Speed is generated tokens over the wall time of one greedy run (prefill of a 64-token held-out prompt, then
 one decode step per token with a KV cache), best of ``repeats`` after a warm-up, the same thread count
@@ -371,9 +373,10 @@ def run_edge_bench(
     if vs == "llamacpp":
         peer_runs, peers = _llamacpp_runs(zoo_root, prompt, num_tokens, threads, fp32.max_context)
         runs.update(peer_runs)
-        agent_runs, agent_runtimes = _agent_gguf_runs(zoo_root, prompt, num_tokens, threads)
-        runs.update(agent_runs)
-        peers += agent_runtimes
+    # The agent's own GGUF runtime, whenever it can run here: the agent may serve it (``agent_serving``).
+    agent_runs, agent_runtimes = _agent_gguf_runs(zoo_root, prompt, num_tokens, threads)
+    runs.update(agent_runs)
+    peers += agent_runtimes
     per_round: dict[str, list[float]] = {}
     with _torch_threads(threads):
         rates, tokens = _best_rates(runs, num_tokens, repeats, per_round)
