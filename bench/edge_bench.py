@@ -325,6 +325,14 @@ def _agent_serving(
     )
     if "llamacpp_q8_0" in rates:
         out["vs_llamacpp_q8_0"] = _median_ratio(per_round[run], per_round["llamacpp_q8_0"])
+        ratios = [a / b for a, b in zip(per_round[run], per_round["llamacpp_q8_0"], strict=True)]
+        out["vs_llamacpp_q8_0_range"] = [round(min(ratios), 2), round(max(ratios), 2)]
+        # The agent's llama.cpp runtime against llama.cpp's own loop on the same file: its Python step's cost.
+        for kind in ("q8_0", "f32"):
+            if f"agent_gguf_{kind}" in per_round:
+                out[f"agent_gguf_{kind}_vs_llamacpp_{kind}"] = _median_ratio(
+                    per_round[f"agent_gguf_{kind}"], per_round[f"llamacpp_{kind}"]
+                )
         out["vs_llamacpp_q8_0_best"] = round(rates[run] / rates["llamacpp_q8_0"], 2)
         out["target_vs_llamacpp_q8_0"] = AGENT_TARGET
         out["target_met"] = out["vs_llamacpp_q8_0"] >= AGENT_TARGET
