@@ -61,7 +61,8 @@ def _meta(model_dir: Path, variant: str) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _quiet_stderr() -> Iterator[None]:
-    """llama.cpp prints its model and context set-up on file descriptor 2 whatever ``verbose`` says."""
+    """llama.cpp prints its model and context set-up on file descriptor 2 whatever ``verbose`` says. Process-wide
+    for the load's few milliseconds: another thread's log line written meanwhile is lost too."""
     saved = os.dup(2)
     with Path(os.devnull).open("wb") as null:
         os.dup2(null.fileno(), 2)
