@@ -246,3 +246,36 @@ def test_a_published_gguf_export_reaches_the_device_and_joins_the_runtime_guard(
     assert served.models[EDGE_LM_GGUF].source == "store" and served.models[EDGE_LM_GGUF].version == "g1"
     measured = {c.format: c for c in served.guards[EDGE_LM].candidates}
     assert measured["gguf-f32"].agreement == 1.0 and (measured["gguf-q8_0"].ms_per_token or 0) > 0
+
+
+def test_the_registry_derives_a_gguf_artifact_a_device_can_run(tmp_path: Path, tiny_zoo: Path) -> None:
+    """A cloud checkpoint pushed to the registry derives (``--gguf``) a signed GGUF artifact, exported laid out
+    like the zoo's (``tierline cloud publish`` offers it to devices as ``lm-edge-gguf``), which the device's
+    runtime loads and which gives the ONNX reference's greedy outputs."""
+    from click.testing import CliRunner
+
+    from controlplane.registry.cli import models
+    from shared.artifacts import read_manifest, verify_files, verify_signature
+    from tests.conftest import migrated_sqlite
+
+    data = tmp_path / "data"
+    env = base_env(data, TIERLINE_DATABASE_URL=migrated_sqlite(data), TIERLINE_REGISTRY_DERIVE_TFLITE="false")
+    runner = CliRunner()
+    ckpt = ZooLayout(tiny_zoo).artifact_dir("lm-edge")
+    pushed = runner.invoke(models, ["push", str(ckpt), "--name", "lm-edge-gguf"], env=env)
+    assert pushed.exit_code == 0, pushed.output
+    derived = runner.invoke(models, ["derive", "lm-edge-gguf", "1", "--gguf"], env=env)
+    assert derived.exit_code == 0, derived.output
+    assert "gguf ready" in derived.stdout
+    out = tmp_path / "export"
+    exported = runner.invoke(models, ["export", "lm-edge-gguf", "2", "--format", "gguf", "--out", str(out)], env=env)
+    assert exported.exit_code == 0, exported.output
+    files = out / "artifacts" / "lm-edge-gguf"
+    manifest = read_manifest(out / "manifests" / "lm-edge-gguf.json")
+    verify_signature(manifest, [load_public_key(data / "keys" / "artifact-signing.ed25519.pub")])
+    verify_files(manifest, files)
+    assert manifest.format == "gguf" and sorted(gguf.variants(files)) == ["f32", "q8_0"]
+    onnx = load_causal_lm(ZooLayout(tiny_zoo).artifact_dir("lm-edge-onnx"))
+    runtime = gguf.GgufCausalLM(files, "f32")
+    prompt = LocalLM(files, variant="f32").tokenizer.encode("def main():\n")
+    assert runtime.greedy(prompt, 16) == onnx.greedy(prompt, 16)
