@@ -7,7 +7,7 @@ INT8 kernels lose to fp32 on CPUs without VNNI; llama.cpp's whole token can cost
 per-call overhead on a small model), so at load the agent:
 
 1. loads every candidate (each artifact's files verified again just before, like any load);
-2. runs the reference's greedy continuation of a few fixed prompts and feeds the same tokens to each other
+2. runs the reference's greedy continuation of a dozen fixed code prompts and feeds the same tokens to each other
    candidate (teacher forcing): its *agreement* is the share of positions where its most likely next token is
    the reference's, so 1.0 means the same greedy output on those prompts;
 3. times every candidate on the same prefill + decode, alternating candidates over rounds (best of them);
@@ -43,11 +43,21 @@ PROMPT_TOKENS = 32
 NEW_TOKENS = 16
 ROUNDS = 5
 # Agreement: the reference's greedy continuation of these prompts, teacher-forced into each candidate.
+# Short code openings of several kinds: a quantized format that flips a near-tie usually does so on one of them
+# (on the tiny zoo, GGUF Q8_0 differs from fp32 on "import os\n" and on none of 21 other prompts).
 CHECK_PROMPTS = (
     "def main():\n",
+    "import os\n",
     "import os\nimport sys\n\n\nclass Config:\n    def __init__(self, path):\n",
     "    for i in range(len(items)):\n        if items[i] is None:\n",
     '# Copyright the authors. Licensed under the Apache License.\n"""Utilities for parsing',
+    "from __future__ import annotations\n\nfrom typing import Any\n\n\ndef load(",
+    'class Error(Exception):\n    """',
+    '    return {"name": self.name, "value": ',
+    'if __name__ == "__main__":\n    ',
+    "        except (OSError, ValueError) as exc:\n            raise ",
+    "x = [i * i for i in range(10)]\nprint(",
+    "@property\ndef size(self) -> int:\n",
 )
 CHECK_TOKENS = 24
 

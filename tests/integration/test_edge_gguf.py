@@ -205,7 +205,7 @@ def test_v1_models_shows_the_runtime_choice_and_the_plain_id_answers_as_the_refe
     fastest = min((c for c in guard["candidates"] if c["eligible"]), key=lambda c: c["ms_per_token"])
     assert guard["chosen"] == fastest["format"] == models[EDGE_LM]["format"]
     assert models[EDGE_LM_GGUF]["format"] == "gguf"
-    for prompt in ("def main():\n", "import os\n"):
+    for prompt in runtime_guard.CHECK_PROMPTS[:4]:  # where the bound (1.0) says the plain id never differs
         texts = []
         for model in (EDGE_LM, EDGE_LM_FP32):
             body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
