@@ -1,8 +1,10 @@
 """``tierline bench edge``: what the edge LM costs on this host.
 
-Decode speed of the zoo's edge LM in each device format (ONNX fp32, ONNX INT8, TFLite) beside eager torch
-(transformers, same weights), INT8's next-token agreement with fp32 on held-out code, model file sizes, and
-the resident memory of a real, idle edge agent serving the zoo.
+Decode speed of the zoo's edge LM in each device format (ONNX fp32, ONNX INT8, TFLite, and GGUF Q8_0/f32 through
+the agent's llama.cpp runtime when llama-cpp-python is installed) beside eager torch (transformers, same
+weights), INT8's next-token agreement with fp32 on held-out code, model file sizes, and the resident memory of a
+real, idle edge agent serving the zoo, with the runtime its runtime guard chose for ``tierline/lm-edge`` and that
+runtime's speed in the same rounds (``agent_serving``; beside llama.cpp's own loop with ``--vs llamacpp``).
 
 Speed is generated tokens over the wall time of one greedy run (prefill of a 64-token held-out prompt, then
 one decode step per token with a KV cache), best of ``repeats`` after a warm-up, the same thread count
@@ -40,6 +42,16 @@ NUM_WINDOWS = 8
 WINDOW_TOKENS = 64
 # The issue's targets; reported beside the measurements, never enforced.
 TARGETS = {"fp32_vs_torch": 2.0, "int8_vs_fp32": 1.3, "agreement_int8_vs_fp32": 0.97}
+AGENT_LM = "tierline/lm-edge"
+# The runtime guard's formats -> the run that measures that runtime here.
+AGENT_RUNS = {
+    "onnx": "fp32",
+    "onnx-int8": "int8",
+    "tflite": "tflite",
+    "gguf-q8_0": "agent_gguf_q8_0",
+    "gguf-f32": "agent_gguf_f32",
+}
+AGENT_TARGET = 1.0  # the agent serving lm-edge at batch 1 vs llama.cpp Q8_0 (median of per-round ratios)
 AGENT_START_TIMEOUT_S = 180.0
 AGENT_SETTLE_S = 1.0
 
@@ -66,9 +78,13 @@ def _held_out_ids(layout: ZooLayout) -> tuple[list[int], np.ndarray]:
 
 
 def _best_rates(
-    runs: dict[str, Callable[[], list[int]]], num_tokens: int, repeats: int
+    runs: dict[str, Callable[[], list[int]]],
+    num_tokens: int,
+    repeats: int,
+    per_round: dict[str, list[float]] | None = None,
 ) -> tuple[dict[str, float], dict[str, list[int]]]:
-    """(tokens/s of each run's best of ``repeats``, the tokens each generated), after one warm-up each."""
+    """(tokens/s of each run's best of ``repeats``, the tokens each generated), after one warm-up each; every
+    round's tokens/s goes into ``per_round`` when given."""
     tokens = {name: run() for name, run in runs.items()}
     best = dict.fromkeys(runs, float("inf"))
     for _ in range(repeats):
@@ -76,7 +92,10 @@ def _best_rates(
         for name, run in runs.items():
             started = time.perf_counter()
             run()
-            best[name] = min(best[name], time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            best[name] = min(best[name], seconds)
+            if per_round is not None:
+                per_round.setdefault(name, []).append(num_tokens / seconds)
     return {name: num_tokens / seconds for name, seconds in best.items()}, tokens
 
 
@@ -206,14 +225,21 @@ def _is_healthy(url: str) -> bool:
 
 def agent_idle_rss_mb(zoo_root: Path, data_dir: Path, threads: int = 1) -> tuple[float, int]:
     """(resident MB of a started, idle edge agent serving ``zoo_root``, how many models it serves)."""
+    rss, count, _ = _agent_facts(zoo_root, data_dir, threads)
+    return rss, count
+
+
+def _agent_facts(zoo_root: Path, data_dir: Path, threads: int) -> tuple[float, int, dict[str, Any] | None]:
+    """(idle resident MB, models served, the runtime guard's choice for the plain edge LM id) of a real agent."""
     with _running_agent(zoo_root, data_dir, threads) as (pid, url):
         models = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
         if not models:
             raise ConfigurationError(
                 f"the edge agent refused every artifact in {zoo_root}: is it signed by {data_dir}'s key?"
             )
+        guard = next((m.get("runtime_guard") for m in models if m["id"] == AGENT_LM), None)
         time.sleep(AGENT_SETTLE_S)
-        return _vm_rss_mb(pid), len(models)
+        return _vm_rss_mb(pid), len(models), guard
 
 
 def _host(threads: int) -> dict[str, Any]:
@@ -259,6 +285,60 @@ def _llamacpp_runs(
     return {name: partial(run, peer) for name, peer in peers.items()}, list(peers.values())
 
 
+def _agent_gguf_runs(
+    zoo_root: Path, prompt: list[int], num_tokens: int, threads: int
+) -> tuple[dict[str, Callable[[], list[int]]], list[Any]]:
+    """The agent's own GGUF runtime (edge_agent/runtime/gguf.py) on both weight files, when the zoo has them."""
+    from edge_agent.runtime import gguf, load_runtime
+
+    directory = ZooLayout(zoo_root).artifact_dir("lm-edge-gguf")
+    if gguf.missing_reason() is not None or not gguf.is_gguf_dir(directory):
+        return {}, []
+    runtimes = {f"agent_gguf_{v}": load_runtime(directory, threads, v) for v in gguf.variants(directory)}
+    return {name: partial(rt.greedy, prompt, num_tokens) for name, rt in runtimes.items()}, list(runtimes.values())
+
+
+def _median_ratio(a: list[float], b: list[float]) -> float:
+    return round(float(np.median([x / y for x, y in zip(a, b, strict=True)])), 2)
+
+
+def _agent_serving(
+    guard: dict[str, Any] | None,
+    rates: dict[str, float],
+    per_round: dict[str, list[float]],
+    tokens: dict[str, list[int]],
+) -> dict[str, Any]:
+    """What the agent serves ``tierline/lm-edge`` with (its runtime guard's choice) and that runtime's speed in
+    these rounds, beside llama.cpp Q8_0 (the bench's own llama-cpp-python loop): the issue's edge target."""
+    chosen = guard.get("chosen") if guard else None
+    run = AGENT_RUNS.get(chosen or "")
+    out: dict[str, Any] = {"chosen": chosen, "runtime_guard": guard}
+    if run is None or run not in rates:
+        out["error"] = f"the chosen runtime {chosen!r} was not in the rounds"
+        return out
+    out.update(
+        {
+            "tokens_per_s": round(rates[run], 1),
+            "tokens_per_s_runs": [round(x, 1) for x in per_round[run]],
+            "outputs_identical_to_fp32": tokens[run] == tokens["fp32"],
+        }
+    )
+    if "llamacpp_q8_0" in rates:
+        out["vs_llamacpp_q8_0"] = _median_ratio(per_round[run], per_round["llamacpp_q8_0"])
+        ratios = [a / b for a, b in zip(per_round[run], per_round["llamacpp_q8_0"], strict=True)]
+        out["vs_llamacpp_q8_0_range"] = [round(min(ratios), 2), round(max(ratios), 2)]
+        # The agent's llama.cpp runtime against llama.cpp's own loop on the same file: its Python step's cost.
+        for kind in ("q8_0", "f32"):
+            if f"agent_gguf_{kind}" in per_round:
+                out[f"agent_gguf_{kind}_vs_llamacpp_{kind}"] = _median_ratio(
+                    per_round[f"agent_gguf_{kind}"], per_round[f"llamacpp_{kind}"]
+                )
+        out["vs_llamacpp_q8_0_best"] = round(rates[run] / rates["llamacpp_q8_0"], 2)
+        out["target_vs_llamacpp_q8_0"] = AGENT_TARGET
+        out["target_met"] = out["vs_llamacpp_q8_0"] >= AGENT_TARGET
+    return out
+
+
 def _vs_llamacpp(rates: dict[str, float], tokens: dict[str, list[int]]) -> dict[str, Any]:
     return {
         "llamacpp_f32_tokens_per_s": round(rates["llamacpp_f32"], 1),
@@ -301,8 +381,13 @@ def run_edge_bench(
     if vs == "llamacpp":
         peer_runs, peers = _llamacpp_runs(zoo_root, prompt, num_tokens, threads, fp32.max_context)
         runs.update(peer_runs)
+    # The agent's own GGUF runtime, whenever it can run here: the agent may serve it (``agent_serving``).
+    agent_runs, agent_runtimes = _agent_gguf_runs(zoo_root, prompt, num_tokens, threads)
+    runs.update(agent_runs)
+    peers += agent_runtimes
+    per_round: dict[str, list[float]] = {}
     with _torch_threads(threads):
-        rates, tokens = _best_rates(runs, num_tokens, repeats)
+        rates, tokens = _best_rates(runs, num_tokens, repeats, per_round)
     for peer in peers:
         peer.close()
     int8_choice, _ = _next_token_choices(int8, windows)
@@ -313,7 +398,7 @@ def run_edge_bench(
     # Where fp32 is itself undecided (a near-tie), quantization noise flips the choice; this shows whether
     # INT8 ever disagrees where the fp32 model is sure.
     agreement_decisive = float(same[decisive].mean()) if decisive.any() else 1.0
-    rss_mb, num_models = agent_idle_rss_mb(zoo_root, data_dir, threads)
+    rss_mb, num_models, guard = _agent_facts(zoo_root, data_dir, threads)
 
     result: dict[str, Any] = {
         "bench": "edge",
@@ -339,6 +424,10 @@ def run_edge_bench(
     }
     if vs == "llamacpp":
         result["vs_llamacpp"] = _vs_llamacpp(rates, tokens)
+        for name in ("agent_gguf_q8_0", "agent_gguf_f32"):
+            if name in rates:
+                result["vs_llamacpp"][f"{name}_tokens_per_s"] = round(rates[name], 1)
+    result["agent_serving"] = _agent_serving(guard, rates, per_round, tokens)
     result["targets"] = TARGETS
     result["targets_met"] = {key: result[key] >= target for key, target in TARGETS.items()}
     result["host"] = _host(threads)

@@ -45,12 +45,15 @@ def memory_mb() -> int | None:
 
 
 def runtimes() -> list[str]:
-    """The inference runtimes this agent can run: ONNX Runtime always, LiteRT (``tflite``) when installed."""
+    """The inference runtimes this agent can run: ONNX Runtime always, LiteRT (``tflite``) and llama.cpp (GGUF,
+    ``tierline[edge-gguf]``) when installed."""
     import importlib.util
 
     found = ["onnxruntime"]
     if importlib.util.find_spec("ai_edge_litert") is not None:
         found.append("tflite")
+    if importlib.util.find_spec("llama_cpp") is not None:
+        found.append("llama.cpp")
     return found
 
 
@@ -173,6 +176,8 @@ class Agent:
         self.on_allowance: Callable[[Allowance | None], None] | None = None
         self.on_policies: Callable[[list[DesiredPolicy]], None] | None = None
         self.policy_sources: Callable[[], dict[str, str]] = dict  # model -> policy in use, for the sync report
+        # model -> the runtime guard's choice and numbers, reported as runtime["serving"] (edge_agent.runtime_guard)
+        self.serving: Callable[[], dict[str, Any]] = dict
         self.last_sync: SyncResponse | None = None
         self.synced_records = 0
 
@@ -220,7 +225,7 @@ class Agent:
         ]
         request = SyncRequest(
             agent_version=AGENT_VERSION,
-            runtime=runtime_summary(),
+            runtime={**runtime_summary(), **({"serving": serving} if (serving := self.serving()) else {})},
             models=dict(self.stats.versions),
             policies=self.policy_sources(),
             metrics=self.stats.snapshot(),

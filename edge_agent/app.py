@@ -23,9 +23,10 @@ from edge_agent.agent import Agent, AgentStats
 from edge_agent.allowance import AllowanceGuard
 from edge_agent.cloud_link import CREDENTIALS_FILE, CircuitBreaker, CloudLink, Credentials
 from edge_agent.model_store import ModelStore
-from edge_agent.models import EDGE_ARTIFACTS, PREFIX, ServedModels
+from edge_agent.models import EDGE_ARTIFACTS, EDGE_LM_GGUF, PREFIX, ServedModels
 from edge_agent.outbox import Outbox
 from edge_agent.policies import PolicyBook
+from edge_agent.runtime.gguf import missing_reason as gguf_missing
 from edge_agent.settings import EdgeSettings, policy_dir, state_dir
 from edge_agent.shadow_sampler import ShadowSampler
 from edge_agent.tiering import Answer, Tiering, family
@@ -91,8 +92,8 @@ def list_models(served: ServedModels, _auth: None) -> dict[str, Any]:
                 "object": "model",
                 "created": 0,
                 "owned_by": "tierline-edge",
-                "format": served.models[model_id].format,
-                **({"int8_guard": served.guards[alias].as_json()} if alias in served.guards else {}),
+                "format": served.served_format(alias),
+                **({"runtime_guard": served.guards[alias].as_json()} if alias in served.guards else {}),
             }
             for alias, model_id in served.aliases.items()
         ],
@@ -177,7 +178,7 @@ def create_app(settings: EdgeSettings) -> Litestar:
     if not keys:
         raise ConfigurationError(f"none of the trusted public keys exists: {', '.join(map(str, key_files))}")
     store = ModelStore(home)
-    served = ServedModels(zoo_root, store, keys, settings.num_threads)
+    served = ServedModels(zoo_root, store, keys, settings.num_threads, settings.min_runtime_agreement)
     logger.info("edge agent serving %d verified model(s) from %s and %s", len(served.models), zoo_root, home)
     api_key = settings.api_key.get_secret_value() if settings.api_key else None
 
@@ -187,6 +188,7 @@ def create_app(settings: EdgeSettings) -> Litestar:
         agent = Agent(outbox, AgentStats(served.versions()), None, 30.0)
         guard = AllowanceGuard(settings.on_quota_exhausted)
         agent.on_allowance = guard.update
+        agent.serving = served.serving
         tiering = Tiering(served.lms, None, {}, agent.record, served.classifiers, allowance=guard)
         book = PolicyBook(policy_dir(settings), [*served.ids(), *served.aliases], keys, tiering, agent.event)
         agent.on_policies = book.apply
@@ -365,7 +367,9 @@ class Updates:
     def desired(self, desired: list[DesiredModel]) -> None:
         if self.task is not None and not self.task.done():
             return  # one pass at a time; the next sync brings the list again
-        wanted = [d for d in desired if d.name in EDGE_ARTIFACTS]
+        # GGUF needs llama.cpp on the device: without it the download would only fail its smoke test.
+        runnable = [d for d in desired if PREFIX + d.name != EDGE_LM_GGUF or gguf_missing() is None]
+        wanted = [d for d in runnable if d.name in EDGE_ARTIFACTS]
         self.task = asyncio.create_task(self._apply(wanted), name="edge-updates")
 
     async def _apply(self, desired: list[DesiredModel]) -> None:

@@ -1,4 +1,4 @@
-"""Local generation on a device runtime (ONNX Runtime or LiteRT): the cloud engine's sampling semantics in
+"""Local generation on a device runtime (ONNX Runtime, LiteRT or llama.cpp): the cloud engine's sampling semantics in
 numpy, one sequence at a time per model (the runtime holds one KV cache; a lock serialises requests)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_agent.runtime.lm import CausalLMRuntime, load_causal_lm
+from edge_agent.runtime import CausalLMRuntime, load_runtime
 from shared.chat_tokenizer import ChatTokenizer, IncrementalDetokenizer
 from shared.errors import ApplicationError, ValidationError
 from shared.escalation import StepSignal, step_signal
@@ -63,8 +63,8 @@ class LocalStep:
 
 
 class LocalLM:
-    def __init__(self, model_dir: Path, num_threads: int = 1) -> None:
-        self.runtime: CausalLMRuntime = load_causal_lm(model_dir, num_threads)
+    def __init__(self, model_dir: Path, num_threads: int = 1, variant: str | None = None) -> None:
+        self.runtime: CausalLMRuntime = load_runtime(model_dir, num_threads, variant)
         self.tokenizer = ChatTokenizer(model_dir)
         gen_path = model_dir / "generation_config.json"
         generation = json.loads(gen_path.read_text()) if gen_path.is_file() else {}

@@ -1,22 +1,18 @@
-"""The INT8 guard: INT8 is only worth serving where it is faster than fp32 on this host.
+"""The INT8 guard, now a special case of the runtime guard (:mod:`edge_agent.runtime_guard`): of the two ONNX
+exports of an LM, INT8 is served only where it is faster than fp32 on this host and agrees with it.
 
-ONNX Runtime's dynamic INT8 kernels can be slower than fp32 on CPUs without VNNI. At start-up the agent
-times both exports of the edge LM on the same prefill + decode and serves the faster one under the plain
-model id; the measurement is shown in ``/v1/models``.
+Kept for callers that only hold the two ONNX directories; the agent itself runs the runtime guard over every
+runtime and format it has for a model.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from edge_agent import runtime_guard
 from edge_agent.runtime.lm import load_causal_lm
-
-PROMPT_TOKENS = 32
-NEW_TOKENS = 16
-REPEATS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,21 +25,13 @@ class Int8Choice:
         return asdict(self)
 
 
-def _ms_per_token(model_dir: Path, num_threads: int) -> float:
-    runtime = load_causal_lm(model_dir, num_threads)
-    prompt = list(range(10, 10 + PROMPT_TOKENS))
-    runtime.greedy(prompt, 2)  # warm-up
-    best = float("inf")
-    for _ in range(REPEATS):
-        started = time.perf_counter()
-        runtime.greedy(prompt, NEW_TOKENS)
-        best = min(best, time.perf_counter() - started)
-    return best * 1000 / (PROMPT_TOKENS + NEW_TOKENS)
-
-
-def choose(int8_dir: Path, fp32_dir: Path, num_threads: int) -> Int8Choice:
-    """Time both exports; INT8 only when it is strictly faster."""
-    # Decide on the figures that are shown, so /v1/models never reports a choice its numbers contradict.
-    int8 = round(_ms_per_token(int8_dir, num_threads), 4)
-    fp32 = round(_ms_per_token(fp32_dir, num_threads), 4)
-    return Int8Choice("onnx-int8" if int8 < fp32 else "onnx", int8, fp32)
+def choose(int8_dir: Path, fp32_dir: Path, num_threads: int, min_agreement: float = 0.0) -> Int8Choice:
+    """Time both exports; INT8 only when it is strictly faster (and agrees with fp32 to ``min_agreement``)."""
+    candidates = [
+        runtime_guard.Candidate("onnxruntime", "onnx", lambda: load_causal_lm(fp32_dir, num_threads)),
+        runtime_guard.Candidate("onnxruntime", "onnx-int8", lambda: load_causal_lm(int8_dir, num_threads)),
+    ]
+    choice = runtime_guard.choose(candidates, min_agreement=min_agreement)
+    fp32, int8 = (choice.by_format(f) for f in ("onnx", "onnx-int8"))
+    assert fp32 is not None and int8 is not None and choice.chosen is not None
+    return Int8Choice(choice.chosen, int8.ms_per_token or 0.0, fp32.ms_per_token or 0.0)

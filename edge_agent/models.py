@@ -2,33 +2,49 @@
 
 Every artifact is verified (Ed25519 signature against the pinned keys, sha256 of every file) at start-up and
 on every swap, and an LM's files are hashed again against the verified manifest when it is loaded on first
-use. ``tierline/lm-edge`` names the INT8 or the fp32 export: the faster where both verify, else the one that
-does. A swap loads the new version first and then switches the model id to it under a lock: requests in
-flight keep the runtime object they started with and finish on the old version; no request waits for a load
-or fails because of the swap.
+use. ``tierline/lm-edge`` names the runtime and format the runtime guard chose among those the device has
+(``edge_agent.runtime_guard``: ONNX fp32/INT8, LiteRT, llama.cpp on GGUF Q8_0/f32): the fastest that gives the
+fp32 ONNX reference's greedy answers. A swap loads the new version first and then switches the model id to it
+under a lock: requests in flight keep the runtime object they started with and finish on the old version; no
+request waits for a load or fails because of the swap.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from edge_agent import int8_guard, serving
+from edge_agent import runtime_guard, serving
 from edge_agent.generation import LocalLM
 from edge_agent.model_store import ModelStore
+from edge_agent.runtime import CausalLMRuntime, gguf, load_runtime
 from edge_agent.tensors import LocalClassifier
 from shared.artifacts import Manifest, verify_files, verify_signature
+from shared.chat_tokenizer import ChatTokenizer
 from shared.errors import ArtifactVerificationError
 from shared.zoo.registry import ZooLayout
 
 logger = logging.getLogger(__name__)
 
-EDGE_ARTIFACTS = ("lm-edge-onnx-int8", "lm-edge-onnx", "lm-edge-tflite", "digits-small", "digits-micro")
+EDGE_ARTIFACTS = (
+    "lm-edge-onnx-int8",
+    "lm-edge-onnx",
+    "lm-edge-tflite",
+    "lm-edge-gguf",
+    "digits-small",
+    "digits-micro",
+)
 EDGE_LM, EDGE_LM_INT8, EDGE_LM_FP32 = "tierline/lm-edge", "tierline/lm-edge-onnx-int8", "tierline/lm-edge-onnx"
+EDGE_LM_TFLITE, EDGE_LM_GGUF = "tierline/lm-edge-tflite", "tierline/lm-edge-gguf"
+# A plain model id -> the artifacts that hold it, in the order of preference when nothing can be checked.
+FAMILIES = {EDGE_LM: (EDGE_LM_FP32, EDGE_LM_INT8, EDGE_LM_TFLITE, EDGE_LM_GGUF)}
 PREFIX = "tierline/"
 
 
@@ -55,8 +71,11 @@ def _verified(name: str, manifest: Manifest, directory: Path, keys: list[Ed25519
     return LocalModel(PREFIX + name, m.format, m.sha256, directory, m.version, m.kind, source, m)
 
 
-def zoo_models(zoo_root: Path, keys: list[Ed25519PublicKey]) -> dict[str, LocalModel]:
-    """Every edge artifact under ``zoo_root`` whose signature and hashes check out; others are refused."""
+def zoo_models(
+    zoo_root: Path, keys: list[Ed25519PublicKey], refused: dict[str, str] | None = None
+) -> dict[str, LocalModel]:
+    """Every edge artifact under ``zoo_root`` whose signature and hashes check out; others are refused (their
+    id and the reason go into ``refused`` when given)."""
     layout = ZooLayout(zoo_root)
     found = {}
     for name in EDGE_ARTIFACTS:
@@ -66,6 +85,8 @@ def zoo_models(zoo_root: Path, keys: list[Ed25519PublicKey]) -> dict[str, LocalM
             found[PREFIX + name] = _verified(name, layout.manifest(name), layout.artifact_dir(name), keys, "zoo")
         except ArtifactVerificationError as exc:
             logger.error("refusing artifact %s: %s", name, exc.message)
+            if refused is not None:
+                refused[PREFIX + name] = exc.message
     return found
 
 
@@ -85,45 +106,96 @@ def store_model(store: ModelStore, name: str, keys: list[Ed25519PublicKey]) -> L
 class ServedModels:
     """What the local API serves, swappable while serving."""
 
-    def __init__(self, zoo_root: Path, store: ModelStore, keys: list[Ed25519PublicKey], num_threads: int) -> None:
+    def __init__(
+        self,
+        zoo_root: Path,
+        store: ModelStore,
+        keys: list[Ed25519PublicKey],
+        num_threads: int,
+        min_agreement: float = runtime_guard.DEFAULT_MIN_AGREEMENT,
+    ) -> None:
+        self.min_agreement = min_agreement
         self.store = store
         self.keys = keys
         self.num_threads = num_threads
-        self.models = zoo_models(zoo_root, keys)
+        self.refused: dict[str, str] = {}  # model id -> why its artifact failed verification at start-up
+        self.models = zoo_models(zoo_root, keys, self.refused)
         for name in store.names():
             installed = store_model(store, name, keys)
             if installed is not None:
                 self.models[installed.id] = installed
+                self.refused.pop(installed.id, None)
         self.lms = serving.LocalModels(
             {m.id: (m.path, m.manifest) for m in self.models.values() if _is_lm(m)}, num_threads
         )
         self.classifiers = {
             m.id: LocalClassifier.load(m.id, m.path, num_threads) for m in self.models.values() if _is_classifier(m)
         }
-        self.guards: dict[str, int8_guard.Int8Choice] = {}
+        self.guards: dict[str, runtime_guard.RuntimeChoice] = {}
         self.aliases: dict[str, str] = {}  # a plain model id -> the id of the export served under it
+        self.variants: dict[str, str | None] = {}  # a plain model id -> the weight file served (GGUF), if any
         self._lock = threading.Lock()
-        int8, fp32 = (
-            m if m is not None and _is_lm(m) else None for m in map(self.models.get, (EDGE_LM_INT8, EDGE_LM_FP32))
-        )
-        if int8 is not None and fp32 is not None:
-            choice = int8_guard.choose(int8.path, fp32.path, num_threads)
-            self.guards[EDGE_LM] = choice
-            self._alias(EDGE_LM, int8 if choice.chosen == "onnx-int8" else fp32)
-            logger.info(
-                "INT8 guard: serving %s as %s (%.3f ms/token INT8, %.3f fp32)",
-                EDGE_LM,
-                choice.chosen,
-                choice.int8_ms_per_token,
-                choice.fp32_ms_per_token,
-            )
-        elif (only := int8 or fp32) is not None:
-            self._alias(EDGE_LM, only)
-            logger.info("serving %s as %s, the one export of it that verified", EDGE_LM, only.format)
+        for alias, members in FAMILIES.items():
+            self._guard(alias, members)
 
-    def _alias(self, alias: str, model: LocalModel) -> None:
+    def _candidates(self, members: tuple[str, ...]) -> list[runtime_guard.Candidate]:
+        out: list[runtime_guard.Candidate] = []
+        for model_id in members:
+            m = self.models.get(model_id)
+            fmt = m.format if m is not None else model_id.removeprefix(PREFIX + "lm-edge-")
+            if m is not None and m.kind != "causal-lm":
+                continue
+            variants = gguf.variants(m.path) if m is not None and fmt == "gguf" else list(gguf.GGUF_FILES)
+            for fmt_name, variant in [(f"gguf-{v}", v) for v in variants] if fmt == "gguf" else [(fmt, None)]:
+                runtime = RUNTIMES.get(fmt, fmt)
+                if m is None:
+                    if model_id not in self.refused:
+                        continue  # the device does not have it: not a candidate, nothing to say
+                    reason = f"refused: {self.refused[model_id]}"
+                    out.append(runtime_guard.Candidate(runtime, fmt_name, unavailable=reason, model_id=model_id))
+                    continue
+                missing = runtime_missing(fmt)
+                if missing is None and not self.lms.has(m.id):  # refused since: a load found its files changed
+                    missing = "refused: its files changed after they were verified"
+                load = _loader(m, self.num_threads, variant) if missing is None else None
+                out.append(runtime_guard.Candidate(runtime, fmt_name, load, missing, m.id, variant))
+        return out
+
+    def _guard(self, alias: str, members: tuple[str, ...]) -> None:
+        candidates = self._candidates(members)
+        if not any(c.load is not None for c in candidates):
+            return
+        ref = self.models.get(members[0])
+        encode = ChatTokenizer(ref.path).encode if ref is not None else None
+        choice = runtime_guard.choose(candidates, encode=encode, min_agreement=self.min_agreement)
+        served = choice.served
+        if served is None or served.model_id is None:
+            logger.error("runtime guard: no runtime on this device can serve %s", alias)
+            return
+        self.guards[alias] = choice
+        self._alias(alias, self.models[served.model_id], served.variant)
+        numbers = ", ".join(
+            f"{c.format} {c.ms_per_token} ms/token agreement {c.agreement}"
+            for c in choice.candidates
+            if c.ms_per_token is not None
+        )
+        logger.info("runtime guard: serving %s as %s (%s)", alias, choice.chosen, numbers)
+
+    def serving(self) -> dict[str, Any]:
+        """What the runtime guard chose per model, as the sync reports it (``runtime["serving"]``)."""
+        return {alias: choice.as_json() for alias, choice in self.guards.items()}
+
+    def served_format(self, alias: str) -> str:
+        """The format a plain model id is served in (``gguf-q8_0`` rather than the artifact's ``gguf``)."""
+        choice = self.guards.get(alias)
+        if choice is not None and choice.chosen is not None:
+            return choice.chosen
+        return self.models[self.aliases[alias]].format
+
+    def _alias(self, alias: str, model: LocalModel, variant: str | None = None) -> None:
         self.aliases[alias] = model.id
-        self.lms.alias(alias, model.id)
+        self.variants[alias] = variant
+        self.lms.alias(alias, model.id, variant)
 
     def versions(self) -> dict[str, str]:
         out = {m.id: m.version for m in self.models.values()}
@@ -142,11 +214,14 @@ class ServedModels:
             return None
         if _is_lm(new):
             runtime = LocalLM(new.path, self.num_threads)  # load before the switch: no request waits for it
+            aliases = [a for a, model_id in self.aliases.items() if model_id == new.id]
+            # An alias served from one weight file of a GGUF artifact keeps that file in the new version.
+            own = {a: LocalLM(new.path, self.num_threads, v) for a in aliases if (v := self.variants.get(a))}
             with self._lock:
                 self.models[new.id] = new
                 self.lms.replace(new.id, new.path, new.manifest, runtime)
-                for alias in [a for a, model_id in self.aliases.items() if model_id == new.id]:
-                    self.lms.replace(alias, new.path, new.manifest, runtime)
+                for alias in aliases:
+                    self.lms.replace(alias, new.path, new.manifest, own.get(alias, runtime))
         elif _is_classifier(new):
             classifier = LocalClassifier.load(new.id, new.path, self.num_threads)
             with self._lock:
@@ -159,7 +234,29 @@ class ServedModels:
         return new
 
 
+RUNTIMES = {"onnx": "onnxruntime", "onnx-int8": "onnxruntime", "tflite": "litert", "gguf": "llama.cpp"}
+
+
+def runtime_missing(fmt: str) -> str | None:
+    """Why this device cannot run ``fmt`` (its runtime is not installed), or None."""
+    if fmt == "gguf":
+        return gguf.missing_reason()
+    if fmt == "tflite" and importlib.util.find_spec("ai_edge_litert") is None:
+        return "LiteRT is not installed: pip install ai-edge-litert"
+    return None
+
+
+def _loader(m: LocalModel, num_threads: int, variant: str | None) -> Callable[[], CausalLMRuntime]:
+    def load() -> CausalLMRuntime:
+        verify_files(m.manifest, m.path)  # every load reads verified files: changed since start-up is refused
+        return load_runtime(m.path, num_threads, variant)
+
+    return load
+
+
 def _is_lm(m: LocalModel) -> bool:
+    if m.format == "gguf" and gguf.missing_reason() is not None:
+        return False  # llama.cpp is not installed: listed, but not served
     return m.kind == "causal-lm" and m.format in serving.LM_FORMATS
 
 

@@ -33,7 +33,7 @@ from shared.tools import message as chat_message
 
 logger = logging.getLogger(__name__)
 
-LM_FORMATS = ("onnx-int8", "onnx", "tflite")
+LM_FORMATS = ("onnx-int8", "onnx", "tflite", "gguf")
 
 
 class LocalModels:
@@ -44,13 +44,16 @@ class LocalModels:
         self.paths = {model_id: path for model_id, (path, _) in models.items()}
         self.manifests = {model_id: manifest for model_id, (_, manifest) in models.items()}
         self.num_threads = num_threads
+        self.variants: dict[str, str | None] = {}  # a model id served from one weight file of its artifact (GGUF)
         self._loaded: dict[str, LocalLM] = {}
         self._lock = threading.Lock()
 
-    def alias(self, alias: str, model_id: str) -> None:
-        """Serve ``model_id`` under ``alias`` too (the same files, loaded and verified on their own)."""
+    def alias(self, alias: str, model_id: str, variant: str | None = None) -> None:
+        """Serve ``model_id`` under ``alias`` too (the same files, loaded and verified on their own; ``variant``
+        names the weight file of a GGUF artifact)."""
         with self._lock:
             self.paths[alias], self.manifests[alias] = self.paths[model_id], self.manifests[model_id]
+            self.variants[alias] = variant
 
     def replace(self, model_id: str, path: Path, manifest: Manifest, runtime: LocalLM) -> None:
         """Serve ``model_id`` from ``runtime`` from now on; requests holding the old runtime finish on it."""
@@ -80,7 +83,7 @@ class LocalModels:
                 f"The model '{model_id}' failed verification on this device and is not served", param="model"
             ) from None
         try:
-            return LocalLM(path, self.num_threads)
+            return LocalLM(path, self.num_threads, self.variants.get(model_id))
         except ApplicationError:
             raise
         except Exception as exc:  # a verified file the runtime cannot load: the version's fault

@@ -22,6 +22,13 @@ class EdgeSettings(BaseSettings):
         default_factory=list, description="Ed25519 public keys whose signatures the agent accepts"
     )
     num_threads: int = Field(1, ge=1, le=64, description="runtime threads per model")
+    min_runtime_agreement: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="least greedy agreement with the fp32 ONNX reference for a runtime/format to be served "
+        "(edge_agent.runtime_guard; 1.0: the same greedy outputs on the check prompts)",
+    )
     api_key: SecretStr | None = Field(None, description="optional bearer key for the local API")
     cloud_url: str | None = Field(None, description="the cloud tier's base URL")
     cloud_deadline_s: float = Field(

@@ -47,7 +47,7 @@ from shared.openai_schema import ChatCompletionRequest, CompletionRequest, Infer
 logger = logging.getLogger(__name__)
 
 TIER_ALIASES = {"edge": "local-only", "cloud": "cloud-only"}
-LOCAL_SUFFIXES = ("-onnx-int8", "-onnx", "-tflite")
+LOCAL_SUFFIXES = ("-onnx-int8", "-onnx", "-tflite", "-gguf")
 DEFAULT_CLOUD_MODELS = {
     "tierline/lm-edge": "tierline/lm-cloud",
     "tierline/digits-small": "tierline/digits-large",

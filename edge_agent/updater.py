@@ -53,7 +53,7 @@ T = TypeVar("T")
 SMOKE_PROMPT = "def main():\n"
 SMOKE_TOKENS = 8
 MAX_MANIFEST_BYTES = 1 << 20
-_LM_FORMATS = ("onnx", "onnx-int8", "tflite")
+_LM_FORMATS = ("onnx", "onnx-int8", "tflite", "gguf")
 _ORT_DTYPES = {"tensor(double)": np.float64, "tensor(float16)": np.float16, "tensor(int64)": np.int64}
 
 
@@ -348,7 +348,7 @@ def _staged_bytes(stage: Path, path: str, size: int) -> int:
 
 
 def _smoke_lm(model_dir: Path, golden: Any, num_threads: int) -> None:
-    from edge_agent.runtime.lm import load_causal_lm
+    from edge_agent.runtime import gguf, load_runtime
     from shared.chat_tokenizer import ChatTokenizer
 
     if not isinstance(golden, list) or not all(
@@ -356,17 +356,20 @@ def _smoke_lm(model_dir: Path, golden: Any, num_threads: int) -> None:
         for g in golden
     ):
         raise RejectedError('malformed metadata.golden: want [{"prompt": str, "greedy_ids": [int]}]', block=True)
-    runtime, tokenizer = load_causal_lm(model_dir, num_threads), ChatTokenizer(model_dir)
-    for prompt, expected in [(SMOKE_PROMPT, None), *((g["prompt"], g["greedy_ids"]) for g in golden)]:
-        runtime.reset()
-        logits, out = runtime.prefill(tokenizer.encode(prompt)), list[int]()
-        for _ in range(SMOKE_TOKENS if expected is None else len(expected)):
-            if not np.isfinite(logits).all():
-                raise RejectedError(f"smoke test: non-finite logits after {len(out)} tokens", block=True)
-            out.append(int(np.argmax(logits)))
-            logits = runtime.decode(out[-1])
-        if expected is not None and out != expected:
-            raise RejectedError(f"smoke test: greedy output for golden prompt {prompt!r} differs", block=True)
+    tokenizer = ChatTokenizer(model_dir)
+    # A GGUF artifact holds one weight file per format: each is a runtime the device may serve, each is tested.
+    for variant in gguf.variants(model_dir) if gguf.is_gguf_dir(model_dir) else [None]:
+        runtime = load_runtime(model_dir, num_threads, variant)
+        for prompt, expected in [(SMOKE_PROMPT, None), *((g["prompt"], g["greedy_ids"]) for g in golden)]:
+            runtime.reset()
+            logits, out = runtime.prefill(tokenizer.encode(prompt)), list[int]()
+            for _ in range(SMOKE_TOKENS if expected is None else len(expected)):
+                if not np.isfinite(logits).all():
+                    raise RejectedError(f"smoke test: non-finite logits after {len(out)} tokens", block=True)
+                out.append(int(np.argmax(logits)))
+                logits = runtime.decode(out[-1])
+            if expected is not None and out != expected:
+                raise RejectedError(f"smoke test: greedy output for golden prompt {prompt!r} differs", block=True)
 
 
 def _smoke_onnx_tensor(model_dir: Path, paths: list[str], num_threads: int) -> None:

@@ -220,7 +220,7 @@ def models_tag(name: str, version: int, add: tuple[str, ...], remove: tuple[str,
 @click.option(
     "--format",
     "format",
-    type=click.Choice(["hf-safetensors", "hf-tokenizer", "onnx", "onnx-int8", "tflite", "tensorrt-plan"]),
+    type=click.Choice(["hf-safetensors", "hf-tokenizer", "onnx", "onnx-int8", "tflite", "gguf", "tensorrt-plan"]),
     required=True,
     help="which of the version's artifacts",
 )
@@ -255,8 +255,15 @@ def models_export(name: str, version: str, format: str, out: Path) -> None:
 @click.option(
     "--tflite/--no-tflite", default=None, help="also convert to TFLite [default: when litert-torch is installed]"
 )
-def models_derive(name: str, version: int, min_int8_agreement: float | None, tflite: bool | None) -> None:
-    """Derive edge artifacts (ONNX fp32, ONNX INT8, TFLite) of cloud checkpoint VERSION of NAME, here and now.
+@click.option(
+    "--gguf/--no-gguf",
+    default=None,
+    help="also export GGUF Q8_0 + f32 for llama.cpp on devices [default: TIERLINE_REGISTRY_DERIVE_GGUF, off]",
+)
+def models_derive(
+    name: str, version: int, min_int8_agreement: float | None, tflite: bool | None, gguf: bool | None
+) -> None:
+    """Derive edge artifacts (ONNX fp32, ONNX INT8, TFLite, GGUF) of cloud checkpoint VERSION of NAME, here and now.
 
     The result is a new version of NAME recording the version it was derived from; its artifacts are signed.
     (The console's POST /api/models/NAME/versions/VERSION/derive runs the same job in the background.)
@@ -269,7 +276,9 @@ def models_derive(name: str, version: int, min_int8_agreement: float | None, tfl
     store = store_from_settings()
     key = registry_artifacts.platform_signing_key()
     with session_scope() as session:
-        job = start_derive(session, name, version, actor=_actor(), min_int8_agreement=min_int8_agreement, tflite=tflite)
+        job = start_derive(
+            session, name, version, actor=_actor(), min_int8_agreement=min_int8_agreement, tflite=tflite, gguf=gguf
+        )
     click.echo(f"deriving {name} version {job.number} from version {version}", err=True)
     result = run_derive(get_db(), store, job, key, lambda msg: click.echo(f"[derive] {msg}", err=True))
     if result.error:

@@ -4,8 +4,8 @@
 the cloud version — with one ``pending`` artifact per edge format. :func:`run_derive` (a worker thread, or the
 CLI in the foreground) fetches the checkpoint from the artifact store, exports it with the zoo's exporter
 (:mod:`shared.zoo.export_lm`: ONNX fp32 with a growing KV cache, ONNX Runtime's dynamic INT8 quantization,
-TFLite with litert-torch when installed and asked for), checks INT8 against fp32 and fills each artifact with
-its files and signed manifest.
+TFLite with litert-torch when installed and asked for, GGUF Q8_0 + f32 for llama.cpp when asked for), checks
+INT8 against fp32 and fills each artifact with its files and signed manifest.
 
 Quality guard: INT8's next-token choices are compared with fp32's over held-out standard-library text (or
 seeded random tokens when the checkpoint has no tokenizer); below ``min_int8_agreement`` the INT8 artifact is
@@ -64,6 +64,9 @@ class DeriveSettings(BaseSettings):
         None, description="also convert to TFLite; default: when litert-torch is installed"
     )
     tflite_cache_len: int | None = Field(None, gt=0, description="TFLite KV cache length; default: the max context")
+    derive_gguf: bool = Field(
+        False, description="also export GGUF (Q8_0 and f32 in one artifact) for llama.cpp on devices"
+    )
     derive_stale_after_s: float = Field(
         3600.0, gt=0, description="a job pending this long when a console starts is taken as dead and failed"
     )
@@ -106,6 +109,7 @@ def start_derive(
     actor: str,
     min_int8_agreement: float | None = None,
     tflite: bool | None = None,
+    gguf: bool | None = None,
 ) -> DeriveJob:
     """Register the edge version of cloud version ``number`` of ``name`` with its pending artifacts."""
     settings = DeriveSettings()
@@ -134,7 +138,8 @@ def start_derive(
         derived_from_id=source.id,
         actor=actor,
     )
-    formats = ["onnx", "onnx-int8"] + (["tflite"] if want_tflite else [])
+    want_gguf = settings.derive_gguf if gguf is None else gguf
+    formats = ["onnx", "onnx-int8"] + (["tflite"] if want_tflite else []) + (["gguf"] if want_gguf else [])
     ids = {
         f: registry_artifacts.add_pending_artifact(session, version, target="edge", format=f).id or 0 for f in formats
     }
@@ -223,6 +228,18 @@ def _derive(
         _side_files(ckpt, dirs["tflite"], {"format": "tflite", "io": "static-kv-cache/v1", **meta, **io})
         metadata["tflite"] = {"derived_by": "tierline edge_derive", **io}
         statuses["tflite"] = "ready"
+    if "gguf" in dirs:
+        from shared.zoo.export_gguf import GGUF_FILES, export_gguf
+
+        say("exporting GGUF (Q8_0, f32) for llama.cpp")
+        written = {kind: export_gguf(ckpt, dirs["gguf"] / name, kind) for kind, name in GGUF_FILES.items()}
+        _side_files(ckpt, dirs["gguf"], None)
+        metadata["gguf"] = {
+            "derived_by": "tierline edge_derive",
+            "runtime": "llama.cpp",
+            "files": {kind: w["file"] for kind, w in written.items()},
+        }
+        statuses["gguf"] = "ready"
     uploaded = {fmt: _upload_dir(store, d) for fmt, d in dirs.items()}
     with session_scope(engine) as session:
         model = registry.get_model(session, job.model)
@@ -257,11 +274,14 @@ def _edge_meta(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _side_files(ckpt: Path, dest: Path, edge_model: dict[str, Any]) -> None:
+def _side_files(ckpt: Path, dest: Path, edge_model: dict[str, Any] | None) -> None:
+    """The checkpoint's config and tokenizer files, and ``edge_model.json`` (a GGUF artifact has none: its
+    weight files say what they are)."""
     for name in SIDE_FILES:
         if (ckpt / name).is_file():
             shutil.copy2(ckpt / name, dest / name)
-    (dest / EDGE_MODEL_FILE).write_text(json.dumps(edge_model, indent=2))
+    if edge_model is not None:
+        (dest / EDGE_MODEL_FILE).write_text(json.dumps(edge_model, indent=2))
 
 
 def _upload_dir(store: ArtifactStore, root: Path) -> list[FileEntry]:

@@ -35,7 +35,7 @@ KINDS: Final = ("causal-lm", "tensor")
 TARGETS: Final = ("cloud", "edge")
 FORMATS: Final[dict[str, tuple[str, ...]]] = {
     "cloud": ("hf-safetensors", "hf-tokenizer", "onnx", "tensorrt-plan"),
-    "edge": ("onnx", "onnx-int8", "tflite"),
+    "edge": ("onnx", "onnx-int8", "tflite", "gguf"),
 }
 STATUSES: Final = ("registered", "validated", "active", "retired")
 # Forward only; retiring is allowed from any live status (a version nobody will ever serve).

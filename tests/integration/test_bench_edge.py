@@ -39,6 +39,10 @@ def test_edge_bench_reports_speed_agreement_sizes_and_agent_memory(tiny_zoo: Pat
     assert r["threads"] == 1 and r["host"]["logical_cpus"] >= 1
     # The fp32 export is the same model as the transformers weights: greedy decoding agrees at the start.
     assert r["fp32_tokens_before_divergence_from_torch"] >= 1
+    # What the agent serves tierline/lm-edge with (its runtime guard's choice), measured in the same rounds.
+    serving = r["agent_serving"]
+    assert serving["chosen"] == serving["runtime_guard"]["chosen"] and serving["tokens_per_s"] > 0
+    assert isinstance(serving["outputs_identical_to_fp32"], bool)
 
 
 def test_edge_bench_refuses_more_tokens_than_the_context_holds(tiny_zoo: Path, session_data_dir: Path) -> None:

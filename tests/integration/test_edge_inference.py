@@ -93,13 +93,24 @@ def test_local_bad_input_gets_a_clear_4xx(client: openai.OpenAI, edge: str) -> N
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_int8_guard_serves_the_faster_export_under_the_plain_name(client: openai.OpenAI, edge: str) -> None:
+def test_the_runtime_guard_serves_the_fastest_agreeing_format_under_the_plain_name(
+    client: openai.OpenAI, edge: str
+) -> None:
     models = {m["id"]: m for m in httpx.get(f"{edge}/v1/models").json()["data"]}
-    guard = models["tierline/lm-edge"]["int8_guard"]
-    assert guard["int8_ms_per_token"] > 0 and guard["fp32_ms_per_token"] > 0
-    faster = "onnx-int8" if guard["int8_ms_per_token"] < guard["fp32_ms_per_token"] else "onnx"
-    assert guard["chosen"] == faster == models["tierline/lm-edge"]["format"]
-    chosen_id = INT8 if faster == "onnx-int8" else "tierline/lm-edge-onnx"
+    guard = models["tierline/lm-edge"]["runtime_guard"]
+    measured = {c["format"]: c for c in guard["candidates"]}
+    assert measured["onnx"]["ms_per_token"] > 0 and measured["onnx-int8"]["ms_per_token"] > 0
+    assert measured["onnx"]["agreement"] == 1.0 and measured["onnx"]["eligible"]
+    # INT8 is served only if it gives fp32's greedy answers (the default bound is 1.0) and is faster.
+    assert measured["onnx-int8"]["eligible"] == (measured["onnx-int8"]["agreement"] >= guard["min_agreement"])
+    fastest = min((c for c in guard["candidates"] if c["eligible"]), key=lambda c: c["ms_per_token"])
+    assert guard["chosen"] == fastest["format"] == models["tierline/lm-edge"]["format"]
+    chosen_id = {"onnx-int8": INT8, "onnx": "tierline/lm-edge-onnx", "tflite": TFLITE}.get(
+        guard["chosen"], "tierline/lm-edge-gguf"
+    )
     via_alias = client.completions.create(model="tierline/lm-edge", prompt="def f(", max_tokens=8, temperature=0)
     direct = client.completions.create(model=chosen_id, prompt="def f(", max_tokens=8, temperature=0)
-    assert via_alias.choices[0].text == direct.choices[0].text
+    reference = client.completions.create(model="tierline/lm-edge-onnx", prompt="def f(", max_tokens=8, temperature=0)
+    assert via_alias.choices[0].text == reference.choices[0].text
+    if not guard["chosen"].startswith("gguf-") or guard["chosen"] == "gguf-q8_0":  # the GGUF id serves Q8_0
+        assert via_alias.choices[0].text == direct.choices[0].text

@@ -260,6 +260,11 @@ def test_a_release_targeted_at_beta_reaches_the_beta_device_and_not_a_dev_device
     # The agent reports its facts at sync: releases and policies can target them.
     runtime = p.device("beta-1").runtime
     assert runtime["memory_mb"] > 0 and "onnxruntime" in runtime["runtimes"] and runtime["machine"]
+    # ... and which runtime/format serves each model, with the runtime guard's numbers (edge_agent.runtime_guard)
+    serving = runtime["serving"]["tierline/lm-edge"]
+    assert serving["chosen"] in {c["format"] for c in serving["candidates"] if c["eligible"]}
+    keys = {"runtime", "format", "ms_per_token", "agreement", "eligible", "reason"}
+    assert all(keys <= set(c) for c in serving["candidates"])
 
     out = p.cli("devices", "target-release", "digits-small", "b1", "--target", "ring=beta")
     assert "for ring=beta" in out

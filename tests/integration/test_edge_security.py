@@ -70,7 +70,10 @@ def local(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_data
 def test_a_refused_int8_export_leaves_the_plain_id_on_the_fp32_one(local: LocalAgent) -> None:
     models = _models(local.url, local.auth)
     assert INT8 not in models and models[FP32]["format"] == "onnx"
-    assert models[PLAIN]["format"] == "onnx" and "int8_guard" not in models[PLAIN]  # nothing to time it against
+    guard = models[PLAIN]["runtime_guard"]
+    int8 = next(c for c in guard["candidates"] if c["format"] == "onnx-int8")
+    assert not int8["eligible"] and int8["ms_per_token"] is None and int8["reason"].startswith("refused: ")
+    assert models[PLAIN]["format"] == guard["chosen"] != "onnx-int8"
     via_plain = local.complete(PLAIN)  # (the fp32 id itself stays unloaded for the next test)
     assert via_plain.status_code == 200 and via_plain.headers["x-tierline-tier"] == "edge", via_plain.text
 
