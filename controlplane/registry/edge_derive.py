@@ -220,7 +220,7 @@ def _derive(
     if "tflite" in dirs:
         say("converting to TFLite (litert-torch)")
         io = export_tflite(ckpt, dirs["tflite"] / "model.tflite", job.tflite_cache_len)
-        _side_files(ckpt, dirs["tflite"], {"format": "tflite", "io": "static-kv-cache/v1", **meta, **io})
+        _side_files(ckpt, dirs["tflite"], {"format": "tflite", **meta, **io})
         metadata["tflite"] = {"derived_by": "tierline edge_derive", **io}
         statuses["tflite"] = "ready"
     uploaded = {fmt: _upload_dir(store, d) for fmt, d in dirs.items()}
