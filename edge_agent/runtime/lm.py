@@ -298,7 +298,10 @@ def load_causal_lm(model_dir: Path, num_threads: int = 1) -> CausalLMRuntime:
     if fmt in ("onnx", "onnx-int8"):
         return OnnxCausalLM(model_dir, meta, num_threads)
     if fmt == "tflite":
-        if meta.get("io", TFLITE_IO_V1) == TFLITE_IO_V1:
+        io = meta.get("io", TFLITE_IO_V1)
+        if io == TFLITE_IO_V2:
+            return TfliteCausalLM(model_dir, meta, num_threads)
+        if io == TFLITE_IO_V1:
             return TfliteCopyingCausalLM(model_dir, meta, num_threads)
-        return TfliteCausalLM(model_dir, meta, num_threads)
+        raise ConfigurationError(f"{model_dir}: unsupported TFLite I/O {io!r}")
     raise ConfigurationError(f"{model_dir}: unsupported edge LM format {fmt!r}")
