@@ -3,7 +3,8 @@
 Every artifact is verified (Ed25519 signature against the pinned keys, sha256 of every file) at start-up and
 on every swap, and an LM's files are hashed again against the verified manifest when it is loaded on first
 use. ``tierline/lm-edge`` names the INT8 or the fp32 export: the faster where both verify, else the one that
-does. A swap loads the new version first and then switches the model id to it under a lock: requests in
+does, else the TFLite export (a device with LiteRT only). An artifact whose runtime is not installed here is not
+served. A swap loads the new version first and then switches the model id to it under a lock: requests in
 flight keep the runtime object they started with and finish on the old version; no request waits for a load
 or fails because of the swap.
 """
@@ -20,6 +21,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from edge_agent import int8_guard, serving
 from edge_agent.generation import LocalLM
 from edge_agent.model_store import ModelStore
+from edge_agent.runtime import FORMAT_RUNTIMES, can_run
 from edge_agent.tensors import LocalClassifier
 from shared.artifacts import Manifest, verify_files, verify_signature
 from shared.errors import ArtifactVerificationError
@@ -29,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 EDGE_ARTIFACTS = ("lm-edge-onnx-int8", "lm-edge-onnx", "lm-edge-tflite", "digits-small")
 EDGE_LM, EDGE_LM_INT8, EDGE_LM_FP32 = "tierline/lm-edge", "tierline/lm-edge-onnx-int8", "tierline/lm-edge-onnx"
+EDGE_LM_TFLITE = "tierline/lm-edge-tflite"
 PREFIX = "tierline/"
 
 
@@ -94,6 +97,9 @@ class ServedModels:
             installed = store_model(store, name, keys)
             if installed is not None:
                 self.models[installed.id] = installed
+        for m in [m for m in self.models.values() if m.format in FORMAT_RUNTIMES and not can_run(m.format)]:
+            logger.warning("not serving %s: no runtime for %s is installed here", m.id, m.format)
+            del self.models[m.id]
         self.lms = serving.LocalModels(
             {m.id: (m.path, m.manifest) for m in self.models.values() if _is_lm(m)}, num_threads
         )
@@ -120,6 +126,10 @@ class ServedModels:
         elif (only := int8 or fp32) is not None:
             self._alias(EDGE_LM, only)
             logger.info("serving %s as %s, the one export of it that verified", EDGE_LM, only.format)
+        elif (tflite := self.models.get(EDGE_LM_TFLITE)) is not None and _is_lm(tflite):
+            # A device with LiteRT only (or only its export verified): the plain id is served by it.
+            self._alias(EDGE_LM, tflite)
+            logger.info("serving %s as %s, the one export of it this device can run", EDGE_LM, tflite.format)
 
     def _alias(self, alias: str, model: LocalModel) -> None:
         self.aliases[alias] = model.id
@@ -160,8 +170,8 @@ class ServedModels:
 
 
 def _is_lm(m: LocalModel) -> bool:
-    return m.kind == "causal-lm" and m.format in serving.LM_FORMATS
+    return m.kind == "causal-lm" and m.format in serving.LM_FORMATS and can_run(m.format)
 
 
 def _is_classifier(m: LocalModel) -> bool:
-    return m.kind == "tensor" and m.format == "onnx"
+    return m.kind == "tensor" and m.format == "onnx" and can_run(m.format)
