@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -99,6 +100,7 @@ class OnnxCausalLM(CausalLMRuntime):
 
 TFLITE_IO_V1, TFLITE_IO_V2 = "static-kv-cache/v1", "static-kv-cache/v2"
 XNNPACK_BANNER = b"Created TensorFlow Lite XNNPACK delegate for CPU."
+_STDERR_REDIRECT = threading.Lock()
 
 
 @contextmanager
@@ -106,10 +108,11 @@ def _native_stderr_without(banner: bytes) -> Iterator[None]:
     """Route file descriptor 2 to a temporary file for the duration, then write back everything but ``banner``.
 
     LiteRT's C++ logger prints the XNNPACK delegate's INFO banner straight to fd 2 (no environment switch or
-    Python logger controls it). Other threads' output during the window is delayed, never lost."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as captured:
+    Python logger controls it). Other threads' output during the window is delayed, never lost. Serialised: two
+    overlapping redirects would restore each other's temporary file as fd 2."""
+    with _STDERR_REDIRECT, tempfile.TemporaryFile() as captured:
+        sys.stderr.flush()
+        saved = os.dup(2)
         os.dup2(captured.fileno(), 2)
         try:
             yield

@@ -67,6 +67,9 @@ def test_litert_decodes_exactly_like_onnx_fp32_with_the_same_escalation_signals(
         rt.decode(7)
     assert np.argmax(tflite.prefill(first[40:])) == np.argmax(onnx.prefill(first[40:]))
     assert tflite.num_tokens == onnx.num_tokens == len(first) + 1
+    # A prompt whose last padded chunk would run past the cache: its tail is fed token by token.
+    near_end = np.random.default_rng(7).integers(2, tflite.vocab_size, size=tflite.max_context - 6).tolist()
+    assert tflite.greedy(near_end, 6) == onnx.greedy(near_end, 6)
 
 
 def test_litert_loads_without_its_banner_and_keeps_other_output(tiny_zoo: Path) -> None:
