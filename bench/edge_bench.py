@@ -82,21 +82,24 @@ def _best_rates(
     num_tokens: int,
     repeats: int,
     per_round: dict[str, list[float]] | None = None,
+    medians: dict[str, float] | None = None,
 ) -> tuple[dict[str, float], dict[str, list[int]]]:
     """(tokens/s of each run's best of ``repeats``, the tokens each generated), after one warm-up each; every
-    round's tokens/s goes into ``per_round`` when given."""
+    round's tokens/s goes into ``per_round`` and the median tokens/s of each run into ``medians`` when given."""
     tokens = {name: run() for name, run in runs.items()}
-    best = dict.fromkeys(runs, float("inf"))
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
         # Round-robin, so a burst of load from elsewhere on the host slows every format alike.
         for name, run in runs.items():
             started = time.perf_counter()
             run()
-            seconds = time.perf_counter() - started
-            best[name] = min(best[name], seconds)
-            if per_round is not None:
-                per_round.setdefault(name, []).append(num_tokens / seconds)
-    return {name: num_tokens / seconds for name, seconds in best.items()}, tokens
+            times[name].append(time.perf_counter() - started)
+    if per_round is not None:
+        for name, t in times.items():
+            per_round.setdefault(name, []).extend(num_tokens / s for s in t)
+    if medians is not None:
+        medians.update({name: num_tokens / float(np.median(t)) for name, t in times.items()})
+    return {name: num_tokens / min(t) for name, t in times.items()}, tokens
 
 
 def _torch_greedy(model_dir: Path, prompt: list[int], num_tokens: int) -> Callable[[], list[int]]:
@@ -354,6 +357,27 @@ def _vs_llamacpp(rates: dict[str, float], tokens: dict[str, list[int]]) -> dict[
     }
 
 
+LITERT_TARGET_VS_FP32 = 0.5  # issue 26: LiteRT on lm-edge at batch 1 >= 0.5x ONNX Runtime fp32
+
+
+def _litert_figures(
+    runtime: CausalLMRuntime, best: dict[str, float], medians: dict[str, float], tokens: dict[str, list[int]]
+) -> dict[str, Any]:
+    """LiteRT beside ONNX Runtime fp32 from the same alternating rounds: medians (and bests) and their ratio."""
+    ratio = medians["tflite"] / medians["fp32"]
+    return {
+        "runtime": type(runtime).__name__,
+        "io": runtime.meta.get("io"),
+        "tokens_per_s_median": round(medians["tflite"], 1),
+        "fp32_tokens_per_s_median": round(medians["fp32"], 1),
+        "vs_fp32_median": round(ratio, 3),
+        "vs_fp32_best": round(best["tflite"] / best["fp32"], 3),
+        "outputs_identical_to_fp32": tokens["tflite"] == tokens["fp32"],
+        "target_vs_fp32": LITERT_TARGET_VS_FP32,
+        "target_met": ratio >= LITERT_TARGET_VS_FP32,
+    }
+
+
 def run_edge_bench(
     zoo_root: Path, data_dir: Path, num_tokens: int = 64, repeats: int = 5, threads: int = 1, vs: str = "torch"
 ) -> dict[str, Any]:
@@ -386,8 +410,9 @@ def run_edge_bench(
     runs.update(agent_runs)
     peers += agent_runtimes
     per_round: dict[str, list[float]] = {}
+    medians: dict[str, float] = {}
     with _torch_threads(threads):
-        rates, tokens = _best_rates(runs, num_tokens, repeats, per_round)
+        rates, tokens = _best_rates(runs, num_tokens, repeats, per_round, medians)
     for peer in peers:
         peer.close()
     int8_choice, _ = _next_token_choices(int8, windows)
@@ -422,6 +447,8 @@ def run_edge_bench(
         "agent_idle_rss_mb": round(rss_mb, 1),
         "agent_models": num_models,
     }
+    if "tflite" in runtimes:
+        result["litert"] = _litert_figures(runtimes["tflite"], rates, medians, tokens)
     if vs == "llamacpp":
         result["vs_llamacpp"] = _vs_llamacpp(rates, tokens)
         for name in ("agent_gguf_q8_0", "agent_gguf_f32"):

@@ -45,16 +45,11 @@ def memory_mb() -> int | None:
 
 
 def runtimes() -> list[str]:
-    """The inference runtimes this agent can run: ONNX Runtime always, LiteRT (``tflite``) and llama.cpp (GGUF,
-    ``tierline[edge-gguf]``) when installed."""
-    import importlib.util
+    """The inference runtimes this agent can run: ONNX Runtime, LiteRT (``tflite``) and llama.cpp (GGUF,
+    ``tierline[edge-gguf]``), each when installed."""
+    from edge_agent.runtime import installed_runtimes
 
-    found = ["onnxruntime"]
-    if importlib.util.find_spec("ai_edge_litert") is not None:
-        found.append("tflite")
-    if importlib.util.find_spec("llama_cpp") is not None:
-        found.append("llama.cpp")
-    return found
+    return installed_runtimes()
 
 
 def runtime_summary() -> dict[str, Any]:
@@ -62,17 +57,20 @@ def runtime_summary() -> dict[str, Any]:
     (``shared.targeting``: device.arch, device.memory_mb, device.cpus, device.runtime, device.system)."""
     import os
 
-    import onnxruntime
-
-    return {
+    found = runtimes()
+    summary: dict[str, Any] = {
         "python": platform.python_version(),
         "machine": platform.machine(),
         "system": platform.system(),
         "cpus": os.cpu_count() or 0,
         "memory_mb": memory_mb(),
-        "runtimes": runtimes(),
-        "onnxruntime": onnxruntime.__version__,
+        "runtimes": found,
     }
+    if "onnxruntime" in found:
+        import onnxruntime
+
+        summary["onnxruntime"] = onnxruntime.__version__
+    return summary
 
 
 def _quantile(values: list[float], q: float) -> float | None:

@@ -6,7 +6,8 @@ use. ``tierline/lm-edge`` names the runtime and format the runtime guard chose a
 (``edge_agent.runtime_guard``: ONNX fp32/INT8, LiteRT, llama.cpp on GGUF Q8_0/f32): the fastest that gives the
 fp32 ONNX reference's greedy answers. A swap loads the new version first and then switches the model id to it
 under a lock: requests in flight keep the runtime object they started with and finish on the old version; no
-request waits for a load or fails because of the swap.
+request waits for a load or fails because of the swap. An artifact whose runtime is not installed here is
+not served.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from edge_agent import runtime_guard, serving
 from edge_agent.generation import LocalLM
 from edge_agent.model_store import ModelStore
-from edge_agent.runtime import CausalLMRuntime, gguf, load_runtime
+from edge_agent.runtime import FORMAT_RUNTIMES, CausalLMRuntime, can_run, gguf, load_runtime
 from edge_agent.tensors import LocalClassifier
 from shared.artifacts import Manifest, verify_files, verify_signature
 from shared.chat_tokenizer import ChatTokenizer
@@ -125,6 +126,9 @@ class ServedModels:
             if installed is not None:
                 self.models[installed.id] = installed
                 self.refused.pop(installed.id, None)
+        for m in [m for m in self.models.values() if m.format in FORMAT_RUNTIMES and not can_run(m.format)]:
+            logger.warning("not serving %s: no runtime for %s is installed here", m.id, m.format)
+            del self.models[m.id]
         self.lms = serving.LocalModels(
             {m.id: (m.path, m.manifest) for m in self.models.values() if _is_lm(m)}, num_threads
         )
@@ -257,8 +261,8 @@ def _loader(m: LocalModel, num_threads: int, variant: str | None) -> Callable[[]
 def _is_lm(m: LocalModel) -> bool:
     if m.format == "gguf" and gguf.missing_reason() is not None:
         return False  # llama.cpp is not installed: listed, but not served
-    return m.kind == "causal-lm" and m.format in serving.LM_FORMATS
+    return m.kind == "causal-lm" and m.format in serving.LM_FORMATS and (m.format == "gguf" or can_run(m.format))
 
 
 def _is_classifier(m: LocalModel) -> bool:
-    return m.kind == "tensor" and m.format in ("onnx", "onnx-int8")
+    return m.kind == "tensor" and m.format in ("onnx", "onnx-int8") and can_run(m.format)

@@ -225,7 +225,7 @@ def _derive(
     if "tflite" in dirs:
         say("converting to TFLite (litert-torch)")
         io = export_tflite(ckpt, dirs["tflite"] / "model.tflite", job.tflite_cache_len)
-        _side_files(ckpt, dirs["tflite"], {"format": "tflite", "io": "static-kv-cache/v1", **meta, **io})
+        _side_files(ckpt, dirs["tflite"], {"format": "tflite", **meta, **io})
         metadata["tflite"] = {"derived_by": "tierline edge_derive", **io}
         statuses["tflite"] = "ready"
     if "gguf" in dirs:

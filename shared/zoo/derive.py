@@ -94,9 +94,7 @@ def derive_edge_lm_artifacts(lm_dir: Path, arts: Path, say: Callable[[str], None
     tfl_dir.mkdir()
     io = export_tflite(lm_dir, tfl_dir / "model.tflite")
     _copy_side_files(lm_dir, tfl_dir)
-    (tfl_dir / EDGE_MODEL_FILE).write_text(
-        json.dumps({"format": "tflite", "io": "static-kv-cache/v1", **meta, **io}, indent=2)
-    )
+    (tfl_dir / EDGE_MODEL_FILE).write_text(json.dumps({"format": "tflite", **meta, **io}, indent=2))
     diff = _tflite_max_abs_diff(tfl_dir / "model.tflite", windows[0], fp32[0], io["prefill_chunk"])
     result["tflite"] = {"max_abs_diff_vs_onnx": float(f"{diff:.3g}"), **io}
     say(f"TFLite prefill logits within {diff:.2g} of ONNX fp32")

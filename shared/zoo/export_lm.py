@@ -10,13 +10,18 @@ ONNX (one graph serves prefill and decode; the cache grows)::
              present_values  float32 [L, B, KVH, P + T, D]
 
 TFLite needs static shapes, so its cache has a fixed length S and a position input; two signatures,
-``prefill`` (T = PREFILL_CHUNK, right-padded) and ``decode`` (T = 1)::
+``prefill`` (T = PREFILL_CHUNK, right-padded) and ``decode`` (T = 1) (``static-kv-cache/v2``)::
 
-    inputs   input_ids int32 [1, T], input_pos int32 [T], k_cache / v_cache float32 [L, 1, KVH, S, D]
-    outputs  logits float32 [1, T, V], k_cache, v_cache (the new tokens written at input_pos)
+    inputs   input_ids int32 [1, T], input_pos int32 [T] (consecutive), k_cache / v_cache float32 [L, 1, KVH, S, D]
+    outputs  logits float32 [1, T, V], k_new / v_new float32 [L, 1, KVH, T, D] (the keys/values of the T tokens)
 
-Padding is safe: a query at position p sees keys 0..p only, and a padded slot is overwritten before any
-real query can see it. The Llama forward is written with plain tensor ops so exporters see a simple graph.
+The cache is read only: slot j holds the token at position j and is seen only when j < input_pos[0], so the
+graph never copies it (no scatter, no concatenation with it). The runtime keeps it in the interpreter's own
+input buffers and writes each call's ``k_new``/``v_new`` into them at ``input_pos``: a token costs a few KB of
+writes however long the context. Padding is safe: a query at position p sees the new keys at positions <= p
+only, and the runtime writes only the real tokens' keys. (v1 took the cache in and returned the whole updated
+cache, a scatter and two full copies in and out per token: 27x slower than ONNX Runtime.)
+The Llama forward is written with plain tensor ops so exporters see a simple graph.
 """
 
 from __future__ import annotations
@@ -35,10 +40,13 @@ from torch import nn
 INPUT_NAMES = ["input_ids", "past_keys", "past_values"]
 OUTPUT_NAMES = ["logits", "present_keys", "present_values"]
 PREFILL_CHUNK = 32
+TFLITE_IO = "static-kv-cache/v2"
 # Finite, so a fully masked row (a padded query) cannot produce NaN.
 MASKED = -1e9
 
 KVFn = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# (layer, queries [B, H, T, D], new keys and values [B, KVH, T, D]) -> attention output [B, H, T, D]
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -79,16 +87,13 @@ class ExportLlama(nn.Module):
     def _p(self, name: str) -> torch.Tensor:
         return self.params[name.replace(".", "__")]
 
-    def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor, kv: KVFn
-    ) -> torch.Tensor:
-        """Logits for ``input_ids`` at ``positions`` attending to keys at ``key_positions``."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+        """Logits for ``input_ids`` at ``positions``; ``attend`` turns each layer's queries and the new tokens'
+        keys/values into the attention output (and owns the cache)."""
         bsz, seq = input_ids.shape
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos()[None, None], emb.sin()[None, None]  # [1, 1, T, D]
-        mask = torch.where(key_positions.float()[None, :] <= positions.float()[:, None], 0.0, MASKED)  # [T, K]
-        groups = self.num_heads // self.num_kv_heads
         hidden = nn.functional.embedding(input_ids.long(), self._p("model.embed_tokens.weight"))
         for i in range(self.num_layers):
             pre = f"model.layers.{i}."
@@ -99,11 +104,7 @@ class ExportLlama(nn.Module):
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            k, v = kv(i, k, v)  # [B, KVH, K, D]
-            if groups > 1:
-                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-            scores = (q @ k.transpose(-1, -2)) / (self.head_dim**0.5) + mask  # [B, H, T, K]
-            attn = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(bsz, seq, -1)
+            attn = attend(i, q, k, v).transpose(1, 2).reshape(bsz, seq, -1)  # [B, H, T, D] -> [B, T, H * D]
             hidden = hidden + attn @ self._p(pre + "self_attn.o_proj.weight").T
             x = _rms_norm(hidden, self._p(pre + "post_attention_layernorm.weight"), self.eps)
             gate = x @ self._p(pre + "mlp.gate_proj.weight").T
@@ -111,6 +112,20 @@ class ExportLlama(nn.Module):
             hidden = hidden + (nn.functional.silu(gate) * up) @ self._p(pre + "mlp.down_proj.weight").T
         hidden = _rms_norm(hidden, self._p("model.norm.weight"), self.eps)
         return hidden @ self._p("lm_head.weight").T
+
+    def masked_attention(self, positions: torch.Tensor, key_positions: torch.Tensor, kv: KVFn) -> AttendFn:
+        """Attention over the keys ``kv`` returns (at ``key_positions``), causal by position."""
+        mask = torch.where(key_positions.float()[None, :] <= positions.float()[:, None], 0.0, MASKED)  # [T, K]
+        groups = self.num_heads // self.num_kv_heads
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            k, v = kv(i, k, v)  # [B, KVH, K, D]
+            if groups > 1:
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            scores = (q @ k.transpose(-1, -2)) / (self.head_dim**0.5) + mask  # [B, H, T, K]
+            return torch.softmax(scores, dim=-1) @ v
+
+        return attend
 
 
 class GrowingCacheLM(nn.Module):
@@ -133,12 +148,13 @@ class GrowingCacheLM(nn.Module):
             new_v.append(torch.cat((past_values[i], v), dim=2))
             return new_k[-1], new_v[-1]
 
-        logits = self.llama.run(input_ids, positions, torch.arange(past + seq), kv)
+        attend = self.llama.masked_attention(positions, torch.arange(past + seq), kv)
+        logits = self.llama.run(input_ids, positions, attend)
         return logits, torch.stack(new_k), torch.stack(new_v)
 
 
 class StaticCacheLM(nn.Module):
-    """The TFLite interface: a fixed-length cache written at ``input_pos``."""
+    """The TFLite interface: a fixed-length cache the graph only reads; the new tokens' keys/values out."""
 
     def __init__(self, llama: ExportLlama, cache_len: int) -> None:
         super().__init__()
@@ -148,18 +164,34 @@ class StaticCacheLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, input_pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> dict[str, torch.Tensor]:
-        idx = input_pos.long()
+        llama = self.llama
+        kvh, groups, dim = llama.num_kv_heads, llama.num_heads // llama.num_kv_heads, llama.head_dim
+        seq = input_ids.shape[1]
+        # Cache slot j is visible iff it was written before this call (j < input_pos[0]); the new tokens see each
+        # other causally. Both masks are [T, .] rows, repeated per query group below.
+        cached = torch.where(
+            torch.arange(self.cache_len, dtype=input_pos.dtype)[None, :] < input_pos[:1, None], 0.0, MASKED
+        ).expand(seq, self.cache_len)
+        causal = torch.where(input_pos[None, :] <= input_pos[:, None], 0.0, MASKED)
+        mask = torch.cat((cached, causal), dim=-1).repeat(groups, 1)  # [G * T, S + T]
+        scale = 1.0 / dim**0.5
         new_k: list[torch.Tensor] = []
         new_v: list[torch.Tensor] = []
 
-        def kv(i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            new_k.append(k_cache[i].index_copy(2, idx, k))
-            new_v.append(v_cache[i].index_copy(2, idx, v))
-            return new_k[-1], new_v[-1]
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            new_k.append(k)
+            new_v.append(v)
+            bsz = q.shape[0]
+            # Query heads h = kv * G + g share KV head kv: fold the group into the rows instead of repeating the
+            # cache (no copy of it), then attend to the cache and to the new tokens separately.
+            qg = q.reshape(bsz, kvh, groups * seq, dim) * scale
+            scores = torch.cat((qg @ k_cache[i].transpose(-1, -2), qg @ k.transpose(-1, -2)), dim=-1) + mask
+            weights = torch.softmax(scores, dim=-1)  # [B, KVH, G * T, S + T]
+            out = weights[..., : self.cache_len] @ v_cache[i] + weights[..., self.cache_len :] @ v
+            return out.reshape(bsz, kvh * groups, seq, dim)
 
-        key_positions = torch.arange(self.cache_len, dtype=input_pos.dtype)
-        logits = self.llama.run(input_ids, input_pos, key_positions, kv)
-        return {"logits": logits, "k_cache": torch.stack(new_k), "v_cache": torch.stack(new_v)}
+        logits = llama.run(input_ids, input_pos, attend)
+        return {"logits": logits, "k_new": torch.stack(new_k), "v_new": torch.stack(new_v)}
 
 
 def load_export_llama(model_dir: Path) -> ExportLlama:
@@ -272,4 +304,4 @@ def _convert_tflite(model_dir: Path, out_path: Path, cache_len: int | None) -> d
         .convert()
         .export(str(out_path))
     )
-    return {"cache_len": length, "prefill_chunk": PREFILL_CHUNK, "signatures": ["prefill", "decode"]}
+    return {"cache_len": length, "prefill_chunk": PREFILL_CHUNK, "signatures": ["prefill", "decode"], "io": TFLITE_IO}
