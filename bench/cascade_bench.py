@@ -23,6 +23,17 @@ Per task:
   ``winner``: the best on validation (``rank_signals``).
 - ``decision_p95_ms``: per test request, computing the signals and comparing the best simple signal with its
   threshold; ``router_decision_p95_ms``: the same with the learned router (signals, features, logistic).
+  ``decision_p95_ms_by_signal``: the same for every signal a policy can ship (``hidden_probe`` included: the
+  mean logits, the probe's dot product and the comparison).
+- ``hidden_probe``: a linear probe on the edge model's own hidden state (``shared.escalation.LinearProbe``),
+  fitted on the validation half like the router (target: the edge's answer is the cloud's) and ranked with the
+  other signals; ``probe`` says its input and hidden size. LM: the final normalised hidden state averaged over
+  the generated tokens, recovered from the mean logits through the tied embedding's pseudo-inverse and shipped
+  folded onto the logits; digits: the input pixels (the micro model's logits inputs, its pooling folded in).
+- ``prompt_router`` (text tasks, with the ``router`` extra): a logistic router on the prompt's
+  all-MiniLM-L6-v2 embedding, for requests that reach the cloud directly (before any tier generates). Reported
+  in ``routing`` as ``prompt_embedding``; never a candidate for the edge policy. ``decision_p95_ms``: embedding
+  one prompt at a time on one CPU thread plus the logistic.
 - ``routing``: RouteLLM's evaluation (``shared.routing_eval.evaluate_routers``) of every signal, the router, a
   seeded random router (``random_sample``), random routing's expectation and the oracle: APGR, CPT(50/80/95 %)
   and the cloud-call share at 95 % of cloud quality, each for the test curve (``test_curve``) and for the
@@ -366,6 +377,14 @@ def evaluate(
     )
 
 
+def _exported_probe(results: TaskResults, i: int) -> tuple[str, np.ndarray] | None:
+    """The probe input a device can calibrate on by itself: a classifier's input pixels. (The LM probe needs the
+    model's tied embedding to fold onto the logits: the bench fits it, calibration does not.)"""
+    if results.probe_input != "pixels" or results.probe_inputs is None:
+        return None
+    return results.probe_input, results.probe_inputs[i]
+
+
 def export_validation(path: Path, tasks: list[tuple[TaskResults, np.ndarray]]) -> int:
     """Write the validation items of every task in ``tierline edge calibrate``'s ``--data`` format."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -381,6 +400,7 @@ def export_validation(path: Path, tasks: list[tuple[TaskResults, np.ndarray]]) -
                 edge_good=results.edge_good[i],
                 cloud_good=results.cloud_good[i],
                 agrees_with_cloud=results.agrees[i],
+                probe=_exported_probe(results, i),
             )
             lines.append(json.dumps({**row, "task": results.task, "cloud_model": results.cloud_model}))
     path.write_text("\n".join(lines) + "\n")

@@ -179,7 +179,7 @@ class _EdgeRun:
         self.signals.append(lm_signals(step_signals(np.stack(rows), out)))
         self.signal_s.append(time.perf_counter() - started)
         started = time.perf_counter()
-        self.mean_logits.append(np.mean(rows, axis=0, dtype=np.float64))
+        self.mean_logits.append(np.asarray(np.mean(rows, axis=0, dtype=np.float64)))
         self.probe_s.append(time.perf_counter() - started)
         self.outputs.append(out)
 

@@ -4,10 +4,12 @@ a tied-embedding LM), carried in the edge policy JSON without breaking policies 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from shared.calibration import calibrate, read_validation, validation_row
 from shared.errors import ConfigurationError
 from shared.escalation import (
     HIDDEN_PROBE,
@@ -65,3 +67,48 @@ def test_old_policies_stay_valid_and_a_probe_signal_needs_weights() -> None:
         LinearProbe("attention", [1.0], 0.0)
     with pytest.raises(ConfigurationError, match="takes 2 inputs"):
         LinearProbe("pixels", [1.0, 2.0], 0.0).confidence(np.zeros(3))
+
+
+def _rows(tmp_path: Path, n: int = 120) -> Path:
+    """Validation rows where the probe input says which edge answers are right and the signal is noise."""
+    rng = np.random.default_rng(3)
+    path = tmp_path / "val.jsonl"
+    lines = []
+    for _ in range(n):
+        pixels = rng.random(4)
+        good = bool(pixels[0] > 0.4)
+        row = validation_row(
+            "tierline/digits-micro",
+            {"softmax_margin": float(rng.random())},
+            None,
+            edge_good=good,
+            cloud_good=True,
+            agrees_with_cloud=good,
+            probe=("pixels", pixels),
+        )
+        lines.append(json.dumps(row))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_calibration_keeps_the_probe_when_it_wins_on_validation(tmp_path: Path) -> None:
+    data = read_validation(_rows(tmp_path), "digits-micro")
+    assert data.probe_inputs is not None and data.probe_inputs.shape == (120, 4) and data.probe_input == "pixels"
+    policy, ranking = calibrate(data, 0.01)
+    assert policy.signal == HIDDEN_PROBE and policy.probe is not None
+    assert {c.signal for c in ranking} == {"softmax_margin", HIDDEN_PROBE, "router"}
+    shipped = EdgePolicy.from_json(json.loads(json.dumps(policy.to_json())))
+    local = [not shipped.should_escalate(shipped.probe_signal(x)) for x in data.probe_inputs]
+    quality = np.where(local, data.edge_good, data.cloud_good).mean()
+    assert quality >= 0.99 - 1e-9 and np.mean(local) > 0.4  # most right answers stay local, within the bound
+
+
+def test_a_malformed_probe_row_is_refused_naming_the_field(tmp_path: Path) -> None:
+    path = _rows(tmp_path, 12)
+    lines = path.read_text().splitlines()
+    row = json.loads(lines[3])
+    row["probe"] = {"input": "pixels", "values": ["x"]}
+    lines[3] = json.dumps(row)
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ConfigurationError, match=r"val.jsonl:4: 'probe'"):
+        read_validation(path, "digits-micro")
