@@ -112,3 +112,17 @@ def test_a_malformed_probe_row_is_refused_naming_the_field(tmp_path: Path) -> No
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(ConfigurationError, match=r"val.jsonl:4: 'probe'"):
         read_validation(path, "digits-micro")
+
+
+def test_the_agent_scores_tensor_rows_with_the_policy_probe() -> None:
+    from edge_agent.tensors import row_confidences
+
+    rows = np.array([[3.0, 0.0], [0.0, 3.0]])
+    signals = {"softmax_margin": np.array([0.9, 0.9])}
+    probe = LinearProbe("pixels", [1.0, -1.0], 0.0, hidden_size=2)
+    conf, threshold = row_confidences(EdgePolicy("m", HIDDEN_PROBE, 0.5, probe=probe), signals, rows, 0.3)
+    assert threshold == 0.5 and conf[0] > 0.9 and conf[1] < 0.1  # the second row escalates, the margin says no
+    conf, threshold = row_confidences(EdgePolicy("m", "softmax_margin", 0.7), signals, rows, 0.3)
+    assert threshold == 0.7 and list(conf) == [0.9, 0.9]
+    conf, threshold = row_confidences(EdgePolicy("m", "mean_logprob", -1.0), signals, rows, 0.3)
+    assert threshold == 0.3 and list(conf) == [0.9, 0.9]  # an LM signal on a classifier: the default margin
