@@ -70,7 +70,7 @@ def validation_row(
     probe: tuple[str, np.ndarray] | None = None,
 ) -> dict[str, Any]:
     """One line of the ``--data`` format; ``probe``: the hidden-state probe's input kind and values (optional)."""
-    row = {
+    row: dict[str, Any] = {
         "model": model,
         "signals": {k: float(v) for k, v in signals.items()},
         PROMPT_TOKENS: prompt_tokens,
@@ -140,8 +140,8 @@ def read_validation(path: Path, model: str) -> ValidationSet:
     if not known:
         raise ConfigurationError(f"{path}: no item of {ids[0]} has a known signal ({', '.join(LM_SIGNALS)}, ...)")
     tokens = [r.get(PROMPT_TOKENS) for r in mine]
-    probes = [r.get("probe") for r in mine]
-    same_probe = all(p is not None for p in probes) and len({(p["input"], len(p["values"])) for p in probes}) == 1
+    probes: list[dict[str, Any]] = [r["probe"] for r in mine if r.get("probe") is not None]
+    same_probe = len(probes) == len(mine) and len({(p["input"], len(p["values"])) for p in probes}) == 1
     return ValidationSet(
         model=ids[0],
         signals={s: np.array([r["signals"][s] for r in mine], dtype=np.float64) for s in known},
