@@ -60,6 +60,7 @@ import numpy as np
 
 from bench.cascade_tasks import TaskResults, run_digits, run_lm, run_lm_next
 from bench.common import emit, zoo_root
+from bench.prompt_router import EMBEDDING_MODEL, PROMPT_EMBEDDING, embedding_table, fit_prompt_router
 from shared.calibration import PROMPT_TOKENS, validation_row
 from shared.escalation import (
     HIDDEN_PROBE,
@@ -76,7 +77,6 @@ from shared.escalation import (
     routed_quality,
     threshold_for_quality,
 )
-from shared.prompt_router import EMBEDDING_MODEL, PROMPT_EMBEDDING, embedding_table, fit_prompt_router
 from shared.routing_eval import (
     DEFAULT_RESAMPLES,
     ORACLE,
@@ -317,7 +317,7 @@ def evaluate(
     results: TaskResults, seed: int, resamples: int = DEFAULT_RESAMPLES, *, embedder: Any = None
 ) -> TaskEvaluation:
     """Split the items, choose on the validation half, report on the test half. ``embedder``: a
-    ``shared.prompt_router.PromptEmbedder`` to evaluate the pre-generation router on text tasks too."""
+    ``bench.prompt_router.PromptEmbedder`` to evaluate the pre-generation router on text tasks too."""
     n = len(results)
     order = np.random.default_rng(seed).permutation(n)
     val_rows, test_rows = np.sort(order[: n // 2]), np.sort(order[n // 2 :])
@@ -479,8 +479,8 @@ def _plot_pgr(ax: Any, task: str, evaluation: TaskEvaluation) -> None:
 
 def _embedder() -> tuple[Any, str | None]:
     """The MiniLM embedder for the pre-generation router, or why there is none (the ``router`` extra)."""
+    from bench.prompt_router import PromptEmbedder
     from shared.errors import ConfigurationError
-    from shared.prompt_router import PromptEmbedder
 
     try:
         return PromptEmbedder(), None

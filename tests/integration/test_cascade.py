@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from bench.cascade_bench import cascade_command
+from bench.prompt_router import PROMPT_EMBEDDING
 from edge_agent.calibrate import calibrate_command
 from shared.escalation import (
     CLASSIFIER_SIGNALS,
@@ -22,7 +23,6 @@ from shared.escalation import (
     load_policy,
     save_policy,
 )
-from shared.prompt_router import PROMPT_EMBEDDING
 from shared.routing_eval import RANDOM_SAMPLE
 
 pytestmark = pytest.mark.integration
