@@ -23,14 +23,28 @@ Per task:
   ``winner``: the best on validation (``rank_signals``).
 - ``decision_p95_ms``: per test request, computing the signals and comparing the best simple signal with its
   threshold; ``router_decision_p95_ms``: the same with the learned router (signals, features, logistic).
+  ``decision_p95_ms_by_signal``: the same for every signal a policy can ship (``hidden_probe`` included: the
+  mean logits, the probe's dot product and the comparison).
+- ``hidden_probe``: a linear probe on the edge model's own hidden state (``shared.escalation.LinearProbe``),
+  fitted on the validation half like the router (target: the edge's answer is the cloud's) and ranked with the
+  other signals; ``probe`` says its input and hidden size. LM: the final normalised hidden state averaged over
+  the generated tokens, recovered from the mean logits through the tied embedding's pseudo-inverse and shipped
+  folded onto the logits; digits: the input pixels (the micro model's logits inputs, its pooling folded in).
+- ``prompt_router`` (text tasks, with the ``router`` extra): a logistic router on the prompt's
+  all-MiniLM-L6-v2 embedding, for requests that reach the cloud directly (before any tier generates). Reported
+  in ``routing`` as ``prompt_embedding``; never a candidate for the edge policy. ``decision_p95_ms``: embedding
+  one prompt at a time on one CPU thread plus the logistic.
 - ``routing``: RouteLLM's evaluation (``shared.routing_eval.evaluate_routers``) of every signal, the router, a
   seeded random router (``random_sample``), random routing's expectation and the oracle: APGR, CPT(50/80/95 %)
   and the cloud-call share at 95 % of cloud quality, each for the test curve (``test_curve``) and for the
   threshold chosen on validation measured on test (``call_share``, ``pgr``), with 95 % bootstrap intervals
   over ``--resamples`` resamples of the test items.
 
-Tasks: ``digits`` (digits-small, the near-equal pair), ``digits-micro`` (the INT8 micro model, a real gap) and
-``lm``.
+Tasks: ``digits`` (digits-small, the near-equal pair), ``digits-micro`` (the INT8 micro model, a real gap),
+``lm`` (exact-line match, the near-equal LM pair) and ``lm-next8`` (top-1 agreement with the reference over the
+next 8 tokens: graded per item, the LM pair's real gap). ``quality_gap``: cloud minus edge quality over all
+the task's items with its 95 % paired bootstrap interval. Graded tasks are not exported for calibration (its
+``--data`` format holds right/wrong answers).
 """
 
 from __future__ import annotations
@@ -44,16 +58,20 @@ from typing import Any
 import click
 import numpy as np
 
-from bench.cascade_tasks import TaskResults, run_digits, run_lm
+from bench.cascade_tasks import TaskResults, run_digits, run_lm, run_lm_next
 from bench.common import emit, zoo_root
+from bench.prompt_router import EMBEDDING_MODEL, PROMPT_EMBEDDING, embedding_table, fit_prompt_router
 from shared.calibration import PROMPT_TOKENS, validation_row
 from shared.escalation import (
+    HIDDEN_PROBE,
     ROUTER,
     EdgePolicy,
     LearnedRouter,
+    LinearProbe,
     SignalChoice,
     auc_gain_vs_random,
     fit_router,
+    fold_hidden_probe,
     quality_curve,
     rank_signals,
     routed_quality,
@@ -64,6 +82,7 @@ from shared.routing_eval import (
     ORACLE,
     RANDOM_SAMPLE,
     Half,
+    bootstrap_weights,
     evaluate_routers,
     oracle_confidence,
     pgr_curves,
@@ -74,6 +93,7 @@ from shared.zoo.registry import ZooLayout
 MAX_QUALITY_LOSS = 0.01
 SHARE_GRID = np.linspace(0.0, 1.0, 21)
 DEFAULT_LINES = 300
+DEFAULT_NEXT_ITEMS = 400
 
 
 @dataclass(slots=True)
@@ -93,10 +113,25 @@ def _features(results: TaskResults, rows: np.ndarray) -> dict[str, np.ndarray]:
     return table
 
 
-def _half(results: TaskResults, rows: np.ndarray, router: LearnedRouter) -> _Half:
+def _half(results: TaskResults, rows: np.ndarray, router: LearnedRouter, probe: LinearProbe | None) -> _Half:
     confidences = {k: v[rows] for k, v in results.signals.items()}
+    if probe is not None and results.probe_inputs is not None:
+        confidences[HIDDEN_PROBE] = probe.confidences(results.probe_inputs[rows])
     confidences[ROUTER] = router.confidences(_features(results, rows))
     return _Half(rows, confidences, results.edge_good[rows], results.cloud_good[rows])
+
+
+def fit_probe(results: TaskResults, val_rows: np.ndarray, l2: float = 0.1) -> LinearProbe | None:
+    """The hidden-state probe: logistic regression on the edge's hidden state (LM: recovered from the mean
+    logits through ``probe_projection``) of the validation items, target as the router's; folded onto the raw
+    probe input so the agent needs nothing but what its runtime produces."""
+    if results.probe_inputs is None or results.probe_input is None or len(val_rows) < 2:
+        return None
+    x = results.probe_inputs[val_rows]
+    hidden = x if results.probe_projection is None else x @ results.probe_projection.T
+    table = {f"h{j:03d}": hidden[:, j] for j in range(hidden.shape[1])}
+    router = fit_router(table, np.asarray(results.agrees[val_rows], dtype=np.float64), list(table), l2=l2)
+    return fold_hidden_probe(router, results.probe_projection, results.probe_input, hidden.shape[1])
 
 
 def _threshold_for_share(confidence: np.ndarray, share: float) -> float:
@@ -107,7 +142,9 @@ def _threshold_for_share(confidence: np.ndarray, share: float) -> float:
 
 
 def _auroc(score: np.ndarray, positive: np.ndarray) -> float | None:
-    """P(score of a positive > score of a negative), ties counted half; None without both classes."""
+    """P(score of a positive > score of a negative), ties counted half; None without both classes. A graded
+    quality counts as positive from one half up."""
+    positive = np.asarray(positive, dtype=np.float64) >= 0.5
     pos, neg = score[positive], score[~positive]
     if len(pos) == 0 or len(neg) == 0:
         return None
@@ -126,16 +163,41 @@ def _p95_ms(seconds: np.ndarray) -> float:
 
 
 def _decision_seconds(results: TaskResults, test: _Half, policy: EdgePolicy) -> np.ndarray:
-    """Per test item: the edge's signal time plus building the policy's inputs and deciding."""
+    """Per test item: the edge's signal time plus building the policy's inputs and deciding (with the probe:
+    plus building its input and the probe's dot product)."""
     names = list(results.signals)
     out = np.empty(len(test.rows))
+    probing = policy.signal == HIDDEN_PROBE and results.probe_inputs is not None
     for j, i in enumerate(test.rows):
         started = time.perf_counter()
         values = {name: float(results.signals[name][i]) for name in names}
         if results.prompt_tokens is not None:
             values[PROMPT_TOKENS] = float(results.prompt_tokens[i])
+        extra = 0.0
+        if probing:
+            assert results.probe_inputs is not None
+            values |= policy.probe_signal(results.probe_inputs[i])
+            extra = float(results.probe_s[i]) if results.probe_s is not None else 0.0
         policy.should_escalate(values)
-        out[j] = results.signal_s[i] + time.perf_counter() - started
+        out[j] = results.signal_s[i] + extra + time.perf_counter() - started
+    return out
+
+
+def _decision_p95s(
+    results: TaskResults, test: _Half, ranking: list[SignalChoice], router: LearnedRouter, probe: LinearProbe | None
+) -> dict[str, float]:
+    """p95 decision overhead per request (ms) of every signal a policy can ship."""
+    out = {}
+    for choice in ranking:
+        threshold = choice.threshold if np.isfinite(choice.threshold) else 0.0
+        policy = EdgePolicy(
+            results.edge_model,
+            choice.signal,
+            threshold,
+            router=router if choice.signal == ROUTER else None,
+            probe=probe if choice.signal == HIDDEN_PROBE else None,
+        )
+        out[choice.signal] = _p95_ms(_decision_seconds(results, test, policy))
     return out
 
 
@@ -148,6 +210,19 @@ class TaskEvaluation:
     oracle_curve: tuple[np.ndarray, np.ndarray]
     validation_rows: np.ndarray
     pgr_curves: dict[str, tuple[np.ndarray, np.ndarray]]  # router -> (cloud-call share, PGR) on the test half
+
+
+def quality_gap(edge_good: np.ndarray, cloud_good: np.ndarray, resamples: int, seed: int) -> dict[str, Any]:
+    """Cloud minus edge quality over all the task's items, with its 95 % paired bootstrap interval."""
+    diff = np.asarray(cloud_good, dtype=np.float64) - np.asarray(edge_good, dtype=np.float64)
+    boot = bootstrap_weights(len(diff), resamples, seed) @ diff / len(diff)
+    lo, hi = np.percentile(boot, [2.5, 97.5])
+    return {
+        "n": len(diff),
+        "gap": round(float(diff.mean()), 4),
+        "gap_ci95": [round(float(lo), 4), round(float(hi), 4)],
+        "excludes_zero": bool(lo > 0 or hi < 0),
+    }
 
 
 def _signal_reports(ranking: list[SignalChoice], test: _Half) -> dict[str, dict[str, Any]]:
@@ -213,20 +288,50 @@ def _routing(val: _Half, test: _Half, resamples: int, seed: int) -> tuple[dict[s
     return report, curves
 
 
-def evaluate(results: TaskResults, seed: int, resamples: int = DEFAULT_RESAMPLES) -> TaskEvaluation:
-    """Split the items, choose on the validation half, report on the test half."""
+def _prompt_router(
+    results: TaskResults, embedder: Any, val_rows: np.ndarray, test_rows: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, dict[str, Any]] | None:
+    """The pre-generation router on the prompts' MiniLM embeddings: fitted on validation (target: the edge's
+    answer is the cloud's), its confidences on both halves, and what a request pays to compute it."""
+    if embedder is None or results.prompt_texts is None or len(val_rows) < 2:
+        return None
+    texts = results.prompt_texts
+    val_emb = embedder.embed([texts[i] for i in val_rows])
+    test_emb, seconds = embedder.embed_timed([texts[i] for i in test_rows])
+    router = fit_prompt_router(val_emb, results.agrees[val_rows])
+    val_conf = router.confidences(embedding_table(val_emb))
+    started = time.perf_counter()
+    test_conf = router.confidences(embedding_table(test_emb))
+    per_item = (time.perf_counter() - started) / max(1, len(test_rows))
+    info = {
+        "embedding_model": EMBEDDING_MODEL,
+        "features": len(router.features),
+        "auroc_edge_good": _auroc(test_conf, results.edge_good[test_rows]),
+        "decision_p95_ms": _p95_ms(seconds + per_item),
+        "where": "cloud gateway, before generation (not an edge signal: not shipped in the edge policy)",
+    }
+    return val_conf, test_conf, info
+
+
+def evaluate(
+    results: TaskResults, seed: int, resamples: int = DEFAULT_RESAMPLES, *, embedder: Any = None
+) -> TaskEvaluation:
+    """Split the items, choose on the validation half, report on the test half. ``embedder``: a
+    ``bench.prompt_router.PromptEmbedder`` to evaluate the pre-generation router on text tasks too."""
     n = len(results)
     order = np.random.default_rng(seed).permutation(n)
     val_rows, test_rows = np.sort(order[: n // 2]), np.sort(order[n // 2 :])
     features = _features(results, val_rows)
     router = fit_router(features, results.agrees[val_rows], list(features))
-    val, test = _half(results, val_rows, router), _half(results, test_rows, router)
+    probe = fit_probe(results, val_rows)
+    val, test = _half(results, val_rows, router, probe), _half(results, test_rows, router, probe)
     ranking = rank_signals(val.confidences, val.edge_good, val.cloud_good, MAX_QUALITY_LOSS)
+    prompt = _prompt_router(results, embedder, val_rows, test_rows)
     by_signal = {c.signal: c for c in ranking}
     winner = ranking[0].signal
     signals = _signal_reports(ranking, test)
     points, random_points = _sweep(winner, val, test)
-    simple = next(c for c in ranking if c.signal != ROUTER)
+    simple = next(c for c in ranking if c.signal not in (ROUTER, HIDDEN_PROBE))
     decision = _decision_seconds(results, test, EdgePolicy(results.edge_model, simple.signal, simple.threshold))
     routed = _decision_seconds(
         results, test, EdgePolicy(results.edge_model, ROUTER, by_signal[ROUTER].threshold, router=router)
@@ -239,9 +344,10 @@ def evaluate(results: TaskResults, seed: int, resamples: int = DEFAULT_RESAMPLES
         "n_test": len(test_rows),
         "edge_only_quality": round(float(test.edge_good.mean()), 4),
         "cloud_only_quality": round(float(test.cloud_good.mean()), 4),
-        "oracle_quality": round(float((test.edge_good | test.cloud_good).mean()), 4),
+        "oracle_quality": round(float(np.maximum(test.edge_good, test.cloud_good).mean()), 4),
         "oracle_edge_share": round(float((test.edge_good >= test.cloud_good).mean()), 4),
         "agreement_with_cloud": round(float(results.agrees[test_rows].mean()), 4),
+        "quality_gap": quality_gap(results.edge_good, results.cloud_good, resamples, seed),
         **results.extra,
         "winner": winner,
         "edge_share_at_cloud_parity_minus_1pt": win["edge_share_at_cloud_parity_minus_1pt"],
@@ -252,10 +358,14 @@ def evaluate(results: TaskResults, seed: int, resamples: int = DEFAULT_RESAMPLES
         "decision_signal": simple.signal,
         "decision_p95_ms": _p95_ms(decision),
         "router_decision_p95_ms": _p95_ms(routed),
+        "decision_p95_ms_by_signal": _decision_p95s(results, test, ranking, router, probe),
+        "probe": None if probe is None else {"input": probe.input, "hidden_size": probe.hidden_size},
         "signals": signals,
         "policy_points": points,
         "random_points": random_points,
     }
+    if prompt is not None:  # evaluated like the other routers, but never a candidate for the edge policy
+        val.confidences[PROMPT_EMBEDDING], test.confidences[PROMPT_EMBEDDING], report["prompt_router"] = prompt
     report["routing"], routing_curves = _routing(val, test, resamples, seed)
     gain = test.edge_good.astype(np.float64) - test.cloud_good.astype(np.float64)
     return TaskEvaluation(
@@ -265,6 +375,14 @@ def evaluate(results: TaskResults, seed: int, resamples: int = DEFAULT_RESAMPLES
         val_rows,
         routing_curves,
     )
+
+
+def _exported_probe(results: TaskResults, i: int) -> tuple[str, np.ndarray] | None:
+    """The probe input a device can calibrate on by itself: a classifier's input pixels. (The LM probe needs the
+    model's tied embedding to fold onto the logits: the bench fits it, calibration does not.)"""
+    if results.probe_input != "pixels" or results.probe_inputs is None:
+        return None
+    return results.probe_input, results.probe_inputs[i]
 
 
 def export_validation(path: Path, tasks: list[tuple[TaskResults, np.ndarray]]) -> int:
@@ -282,6 +400,7 @@ def export_validation(path: Path, tasks: list[tuple[TaskResults, np.ndarray]]) -
                 edge_good=results.edge_good[i],
                 cloud_good=results.cloud_good[i],
                 agrees_with_cloud=results.agrees[i],
+                probe=_exported_probe(results, i),
             )
             lines.append(json.dumps({**row, "task": results.task, "cloud_model": results.cloud_model}))
     path.write_text("\n".join(lines) + "\n")
@@ -328,7 +447,7 @@ def plot_cascade(path: Path, evaluations: dict[str, TaskEvaluation]) -> None:
         )
         ax.set_title(f"{task}: {report['edge_model']} -> {report['cloud_model']} (n_test={report['n_test']})")
         ax.set_xlabel("edge share")
-        ax.set_ylabel("exact line match" if task == "lm" else "accuracy")
+        ax.set_ylabel({"lm": "exact line match", "lm-next8": "next-8-token agreement"}.get(task, "accuracy"))
         ax.set_xlim(0, 1)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="lower left")
@@ -358,21 +477,34 @@ def _plot_pgr(ax: Any, task: str, evaluation: TaskEvaluation) -> None:
     ax.legend(fontsize=7, loc="lower right")
 
 
+def _embedder() -> tuple[Any, str | None]:
+    """The MiniLM embedder for the pre-generation router, or why there is none (the ``router`` extra)."""
+    from bench.prompt_router import PromptEmbedder
+    from shared.errors import ConfigurationError
+
+    try:
+        return PromptEmbedder(), None
+    except ConfigurationError as exc:
+        return None, f"not evaluated: {exc}"
+
+
 def run_cascade_bench(
     zoo_root: Path,
     num_lines: int = DEFAULT_LINES,
     seed: int = 0,
     *,
+    num_next_items: int = DEFAULT_NEXT_ITEMS,
     export_path: Path | None = None,
     plot_path: Path | None = None,
     resamples: int = DEFAULT_RESAMPLES,
 ) -> dict[str, Any]:
     """Every task on one built zoo preset; returns ``{"digits": ..., "digits-micro": ..., "lm": ...,
-    "seconds": ...}``.
+    "lm-next8": ..., "seconds": ...}``.
 
     Args:
         zoo_root: a built preset, ``<zoo dir>/<preset>``.
         num_lines: LM items (held-out line starts).
+        num_next_items: ``lm-next8`` items (held-out token positions).
         seed: draws the LM items and both validation/test splits.
         export_path: write the validation items here (``tierline edge calibrate --data``).
         plot_path: draw quality vs edge share and PGR vs cloud calls for every task into this PNG.
@@ -385,12 +517,17 @@ def run_cascade_bench(
     if plot_path is not None:
         _require_matplotlib()
     runs = [lambda: run_digits(layout), lambda: run_digits(layout, "digits-micro")]
-    for run in (*runs, lambda: run_lm(layout, num_lines, seed)):
+    runs += [lambda: run_lm(layout, num_lines, seed), lambda: run_lm_next(layout, num_next_items, seed)]
+    embedder, no_embedder = _embedder()
+    for run in runs:
         task_started = time.perf_counter()
         task = run()
-        evaluation = evaluations[task.task] = evaluate(task, seed, resamples)
+        evaluation = evaluations[task.task] = evaluate(task, seed, resamples, embedder=embedder)
+        if no_embedder and task.prompt_texts is not None:
+            evaluation.report["prompt_router"] = no_embedder
         evaluation.report["seconds"] = round(time.perf_counter() - task_started, 1)
-        exported.append((task, evaluation.validation_rows))
+        if task.edge_good.dtype == bool:
+            exported.append((task, evaluation.validation_rows))
     if export_path is not None:
         export_validation(export_path, exported)
     if plot_path is not None:
@@ -409,6 +546,14 @@ def run_cascade_bench(
     default=DEFAULT_LINES,
     show_default=True,
     help="LM items (held-out line starts)",
+)
+@click.option(
+    "--next-items",
+    "num_next_items",
+    type=click.IntRange(min=4),
+    default=DEFAULT_NEXT_ITEMS,
+    show_default=True,
+    help="lm-next8 items (held-out token positions)",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="draws the LM items, the splits, the resamples")
 @click.option(
@@ -437,6 +582,7 @@ def cascade_command(
     zoo_dir: Path | None,
     as_json: bool,
     num_lines: int,
+    num_next_items: int,
     seed: int,
     resamples: int,
     plot_path: Path | None,
@@ -449,6 +595,7 @@ def cascade_command(
             zoo_root(preset, zoo_dir),
             num_lines,
             seed,
+            num_next_items=num_next_items,
             export_path=export_path,
             plot_path=plot_path,
             resamples=resamples,

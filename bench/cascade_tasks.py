@@ -16,6 +16,15 @@ edge's and the cloud's answers were right.
   tokens of each file (no context to go on). The edge runs the ONNX INT8 export with
   ``edge_agent.runtime.lm`` (the device runtime; signals from ``step_signals`` over every generated token,
   the newline included); the cloud runs ``lm-cloud`` on the project's engine, all prompts in one batch.
+  The near-equal LM pair: the tiers differ by about a point of exact-line match.
+- ``lm-next8``: next-tokens completion of held-out code with the LM pair's real gap. An item is a token
+  position of a held-out file (drawn uniformly over all tokens past ``MIN_CONTEXT_TOKENS``); the prompt is the
+  file before it, up to the edge model's context minus ``NEXT_TOKENS`` (the file so far, as an editor sends
+  it); the reference is the file's next ``NEXT_TOKENS`` tokens. Both tiers decode exactly ``NEXT_TOKENS``
+  tokens greedily (no stop); an item's quality is graded: the share of the ``NEXT_TOKENS`` positions where the
+  tier's token is the reference token (top-1 agreement with the reference over the next 8 tokens). The edge's
+  signals come from its own generated tokens, as on a device. ``agrees`` is the same share against the
+  cloud's tokens (the router's target).
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ CONTEXT_TOKENS = 128
 MIN_CONTEXT_TOKENS = 16
 MAX_LINE_TOKENS = 24
 MIN_LINE_CHARS = 3
+NEXT_TOKENS = 8
 EDGE_LM_ARTIFACT = "lm-edge-onnx-int8"
 KV_CACHE_BYTES = 256 << 20
 
@@ -53,6 +63,14 @@ class TaskResults:
     agrees: np.ndarray  # the edge's answer is the cloud's
     signal_s: np.ndarray
     extra: dict[str, Any] = field(default_factory=dict)
+    prompt_texts: list[str] | None = None  # what a pre-generation router reads (text tasks)
+    # The hidden-state probe's input per item (``LinearProbe.input``), the projection from it to the hidden
+    # state (LM: pinv of the tied embedding; None: the input is the probe's feature vector) and the seconds the
+    # edge spent building it.
+    probe_input: str | None = None
+    probe_inputs: np.ndarray | None = None
+    probe_projection: np.ndarray | None = None
+    probe_s: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.edge_good)
@@ -92,6 +110,9 @@ def run_digits(layout: ZooLayout, task: str = "digits") -> TaskResults:
         cloud_good=logits["digits-large"].argmax(-1) == y,
         agrees=logits[edge].argmax(-1) == logits["digits-large"].argmax(-1),
         signal_s=signal_s,
+        probe_input="pixels",
+        probe_inputs=x.astype(np.float64),
+        probe_s=np.zeros(len(x)),  # the request's own input: nothing to build
     )
 
 
@@ -142,16 +163,54 @@ def line_items(ends: _LineEnds, texts: list[str], num_items: int, seed: int) -> 
     return items
 
 
-def _edge_lines(
-    model_dir: Path, ends: _LineEnds, items: list[LineItem]
-) -> tuple[list[str | None], list[dict[str, float]], np.ndarray]:
+@dataclass(slots=True)
+class _EdgeRun:
+    """What the edge produced per item: its tokens, signals, mean logits (the probe's input) and timings."""
+
+    outputs: list[list[int]] = field(default_factory=list)
+    signals: list[dict[str, float]] = field(default_factory=list)
+    mean_logits: list[np.ndarray] = field(default_factory=list)
+    signal_s: list[float] = field(default_factory=list)
+    probe_s: list[float] = field(default_factory=list)
+
+    def add(self, out: list[int], rows: list[np.ndarray]) -> None:
+        """The evidence for the whole answer in one vectorised pass (what a device pays to decide)."""
+        started = time.perf_counter()
+        self.signals.append(lm_signals(step_signals(np.stack(rows), out)))
+        self.signal_s.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        self.mean_logits.append(np.asarray(np.mean(rows, axis=0, dtype=np.float64)))
+        self.probe_s.append(time.perf_counter() - started)
+        self.outputs.append(out)
+
+    def columns(self) -> dict[str, Any]:
+        s = self.signals
+        return {
+            "signals": {k: np.array([x[k] for x in s]) for k in s[0]} if s else {},
+            "signal_s": np.array(self.signal_s),
+            "probe_input": "mean_logits",
+            "probe_inputs": np.stack(self.mean_logits) if self.mean_logits else None,
+            "probe_s": np.array(self.probe_s),
+        }
+
+
+def tied_embedding_projection(layout: ZooLayout) -> np.ndarray:
+    """``pinv(E)`` of the edge LM's tied embedding (``[d, V]``): logits to the final normalised hidden state."""
+    from safetensors.numpy import load_file
+
+    from shared.escalation import hidden_from_logits
+
+    weights = load_file(str(layout.artifact_dir("lm-edge") / "model.safetensors"))
+    return hidden_from_logits(weights["model.embed_tokens.weight"].astype(np.float64))
+
+
+def _edge_lines(model_dir: Path, ends: _LineEnds, items: list[LineItem]) -> tuple[list[str | None], _EdgeRun]:
     from edge_agent.runtime.lm import load_causal_lm
 
     runtime = load_causal_lm(model_dir, num_threads=1)
     lines: list[str | None] = []
-    signals: list[dict[str, float]] = []
-    signal_s = np.zeros(len(items))
-    for i, item in enumerate(items):
+    run = _EdgeRun()
+    for item in items:
         runtime.reset()
         logits = runtime.prefill(item.prompt)
         out: list[int] = []
@@ -163,12 +222,9 @@ def _edge_lines(
             if ends.is_end(token) or len(out) == MAX_LINE_TOKENS:
                 break
             logits = runtime.decode(token)
-        # The evidence for the whole line in one vectorised pass (what a device pays to decide).
-        started = time.perf_counter()
-        signals.append(lm_signals(step_signals(np.stack(rows), out)))
-        signal_s[i] = time.perf_counter() - started
+        run.add(out, rows)
         lines.append(ends.line(out))
-    return lines, signals, signal_s
+    return lines, run
 
 
 def _cloud_lines(model_dir: Path, ends: _LineEnds, items: list[LineItem]) -> list[str | None]:
@@ -194,22 +250,137 @@ def run_lm(layout: ZooLayout, num_lines: int, seed: int) -> TaskResults:
         Tokenizer.from_file(str(edge_dir / "tokenizer.json")), set(eos if isinstance(eos, list) else [eos])
     )
     items = line_items(ends, [f.text for f in held_out_files()], num_lines, seed)
-    edge_lines, signals, signal_s = _edge_lines(edge_dir, ends, items)
+    edge_lines, run = _edge_lines(edge_dir, ends, items)
     cloud_lines = _cloud_lines(layout.artifact_dir("lm-cloud"), ends, items)
     truth = [item.line for item in items]
     return TaskResults(
         task="lm",
         edge_model="tierline/lm-edge",
         cloud_model="tierline/lm-cloud",
-        signals={k: np.array([s[k] for s in signals]) for k in signals[0]} if signals else {},
         prompt_tokens=np.array([len(item.prompt) for item in items], dtype=np.float64),
         edge_good=np.array([e == t for e, t in zip(edge_lines, truth, strict=True)], dtype=bool),
         cloud_good=np.array([c == t for c, t in zip(cloud_lines, truth, strict=True)], dtype=bool),
         agrees=np.array([e is not None and e == c for e, c in zip(edge_lines, cloud_lines, strict=True)], dtype=bool),
-        signal_s=signal_s,
+        **run.columns(),
+        probe_projection=tied_embedding_projection(layout),
         extra={
             "edge_lines_finished": round(float(np.mean([e is not None for e in edge_lines])), 4),
             "context_tokens": CONTEXT_TOKENS,
             "max_line_tokens": MAX_LINE_TOKENS,
         },
+        prompt_texts=[str(ends.tokenizer.decode(item.prompt)) for item in items],
     )
+
+
+@dataclass(frozen=True, slots=True)
+class TokenItem:
+    prompt: list[int]
+    reference: list[int]  # the file's next NEXT_TOKENS tokens
+
+
+def token_items(tokenizer: Any, texts: list[str], num_items: int, seed: int, max_prompt: int) -> list[TokenItem]:
+    """``num_items`` token positions drawn uniformly (seeded) over every file's tokens that have
+    ``MIN_CONTEXT_TOKENS`` before them and ``NEXT_TOKENS`` after; each prompt is the file before the position,
+    cut to its last ``max_prompt`` tokens."""
+    encodings = [enc.ids for enc in tokenizer.encode_batch(texts)]
+    counts = np.array([max(0, len(ids) - NEXT_TOKENS - MIN_CONTEXT_TOKENS + 1) for ids in encodings])
+    if counts.sum() == 0:
+        return []
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    rng = np.random.default_rng(seed)
+    draws = rng.choice(int(offsets[-1]), size=min(num_items, int(offsets[-1])), replace=False)
+    items = []
+    for k in draws:
+        f = int(np.searchsorted(offsets, k, side="right") - 1)
+        pos = MIN_CONTEXT_TOKENS + int(k - offsets[f])
+        ids = encodings[f]
+        items.append(TokenItem(list(ids[max(0, pos - max_prompt) : pos]), list(ids[pos : pos + NEXT_TOKENS])))
+    return items
+
+
+def _match_share(tokens: list[int], reference: list[int]) -> float:
+    """Share of the reference positions where ``tokens`` holds the same token (a short answer misses the rest)."""
+    return sum(a == b for a, b in zip(tokens, reference, strict=False)) / len(reference)
+
+
+def _edge_next_tokens(runtime: Any, items: list[TokenItem]) -> _EdgeRun:
+    run = _EdgeRun()
+    for item in items:
+        runtime.reset()
+        logits = runtime.prefill(item.prompt)
+        out: list[int] = []
+        rows: list[np.ndarray] = []
+        while True:
+            token = int(np.argmax(logits))
+            rows.append(logits)
+            out.append(token)
+            if len(out) == NEXT_TOKENS:
+                break
+            logits = runtime.decode(token)
+        run.add(out, rows)
+    return run
+
+
+def _cloud_next_tokens(model_dir: Path, items: list[TokenItem]) -> list[list[int]]:
+    from cloud.engine.llm import LLM
+    from cloud.engine.sampling_params import SamplingParams
+
+    llm = LLM(model_dir, kv_cache_bytes=KV_CACHE_BYTES)
+    params = SamplingParams(temperature=0.0, max_tokens=NEXT_TOKENS, ignore_eos=True)
+    return [list(out.token_ids) for out in llm.generate([item.prompt for item in items], params)]
+
+
+def run_lm_next(layout: ZooLayout, num_items: int, seed: int) -> TaskResults:
+    """Greedy next-``NEXT_TOKENS``-token completion at ``num_items`` held-out positions by the edge LM (INT8)
+    and the cloud LM, graded against the file's own next tokens."""
+    from tokenizers import Tokenizer
+
+    from edge_agent.runtime.lm import load_causal_lm
+    from shared.zoo.corpus import held_out_files
+
+    edge_dir = layout.artifact_dir(EDGE_LM_ARTIFACT)
+    runtime = load_causal_lm(edge_dir, num_threads=1)
+    tokenizer = Tokenizer.from_file(str(edge_dir / "tokenizer.json"))
+    max_prompt = runtime.max_context - NEXT_TOKENS
+    items = token_items(tokenizer, [f.text for f in held_out_files()], num_items, seed, max_prompt)
+    run = _edge_next_tokens(runtime, items)
+    edge_out = run.outputs
+    cloud_out = _cloud_next_tokens(layout.artifact_dir("lm-cloud"), items)
+    edge_q = np.array([_match_share(e, it.reference) for e, it in zip(edge_out, items, strict=True)])
+    cloud_q = np.array([_match_share(c, it.reference) for c, it in zip(cloud_out, items, strict=True)])
+    prompt_tokens = np.array([len(item.prompt) for item in items], dtype=np.float64)
+    long = prompt_tokens > max_prompt // 2
+    return TaskResults(
+        task="lm-next8",
+        edge_model="tierline/lm-edge",
+        cloud_model="tierline/lm-cloud",
+        prompt_tokens=prompt_tokens,
+        edge_good=edge_q,
+        cloud_good=cloud_q,
+        agrees=np.array([_match_share(e, c) for e, c in zip(edge_out, cloud_out, strict=True)]),
+        **run.columns(),
+        probe_projection=tied_embedding_projection(layout),
+        extra={
+            "quality_measure": f"top-1 agreement with the reference over the next {NEXT_TOKENS} tokens",
+            "next_tokens": NEXT_TOKENS,
+            "max_prompt_tokens": max_prompt,
+            "median_prompt_tokens": float(np.median(prompt_tokens)) if len(items) else 0.0,
+            # Where the gap lives: prompts past half the edge's context (longer than its training windows).
+            "gap_by_prompt_length": {
+                "short": _gap(edge_q[~long], cloud_q[~long]),
+                "long": _gap(edge_q[long], cloud_q[long]),
+                "long_from_tokens": max_prompt // 2 + 1,
+            },
+        },
+        prompt_texts=[str(tokenizer.decode(item.prompt)) for item in items],
+    )
+
+
+def _gap(edge_q: np.ndarray, cloud_q: np.ndarray) -> dict[str, float | int | None]:
+    if len(edge_q) == 0:
+        return {"n": 0, "edge_quality": None, "cloud_quality": None}
+    return {
+        "n": len(edge_q),
+        "edge_quality": round(float(edge_q.mean()), 4),
+        "cloud_quality": round(float(cloud_q.mean()), 4),
+    }

@@ -27,8 +27,10 @@ prompt_tokens      the prompt's length in tokens, or null (classifiers)
 edge_good          whether the edge model's answer was right
 cloud_good         whether the cloud model's answer was right
 agrees_with_cloud  whether the edge's answer was the cloud's (what the learned router predicts)
+probe              optional: {{"input": "pixels", "values": [...]}}, the hidden-state probe's input
 \b
-Every signal, and a learned router over all of them (plus prompt_tokens), is tried; the one that answers
+Every signal, and a learned router over all of them (plus prompt_tokens), is tried, and the hidden-state probe
+(hidden_probe) when every row has a probe; the one that answers
 the most items locally within the bound wins. At least {MIN_ITEMS} items of the model are needed."""
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from shared.escalation import CLASSIFIER_SIGNALS, classifier_signals
+from shared.escalation import CLASSIFIER_SIGNALS, HIDDEN_PROBE, ROUTER, EdgePolicy, classifier_signals
 from shared.tensor_rows import tensor_rows
 
 DEFAULT_CLASSIFIER_SIGNAL = "softmax_margin"
@@ -61,6 +61,21 @@ class LocalClassifier:
         if self.labels is not None:
             out["labels"] = [self.labels[i] for i in np.argmax(logits, axis=-1).tolist()]
         return out
+
+
+def row_confidences(
+    policy: EdgePolicy, signals: dict[str, np.ndarray], rows: np.ndarray, default_threshold: float
+) -> tuple[np.ndarray, float]:
+    """Per row, the policy's confidence, and the threshold to compare it with: the learned router on the
+    signals, the hidden-state probe on the rows' input pixels (the micro model's logits inputs), or a classifier
+    signal (``softmax_margin`` and ``default_threshold`` when the policy names none)."""
+    if policy.signal == ROUTER and policy.router is not None:
+        return policy.router.confidences(signals), policy.threshold
+    if policy.signal == HIDDEN_PROBE and policy.probe is not None and policy.probe.input == "pixels":
+        return policy.probe.confidences(rows), policy.threshold
+    if policy.signal in CLASSIFIER_SIGNALS:
+        return signals[policy.signal], policy.threshold
+    return signals[DEFAULT_CLASSIFIER_SIGNAL], default_threshold
 
 
 def classifier_confidence(signal: str, signals: dict[str, np.ndarray]) -> np.ndarray:

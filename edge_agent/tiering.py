@@ -37,10 +37,10 @@ from edge_agent.allowance import QUOTA_REASON, AllowanceGuard
 from edge_agent.cloud_link import CloudLink, CloudUnavailableError
 from edge_agent.generation import LocalStep, ModelFaultError
 from edge_agent.shadow_sampler import ShadowSampler
-from edge_agent.tensors import LocalClassifier, classifier_confidence
+from edge_agent.tensors import LocalClassifier, row_confidences
 from shared.edge_protocol import MAX_USAGE_SUBJECT
 from shared.errors import ApplicationError, NotFoundError, ServiceUnavailableError, ValidationError
-from shared.escalation import CLASSIFIER_SIGNALS, MODES, EdgePolicy
+from shared.escalation import MODES, EdgePolicy
 from shared.logs import server_request_id
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
 
@@ -248,11 +248,7 @@ class Tiering:
         logits, signals = await model.infer(rows)
         result = model.result(logits)
         policy = self.policy(req.model_id)
-        if policy.signal == "router" and policy.router is not None:
-            confidence = policy.router.confidences(signals)
-        else:
-            confidence = classifier_confidence(policy.signal, signals)
-        threshold = policy.threshold if policy.signal in (*CLASSIFIER_SIGNALS, "router") else DEFAULT_MARGIN
+        confidence, threshold = row_confidences(policy, signals, rows, DEFAULT_MARGIN)
         low = np.flatnonzero(confidence < threshold) if mode == "local-first" else np.array([], dtype=np.int64)
         result["tiers"] = ["edge"] * len(rows)
         if mode == "local-first" and self.shadow is not None:

@@ -21,12 +21,16 @@ import numpy as np
 from shared.errors import ConfigurationError
 from shared.escalation import (
     CLASSIFIER_SIGNALS,
+    HIDDEN_PROBE,
     LM_SIGNALS,
+    PROBE_INPUTS,
     ROUTER,
     EdgePolicy,
     LearnedRouter,
+    LinearProbe,
     SignalChoice,
     fit_router,
+    fold_hidden_probe,
     quality_curve,
     rank_signals,
 )
@@ -46,6 +50,10 @@ class ValidationSet:
     edge_good: np.ndarray
     cloud_good: np.ndarray
     agrees: np.ndarray
+    # The hidden-state probe's input per item (``[n, k]``) and its kind (``LinearProbe.input``), when every
+    # row carries one.
+    probe_inputs: np.ndarray | None = None
+    probe_input: str | None = None
 
     def __len__(self) -> int:
         return len(self.edge_good)
@@ -59,9 +67,10 @@ def validation_row(
     edge_good: bool,
     cloud_good: bool,
     agrees_with_cloud: bool,
+    probe: tuple[str, np.ndarray] | None = None,
 ) -> dict[str, Any]:
-    """One line of the ``--data`` format."""
-    return {
+    """One line of the ``--data`` format; ``probe``: the hidden-state probe's input kind and values (optional)."""
+    row: dict[str, Any] = {
         "model": model,
         "signals": {k: float(v) for k, v in signals.items()},
         PROMPT_TOKENS: prompt_tokens,
@@ -69,6 +78,9 @@ def validation_row(
         "cloud_good": bool(cloud_good),
         "agrees_with_cloud": bool(agrees_with_cloud),
     }
+    if probe is not None:
+        row["probe"] = {"input": probe[0], "values": [float(v) for v in np.asarray(probe[1]).reshape(-1)]}
+    return row
 
 
 def _is_number(value: object) -> bool:
@@ -93,6 +105,17 @@ def _parse_row(line: str, where: str) -> dict[str, Any]:
     tokens = row.get(PROMPT_TOKENS)
     if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0):
         raise ConfigurationError(f"{where}: '{PROMPT_TOKENS}' must be a non-negative integer or null")
+    probe = row.get("probe")
+    if probe is not None and (
+        not isinstance(probe, dict)
+        or probe.get("input") not in PROBE_INPUTS
+        or not isinstance(probe.get("values"), list)
+        or not probe["values"]
+        or not all(_is_number(v) for v in probe["values"])
+    ):
+        raise ConfigurationError(
+            f'{where}: \'probe\' must be {{"input": one of {", ".join(PROBE_INPUTS)}, "values": [numbers]}}'
+        )
     return row
 
 
@@ -117,6 +140,8 @@ def read_validation(path: Path, model: str) -> ValidationSet:
     if not known:
         raise ConfigurationError(f"{path}: no item of {ids[0]} has a known signal ({', '.join(LM_SIGNALS)}, ...)")
     tokens = [r.get(PROMPT_TOKENS) for r in mine]
+    probes: list[dict[str, Any]] = [r["probe"] for r in mine if r.get("probe") is not None]
+    same_probe = len(probes) == len(mine) and len({(p["input"], len(p["values"])) for p in probes}) == 1
     return ValidationSet(
         model=ids[0],
         signals={s: np.array([r["signals"][s] for r in mine], dtype=np.float64) for s in known},
@@ -124,6 +149,8 @@ def read_validation(path: Path, model: str) -> ValidationSet:
         edge_good=np.array([r["edge_good"] for r in mine]),
         cloud_good=np.array([r["cloud_good"] for r in mine]),
         agrees=np.array([r["agrees_with_cloud"] for r in mine]),
+        probe_inputs=np.array([p["values"] for p in probes], dtype=np.float64) if same_probe else None,
+        probe_input=probes[0]["input"] if same_probe else None,
     )
 
 
@@ -158,9 +185,24 @@ def curve_points(
     return points
 
 
+def fit_validation_probe(data: ValidationSet, l2: float = 0.1) -> LinearProbe | None:
+    """The hidden-state probe on the items' probe inputs (target as the router's), or None without them."""
+    if data.probe_inputs is None or data.probe_input is None:
+        return None
+    x = data.probe_inputs
+    table = {f"h{j:03d}": x[:, j] for j in range(x.shape[1])}
+    fitted = fit_router(table, np.asarray(data.agrees, dtype=np.float64), list(table), l2=l2)
+    return fold_hidden_probe(fitted, None, data.probe_input, x.shape[1])
+
+
 def calibrate(data: ValidationSet, max_quality_loss: float) -> tuple[EdgePolicy, list[SignalChoice]]:
-    """The policy whose signal answers the most requests locally within the bound, and every signal's result."""
+    """The policy whose signal answers the most requests locally within the bound, and every signal's result.
+    With probe inputs the hidden-state probe competes too; its confidences join ``data.signals`` (as
+    ``hidden_probe``), so a caller reads the winner's confidences there whichever it is."""
     router = fit_validation_router(data)
+    probe = fit_validation_probe(data)
+    if probe is not None and data.probe_inputs is not None:
+        data.signals[HIDDEN_PROBE] = probe.confidences(data.probe_inputs)
     confidences = {**data.signals, ROUTER: router.confidences(router_inputs(data))}
     ranking = rank_signals(confidences, data.edge_good, data.cloud_good, max_quality_loss)
     best = ranking[0]
@@ -187,6 +229,7 @@ def calibrate(data: ValidationSet, max_quality_loss: float) -> tuple[EdgePolicy,
         signal=best.signal,
         threshold=threshold,
         router=router if best.signal == ROUTER else None,
+        probe=probe if best.signal == HIDDEN_PROBE else None,
         calibration=calibration,
     )
     return policy, ranking

@@ -13,6 +13,15 @@ For a classifier (one distribution): ``softmax_margin`` (top-1 - top-2 probabili
 
 A ``LearnedRouter`` is a logistic regression over the signals plus prompt length; its confidence is the
 predicted probability that the local answer matches what the cloud would have done.
+
+A ``LinearProbe`` (signal ``hidden_probe``) is a linear layer on the edge model's own hidden state, trained on
+validation data and shipped in the policy (``EdgePolicy.probe``). It reads what the runtime already produces:
+- ``mean_logits`` (LM): the logits averaged over the generated tokens. With tied embeddings the logits are
+  ``E @ h`` (``h`` the final normalised hidden state), so a linear layer on the mean hidden state is a linear
+  layer on the mean logits: the probe is trained on ``h = pinv(E) @ logits`` and shipped folded onto the logits
+  (``fold_hidden_probe``), with no change to the exported model.
+- ``pixels`` (classifier): the request's input features, the logits' inputs of the micro model (its pooling is
+  linear and folded in).
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ from shared.errors import ConfigurationError
 LM_SIGNALS = ("mean_logprob", "min_margin", "norm_entropy")
 CLASSIFIER_SIGNALS = ("softmax_margin", "max_prob", "norm_entropy")
 ROUTER = "router"
+HIDDEN_PROBE = "hidden_probe"
+PROBE_INPUTS = ("mean_logits", "pixels")
 MODES = ("local-first", "cloud-first", "local-only", "cloud-only")
 POLICY_SCHEMA = "tierline.edge-policy/v1"
 
@@ -172,6 +183,49 @@ def fit_router(
 
 
 @dataclass(slots=True)
+class LinearProbe:
+    """``confidence = sigmoid(weights . x + bias)`` on the probe input ``x`` (``input``: one of
+    ``PROBE_INPUTS``); ``hidden_size`` and ``target`` say what it was trained on."""
+
+    input: str
+    weights: list[float]
+    bias: float
+    hidden_size: int | None = None
+    target: str = "agrees_with_cloud"
+
+    def __post_init__(self) -> None:
+        if self.input not in PROBE_INPUTS:
+            raise ConfigurationError(f"probe input must be one of {', '.join(PROBE_INPUTS)}, not {self.input!r}")
+
+    def confidences(self, x: np.ndarray) -> np.ndarray:
+        """One confidence per row of ``x`` (``[n, len(weights)]``), or one for a single vector."""
+        v = np.asarray(x, dtype=np.float64)
+        if v.shape[-1] != len(self.weights):
+            raise ConfigurationError(f"probe takes {len(self.weights)} inputs, got {v.shape[-1]}")
+        z = v @ np.asarray(self.weights, dtype=np.float64) + self.bias
+        return np.asarray(1.0 / (1.0 + np.exp(-np.clip(z, -60.0, 60.0))))
+
+    def confidence(self, x: np.ndarray) -> float:
+        return float(self.confidences(np.asarray(x).reshape(-1)))
+
+
+def fold_hidden_probe(
+    router: LearnedRouter, projection: np.ndarray | None, input: str, hidden_size: int | None = None
+) -> LinearProbe:
+    """A ``LearnedRouter`` fitted on hidden states ``h = projection @ x`` (standardised) as one ``LinearProbe`` on
+    the raw input ``x`` (``projection``: ``[d, V]``, e.g. ``pinv(E)``; None when the input is the hidden state)."""
+    a = np.asarray(router.weights) / np.asarray(router.std)
+    bias = router.bias - float(np.asarray(router.mean) @ a)
+    weights = a if projection is None else np.asarray(projection, dtype=np.float64).T @ a
+    return LinearProbe(input, [float(w) for w in weights], float(bias), hidden_size)
+
+
+def hidden_from_logits(embedding: np.ndarray) -> np.ndarray:
+    """``pinv(E)`` (``[d, V]``): recovers the final normalised hidden state from logits of a tied-embedding LM."""
+    return np.linalg.pinv(np.asarray(embedding, dtype=np.float64))
+
+
+@dataclass(slots=True)
 class EdgePolicy:
     """When a device answers locally. Stored as JSON next to the agent's config or delivered at sync."""
 
@@ -184,13 +238,16 @@ class EdgePolicy:
     stream_window: int = 8  # tokens generated locally before a local-first stream commits to the edge
     router: LearnedRouter | None = None
     calibration: dict[str, Any] = field(default_factory=dict)  # how the threshold was chosen, and the curve
+    probe: LinearProbe | None = None  # signal ``hidden_probe``: the agent computes it with ``probe_signal``
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigurationError(f"edge policy for {self.model}: mode must be one of {', '.join(MODES)}")
         if self.signal == ROUTER and self.router is None:
             raise ConfigurationError(f"edge policy for {self.model}: signal 'router' needs router weights")
-        if self.signal not in (*LM_SIGNALS, *CLASSIFIER_SIGNALS, ROUTER):
+        if self.signal == HIDDEN_PROBE and self.probe is None:
+            raise ConfigurationError(f"edge policy for {self.model}: signal 'hidden_probe' needs probe weights")
+        if self.signal not in (*LM_SIGNALS, *CLASSIFIER_SIGNALS, ROUTER, HIDDEN_PROBE):
             raise ConfigurationError(f"edge policy for {self.model}: unknown signal {self.signal!r}")
 
     def confidence(self, signals: dict[str, float]) -> float:
@@ -200,6 +257,13 @@ class EdgePolicy:
         if self.signal not in signals:
             raise ConfigurationError(f"edge policy for {self.model}: no {self.signal!r} signal for this model")
         return signals[self.signal]
+
+    def probe_signal(self, probe_input: np.ndarray | None) -> dict[str, float]:
+        """``{"hidden_probe": confidence}`` for this request's probe input, or nothing without a probe (or
+        input): merge it into the signals handed to ``should_escalate``."""
+        if self.probe is None or probe_input is None:
+            return {}
+        return {HIDDEN_PROBE: self.probe.confidence(probe_input)}
 
     def should_escalate(self, signals: dict[str, float]) -> bool:
         return self.confidence(signals) < self.threshold
@@ -213,8 +277,13 @@ class EdgePolicy:
     def from_json(cls, data: dict[str, Any]) -> EdgePolicy:
         values = {k: v for k, v in data.items() if k != "schema"}
         router = values.pop("router", None)
+        probe = values.pop("probe", None)
         try:
-            return cls(**values, router=LearnedRouter(**router) if router else None)
+            return cls(
+                **values,
+                router=LearnedRouter(**router) if router else None,
+                probe=LinearProbe(**probe) if probe else None,
+            )
         except TypeError as exc:
             raise ConfigurationError(f"invalid edge policy: {exc}") from exc
 

@@ -12,13 +12,23 @@ import pytest
 from click.testing import CliRunner
 
 from bench.cascade_bench import cascade_command
+from bench.prompt_router import PROMPT_EMBEDDING
 from edge_agent.calibrate import calibrate_command
-from shared.escalation import CLASSIFIER_SIGNALS, LM_SIGNALS, ROUTER, EdgePolicy, load_policy, save_policy
+from shared.escalation import (
+    CLASSIFIER_SIGNALS,
+    HIDDEN_PROBE,
+    LM_SIGNALS,
+    ROUTER,
+    EdgePolicy,
+    load_policy,
+    save_policy,
+)
 from shared.routing_eval import RANDOM_SAMPLE
 
 pytestmark = pytest.mark.integration
 
 NUM_LINES = 40
+NUM_NEXT = 30
 TASK_KEYS = {
     "edge_only_quality",
     "cloud_only_quality",
@@ -41,7 +51,8 @@ TASK_KEYS = {
 def cascade(tiny_zoo: Path, session_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One run of ``tierline bench cascade`` on the tiny preset, with the validation export (and the plot)."""
     out = tmp_path_factory.mktemp("cascade")
-    args = ["--preset", "tiny", "--json", "--lines", str(NUM_LINES), "--export-validation", str(out / "val.jsonl")]
+    args = ["--preset", "tiny", "--json", "--lines", str(NUM_LINES), "--next-items", str(NUM_NEXT)]
+    args += ["--export-validation", str(out / "val.jsonl")]
     args += ["--plot", str(out / "cascade.png")]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TIERLINE_DATA_DIR", str(session_data_dir))  # the default --zoo-dir finds the built tiny zoo
@@ -54,6 +65,12 @@ def _rows(path: Path, model: str) -> list[dict[str, Any]]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if r["model"] == model]
 
 
+def _policy_inputs(policy: EdgePolicy, row: dict[str, Any]) -> dict[str, float]:
+    """What the agent hands the policy for this item: its signals, the prompt's length and the probe's output."""
+    probe = np.array(row["probe"]["values"]) if "probe" in row else None
+    return {**row["signals"], "prompt_tokens": row["prompt_tokens"] or 0} | policy.probe_signal(probe)
+
+
 def _calibrate(*args: str) -> Any:
     return CliRunner().invoke(calibrate_command, list(args))
 
@@ -61,11 +78,12 @@ def _calibrate(*args: str) -> Any:
 def test_cascade_reports_every_number_in_range(cascade: dict[str, Any]) -> None:
     report = cascade["report"]
     expected_signals = {
-        "digits": {*CLASSIFIER_SIGNALS, ROUTER},
-        "digits-micro": {*CLASSIFIER_SIGNALS, ROUTER},
-        "lm": {*LM_SIGNALS, ROUTER},
+        "digits": {*CLASSIFIER_SIGNALS, ROUTER, HIDDEN_PROBE},
+        "digits-micro": {*CLASSIFIER_SIGNALS, ROUTER, HIDDEN_PROBE},
+        "lm": {*LM_SIGNALS, ROUTER, HIDDEN_PROBE},
+        "lm-next8": {*LM_SIGNALS, ROUTER, HIDDEN_PROBE},
     }
-    for task, total in (("digits", 540), ("digits-micro", 540), ("lm", NUM_LINES)):
+    for task, total in (("digits", 540), ("digits-micro", 540), ("lm", NUM_LINES), ("lm-next8", NUM_NEXT)):
         r = report[task]
         assert set(r) >= TASK_KEYS, TASK_KEYS - set(r)
         assert r["n_validation"] + r["n_test"] == total and r["n_validation"] > 0 and r["n_test"] > 0
@@ -81,6 +99,11 @@ def test_cascade_reports_every_number_in_range(cascade: dict[str, Any]) -> None:
             == r["signals"][r["winner"]]["edge_share_at_cloud_parity_minus_1pt"]
         )
         assert r["decision_p95_ms"] > 0 and r["router_decision_p95_ms"] > 0
+        # Every signal a policy can ship has its decision overhead measured.
+        assert set(r["decision_p95_ms_by_signal"]) == expected_signals[task]
+        assert all(v > 0 for v in r["decision_p95_ms_by_signal"].values())
+        gap = r["quality_gap"]
+        assert gap["n"] == total and gap["gap_ci95"][0] <= gap["gap"] <= gap["gap_ci95"][1]
 
         shares = [p["edge_share"] for p in r["policy_points"]]
         assert shares == sorted(shares), "a lower threshold never answers fewer requests at the edge"
@@ -94,6 +117,32 @@ def test_cascade_reports_every_number_in_range(cascade: dict[str, Any]) -> None:
     # The small classifier answers most digits locally within a point of the large one's accuracy.
     assert report["digits"]["edge_share_at_cloud_parity_minus_1pt"] >= 0.7
     assert report["digits"]["parity_holds_on_test"] is True
+
+
+def test_lm_next8_grades_each_request_and_evaluates_the_prompt_router(cascade: dict[str, Any]) -> None:
+    """The graded LM task: per-request agreement with the file's next 8 tokens, both tiers in [0, 1]; the
+    MiniLM prompt router is evaluated with RouteLLM's numbers on the text tasks only; the probe ships its input."""
+    report = cascade["report"]
+    r = report["lm-next8"]
+    assert r["next_tokens"] == 8 and "next 8 tokens" in r["quality_measure"]
+    assert 0 < r["median_prompt_tokens"] <= r["max_prompt_tokens"]
+    by_length = r["gap_by_prompt_length"]
+    assert by_length["short"]["n"] + by_length["long"]["n"] == NUM_NEXT
+    for task in ("lm", "lm-next8"):
+        info = report[task]["prompt_router"]
+        assert info["features"] == 384 and "MiniLM" in info["embedding_model"] and info["decision_p95_ms"] > 0
+        assert PROMPT_EMBEDDING in report[task]["routing"]["routers"]
+        assert PROMPT_EMBEDDING not in report[task]["signals"], "a pre-generation router is not an edge signal"
+    for task in ("digits", "digits-micro"):
+        assert "prompt_router" not in report[task]
+        assert PROMPT_EMBEDDING not in report[task]["routing"]["routers"]
+    assert report["digits-micro"]["probe"] == {"input": "pixels", "hidden_size": 64}
+    assert r["probe"]["input"] == "mean_logits" and r["probe"]["hidden_size"] == 64  # the tiny edge LM's width
+    assert not [
+        row
+        for row in map(json.loads, (cascade["dir"] / "val.jsonl").read_text().splitlines())
+        if row["task"] == "lm-next8"
+    ]
 
 
 @pytest.mark.parametrize(
@@ -115,9 +164,7 @@ def test_validation_export_calibrates_a_policy_within_the_bound(
     assert policy is not None and policy.model == model_id
     edge_good = np.array([r["edge_good"] for r in rows])
     cloud_good = np.array([r["cloud_good"] for r in rows])
-    local = np.array(
-        [not policy.should_escalate({**r["signals"], "prompt_tokens": r["prompt_tokens"] or 0}) for r in rows]
-    )
+    local = np.array([not policy.should_escalate(_policy_inputs(policy, r)) for r in rows])
     quality = np.where(local, edge_good, cloud_good).mean()
     assert quality >= cloud_good.mean() - 0.01 - 1e-9
     cal = policy.calibration
@@ -199,9 +246,10 @@ def test_plot_writes_a_png(cascade: dict[str, Any]) -> None:
 
 def test_cascade_reports_routellm_metrics_for_every_signal(cascade: dict[str, Any]) -> None:
     report = cascade["report"]
-    for task in ("digits", "digits-micro", "lm"):
+    for task in ("digits", "digits-micro", "lm", "lm-next8"):
         routing = report[task]["routing"]
-        assert set(routing["routers"]) == {*report[task]["signals"], RANDOM_SAMPLE}, task
+        text = {PROMPT_EMBEDDING} if task.startswith("lm") else set()
+        assert set(routing["routers"]) == {*report[task]["signals"], RANDOM_SAMPLE, *text}, task
         assert routing["resamples"] == 1000
         assert routing["random_expected"]["apgr"] in (0.5, None)
     # The pair with a real gap: on the test half its 95 % interval excludes zero.
