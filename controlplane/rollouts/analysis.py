@@ -18,26 +18,38 @@ from controlplane.rollouts.assignment import BASELINE, CANDIDATE
 Action = Literal["wait", "advance", "promote", "rollback"]
 Source = Literal["cloud", "edge", "policy"]
 
-METRICS: Final = ("error_rate", "p95_latency_ms", "p95_ttft_ms", "escalation_rate", "cost_per_request")
+METRICS: Final = (
+    "error_rate",
+    "p95_latency_ms",
+    "p95_ttft_ms",
+    "escalation_rate",
+    "cost_per_request",
+    "disagreement_rate",
+)
+# The live quality monitor's shadow samples judge a policy version's answers: an arm's disagreement rate with the
+# cloud is known once it has this many samples; with none in either arm (the monitor is off), it is not judged.
+MIN_SHADOW_SAMPLES: Final = 30
 DEFAULT_CHECKS: Final[dict[str, dict[str, float]]] = {
     "error_rate": {"factor": 1.2, "slack": 0.005},
     "p95_latency_ms": {"factor": 1.3, "slack": 0.0},
     "escalation_rate": {"factor": 1.2, "slack": 0.02},
 }
-# A policy version is judged on what it is for: how often it escalates and what a request then costs (edge and
-# cloud tokens from the ledger), with errors and latency as guards.
+# A policy version is judged on what it is for: how often it escalates, what a request then costs (edge and
+# cloud tokens from the ledger) and how often the answers it keeps on the edge disagree with the cloud's (the
+# live quality monitor's shadow samples), with errors and latency as guards.
 POLICY_DEFAULT_CHECKS: Final[dict[str, dict[str, float]]] = {
     "error_rate": {"factor": 1.2, "slack": 0.005},
     "p95_latency_ms": {"factor": 1.3, "slack": 0.0},
     "escalation_rate": {"factor": 1.2, "slack": 0.02},
     "cost_per_request": {"factor": 1.1, "slack": 0.0},
+    "disagreement_rate": {"factor": 1.0, "slack": 0.02},
 }
 # What each source can measure: the cloud has no escalations, telemetry has no TTFT or cost; a policy rollout's
 # devices have telemetry (requests, escalations, errors, p95) and ledger cost.
 SOURCE_METRICS: Final[dict[str, frozenset[str]]] = {
     "cloud": frozenset({"error_rate", "p95_latency_ms", "p95_ttft_ms", "cost_per_request"}),
     "edge": frozenset({"error_rate", "p95_latency_ms", "escalation_rate"}),
-    "policy": frozenset({"error_rate", "p95_latency_ms", "escalation_rate", "cost_per_request"}),
+    "policy": frozenset({"error_rate", "p95_latency_ms", "escalation_rate", "cost_per_request", "disagreement_rate"}),
 }
 
 
@@ -53,6 +65,8 @@ class ArmStats:
     cost: Decimal | None = None
     num_priced: int = 0
     num_devices: int | None = None
+    shadow_samples: int = 0
+    shadow_disagreements: int = 0
 
     def value(self, metric: str) -> float | Decimal | None:
         if metric == "error_rate":
@@ -65,6 +79,10 @@ class ArmStats:
             return self.p95_latency_ms
         if metric == "p95_ttft_ms":
             return self.p95_ttft_ms
+        if metric == "disagreement_rate":
+            if self.shadow_samples < MIN_SHADOW_SAMPLES:
+                return None
+            return self.shadow_disagreements / self.shadow_samples
         raise ValueError(f"unknown metric {metric!r}")
 
     def as_json(self) -> dict[str, Any]:
@@ -75,6 +93,8 @@ class ArmStats:
                 out[metric] = str(value) if isinstance(value, Decimal) else round(value, 6)
         if self.num_devices is not None:
             out["devices"] = self.num_devices
+        if self.shadow_samples:
+            out["shadow_samples"] = self.shadow_samples
         return out
 
 
@@ -99,6 +119,8 @@ class CheckResult:
     def describe(self) -> str:
         if self.outcome == "unknown":
             side = "baseline" if self.baseline is None else "candidate"
+            if self.metric == "disagreement_rate":
+                return f"{self.source} {self.metric}: fewer than {MIN_SHADOW_SAMPLES} shadow samples for the {side}"
             return f"{self.source} {self.metric}: no data for the {side}"
         verb = "exceeds" if self.outcome == "fail" else "within"
         values = f"{_fmt(self.candidate)} {verb} limit {_fmt(self.limit)} (baseline {_fmt(self.baseline)})"
@@ -147,6 +169,14 @@ def check(window: Window, metric: str, spec: Mapping[str, float]) -> CheckResult
     return CheckResult(window.source, metric, base, cand, limit, "pass" if ok else "fail")
 
 
+def _judged(window: Window, metric: str) -> bool:
+    """Every check is judged, but agreement where neither arm has a shadow sample: the live quality monitor is
+    off for these devices (its share is 0), so there is nothing to wait for."""
+    if metric != "disagreement_rate":
+        return True
+    return bool(window.baseline.shadow_samples or window.candidate.shadow_samples)
+
+
 def analyse(
     windows: Sequence[Window],
     *,
@@ -178,7 +208,7 @@ def analyse(
         results.extend(
             check(window, metric, spec)
             for metric, spec in checks.items()
-            if spec is not None and metric in SOURCE_METRICS[window.source]
+            if spec is not None and metric in SOURCE_METRICS[window.source] and _judged(window, metric)
         )
     metrics: dict[str, Any] = {
         "step_elapsed_s": round(step_elapsed_s, 3),

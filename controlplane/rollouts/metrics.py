@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any, Final
@@ -25,6 +25,7 @@ from controlplane.storage.tables import (
     Rollout,
     RolloutPin,
     RolloutShadowSample,
+    ShadowSample,
     Tenant,
     UsageRecord,
 )
@@ -326,7 +327,43 @@ def policy_window(session: Session, rollout: Rollout, since: datetime, now: date
         for device_id, samples in by_device.items():
             _add_policy_device(arms, names, device_id, samples, since)
     stats = {which: _with_cost(session, arms[which].stats(), members[which], names, since, now) for which in arms}
+    sides: tuple[tuple[Arm, str], ...] = ((BASELINE, rollout.baseline_version), (CANDIDATE, rollout.candidate_version))
+    for side, version in sides:
+        shadow, disagreed = _shadow_counts(session, rollout, version, members[side], names, since, now)
+        stats[side] = replace(stats[side], shadow_samples=shadow, shadow_disagreements=disagreed)
     return Window("policy", stats[BASELINE], stats[CANDIDATE])
+
+
+def _shadow_counts(
+    session: Session,
+    rollout: Rollout,
+    version: str,
+    devices: list[str],
+    names: tuple[str, ...],
+    since: datetime,
+    now: datetime,
+) -> tuple[int, int]:
+    """The live quality monitor's shadow samples in the window from an arm's devices under the arm's policy
+    version: how many, and how many of them the cloud answered differently."""
+    if not devices or not version.isdigit():
+        return 0, 0
+    samples = disagreements = 0
+    for start in range(0, len(devices), 500):
+        where: list[ColumnElement[bool]] = [
+            col(ShadowSample.device_id).in_(devices[start : start + 500]),
+            col(ShadowSample.model).in_(names),
+            col(ShadowSample.policy_version) == int(version),
+            col(ShadowSample.created_at) >= since,
+            col(ShadowSample.created_at) <= now,
+        ]
+        if rollout.tenant_id is not None:
+            where.append(col(ShadowSample.tenant_id) == rollout.tenant_id)
+        count, agreed = session.execute(
+            sa_select(func.count(), func.sum(case((col(ShadowSample.agrees), 1), else_=0))).where(*where)
+        ).one()
+        samples += int(count)
+        disagreements += int(count) - int(agreed or 0)
+    return samples, disagreements
 
 
 def _add_policy_device(

@@ -28,7 +28,7 @@ from controlplane.rollouts.service import (
     run_controller_pass,
 )
 from controlplane.storage.database import create_db
-from controlplane.storage.tables import Device, DeviceEvent, RolloutEvent, UsageRecord
+from controlplane.storage.tables import Device, DeviceEvent, RolloutEvent, ShadowSample, UsageRecord
 from controlplane.tenancy.service import create_tenant
 from shared.artifacts import load_or_create_signing_key
 from shared.edge_protocol import EventItem
@@ -219,6 +219,71 @@ def test_a_healthy_policy_version_is_promoted_and_a_newer_one_takes_over_after(e
         s.commit()
         assert set(desired(s).values()) == {v3}  # made after the rollout ended: the newest again
         assert get_rollout(s, rid).status == "promoted"
+
+
+def shadow(session: Session, tid: int, at: datetime, per_device: int, disagree: dict[int, int]) -> None:
+    """The live quality monitor's samples: ``per_device`` per device under the version it runs, the first
+    ``disagree[version]`` of them answered differently by the cloud."""
+    for device_id, version in desired(session).items():
+        session.add_all(
+            ShadowSample(
+                usage_id=f"shadow-{device_id}",
+                tenant_id=tid,
+                device_id=device_id,
+                model=MODEL,
+                policy_version=version,
+                device_group="",
+                confidence=0.5,
+                agrees=i >= disagree[version],
+                created_at=at,
+            )
+            for i in range(per_device)
+        )
+    session.commit()
+
+
+def test_a_cheaper_policy_version_that_disagrees_with_the_cloud_rolls_back(engine: object, tmp_path: Path) -> None:
+    """Escalating less always looks cheaper: what it keeps on the edge is judged by the shadow samples."""
+    key = tmp_path / "signing.key"
+    with Session(engine) as s:  # type: ignore[call-overload]
+        tid, _ = fleet(s)
+        v1, v2 = new_version(s, -3.0, key), new_version(s, -6.0, key)  # v2 keeps far more on the edge
+        spec = RolloutSpec(
+            model=MODEL,
+            baseline_version=str(v1),
+            candidate_version=str(v2),
+            kind="policy",
+            steps=[50, 100],
+            min_step_s=0,
+            min_samples=100,
+        )
+        create_rollout(s, spec, actor="test")
+        s.commit()
+    run_controller_pass(engine)  # type: ignore[arg-type]
+    start = datetime.now(UTC)
+    with Session(engine) as s:  # type: ignore[call-overload]
+        escalate, cost = {v1: 0.2, v2: 0.05}, {v1: "0.0002", v2: "0.0002"}  # fewer escalations: cheaper
+        for i in (1, 2):
+            report(s, tid, start + timedelta(seconds=i), escalate=escalate, cost=cost)
+        # Too few shadow samples for a verdict on agreement: the step waits rather than promoting blind.
+        shadow(s, tid, start + timedelta(seconds=2), 1, {v1: 0, v2: 1})
+    (result,) = run_controller_pass(engine, now=datetime.now(UTC) + timedelta(seconds=5))  # type: ignore[arg-type]
+    assert result.action == "wait", result.reason
+    assert "disagreement_rate: fewer than 30 shadow samples" in result.reason
+    with Session(engine) as s:  # type: ignore[call-overload]
+        # 1 in 20 of the baseline's edge answers differ from the cloud's, 1 in 4 of the candidate's.
+        shadow(s, tid, start + timedelta(seconds=3), 20, {v1: 1, v2: 5})
+        assert set(desired(s).values()) == {v1, v2}
+    (result,) = run_controller_pass(engine, now=datetime.now(UTC) + timedelta(seconds=5))  # type: ignore[arg-type]
+    assert result.action == "rollback", result.reason
+    assert "policy disagreement_rate" in result.reason and "exceeds limit" in result.reason
+    assert "escalation_rate" not in result.reason and "cost_per_request" not in result.reason  # those passed
+    with Session(engine) as s:  # type: ignore[call-overload]
+        assert set(desired(s).values()) == {v1}
+        event = s.exec(select(RolloutEvent).where(RolloutEvent.kind == "rolled_back")).one()
+        assert event.metrics is not None
+        candidate = event.metrics["windows"]["policy"]["candidate"]
+        assert candidate["shadow_samples"] >= 30 and candidate["disagreement_rate"] > 0.2
 
 
 def test_an_unconverged_or_overriding_device_is_not_counted(engine: object, tmp_path: Path) -> None:
