@@ -12,7 +12,6 @@ not served.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import threading
 from collections.abc import Callable
@@ -126,9 +125,14 @@ class ServedModels:
             if installed is not None:
                 self.models[installed.id] = installed
                 self.refused.pop(installed.id, None)
-        for m in [m for m in self.models.values() if m.format in FORMAT_RUNTIMES and not can_run(m.format)]:
-            logger.warning("not serving %s: no runtime for %s is installed here", m.id, m.format)
-            del self.models[m.id]
+        # An artifact whose runtime is not installed here is not served (nor listed); the guard says why.
+        self.unrunnable: dict[str, str] = {}  # model id -> the runtime it needs and how to install it
+        for m in list(self.models.values()):
+            missing = runtime_missing(m.format)
+            if missing is not None:
+                logger.warning("not serving %s: %s", m.id, missing)
+                self.unrunnable[m.id] = missing
+                del self.models[m.id]
         self.lms = serving.LocalModels(
             {m.id: (m.path, m.manifest) for m in self.models.values() if _is_lm(m)}, num_threads
         )
@@ -153,9 +157,12 @@ class ServedModels:
             for fmt_name, variant in [(f"gguf-{v}", v) for v in variants] if fmt == "gguf" else [(fmt, None)]:
                 runtime = RUNTIMES.get(fmt, fmt)
                 if m is None:
-                    if model_id not in self.refused:
+                    if model_id in self.unrunnable:
+                        reason = self.unrunnable[model_id]
+                    elif model_id in self.refused:
+                        reason = f"refused: {self.refused[model_id]}"
+                    else:
                         continue  # the device does not have it: not a candidate, nothing to say
-                    reason = f"refused: {self.refused[model_id]}"
                     out.append(runtime_guard.Candidate(runtime, fmt_name, unavailable=reason, model_id=model_id))
                     continue
                 missing = runtime_missing(fmt)
@@ -245,8 +252,10 @@ def runtime_missing(fmt: str) -> str | None:
     """Why this device cannot run ``fmt`` (its runtime is not installed), or None."""
     if fmt == "gguf":
         return gguf.missing_reason()
-    if fmt == "tflite" and importlib.util.find_spec("ai_edge_litert") is None:
+    if fmt == "tflite" and not can_run(fmt):
         return "LiteRT is not installed: pip install ai-edge-litert"
+    if fmt in FORMAT_RUNTIMES and not can_run(fmt):
+        return f"{FORMAT_RUNTIMES[fmt]} is not installed"
     return None
 
 
@@ -259,10 +268,8 @@ def _loader(m: LocalModel, num_threads: int, variant: str | None) -> Callable[[]
 
 
 def _is_lm(m: LocalModel) -> bool:
-    if m.format == "gguf" and gguf.missing_reason() is not None:
-        return False  # llama.cpp is not installed: listed, but not served
-    return m.kind == "causal-lm" and m.format in serving.LM_FORMATS and (m.format == "gguf" or can_run(m.format))
+    return m.kind == "causal-lm" and m.format in serving.LM_FORMATS
 
 
 def _is_classifier(m: LocalModel) -> bool:
-    return m.kind == "tensor" and m.format in ("onnx", "onnx-int8") and can_run(m.format)
+    return m.kind == "tensor" and m.format in ("onnx", "onnx-int8")

@@ -33,9 +33,11 @@ INSTALL_HINT = "pip install 'tierline[edge-gguf]' (llama-cpp-python, compiled on
 
 def missing_reason() -> str | None:
     """Why the GGUF runtime cannot run here, or None when it can."""
-    if importlib.util.find_spec("llama_cpp") is None:
-        return f"llama-cpp-python is not installed: {INSTALL_HINT}"
-    return None
+    try:
+        found = importlib.util.find_spec("llama_cpp") is not None
+    except (ImportError, ValueError):  # ValueError: blocked with sys.modules["llama_cpp"] = None
+        found = False
+    return None if found else f"llama-cpp-python is not installed: {INSTALL_HINT}"
 
 
 def is_gguf_dir(model_dir: Path) -> bool:

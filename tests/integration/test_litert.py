@@ -94,10 +94,12 @@ def test_a_device_with_litert_only_serves_lm_edge_with_it(
 ) -> None:
     from shared.chat_tokenizer import ChatTokenizer
 
-    # The agent process cannot import ONNX Runtime: as on a device image that ships LiteRT only.
+    # The agent process cannot import ONNX Runtime (nor llama.cpp): as on a device image that ships LiteRT only.
     blocker = tmp_path / "no-onnxruntime"
     blocker.mkdir()
-    (blocker / "sitecustomize.py").write_text("import sys\nsys.modules['onnxruntime'] = None\n")
+    (blocker / "sitecustomize.py").write_text(
+        "import sys\nsys.modules['onnxruntime'] = None\nsys.modules['llama_cpp'] = None\n"
+    )
     d = seed_data_dir(tmp_path / "edge", tiny_zoo, session_data_dir)
     env = base_env(d, TIERLINE_EDGE_ZOO_DIR=str(d / "zoo" / "tiny"))
     env["PYTHONPATH"] = f"{blocker}:{env.get('PYTHONPATH', REPO)}"
