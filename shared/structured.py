@@ -155,13 +155,11 @@ class Constraint:
 
     def mask(self, size: int | None = None) -> np.ndarray:
         """bool[size] (default: the vocabulary): True where a token may come next."""
-        allowed = np.unpackbits(self.bits().view(np.uint8), bitorder="little").astype(bool)
-        size = size or self._vocab_size
-        if allowed.shape[0] < size:
-            allowed = np.concatenate([allowed, np.zeros(size - allowed.shape[0], dtype=bool)])
-        allowed = allowed[:size]
-        if not allowed.any():  # an error state (never expected): end the output rather than sample from nothing
-            allowed[[t for t in self.eos_token_ids if t < size]] = True
+        bits = self.bits()
+        # ``count`` past the bitmask's end pads with zeros: ids past the grammar's vocabulary are forbidden.
+        allowed = np.unpackbits(bits.view(np.uint8), count=size or self._vocab_size, bitorder="little").view(bool)
+        if not bits.any():  # an error state (never expected): end the output rather than sample from nothing
+            allowed[[t for t in self.eos_token_ids if t < allowed.shape[0]]] = True
         return allowed
 
     def forced_token(self) -> int | None:
