@@ -9,8 +9,9 @@ Grammar, then tokenizer: ``grammar_of`` turns the request's format into llguidan
 ``{"type": "object"}`` for ``json_object``, a regex, a choice of strings); ``GrammarTokenizer`` binds a model's
 tokenizer (``tokenizer.json``, its vocabulary size and its EOS ids) and checks a grammar against it (a schema the
 engine cannot compile is a 400 naming the problem); ``Constraint`` follows one sequence: ``mask()`` says which
-token ids may come next (an EOS id once the output is complete), ``accept(token)`` advances it, ``done`` says the
-grammar can take nothing more.
+token ids may come next (an EOS id once the output is complete), ``forced_token()`` the one token it allows, if
+only one (jump-forward: both tiers append such a token without sampling it), ``accept(token)`` advances it,
+``done`` says the grammar can take nothing more.
 """
 
 from __future__ import annotations
