@@ -1,7 +1,8 @@
 """``tierline bench structured``: what constrained decoding (``response_format``) costs.
 
 Decode throughput of the cloud engine with and without a JSON schema's grammar, one request at a time (batch 1)
-and 32 requests at once; the same at batch 1 on the edge runtime (ONNX Runtime, the INT8 export); and the grammar
+and 32 requests at once; the same at batch 1 on the edge runtime (ONNX Runtime: the INT8 export, and the fp32 one,
+where jump-forward runs forced tokens together); and the grammar
 engine's own costs: building a model's grammar tokenizer, compiling a schema, computing one token's mask (p50 and
 p99, over the masks of real constrained generations).
 
@@ -294,8 +295,11 @@ def bench_structured(
     for concurrency, count in ((1, max(4, num_requests // 4)), (32, num_requests)):
         cloud[f"batch_{concurrency}"] = _compare(engine, concurrency, count, max_tokens, grammar, rounds)
     costs = {**_compile_costs(grammar_tokenizer, grammar), **_step_costs(engine, grammar, max_tokens)}
-    edge_lm = LocalLM(_lm(zoo_root, "lm-edge-onnx-int8"))
-    _edge_rate(edge_lm, 1, 8, grammar)
+    edge: dict[str, Any] = {}
+    for name in ("lm-edge-onnx-int8", "lm-edge-onnx"):
+        edge_lm = LocalLM(_lm(zoo_root, name))
+        _edge_rate(edge_lm, 1, 8, grammar)
+        edge[name] = _edge_compare(edge_lm, 8, max_tokens, grammar, rounds)
     return {
         "bench": "structured-output",
         "grammar_engine": "llguidance",
@@ -303,5 +307,6 @@ def bench_structured(
         "grammar_tokenizer_build_ms": round(tokenizer_ms, 2),
         **costs,
         "cloud": cloud,
-        "edge_onnx_int8_batch_1": _edge_compare(edge_lm, 8, max_tokens, grammar, rounds),
+        "edge_onnx_int8_batch_1": edge["lm-edge-onnx-int8"],  # one runtime call a token (see LocalLM.jump_forward)
+        "edge_onnx_fp32_batch_1": edge["lm-edge-onnx"],
     }

@@ -75,7 +75,9 @@ class LocalLM:
         self._lock = threading.Lock()
         self._grammar_tokenizer: GrammarTokenizer | None = None
         # A token the grammar forces (the only one its mask allows) is taken without sampling and run through the
-        # model with the tokens before it in one call (as the cloud engine's ``grammar_jump_forward``).
+        # model with the tokens before it in one call (as the cloud engine's ``grammar_jump_forward``); on a runtime
+        # whose several-token calls are not token-exact (``exact_chunks``: dynamic INT8), one call a token still, so
+        # greedy output stays the token-by-token one (only the mask, the draw and the signal are skipped).
         self.jump_forward = True
 
     def grammar_tokenizer(self) -> GrammarTokenizer:
@@ -162,8 +164,8 @@ class LocalLM:
                 if reason is not None:
                     return
                 forced = constraint.forced_token() if jump and constraint is not None else None
-                if forced is not None:
-                    unfed.append(token)
+                if forced is not None and self.runtime.exact_chunks:
+                    unfed.append(token)  # run with the tokens after it, in one call
                     continue
                 if unfed:
                     unfed.append(token)

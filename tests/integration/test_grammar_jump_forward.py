@@ -143,9 +143,12 @@ def test_requests_that_need_every_tokens_logits_decode_token_by_token(layout: Zo
     assert steps == len(tokens)  # a seeded draw for each token, as without jump-forward
 
 
-@pytest.mark.parametrize("model", ["lm-edge-onnx-int8", "lm-edge-tflite"])
+@pytest.mark.parametrize("model", ["lm-edge-onnx", "lm-edge-tflite", "lm-edge-onnx-int8"])
 def test_edge_jump_forward_gives_the_token_by_token_output_in_fewer_model_calls(layout: ZooLayout, model: str) -> None:
+    """INT8 (dynamic quantization: a call's activations share one scale, so a token's numbers depend on the tokens
+    run with it) keeps one call a token: the same output, no fewer calls."""
     lm = LocalLM(layout.artifact_dir(model))
+    assert lm.runtime.exact_chunks == (model != "lm-edge-onnx-int8")
     calls = {"n": 0}
     for name in ("prefill", "decode"):
         original = getattr(lm.runtime, name)
@@ -169,6 +172,6 @@ def test_edge_jump_forward_gives_the_token_by_token_output_in_fewer_model_calls(
             expected, calls_by_token = run(grammar, prompt, False)
             got, calls_jumping = run(grammar, prompt, True)
             assert got == expected, (model, name, prompt)
-            assert calls_jumping <= calls_by_token
+            assert calls_jumping <= calls_by_token if lm.runtime.exact_chunks else calls_jumping == calls_by_token
             fewer += calls_jumping < calls_by_token
-    assert fewer >= 4, fewer
+    assert fewer >= 4 if lm.runtime.exact_chunks else fewer == 0, fewer
