@@ -163,11 +163,11 @@ class Sampler:
             array = logits.numpy()
             if len(masks.rows) == n:
                 np.copyto(array[:, :width], -np.inf, where=forbidden)
-                array[:, width:] = -np.inf  # ids past the grammar's vocabulary
             else:
                 for j, row in enumerate(masks.rows):
                     np.copyto(array[row, :width], -np.inf, where=forbidden[j])
-                    array[row, width:] = -np.inf
+            if width < vocab:  # ids past the grammar's vocabulary
+                array[masks.rows, width:] = -np.inf
             return logits
         full = np.zeros((n, vocab), dtype=bool)  # unconstrained rows: nothing forbidden
         full[masks.rows, :width] = forbidden
