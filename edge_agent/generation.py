@@ -74,6 +74,11 @@ class LocalLM:
         self.vocab_size = self.runtime.vocab_size or self.tokenizer.vocab_size
         self._lock = threading.Lock()
         self._grammar_tokenizer: GrammarTokenizer | None = None
+        # A token the grammar forces (the only one its mask allows) is taken without sampling and run through the
+        # model with the tokens before it in one call (as the cloud engine's ``grammar_jump_forward``); on a runtime
+        # whose several-token calls are not token-exact (``exact_chunks``: dynamic INT8), one call a token still, so
+        # greedy output stays the token-by-token one (only the mask, the draw and the signal are skipped).
+        self.jump_forward = True
 
     def grammar_tokenizer(self) -> GrammarTokenizer:
         """This model's tokenizer for the grammar engine (400 if llguidance is not installed here)."""
@@ -123,15 +128,25 @@ class LocalLM:
         detok = IncrementalDetokenizer(self.tokenizer, req.stop)
         out: list[int] = []
         model = self.runtime.model_dir.name
+        # Jump-forward: not where a token needs the model's logits (logprobs) or would have consumed a seeded draw.
+        jump = constraint is not None and self.jump_forward and req.logprobs is None
+        jump = jump and (req.seed is None or req.temperature == 0.0)
+        unfed: list[int] = []  # tokens taken since the model last ran (jump-forward), fed with the next one
+        forced: int | None = None
         with self._lock:
             self.runtime.reset()
             logits = run_model(model, partial(self.runtime.prefill, req.prompt_ids))
             while True:
-                allowed = logits
-                if constraint is not None:  # tokens the grammar forbids cannot be drawn; logprobs stay the model's
-                    allowed = np.where(constraint.mask(logits.shape[-1]), logits, -np.inf)
-                token = choose(allowed, rng, req.temperature, req.top_p, req.top_k, req.min_p)
-                lp = logprob_of(logits, token, req.logprobs) if req.logprobs is not None else None
+                lp = signal = None
+                if forced is not None:  # the grammar allows this token only: no logits, no evidence of confidence
+                    token = forced
+                else:
+                    allowed = logits
+                    if constraint is not None:  # forbidden tokens cannot be drawn; logprobs stay the model's
+                        allowed = np.where(constraint.mask(logits.shape[-1]), logits, -np.inf)
+                    token = choose(allowed, rng, req.temperature, req.top_p, req.top_k, req.min_p)
+                    lp = logprob_of(logits, token, req.logprobs) if req.logprobs is not None else None
+                    signal = step_signal(logits, token)
                 out.append(token)
                 reason = None
                 if constraint is not None:
@@ -145,7 +160,16 @@ class LocalLM:
                 delta, stopped = detok.update(out, is_final=reason is not None)
                 if stopped:
                     reason = "stop"
-                yield LocalStep(token, delta, lp, reason, step_signal(logits, token))
+                yield LocalStep(token, delta, lp, reason, signal)
                 if reason is not None:
                     return
-                logits = run_model(model, partial(self.runtime.decode, token))
+                forced = constraint.forced_token() if jump and constraint is not None else None
+                if forced is not None and self.runtime.exact_chunks:
+                    unfed.append(token)  # run with the tokens after it, in one call
+                    continue
+                if unfed:
+                    unfed.append(token)
+                    logits = run_model(model, partial(self.runtime.prefill, unfed))
+                    unfed = []
+                else:
+                    logits = run_model(model, partial(self.runtime.decode, token))

@@ -9,8 +9,9 @@ Grammar, then tokenizer: ``grammar_of`` turns the request's format into llguidan
 ``{"type": "object"}`` for ``json_object``, a regex, a choice of strings); ``GrammarTokenizer`` binds a model's
 tokenizer (``tokenizer.json``, its vocabulary size and its EOS ids) and checks a grammar against it (a schema the
 engine cannot compile is a 400 naming the problem); ``Constraint`` follows one sequence: ``mask()`` says which
-token ids may come next (an EOS id once the output is complete), ``accept(token)`` advances it, ``done`` says the
-grammar can take nothing more.
+token ids may come next (an EOS id once the output is complete), ``forced_token()`` the one token it allows, if
+only one (jump-forward: both tiers append such a token without sampling it), ``accept(token)`` advances it,
+``done`` says the grammar can take nothing more.
 """
 
 from __future__ import annotations
@@ -130,27 +131,50 @@ class GrammarTokenizer:
 
 
 class Constraint:
-    """One sequence's place in its grammar."""
+    """One sequence's place in its grammar.
 
-    __slots__ = ("_bits", "_matcher", "_vocab_size", "eos_token_ids")
+    The mask of the current state is computed at most once: ``forced_token`` (jump-forward, asked right after a
+    token is accepted) leaves it in ``_bits`` and ``fill_bitmasks`` copies it from there instead of computing it
+    again; anything that moves the matcher marks it stale."""
+
+    __slots__ = ("_addr", "_bits", "_fresh", "_matcher", "_vocab_size", "eos_token_ids")
 
     def __init__(self, tokenizer: GrammarTokenizer, grammar: str) -> None:
         self._matcher = tokenizer.matcher(grammar)
         self._vocab_size = tokenizer.vocab_size
         self._bits = np.zeros((self._vocab_size + 31) // 32, dtype=np.int32)
+        self._addr = self._bits.ctypes.data  # ``ndarray.ctypes`` costs microseconds a call: take the address once
+        self._fresh = False  # _bits holds the mask of the matcher's current state
         self.eos_token_ids = tokenizer.eos_token_ids
+
+    def bits(self) -> np.ndarray:
+        """int32[num_words]: the next-token bitmask (32 token ids a word, little-endian bits); do not modify it."""
+        if not self._fresh:
+            self._matcher.unsafe_compute_mask_ptr(self._addr, self._bits.nbytes)
+            self._fresh = True
+        return self._bits
 
     def mask(self, size: int | None = None) -> np.ndarray:
         """bool[size] (default: the vocabulary): True where a token may come next."""
-        self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little").astype(bool)
-        size = size or self._vocab_size
-        if allowed.shape[0] < size:
-            allowed = np.concatenate([allowed, np.zeros(size - allowed.shape[0], dtype=bool)])
-        allowed = allowed[:size]
-        if not allowed.any():  # an error state (never expected): end the output rather than sample from nothing
-            allowed[[t for t in self.eos_token_ids if t < size]] = True
+        bits = self.bits()
+        # ``count`` past the bitmask's end pads with zeros: ids past the grammar's vocabulary are forbidden.
+        allowed = np.unpackbits(bits.view(np.uint8), count=size or self._vocab_size, bitorder="little").view(bool)
+        if not bits.any():  # an error state (never expected): end the output rather than sample from nothing
+            allowed[[t for t in self.eos_token_ids if t < allowed.shape[0]]] = True
         return allowed
+
+    def forced_token(self) -> int | None:
+        """The one token the grammar allows next, if it allows exactly one (jump-forward: it can be appended
+        without sampling, whatever the logits); None otherwise. An EOS id is never forced (``done`` ends first)."""
+        bits = self.bits()
+        words = np.flatnonzero(bits)
+        if words.shape[0] != 1:
+            return None
+        word = int(bits[words[0]]) & 0xFFFFFFFF
+        if word & (word - 1):  # more than one bit
+            return None
+        token = int(words[0]) * 32 + word.bit_length() - 1
+        return None if token in self.eos_token_ids else token
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of ``tokens`` (a speculative draft) the grammar takes in a row from here, stopping before an
@@ -164,14 +188,17 @@ class Constraint:
         masks = [self.mask(size)]
         for token in tokens:
             self._matcher.consume_token(token)
+            self._fresh = False
             masks.append(self.mask(size))
         if tokens:
             self._matcher.rollback(len(tokens))
+            self._fresh = False
         return np.stack(masks)
 
     def accept(self, token: int) -> None:
         """Advance past a sampled token (one the mask allowed)."""
         self._matcher.consume_token(token)
+        self._fresh = False
 
     @property
     def num_words(self) -> int:
@@ -185,12 +212,16 @@ class Constraint:
 
 
 def fill_bitmasks(constraints: Sequence[Constraint], bits: np.ndarray) -> None:
-    """Row i of ``bits`` (int32[>= len(constraints), num_words], C-contiguous) := constraint i's next-token bitmask.
-    llguidance drops the GIL while it computes, so this can run on a thread beside the model's forward; nothing
-    else may move these matchers meanwhile."""
+    """Row i of ``bits`` (int32[>= len(constraints), num_words], C-contiguous) := constraint i's next-token bitmask
+    (copied where jump-forward already computed it). llguidance drops the GIL while it computes, so this can run
+    on a thread beside the model's forward; nothing else may move these matchers meanwhile."""
     row_bytes = bits.shape[1] * bits.itemsize
+    addr = bits.ctypes.data
     for i, constraint in enumerate(constraints):
-        constraint._matcher.unsafe_compute_mask_ptr(bits.ctypes.data + i * row_bytes, row_bytes)
+        if constraint._fresh:
+            bits[i] = constraint._bits
+        else:
+            constraint._matcher.unsafe_compute_mask_ptr(addr + i * row_bytes, row_bytes)
 
 
 def forbidden_of(bits: np.ndarray, eos_token_ids: Iterable[int]) -> np.ndarray:

@@ -17,6 +17,8 @@ class EngineConfig:
     ``draft_model_dir``); ``num_speculative_tokens`` is the largest k the adaptive controller may pick.
     ``stream_interval``: a request's tokens are handed out in updates of at least this many (its first tokens
     and its last update at once), as SGLang's and vLLM's ``--stream-interval``: fewer, larger stream events.
+    ``grammar_jump_forward``: a token a request's grammar forces is appended without sampling and computed in the
+    next forward together with the token before it (off: one forward per token, as unconstrained decoding).
     """
 
     model_dir: Path
@@ -37,6 +39,7 @@ class EngineConfig:
     adaptive_speculation: bool = True
     num_threads: int | None = None
     stream_interval: int = 1
+    grammar_jump_forward: bool = True
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)

@@ -342,7 +342,7 @@ class LLMEngine:
             logits = self.runner.execute([w.feed for w in works])  # logits: [sum of num_logits, V]
         finally:
             if masks is not None:
-                masks.forbidden()  # the mask thread is done with the matchers, whatever happened
+                masks.bits()  # the mask thread is done with the matchers, whatever happened
         self._sample(works, logits, draft_probs, plain, masks)
         return works, logits
 
@@ -391,7 +391,7 @@ class LLMEngine:
         # Plain sampling for every sequence that reached its end without proposals, in one batch.
         if plain:
             rows = logits.index_select(0, torch.tensor([w.row for w in plain], device=logits.device))
-            tokens = self.sampler.sample(rows, [w.seq for w in plain], masks)
+            tokens = self.sampler.sample(rows, [w.seq for w in plain], masks, inplace=True)  # rows: a copy
             for w, tok in zip(plain, tokens, strict=True):
                 w.new_token_ids = [tok]
         for w in works:
@@ -461,6 +461,10 @@ class LLMEngine:
                 seq.constraint.accept(tok)
                 if seq.constraint.done:  # the output is complete (whatever the length): nothing may follow
                     reason = FinishReason.STOP
+                elif reason is None and i == len(tokens) - 1 and self._jumps_forward(seq):
+                    forced = seq.constraint.forced_token()
+                    if forced is not None:  # the loop takes it next; the next forward computes it with the rest
+                        tokens.append(forced)
             if reason is not None:
                 del seq.logprobs[seq.num_output_tokens :]
                 del tokens[i + 1 :]
@@ -475,6 +479,14 @@ class LLMEngine:
             seq.num_spec_proposed,
             seq.num_spec_accepted,
         )
+
+    def _jumps_forward(self, seq: Sequence) -> bool:
+        """Whether a token its grammar forces (the only one its mask allows) is appended without a forward of
+        its own: the next step's forward computes it with the token before it. Not where the token needs the
+        model's logits (logprobs) or would consume a seeded draw (a seeded sampled request draws the same random
+        numbers as without jump-forward). Greedy output is the same: argmax over one allowed token is that token."""
+        p = seq.params
+        return self.config.grammar_jump_forward and p.logprobs is None and (p.seed is None or p.is_greedy)
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         params = seq.params

@@ -15,16 +15,27 @@ from shared.structured import Constraint, fill_bitmasks, forbidden_of
 
 class GrammarMasks:
     """The grammar masks of one batch's constrained rows, being computed (on the sampler's mask thread, while the
-    forward runs) or done: ``rows`` (indices into the batch) and, from ``forbidden()``, bool[len(rows), W]."""
+    forward runs) or done: ``rows`` (indices into the batch) and, from ``bits()``, int32[len(rows), num_words]
+    bitmasks (``forbidden()``: the same unpacked, bool[len(rows), 32 * num_words], True where forbidden)."""
 
-    __slots__ = ("_future", "rows")
+    __slots__ = ("_bits", "_future", "eos_token_ids", "rows")
 
-    def __init__(self, rows: list[int], future: Future[np.ndarray]) -> None:
+    def __init__(
+        self, rows: list[int], bits: np.ndarray, eos_token_ids: list[int], future: Future[None] | None
+    ) -> None:
         self.rows = rows
+        self.eos_token_ids = eos_token_ids
+        self._bits = bits
         self._future = future
 
+    def bits(self) -> np.ndarray:
+        if self._future is not None:
+            self._future.result()
+            self._future = None
+        return self._bits
+
     def forbidden(self) -> np.ndarray:
-        return self._future.result()
+        return forbidden_of(self.bits(), self.eos_token_ids)
 
 
 class Sampler:
@@ -119,36 +130,49 @@ class Sampler:
             bits = self._bitmasks[key] = np.zeros(key, dtype=np.int32)
         eos = constraints[0].eos_token_ids
         if not background:
-            done: Future[np.ndarray] = Future()
-            done.set_result(self._masks(constraints, bits, eos))
-            return GrammarMasks(rows, done)
+            fill_bitmasks(constraints, bits)
+            return GrammarMasks(rows, bits, eos, None)
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
-        return GrammarMasks(rows, self._mask_thread.submit(self._masks, constraints, bits, eos))
+        return GrammarMasks(rows, bits, eos, self._mask_thread.submit(fill_bitmasks, constraints, bits))
 
-    @staticmethod
-    def _masks(constraints: list[Constraint], bits: np.ndarray, eos: list[int]) -> np.ndarray:
-        fill_bitmasks(constraints, bits)
-        return forbidden_of(bits, eos)
-
-    def constrain(self, logits: torch.Tensor, seqs: list[Sequence], masks: GrammarMasks | None = None) -> torch.Tensor:
+    def constrain(
+        self, logits: torch.Tensor, seqs: list[Sequence], masks: GrammarMasks | None = None, *, inplace: bool = False
+    ) -> torch.Tensor:
         """logits [N, V] with every token a sequence's grammar forbids at -inf (rows without one as they are).
-        ``masks``: from ``prepare_masks(seqs)`` (computed now when not given)."""
+        ``masks``: from ``prepare_masks(seqs)`` (computed now when not given); ``inplace``: mask ``logits`` itself
+        (the caller's copy) rather than a clone."""
         if masks is None:
             masks = self.prepare_masks(seqs, background=False)
             if masks is None:
                 return logits
+        bits = masks.bits()
         n, vocab = logits.shape
-        part = masks.forbidden()
-        forbidden = np.zeros((n, vocab), dtype=bool)  # unconstrained rows: nothing forbidden, no mask computed
-        width = min(vocab, part.shape[1])
-        forbidden[masks.rows, :width] = part[:, :width]
-        forbidden[masks.rows, width:] = True  # ids past the grammar's vocabulary
-        logits = logits.clone()
+        width = min(vocab, 32 * bits.shape[1])
+        # One vectorised unpack of the batch's bitmasks: bool[len(rows), width], True where forbidden.
+        forbidden = np.unpackbits(bits.view(np.uint8), axis=1, count=width, bitorder="little") == 0
+        stuck = ~bits.any(axis=1)
+        if stuck.any():  # a row that allows nothing (an error state, never expected) allows the EOS ids
+            eos = np.array([t for t in masks.eos_token_ids if t < width], dtype=np.intp)
+            forbidden[np.ix_(np.flatnonzero(stuck), eos)] = False
+        if not inplace:
+            logits = logits.clone()
         if logits.device.type == "cpu" and logits.dtype == torch.float32:
-            np.putmask(logits.numpy(), forbidden, -np.inf)  # one vectorised op, no torch thread-pool wake-up
-        else:
-            logits.masked_fill_(torch.from_numpy(forbidden).to(logits.device), float("-inf"))
+            # numpy views, no torch op (a torch op wakes its thread pool): every row constrained (the usual case)
+            # is one masked copy; a mixed batch masks its constrained rows one by one.
+            array = logits.numpy()
+            if len(masks.rows) == n:
+                np.copyto(array[:, :width], -np.inf, where=forbidden)
+            else:
+                for j, row in enumerate(masks.rows):
+                    np.copyto(array[row, :width], -np.inf, where=forbidden[j])
+            if width < vocab:  # ids past the grammar's vocabulary
+                array[masks.rows, width:] = -np.inf
+            return logits
+        full = np.zeros((n, vocab), dtype=bool)  # unconstrained rows: nothing forbidden
+        full[masks.rows, :width] = forbidden
+        full[masks.rows, width:] = True
+        logits.masked_fill_(torch.from_numpy(full).to(logits.device), float("-inf"))
         return logits
 
     @staticmethod
@@ -160,10 +184,13 @@ class Sampler:
         allowed = torch.from_numpy(seq.constraint.masks_along(proposals, logits.shape[-1])).to(logits.device)
         return logits.masked_fill(~allowed, float("-inf"))
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence], masks: GrammarMasks | None = None) -> list[int]:
+    def sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], masks: GrammarMasks | None = None, *, inplace: bool = False
+    ) -> list[int]:
         """logits: [N, V], one row per sequence → one token per sequence (within its grammar, if it has one;
-        ``masks``: from ``prepare_masks(seqs)``, else computed here)."""
-        logits = self.constrain(logits, seqs, masks)
+        ``masks``: from ``prepare_masks(seqs)``, else computed here; ``inplace``: the grammar may mask ``logits``
+        itself)."""
+        logits = self.constrain(logits, seqs, masks, inplace=inplace)
         if all(s.params.is_greedy and not s.params.has_penalties for s in seqs):
             return torch.argmax(logits, dim=-1).tolist()
         tokens: list[int] = []

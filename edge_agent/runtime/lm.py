@@ -34,6 +34,10 @@ class CausalLMRuntime(ABC):
         self.max_context: int = int(meta.get("cache_len") or meta["max_context"])
         self.vocab_size: int | None = int(meta["vocab_size"]) if "vocab_size" in meta else None
         self.num_tokens = 0
+        # Whether running several tokens in one ``prefill`` gives each the logits and cache one ``decode`` at a time
+        # would (up to float rounding). Not with ONNX Runtime's dynamic INT8 quantization: a call quantizes its
+        # activations with one scale for all its tokens, so the same token's numbers depend on its neighbours.
+        self.exact_chunks = self.format != "onnx-int8"
 
     @abstractmethod
     def reset(self) -> None: ...
