@@ -35,7 +35,7 @@ def _timed(totals: dict[str, float], cpu: dict[str, float], name: str, fn: Calla
     return wrapper
 
 
-def profile_steps(engine: LLMEngine, batch: int, num_tokens: int = 120, salt: str = "") -> dict[str, float]:
+def profile_steps(engine: LLMEngine, batch: int, num_tokens: int = 120, salt: str = "") -> dict[str, Any]:
     """Milliseconds per step of each phase while ``batch`` requests decode together (prefill steps included)."""
     totals: dict[str, float] = defaultdict(float)
     cpu: dict[str, float] = defaultdict(float)
