@@ -167,7 +167,9 @@ class ModelRunner:
         for i, f in enumerate(feeds):
             end = flat_start[i] + len(f.token_ids)
             rows.extend(range(end - f.num_logits, end))
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])
+        if rows != list(range(len(ids))):  # (a decode step wants every row, in order: no copy)
+            hidden = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
+        logits = self.model.compute_logits(hidden)
         self.forward_seconds += time.perf_counter() - started
         self.num_forwards += 1
         return logits
