@@ -57,10 +57,10 @@ def build_group(
     if len(context_lens) == 1 and context_lens[0] == q_len:
         return AttentionGroup(start, 1, q_len, None, None, True)
     max_blocks = max(-(-c // block_size) for c in context_lens)
-    tables = torch.zeros((len(block_tables), max_blocks), dtype=torch.long)
-    for i, table in enumerate(block_tables):
-        n = min(len(table), max_blocks)
-        tables[i, :n] = torch.tensor(table[:n], dtype=torch.long)
+    # One tensor from padded lists: a tensor per table cost a decode step of 64 sequences 64 small allocations.
+    tables = torch.tensor(
+        [table[:max_blocks] + [0] * (max_blocks - len(table[:max_blocks])) for table in block_tables], dtype=torch.long
+    )
     ctx = torch.tensor(context_lens, dtype=torch.long)
     if for_kernel:
         return AttentionGroup(start, len(context_lens), q_len, tables.to(device), None, False, ctx.to(device))

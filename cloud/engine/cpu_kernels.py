@@ -190,10 +190,11 @@ def _wrap(fn: ctypes._NamedFuncPointer) -> PagedAttention:
     ) -> torch.Tensor:
         """q: [B * q_len, H, D] float32; caches [num_blocks, block_size, KVH, D]; block_tables [B, max_blocks] and
         context_lens [B] int64, every context at least ``q_len``. Returns [B * q_len, H, D]."""
+        q = q.contiguous()  # (the model hands a slice of q and k rotated together)
         num_rows, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
         num_seqs, max_blocks = block_tables.shape
-        assert q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
+        assert k_cache.is_contiguous() and v_cache.is_contiguous()
         assert block_tables.is_contiguous() and context_lens.is_contiguous() and num_rows == num_seqs * q_len
         out = torch.empty_like(q)
         rc = fn(

@@ -390,8 +390,12 @@ class LLMEngine:
     ) -> None:
         # Plain sampling for every sequence that reached its end without proposals, in one batch.
         if plain:
-            rows = logits.index_select(0, torch.tensor([w.row for w in plain], device=logits.device))
-            tokens = self.sampler.sample(rows, [w.seq for w in plain], masks, inplace=True)  # rows: a copy
+            row_ids = [w.row for w in plain]
+            rows = logits
+            if row_ids != list(range(len(logits))):  # (every row, in order, when all decode plainly: no copy)
+                rows = logits.index_select(0, torch.tensor(row_ids, device=logits.device))
+            # The grammar may mask a copy in place; never ``logits`` itself, which _append reads afterwards.
+            tokens = self.sampler.sample(rows, [w.seq for w in plain], masks, inplace=rows is not logits)
             for w, tok in zip(plain, tokens, strict=True):
                 w.new_token_ids = [tok]
         for w in works:

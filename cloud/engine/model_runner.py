@@ -23,6 +23,13 @@ MAX_BATCHED_Q_LEN = 16
 GROUP_COST_TOKENS_CPU = 384
 GROUP_COST_TOKENS_CUDA = 8192
 
+# On CPU a step of fewer multiply-adds than this runs on one thread. Each parallel op hands work to the other
+# threads and waits for them; a small step's ops (a decode of one or a few sequences) are each worth a few
+# microseconds of work, less than that hand-off on a quiet host and far less than it when the host's other cores
+# are busy (the waiting thread must first be scheduled: milliseconds). Measured on the demo cloud LM, 2 cores
+# under load (docs/engine-step.md): batch 1 at 2 threads 248 ms a step, at 1 thread 22 ms.
+PARALLEL_MIN_MACS = 32 << 20
+
 
 @dataclass(slots=True)
 class Feed:
@@ -61,6 +68,13 @@ class ModelRunner:
         self.attention_kernel = paged_attention_kernel() if device.type == "cpu" and dtype == torch.float32 else None
         self.forward_seconds = 0.0
         self.num_forwards = 0
+        # Threads a large step uses (the engine's ``num_threads``, set before the runner is built); small steps use 1.
+        self.max_threads = torch.get_num_threads()
+        self.adapt_threads = device.type == "cpu"
+        h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.macs_per_token = cfg.num_layers * (h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size)
+        self.macs_per_token += h * cfg.vocab_size
+        self.attention_macs_per_pair = cfg.num_layers * 2 * q  # per (query token, context token) pair
 
     @staticmethod
     def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -70,10 +84,29 @@ class ModelRunner:
         bs, table = self.block_size, feed.block_table
         return [table[p // bs] * bs + p % bs for p in range(feed.start, feed.start + len(feed.token_ids))]
 
+    def step_macs(self, feeds: list[Feed]) -> int:
+        """Multiply-adds of a forward over ``feeds`` (projections, LM head for every token, attention)."""
+        num_tokens = pairs = 0
+        for f in feeds:
+            n = len(f.token_ids)
+            num_tokens += n
+            pairs += n * (f.start + n)
+        return num_tokens * self.macs_per_token + pairs * self.attention_macs_per_pair
+
+    def use_threads_for(self, feeds: list[Feed]) -> int:
+        """Set (on CPU) and return the threads a forward over ``feeds`` runs on: 1 below ``PARALLEL_MIN_MACS``."""
+        if not self.adapt_threads:
+            return torch.get_num_threads()
+        threads = self.max_threads if self.step_macs(feeds) >= PARALLEL_MIN_MACS else 1
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        return threads
+
     @torch.inference_mode()
     def execute(self, feeds: list[Feed]) -> torch.Tensor:
         """Run one forward over all feeds; returns logits [sum(num_logits), V] in feed order."""
         started = time.perf_counter()
+        self.use_threads_for(feeds)
         # Group small feeds by length so each group is one batched attention; large ones (prefill) go alone.
         by_len: dict[int, list[int]] = {}
         singles: list[int] = []
@@ -134,7 +167,9 @@ class ModelRunner:
         for i, f in enumerate(feeds):
             end = flat_start[i] + len(f.token_ids)
             rows.extend(range(end - f.num_logits, end))
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])
+        if rows != list(range(len(ids))):  # (a decode step wants every row, in order: no copy)
+            hidden = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
+        logits = self.model.compute_logits(hidden)
         self.forward_seconds += time.perf_counter() - started
         self.num_forwards += 1
         return logits
