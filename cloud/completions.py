@@ -11,14 +11,12 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Protocol, get_type_hints
 
 from pydantic import TypeAdapter
 from pydantic import ValidationError as PydanticValidationError
-from sqlmodel import Session
 
 from cloud.budget_watch import BudgetAlerts
 from cloud.canary import CanaryRouter
@@ -31,12 +29,10 @@ from cloud.limits import RateLimiter, RateLimitGrant
 from cloud.metering import UsageWriter
 from cloud.observability import Metrics
 from cloud.shadow import Mirror
-from controlplane.billing import credit
-from controlplane.billing.budgets import BudgetHold, PriceBook
-from controlplane.billing.budgets import reserve as reserve_budget
+from controlplane.billing.budgets import BudgetHold, PriceBook, reserve_request
 from controlplane.billing.ledger import NewUsage
 from controlplane.billing.pricing import Tokens
-from controlplane.billing.scopes import MAX_SUBJECT_LEN, Attribution, applicable
+from controlplane.billing.scopes import MAX_SUBJECT_LEN, Attribution
 from controlplane.storage.tables import ApiKey, Tenant
 from shared.errors import (
     ApplicationError,
@@ -268,21 +264,17 @@ class CompletionService:
     def _reserve(self, caller: Caller, worst: Decimal) -> BudgetHold | None:
         """Hold ``worst`` on the tenant's monthly budget and on every scoped budget that applies to the caller's
         key, its project and its end user (an escalating device's: those of its attribution, its ``billing.user``
-        label unless the request names a user), all at once; None when no budget applies (nothing to hold)."""
-        tenant_id = caller.tenant.id or 0
+        label unless the request names a user), all at once, in one transaction; None when no budget applies
+        (nothing to hold)."""
         key = caller.key
         who = Attribution(key.id, key.project_id) if key is not None else caller.attribution or Attribution()
-        now = datetime.now(UTC)
-        with Session(self.usage.engine) as session:
-            windows = applicable(
-                session, tenant_id, now, key_id=who.key_id, project_id=who.project_id, subject=caller.end_user
-            )
-            is_prepaid = credit.available(session, tenant_id) is not None
-        budget = caller.tenant.monthly_budget
-        if budget is None and not windows and not is_prepaid:
-            return None
-        return reserve_budget(
-            self.usage.engine, tenant_id, budget, worst, at=now, lease_s=self.budget_lease_s, windows=windows
+        return reserve_request(
+            self.usage.engine,
+            caller.tenant.id or 0,
+            caller.tenant.monthly_budget,
+            worst,
+            replace(who, subject=caller.end_user),
+            lease_s=self.budget_lease_s,
         )
 
     def _checked_size(self, texts: Iterable[str]) -> int:
@@ -413,7 +405,7 @@ class CompletionService:
             reservation, meter.budget = meter.budget, None
             # The record is stored in the transaction that settles the hold (and drops a checkpoint): a crash
             # right after never leaves spend without its record, nor a record queued in a dead process's memory.
-            spent = await self.usage.settle_checkpointed(record, reservation)
+            spent = await self.usage.settle_checkpointed(record, reservation, checkpointed=meter.checkpointed)
             written = True
             if self.alerts is not None and reservation is not None and reservation.on_credit:
                 await self.alerts.after_credit(reservation.tenant_id)

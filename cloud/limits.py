@@ -4,12 +4,16 @@ Counters live in the ``limits`` library's storage: Redis when ``TIERLINE_REDIS_U
 replicas), process memory otherwise. Windows are fixed one-minute windows (``limits``' fixed-window
 strategy; a burst can straddle a boundary). Tokens are reserved up front as prompt + max_tokens and the
 unused part is given back when the request settles.
+
+On Redis, a request's counters are taken in one script call (``_ACQUIRE``: every scope's requests, tokens and
+slot, all or none) and given back in one (``_RELEASE``): two round trips a request instead of one per counter.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from limits.aio.storage import Storage
 from limits.storage import storage_from_string
@@ -19,6 +23,31 @@ from controlplane.storage.tables import ApiKey, Tenant
 from shared.errors import RateLimitError
 
 CONCURRENCY_TTL_S = 3600
+
+# KEYS: counters; ARGV: (amount, limit, expiry) per counter. Each is incremented in turn (a new counter gets its
+# expiry, as ``limits``' own incr does); the first that goes over its limit undoes every increment so far and its
+# 1-based index is returned; 0: all taken.
+_ACQUIRE = """
+for i, key in ipairs(KEYS) do
+  local amount = tonumber(ARGV[3 * i - 2])
+  local current = redis.call('incrby', key, amount)
+  if current == amount then redis.call('expire', key, ARGV[3 * i]) end
+  if current > tonumber(ARGV[3 * i - 1]) then
+    for j = 1, i do redis.call('incrby', KEYS[j], -tonumber(ARGV[3 * j - 2])) end
+    return i
+  end
+end
+return 0
+"""
+# KEYS: counters; ARGV: (amount, expiry) per counter: add each amount (negative: give back).
+_RELEASE = """
+for i, key in ipairs(KEYS) do
+  local amount = tonumber(ARGV[2 * i - 1])
+  local current = redis.call('incrby', key, amount)
+  if current == amount then redis.call('expire', key, ARGV[2 * i]) end
+end
+return 0
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +68,25 @@ class RateLimitGrant:
     concurrency_keys: list[str] = field(default_factory=list)
 
 
+def _over_limit(what: str, scope: _Scope, retry_after: float) -> RateLimitError:
+    """The 429 of a request that ``scope``'s ``what`` counter (rpm, tpm, inflight) refused."""
+    if what == "rpm":
+        return RateLimitError(
+            f"{scope.kind} request rate limit of {scope.requests_per_minute}/min reached", retry_after=retry_after
+        )
+    if what == "tpm":
+        return RateLimitError(
+            f"{scope.kind} token rate limit of {scope.tokens_per_minute}/min reached",
+            retry_after=retry_after,
+            code="tokens_per_minute_exceeded",
+        )
+    return RateLimitError(
+        f"{scope.kind} limit of {scope.max_concurrent} concurrent requests reached",
+        retry_after=1.0,
+        code="concurrency_limit_exceeded",
+    )
+
+
 def _pick(override: int | None, default: int) -> int:
     return default if override is None else override
 
@@ -52,6 +100,16 @@ class RateLimiter:
         assert isinstance(storage, Storage)
         self.storage = storage
         self.prefix = "tierline"
+        # limits' Redis bridge (key prefix, client): the hot path's counters go through two scripts of ours.
+        bridge = getattr(storage, "bridge", None)
+        self._bridge: Any = bridge if redis_url and hasattr(bridge, "get_connection") else None
+        self._scripts: tuple[Any, Any] | None = None
+
+    def _redis_scripts(self) -> tuple[Any, Any]:
+        if self._scripts is None:
+            client = self._bridge.get_connection()
+            self._scripts = (client.register_script(_ACQUIRE), client.register_script(_RELEASE))
+        return self._scripts
 
     def _scopes(self, tenant: Tenant, key: ApiKey | None) -> list[_Scope]:
         s = self.settings
@@ -111,58 +169,70 @@ class RateLimiter:
         window = int(now // 60)
         retry_after = max(1.0, 60 - now % 60)
         res = RateLimitGrant(self._scopes(tenant, key), reserved_tokens, window)
-        try:
-            for scope in res.scopes:
-                if scope.requests_per_minute and not is_counted:
-                    k = self._key("rpm", scope, window)
-                    if await self.storage.incr(k, 120) > scope.requests_per_minute:
-                        await self.storage.incr(k, 120, amount=-1)
-                        raise RateLimitError(
-                            f"{scope.kind} request rate limit of {scope.requests_per_minute}/min reached",
-                            retry_after=retry_after,
-                        )
-                if scope.tokens_per_minute:
-                    if reserved_tokens > scope.tokens_per_minute:
-                        raise RateLimitError(
-                            f"the request reserves {reserved_tokens} tokens (prompt + max_tokens), above the "
-                            f"{scope.kind} limit of {scope.tokens_per_minute}/min; lower max_tokens",
-                            retry_after=retry_after,
-                            code="tokens_per_minute_exceeded",
-                        )
-                    k = self._key("tpm", scope, window)
-                    if await self.storage.incr(k, 120, amount=reserved_tokens) > scope.tokens_per_minute:
-                        await self.storage.incr(k, 120, amount=-reserved_tokens)
-                        raise RateLimitError(
-                            f"{scope.kind} token rate limit of {scope.tokens_per_minute}/min reached",
-                            retry_after=retry_after,
-                            code="tokens_per_minute_exceeded",
-                        )
-                    res.token_keys.append(k)
-                if scope.max_concurrent:
-                    k = self._key("inflight", scope)
-                    if await self.storage.incr(k, CONCURRENCY_TTL_S) > scope.max_concurrent:
-                        await self.storage.incr(k, CONCURRENCY_TTL_S, amount=-1)
-                        raise RateLimitError(
-                            f"{scope.kind} limit of {scope.max_concurrent} concurrent requests reached",
-                            retry_after=1.0,
-                            code="concurrency_limit_exceeded",
-                        )
-                    res.concurrency_keys.append(k)
-        except RateLimitError:
-            await self.release(res, used_tokens=0)
-            raise
+        # (counter, amount, limit, expiry, what it counts, its scope), in the order they are taken
+        counters: list[tuple[str, int, int, int, str, _Scope]] = []
+        for scope in res.scopes:
+            if scope.requests_per_minute and not is_counted:
+                counters.append((self._key("rpm", scope, window), 1, scope.requests_per_minute, 120, "rpm", scope))
+            if scope.tokens_per_minute:
+                if reserved_tokens > scope.tokens_per_minute:
+                    raise RateLimitError(
+                        f"the request reserves {reserved_tokens} tokens (prompt + max_tokens), above the "
+                        f"{scope.kind} limit of {scope.tokens_per_minute}/min; lower max_tokens",
+                        retry_after=retry_after,
+                        code="tokens_per_minute_exceeded",
+                    )
+                k = self._key("tpm", scope, window)
+                counters.append((k, reserved_tokens, scope.tokens_per_minute, 120, "tpm", scope))
+                res.token_keys.append(k)
+            if scope.max_concurrent:
+                k = self._key("inflight", scope)
+                counters.append((k, 1, scope.max_concurrent, CONCURRENCY_TTL_S, "inflight", scope))
+                res.concurrency_keys.append(k)
+        if not counters:
+            return res
+        over: tuple[str, int, int, int, str, _Scope] | None = None
+        if self._bridge is not None:
+            acquire, _ = self._redis_scripts()
+            args: list[int] = []
+            for _, amount, limit, expiry, _, _ in counters:
+                args += (amount, limit, expiry)
+            index = int(await acquire(keys=[self._bridge.prefixed_key(c[0]) for c in counters], args=args))
+            over = counters[index - 1] if index else None
+        else:
+            taken: list[tuple[str, int, int]] = []
+            for counter in counters:
+                k, amount, limit, expiry, _, _ = counter
+                taken.append((k, amount, expiry))
+                if await self.storage.incr(k, expiry, amount=amount) > limit:
+                    for undo, back, ttl in taken:
+                        await self.storage.incr(undo, ttl, amount=-back)
+                    over = counter
+                    break
+        if over is not None:
+            res.token_keys.clear()
+            res.concurrency_keys.clear()
+            raise _over_limit(over[4], over[5], retry_after)
         return res
 
     async def release(self, res: RateLimitGrant, used_tokens: int) -> None:
         """Settle: give back the unused reserved tokens and the in-flight slot."""
         unused = max(0, res.reserved_tokens - used_tokens)
-        if unused:
-            for k in res.token_keys:
-                await self.storage.incr(k, 120, amount=-unused)
-        for k in res.concurrency_keys:
-            await self.storage.incr(k, CONCURRENCY_TTL_S, amount=-1)
+        back = [(k, -unused, 120) for k in res.token_keys] if unused else []
+        back += [(k, -1, CONCURRENCY_TTL_S) for k in res.concurrency_keys]
         res.token_keys.clear()
         res.concurrency_keys.clear()
+        if not back:
+            return
+        if self._bridge is not None:
+            _, release = self._redis_scripts()
+            args: list[int] = []
+            for _, amount, expiry in back:
+                args += (amount, expiry)
+            await release(keys=[self._bridge.prefixed_key(k) for k, _, _ in back], args=args)
+            return
+        for k, amount, expiry in back:
+            await self.storage.incr(k, expiry, amount=amount)
 
     async def close(self) -> None:
         """Close the Redis connection pool (``limits`` exposes no close; its redis-py client is reached directly)."""

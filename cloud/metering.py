@@ -104,13 +104,16 @@ class UsageWriter:
             session.commit()
         self.num_checkpoints += 1
 
-    async def settle_checkpointed(self, usage: NewUsage, hold: BudgetHold | None) -> Decimal | None:
-        """A checkpointed stream's final record, hold and checkpoint, in one transaction (not queued)."""
-        return await asyncio.to_thread(self._settle_checkpointed, usage, hold)
+    async def settle_checkpointed(
+        self, usage: NewUsage, hold: BudgetHold | None, *, checkpointed: bool = True
+    ) -> Decimal | None:
+        """A checkpointed stream's final record, hold and checkpoint (``checkpointed``: it wrote one), in one
+        transaction (not queued)."""
+        return await asyncio.to_thread(self._settle_checkpointed, usage, hold, checkpointed)
 
-    def _settle_checkpointed(self, usage: NewUsage, hold: BudgetHold | None) -> Decimal | None:
+    def _settle_checkpointed(self, usage: NewUsage, hold: BudgetHold | None, checkpointed: bool) -> Decimal | None:
         with Session(self.engine) as session:
-            spent = settle_checkpointed(session, usage, hold)
+            spent = settle_checkpointed(session, usage, hold, checkpointed=checkpointed)
             session.commit()
         self.num_written += 1
         return spent

@@ -24,7 +24,7 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import BigInteger, delete, literal, update
+from sqlalchemy import BigInteger, case, delete, literal, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
@@ -35,9 +35,11 @@ from controlplane.billing import credit
 from controlplane.billing.pricing import DEFAULT_PLAN, PriceIndex, PriceLike, Rating, Tokens, period_of, rate
 from controlplane.billing.scopes import Attribution, ScopedWindow, applicable, remaining_in
 from controlplane.storage.tables import (
+    MONEY,
     BudgetPeriod,
     BudgetReservation,
     BudgetWindow,
+    CreditAccount,
     Price,
     PricePlan,
     Tenant,
@@ -162,59 +164,76 @@ def _try_reserve(
     windows: Sequence[ScopedWindow] = (),
 ) -> tuple[str | None, str | None, bool]:
     """``(the new reservation's id, None, held on credit)``, or ``(None, the name of the budget that cannot cover
-    amount, False)``. A prepaid tenant's hold is on its credit while that covers ``amount`` (its month's budget is
-    then not touched).
+    amount, False)``, in a transaction of its own (``_hold_in``)."""
+    with Session(engine) as session:
+        held = _hold_in(session, tenant_id, period, budget, amount, lease_s, windows)
+        if held[0] is None:
+            session.rollback()
+        else:
+            session.commit()
+    return held
 
-    One transaction: the tenant's credit, then its month, then the scoped windows in one order
-    (``scopes.applicable`` sorts them), so on PostgreSQL two requests never wait on each other's rows crosswise.
+
+def _hold_in(
+    session: Session,
+    tenant_id: int,
+    period: str,
+    budget: Decimal | None,
+    amount: Decimal,
+    lease_s: float,
+    windows: Sequence[ScopedWindow] = (),
+    *,
+    is_prepaid: bool | None = None,
+) -> tuple[str | None, str | None, bool]:
+    """Hold ``amount`` in the caller's transaction (the caller commits, or rolls back when no id is returned):
+    ``(the new reservation's id, None, held on credit)``, or ``(None, the name of the budget that cannot cover
+    amount, False)``. A prepaid tenant's hold is on its credit while that covers ``amount`` (its month's budget is
+    then not touched). ``is_prepaid``: whether the tenant has a credit account, when the transaction read it
+    already (False skips the credit statements).
+
+    The tenant's credit, then its month, then the scoped windows in one order (``scopes.applicable`` sorts them),
+    so on PostgreSQL two requests never wait on each other's rows crosswise.
     """
     reservation_id = uuid.uuid4().hex
     now = datetime.now(UTC)
     micros = to_micros(amount)
-    with Session(engine) as session:
-        prepaid = credit.hold(session, tenant_id, amount)
-        if prepaid == credit.SHORT and budget is None:
-            left = credit.available(session, tenant_id)
-            session.rollback()
-            return None, f"the tenant's prepaid credit ({left} left)", False
-        if prepaid != credit.HELD:  # not prepaid, or its credit is used up: the month's budget applies
-            stmt = update(BudgetPeriod).where(
-                col(BudgetPeriod.tenant_id) == tenant_id, col(BudgetPeriod.period) == period
+    prepaid = credit.hold(session, tenant_id, amount) if is_prepaid is not False else credit.NO_ACCOUNT
+    if prepaid == credit.SHORT and budget is None:
+        left = credit.available(session, tenant_id)
+        return None, f"the tenant's prepaid credit ({left} left)", False
+    if prepaid != credit.HELD:  # not prepaid, or its credit is used up: the month's budget applies
+        stmt = update(BudgetPeriod).where(col(BudgetPeriod.tenant_id) == tenant_id, col(BudgetPeriod.period) == period)
+        if budget is not None:
+            stmt = stmt.where(col(BudgetPeriod.spent) + col(BudgetPeriod.reserved) + amount <= budget)
+        result = session.connection().execute(stmt.values(reserved=col(BudgetPeriod.reserved) + amount))
+        if result.rowcount != 1:
+            short = f"the tenant's monthly budget ({budget})"
+            return (
+                None,
+                short if prepaid == credit.NO_ACCOUNT else f"the tenant's prepaid credit and {short}",
+                False,
             )
-            if budget is not None:
-                stmt = stmt.where(col(BudgetPeriod.spent) + col(BudgetPeriod.reserved) + amount <= budget)
-            result = session.connection().execute(stmt.values(reserved=col(BudgetPeriod.reserved) + amount))
-            if result.rowcount != 1:
-                session.rollback()
-                short = f"the tenant's monthly budget ({budget})"
-                return (
-                    None,
-                    short if prepaid == credit.NO_ACCOUNT else f"the tenant's prepaid credit and {short}",
-                    False,
-                )
-        for w in windows:
-            stmt = update(BudgetWindow).where(*_window_where(w.key))
-            if w.is_hard:
-                used = col(BudgetWindow.spent) + col(BudgetWindow.reserved) + literal(micros, BigInteger)
-                stmt = stmt.where(used <= literal(to_micros(w.limit), BigInteger))
-            result = session.connection().execute(
-                stmt.values(reserved=col(BudgetWindow.reserved) + literal(micros, BigInteger))
-            )
-            if result.rowcount != 1:
-                session.rollback()
-                return None, f"{w.label} ({w.limit})", False
-        row = BudgetReservation(
-            id=reservation_id,
-            tenant_id=tenant_id,
-            period=period,
-            amount=amount,
-            created_at=now,
-            expires_at=now + timedelta(seconds=lease_s),
-            windows=[list(w.key) for w in windows] or None,
-            on_credit=prepaid == credit.HELD,
+    for w in windows:
+        stmt = update(BudgetWindow).where(*_window_where(w.key))
+        if w.is_hard:
+            used = col(BudgetWindow.spent) + col(BudgetWindow.reserved) + literal(micros, BigInteger)
+            stmt = stmt.where(used <= literal(to_micros(w.limit), BigInteger))
+        result = session.connection().execute(
+            stmt.values(reserved=col(BudgetWindow.reserved) + literal(micros, BigInteger))
         )
-        credit.insert_row(session, row)
-        session.commit()
+        if result.rowcount != 1:
+            return None, f"{w.label} ({w.limit})", False
+    row = BudgetReservation(
+        id=reservation_id,
+        tenant_id=tenant_id,
+        period=period,
+        amount=amount,
+        created_at=now,
+        expires_at=now + timedelta(seconds=lease_s),
+        windows=[list(w.key) for w in windows] or None,
+        on_credit=prepaid == credit.HELD,
+    )
+    credit.insert_row(session, row)
     return reservation_id, None, prepaid == credit.HELD
 
 
@@ -251,6 +270,46 @@ def reserve(
     return BudgetHold(reservation_id, tenant_id, period, amount, budget, keys, on_credit=on_credit)
 
 
+def reserve_request(
+    engine: Engine,
+    tenant_id: int,
+    budget: Decimal | None,
+    amount: Decimal,
+    who: Attribution,
+    at: datetime | None = None,
+    lease_s: float = DEFAULT_LEASE_S,
+) -> BudgetHold | None:
+    """``reserve`` for one request of ``who`` (its key, project and end user), finding the scoped budget windows
+    that apply and whether the tenant is prepaid in the transaction that holds: one connection and one commit on
+    the hot path (it was two transactions and two credit reads). None when nothing applies (no monthly budget, no
+    scoped budget, no credit account): nothing is held. A hold that fails here is retried by ``reserve`` itself
+    (window rows deleted meanwhile, expired reservations reclaimed), which raises ``BudgetExceededError``.
+    """
+    at = at or datetime.now(UTC)
+    period = period_of(at)
+    _ensure_row(engine, tenant_id, period)
+    with Session(engine) as session:
+        windows = applicable(session, tenant_id, at, key_id=who.key_id, project_id=who.project_id, subject=who.subject)
+        is_prepaid = session.get(CreditAccount, tenant_id) is not None
+        if budget is None and not windows and not is_prepaid:
+            return None
+        known = _known(engine)
+        missing = [w.key for w in windows if ("window", *w.key) not in known]
+        _insert_windows(session.connection(), missing)
+        reservation_id, _, on_credit = _hold_in(
+            session, tenant_id, period, budget, amount, lease_s, windows, is_prepaid=is_prepaid
+        )
+        if reservation_id is None:
+            session.rollback()
+        else:
+            session.commit()
+            _remember(engine, *(("window", *key) for key in missing))
+    if reservation_id is None:
+        return reserve(engine, tenant_id, budget, amount, at=at, lease_s=lease_s, windows=windows)
+    keys = tuple(w.key for w in windows)
+    return BudgetHold(reservation_id, tenant_id, period, amount, budget, keys, on_credit=on_credit)
+
+
 def _move_windows(
     session: Session, keys: Iterable[Sequence[Any]], *, release: Decimal, spend: Decimal = Decimal(0)
 ) -> None:
@@ -282,7 +341,27 @@ def settle_in(session: Session, hold: BudgetHold, actual: Decimal) -> Decimal:
     """``settle`` in the caller's transaction (the caller commits): the ledger settles a streamed request's hold
     in the transaction that writes its usage record."""
     actual = min(actual, hold.amount)
-    deleted = session.connection().execute(delete(BudgetReservation).where(col(BudgetReservation.id) == hold.id))
+    connection = session.connection()
+    if not hold.on_credit and connection.dialect.name == "postgresql":
+        # One statement: the reservation deleted (by whoever comes first: this settle or the sweeper) and the
+        # month moved, releasing the hold only when this statement deleted it.
+        released = (
+            delete(BudgetReservation)
+            .where(col(BudgetReservation.id) == hold.id)
+            .returning(col(BudgetReservation.id))
+            .cte("released")
+        )
+        is_deleted = select(released.c.id).exists()
+        back = case((is_deleted, literal(hold.amount, MONEY)), else_=literal(Decimal(0), MONEY))
+        spent_now, is_held = connection.execute(
+            update(BudgetPeriod)
+            .where(col(BudgetPeriod.tenant_id) == hold.tenant_id, col(BudgetPeriod.period) == hold.period)
+            .values(spent=col(BudgetPeriod.spent) + actual, reserved=col(BudgetPeriod.reserved) - back)
+            .returning(col(BudgetPeriod.spent), is_deleted)
+        ).one()
+        _move_windows(session, hold.windows, release=hold.amount if is_held else Decimal(0), spend=actual)
+        return Decimal(spent_now)
+    deleted = connection.execute(delete(BudgetReservation).where(col(BudgetReservation.id) == hold.id))
     is_held = deleted.rowcount == 1
     on_month, release = actual, hold.amount if is_held else Decimal(0)
     if hold.on_credit:

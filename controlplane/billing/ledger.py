@@ -25,7 +25,7 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import BigInteger, case, cast, delete, func, update
+from sqlalchemy import BigInteger, case, cast, delete, func
 from sqlalchemy import select as sql_select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
@@ -150,6 +150,25 @@ def _row(u: NewUsage, rating: Rating, now: datetime) -> dict[str, Any]:
     }
 
 
+_UNNEST: dict[tuple[tuple[str, ...], str], tuple[str, list[Any]]] = {}
+
+
+def _unnest_insert(names: tuple[str, ...], dialect: Any) -> tuple[str, list[Any]]:
+    """The ``unnest`` INSERT of ``usage_record`` for these columns and each column's bind conversion, built once
+    per column list and driver, not compiled again for every request it stores."""
+    cached = _UNNEST.get((names, dialect.driver))
+    if cached is None:
+        table = UsageRecord.__table__  # type: ignore[attr-defined]
+        pg = postgresql.dialect()
+        arrays = ", ".join(f"%({n})s::{table.c[n].type.compile(dialect=pg)}[]" for n in names)
+        sql = (
+            f"INSERT INTO {table.name} ({', '.join(names)}) SELECT * FROM unnest({arrays}) "
+            "ON CONFLICT (id) DO NOTHING RETURNING id"
+        )
+        cached = _UNNEST[(names, dialect.driver)] = (sql, [table.c[n].type.bind_processor(dialect) for n in names])
+    return cached
+
+
 def _insert_new(session: Session, rows: list[dict[str, Any]]) -> frozenset[str]:
     """Insert ``rows`` whose id is not stored yet, atomically against concurrent ingestion; the ids inserted.
 
@@ -162,15 +181,9 @@ def _insert_new(session: Session, rows: list[dict[str, Any]]) -> frozenset[str]:
     names = list(rows[0])
     dialect = session.get_bind().dialect
     if dialect.name == "postgresql":
-        pg = postgresql.dialect()
-        arrays = ", ".join(f"%({n})s::{table.c[n].type.compile(dialect=pg)}[]" for n in names)
-        sql = (
-            f"INSERT INTO {table.name} ({', '.join(names)}) SELECT * FROM unnest({arrays}) "
-            "ON CONFLICT (id) DO NOTHING RETURNING id"
-        )
+        sql, converters = _unnest_insert(tuple(names), dialect)
         params = {}
-        for n in names:
-            convert = table.c[n].type.bind_processor(dialect)
+        for n, convert in zip(names, converters, strict=True):
             params[n] = [r[n] for r in rows] if convert is None else [convert(r[n]) for r in rows]
         return frozenset(r[0] for r in session.connection().exec_driver_sql(sql, params))
     insert = sqlite.insert(table).on_conflict_do_nothing(index_elements=["id"]).returning(table.c.id)
@@ -274,7 +287,10 @@ INTERRUPTED = "interrupted"  # the status of a record billed from a dead process
 
 def checkpoint(session: Session, usage: NewUsage, hold: BudgetHold | None, lease_s: float) -> None:
     """Store ``usage`` (the stream's counts so far) as its checkpoint, the first time with a lease of ``lease_s``
-    (the budget hold's: a live stream never outlasts it). The caller commits."""
+    (the budget hold's: a live stream never outlives it). The caller commits.
+
+    One statement (an upsert): the first write inserts the row, a later one only moves its counts forward.
+    """
     now = datetime.now(UTC)
     counts: dict[str, Any] = {
         "prompt_tokens": usage.prompt_tokens,
@@ -282,30 +298,31 @@ def checkpoint(session: Session, usage: NewUsage, hold: BudgetHold | None, lease
         "cached_prompt_tokens": usage.cached_prompt_tokens,
         "updated_at": now,
     }
-    updated = session.execute(update(UsageCheckpoint).where(col(UsageCheckpoint.id) == usage.id).values(**counts))
-    if updated.rowcount == 1:  # type: ignore[attr-defined]
-        return
-    session.add(
-        UsageCheckpoint(
-            id=usage.id,
-            tenant_id=usage.tenant_id,
-            api_key_id=usage.api_key_id,
-            device_id=usage.device_id,
-            model=usage.model,
-            model_version=usage.model_version,
-            rollout_arm=usage.rollout_arm,
-            escalation_reason=usage.escalation_reason,
-            reservation_id=hold.id if hold is not None else None,
-            period=hold.period if hold is not None else None,
-            reserved=hold.amount if hold is not None else None,
-            started_at=now,
-            expires_at=now + timedelta(seconds=lease_s),
-            **counts,
-        )
-    )
+    row = {
+        "id": usage.id,
+        "tenant_id": usage.tenant_id,
+        "api_key_id": usage.api_key_id,
+        "device_id": usage.device_id,
+        "model": usage.model,
+        "model_version": usage.model_version,
+        "rollout_arm": usage.rollout_arm,
+        "escalation_reason": usage.escalation_reason,
+        "reservation_id": hold.id if hold is not None else None,
+        "period": hold.period if hold is not None else None,
+        "reserved": hold.amount if hold is not None else None,
+        "started_at": now,
+        "expires_at": now + timedelta(seconds=lease_s),
+        **counts,
+    }
+    table = UsageCheckpoint.__table__  # type: ignore[attr-defined]
+    connection = session.connection()
+    insert = postgresql.insert(table) if connection.dialect.name == "postgresql" else sqlite.insert(table)
+    connection.execute(insert.values(row).on_conflict_do_update(index_elements=["id"], set_=counts))
 
 
-def settle_checkpointed(session: Session, usage: NewUsage, hold: BudgetHold | None) -> Decimal | None:
+def settle_checkpointed(
+    session: Session, usage: NewUsage, hold: BudgetHold | None, *, checkpointed: bool = True
+) -> Decimal | None:
     """A checkpointed stream's end: its final record (rated) stored, its hold settled at the record's cost, its
     checkpoint deleted, all in the caller's transaction. The period's settled spend, or None without a hold."""
     spent = None
@@ -314,7 +331,8 @@ def settle_checkpointed(session: Session, usage: NewUsage, hold: BudgetHold | No
         spent = settle_in(session, hold, cost or Decimal(0))
     if usage.prompt_tokens or usage.completion_tokens or usage.rows:
         ingest_usage(session, [usage], count_spend=False)
-    session.execute(delete(UsageCheckpoint).where(col(UsageCheckpoint.id) == usage.id))
+    if checkpointed:  # False: the stream wrote none (a request that only held a budget)
+        session.execute(delete(UsageCheckpoint).where(col(UsageCheckpoint.id) == usage.id))
     return spent
 
 

@@ -91,3 +91,29 @@ def test_concurrency_cap_and_per_key_overrides(redis_url: str | None) -> None:
         await limiter.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("redis_url", BACKENDS)
+def test_a_refused_request_counts_against_no_scope(redis_url: str | None) -> None:
+    """A key over its requests/min gives back what the tenant's counters took for that request: the tenant's
+    other keys still get the tenant's whole limit."""
+
+    async def main() -> None:
+        limiter = RateLimiter(CloudSettings(tenant_requests_per_minute=4, key_requests_per_minute=1), redis_url)
+        t = tenant(max_concurrent=10)
+
+        def key() -> ApiKey:
+            return ApiKey(id=uuid.uuid4().int % 10**9, tenant_id=t.id or 0, prefix="tl-x", key_hash="h")
+
+        busy = key()
+        await limiter.acquire(t, busy, 1)
+        for _ in range(3):  # refused by the key's limit: the tenant's count, the slot and the tokens go back
+            with pytest.raises(RateLimitError, match="key request rate limit of 1/min"):
+                await limiter.acquire(t, busy, 1)
+        for _ in range(3):
+            await limiter.acquire(t, key(), 1)  # the tenant's 2nd to 4th request
+        with pytest.raises(RateLimitError, match="tenant request rate limit of 4/min"):
+            await limiter.acquire(t, key(), 1)
+        await limiter.close()
+
+    asyncio.run(main())
