@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -204,6 +205,26 @@ def tied_embedding_projection(layout: ZooLayout) -> np.ndarray:
     return hidden_from_logits(weights["model.embed_tokens.weight"].astype(np.float64))
 
 
+def _greedy(
+    runtime: Any, prompt: list[int], limit: int, run: _EdgeRun, is_end: Callable[[int], bool] | None = None
+) -> list[int]:
+    """Greedy tokens from ``prompt`` (up to ``limit``, or through the first token ``is_end`` accepts), with the
+    evidence of every step added to ``run``."""
+    runtime.reset()
+    logits = runtime.prefill(prompt)
+    out: list[int] = []
+    rows: list[np.ndarray] = []
+    while True:
+        token = int(np.argmax(logits))
+        rows.append(logits)
+        out.append(token)
+        if len(out) == limit or (is_end is not None and is_end(token)):
+            break
+        logits = runtime.decode(token)
+    run.add(out, rows)
+    return out
+
+
 def _edge_lines(model_dir: Path, ends: _LineEnds, items: list[LineItem]) -> tuple[list[str | None], _EdgeRun]:
     from edge_agent.runtime.lm import load_causal_lm
 
@@ -211,18 +232,7 @@ def _edge_lines(model_dir: Path, ends: _LineEnds, items: list[LineItem]) -> tupl
     lines: list[str | None] = []
     run = _EdgeRun()
     for item in items:
-        runtime.reset()
-        logits = runtime.prefill(item.prompt)
-        out: list[int] = []
-        rows: list[np.ndarray] = []
-        while True:
-            token = int(np.argmax(logits))
-            rows.append(logits)
-            out.append(token)
-            if ends.is_end(token) or len(out) == MAX_LINE_TOKENS:
-                break
-            logits = runtime.decode(token)
-        run.add(out, rows)
+        out = _greedy(runtime, item.prompt, MAX_LINE_TOKENS, run, ends.is_end)
         lines.append(ends.line(out))
     return lines, run
 
@@ -306,18 +316,7 @@ def _match_share(tokens: list[int], reference: list[int]) -> float:
 def _edge_next_tokens(runtime: Any, items: list[TokenItem]) -> _EdgeRun:
     run = _EdgeRun()
     for item in items:
-        runtime.reset()
-        logits = runtime.prefill(item.prompt)
-        out: list[int] = []
-        rows: list[np.ndarray] = []
-        while True:
-            token = int(np.argmax(logits))
-            rows.append(logits)
-            out.append(token)
-            if len(out) == NEXT_TOKENS:
-                break
-            logits = runtime.decode(token)
-        run.add(out, rows)
+        _greedy(runtime, item.prompt, NEXT_TOKENS, run)
     return run
 
 

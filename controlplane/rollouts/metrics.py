@@ -182,16 +182,9 @@ def _edge_window(
     arms: dict[Arm, _EdgeArm] = {BASELINE: _EdgeArm(), CANDIDATE: _EdgeArm()}
     for start in range(0, len(devices), 500):
         chunk = devices[start : start + 500]
-        events = select(DeviceEvent.device_id, DeviceEvent.occurred_at, DeviceEvent.payload).where(
-            DeviceEvent.kind == "telemetry",
-            col(DeviceEvent.device_id).in_(chunk),
-            col(DeviceEvent.occurred_at) >= since - TELEMETRY_LOOKBACK,
-            col(DeviceEvent.occurred_at) <= now,
-        )
-        if rollout.tenant_id is not None:
-            events = events.where(DeviceEvent.tenant_id == rollout.tenant_id)
+        events = _telemetry(rollout, chunk, since, now)
         by_device: dict[str, list[tuple[datetime, Any]]] = {}
-        for device_id, at, payload in session.exec(events.order_by(col(DeviceEvent.occurred_at))):
+        for device_id, at, payload in session.exec(events):
             by_device.setdefault(device_id, []).append((at, (payload or {}).get("metrics")))
         for device_id, samples in by_device.items():
             _add_device(arms, keys, device_id, samples, since)
@@ -279,6 +272,20 @@ def policy_devices(session: Session, rollout: Rollout) -> list[_PolicyDevice]:
 POLICIES_KEY: Final = "reported_policies"  # on a stored telemetry sample: the policies its sync reported in use
 
 
+def _telemetry(rollout: Rollout, devices: list[str], since: datetime, now: datetime) -> Any:
+    """The telemetry samples of ``devices`` (of the rollout's tenant, if it has one) that a window from
+    ``since`` to ``now`` reads: from a lookback before it, for each device's reference sample."""
+    events = select(DeviceEvent.device_id, DeviceEvent.occurred_at, DeviceEvent.payload).where(
+        DeviceEvent.kind == "telemetry",
+        col(DeviceEvent.device_id).in_(devices),
+        col(DeviceEvent.occurred_at) >= since - TELEMETRY_LOOKBACK,
+        col(DeviceEvent.occurred_at) <= now,
+    )
+    if rollout.tenant_id is not None:
+        events = events.where(DeviceEvent.tenant_id == rollout.tenant_id)
+    return events.order_by(col(DeviceEvent.occurred_at))
+
+
 def policy_window(session: Session, rollout: Rollout, since: datetime, now: datetime) -> Window:
     """Per-arm aggregates of a policy rollout over the devices its selector picks.
 
@@ -306,16 +313,9 @@ def policy_window(session: Session, rollout: Rollout, since: datetime, now: date
     ids = [d.id for d in devices]
     for start in range(0, len(ids), 500):
         chunk = ids[start : start + 500]
-        events = select(DeviceEvent.device_id, DeviceEvent.occurred_at, DeviceEvent.payload).where(
-            DeviceEvent.kind == "telemetry",
-            col(DeviceEvent.device_id).in_(chunk),
-            col(DeviceEvent.occurred_at) >= since - TELEMETRY_LOOKBACK,
-            col(DeviceEvent.occurred_at) <= now,
-        )
-        if rollout.tenant_id is not None:
-            events = events.where(DeviceEvent.tenant_id == rollout.tenant_id)
+        events = _telemetry(rollout, chunk, since, now)
         by_device: dict[str, list[tuple[datetime, Any, Arm | None]]] = {}
-        for device_id, at, payload in session.exec(events.order_by(col(DeviceEvent.occurred_at))):
+        for device_id, at, payload in session.exec(events):
             payload = payload or {}
             reported = payload.get(POLICIES_KEY)
             if isinstance(reported, dict):
