@@ -465,7 +465,9 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
                             max_age=timedelta(days=settings.edge_usage_max_age_days),
                             enrollment_margin=timedelta(seconds=settings.edge_usage_enrollment_margin_s),
                         ),
-                        ShadowIntake(db, prices, settings.edge_shadow_share, settings.edge_shadow_rows_per_minute),
+                        ShadowIntake(
+                            db, prices, limiter, settings.edge_shadow_share, settings.edge_shadow_rows_per_minute
+                        ),
                     ),
                 )
         finally:

@@ -138,6 +138,15 @@ class RateLimiter:
         suffix = f"/{window}" if window is not None else ""
         return f"{self.prefix}/{what}/{scope.kind}/{scope.ident}{suffix}"
 
+    async def take_per_minute(self, what: str, ident: str, amount: int, limit: int) -> None:
+        """Count ``amount`` against ``limit`` per minute for ``ident`` (a fixed one-minute window in the limiter's
+        storage, so Redis shares it among replicas), or raise RateLimitError (429) and count nothing."""
+        now = time.time()
+        k = f"{self.prefix}/{what}/{ident}/{int(now // 60)}"
+        if await self.storage.incr(k, 120, amount=amount) > limit:
+            await self.storage.incr(k, 120, amount=-amount)
+            raise RateLimitError(f"{what}: at most {limit} per minute reached", retry_after=max(1.0, 60 - now % 60))
+
     async def count_request(self, tenant: Tenant, key: ApiKey | None) -> None:
         """Count a request against the requests-per-minute limits only, or raise RateLimitError (429) and undo.
 

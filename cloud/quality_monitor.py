@@ -5,8 +5,9 @@
 - Exactly once per batch: the usage record's id is derived from the device's batch id (namespaced by tenant and
   device, in a space the device's own usage ids cannot reach), and the record and the samples are stored in one
   transaction; a retried batch is answered ``duplicate`` without running the model again.
-- Rate-bounded per device (``edge_shadow_rows_per_minute``, a token bucket): a device over it gets 429 and its
-  agent drops the batch (a sample is a sample).
+- Rate-bounded per device (``edge_shadow_rows_per_minute``, a one-minute window in the rate limiter's storage:
+  Redis where the gateways have it, so every replica counts against the same bound): a device over it gets 429
+  and its agent drops the batch (a sample is a sample).
 - Never on a client's path: devices send these after answering, from a bounded background queue.
 """
 
@@ -15,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import numpy as np
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
+from cloud.limits import RateLimiter
 from cloud.tensor_models import TensorPool
 from controlplane.billing.budgets import PriceBook
 from controlplane.billing.ledger import NewUsage
@@ -30,7 +32,7 @@ from controlplane.fleet.devices import device_usage_id
 from controlplane.policies import monitor
 from controlplane.storage.tables import Device, EscalationPolicy, QualityAlert, Tenant, UsageRecord
 from shared.edge_protocol import ShadowRequest, ShadowResponse
-from shared.errors import NotFoundError, RateLimitError, ValidationError
+from shared.errors import NotFoundError, ValidationError
 
 logger = logging.getLogger(__name__)
 SHADOW_TIER = "shadow"
@@ -43,36 +45,24 @@ def shadow_usage_id(tenant_id: int, device_id: str, batch_id: str) -> str:
 
 
 @dataclass(slots=True)
-class _Bucket:
-    tokens: float
-    at: float
-
-
-@dataclass(slots=True)
 class ShadowIntake:
     """Answers shadow batches: rate bound, cloud model, comparison, billing and the monitor's check."""
 
     db: Engine
     prices: PriceBook
+    limiter: RateLimiter
     share: float = 0.0
     rows_per_minute: int = 600
     num_batches: int = 0
     num_alerts: int = 0
-    _buckets: dict[str, _Bucket] = field(default_factory=dict)
 
     def share_for(self, tenant: Tenant) -> float:
         """The share the tenant's devices sample: the tenant's own setting, else the cloud's."""
         return tenant.shadow_share if tenant.shadow_share is not None else self.share
 
-    def _take(self, device_id: str, rows: int) -> None:
-        now = time.monotonic()
-        capacity = float(self.rows_per_minute)
-        bucket = self._buckets.setdefault(device_id, _Bucket(capacity, now))
-        bucket.tokens = min(capacity, bucket.tokens + (now - bucket.at) * capacity / 60.0)
-        bucket.at = now
-        if bucket.tokens < rows:
-            raise RateLimitError(f"shadow samples: at most {self.rows_per_minute} inputs per device and minute")
-        bucket.tokens -= rows
+    async def take(self, device_id: str, rows: int) -> None:
+        """Count a batch's inputs against the device's bound, or raise RateLimitError (429)."""
+        await self.limiter.take_per_minute("shadow-inputs", device_id, rows, self.rows_per_minute)
 
     async def answer(self, tensors: TensorPool, device: Device, tenant: Tenant, data: ShadowRequest) -> ShadowResponse:
         n = len(data.inputs)
@@ -90,7 +80,7 @@ class ShadowIntake:
         model = tensors.get(data.cloud_model)
         if model is None:
             raise NotFoundError(f"the cloud does not serve '{data.cloud_model}'", param="cloud_model")
-        self._take(device.id, n)
+        await self.take(device.id, n)
         started = time.monotonic()
         result = await tensors.infer(model, [list(row) for row in data.inputs])
         cloud_answers = np.argmax(np.asarray(result["outputs"], dtype=np.float64), axis=-1).tolist()

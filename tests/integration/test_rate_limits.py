@@ -117,3 +117,32 @@ def test_a_refused_request_counts_against_no_scope(redis_url: str | None) -> Non
         await limiter.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("redis_url", BACKENDS)
+def test_shadow_inputs_are_bounded_per_device_across_replicas(redis_url: str | None) -> None:
+    """The quality monitor's bound on a device's shadow inputs: counted in the limiter's storage, so two gateways
+    on one Redis hold a device to one bound; a refused batch counts nothing."""
+    from cloud.quality_monitor import ShadowIntake
+
+    async def main() -> None:
+        settings = CloudSettings()
+        a, b = RateLimiter(settings, redis_url), RateLimiter(settings, redis_url)
+        if redis_url is None:
+            b = a  # one process: its memory is the storage
+        one = ShadowIntake(db=None, prices=None, limiter=a, rows_per_minute=100)  # type: ignore[arg-type]
+        two = ShadowIntake(db=None, prices=None, limiter=b, rows_per_minute=100)  # type: ignore[arg-type]
+        device, other = f"dev-{uuid.uuid4().hex}", f"dev-{uuid.uuid4().hex}"
+        await one.take(device, 60)
+        with pytest.raises(RateLimitError, match="shadow-inputs: at most 100 per minute") as exc:
+            await two.take(device, 60)
+        assert exc.value.status_code == 429
+        await two.take(other, 60)  # per device
+        await two.take(device, 40)  # the refused batch took nothing: 60 + 40 fit
+        with pytest.raises(RateLimitError):
+            await one.take(device, 1)
+        await a.close()
+        if b is not a:
+            await b.close()
+
+    asyncio.run(main())

@@ -108,19 +108,3 @@ def test_a_batch_is_retried_under_its_id_and_sent_once(monkeypatch: pytest.Monke
     assert sampler.stats.sent == 1 and len(link.sent) == 2 and link.sent[0]["id"] == link.sent[1]["id"]
     batch = link.sent[0]
     assert len(batch["inputs"]) == 64 and batch["edge_answers"][:2] == [1, 1] and batch["policy_version"] == 2
-
-
-def test_the_cloud_bounds_shadow_inputs_per_device_and_minute(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cloud import quality_monitor
-    from cloud.quality_monitor import ShadowIntake
-    from shared.errors import RateLimitError
-
-    now = [1000.0]
-    monkeypatch.setattr(quality_monitor.time, "monotonic", lambda: now[0])
-    intake = ShadowIntake(db=None, prices=None, rows_per_minute=100)  # type: ignore[arg-type]
-    intake._take("dev-1", 60)
-    with pytest.raises(RateLimitError):
-        intake._take("dev-1", 60)
-    intake._take("dev-2", 60)  # per device
-    now[0] += 30.0  # half a minute refills half the bucket
-    intake._take("dev-1", 60)
