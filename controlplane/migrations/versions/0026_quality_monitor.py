@@ -60,8 +60,9 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("tenant") as batch:
-        batch.drop_column("shadow_share")
+    # A plain ALTER TABLE ... DROP COLUMN (SQLite has it since 3.35): a batch rebuild would drop and recreate the
+    # tenant table, which SQLite refuses while other tables' rows reference it (foreign keys are on).
+    op.drop_column("tenant", "shadow_share")
     op.drop_index(op.f("ix_quality_alert_model"), table_name="quality_alert")
     op.drop_table("quality_alert")
     op.drop_index("ix_shadow_sample_group", table_name="shadow_sample")
