@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import time
 from collections.abc import Iterator
@@ -146,12 +147,16 @@ def _edge_env(data_dir: Path) -> dict[str, str]:
 def test_edge_agent_serves_only_verified_models(data_dir: Path) -> None:
     with run_server(["edge", "run"], _edge_env(data_dir), free_port()) as url:
         models = {m["id"]: m for m in httpx.get(f"{url}/v1/models").json()["data"]}
+    # llama.cpp's GGUF export is served where llama-cpp-python is installed (tierline[edge-gguf]), else not listed.
+    gguf = {"tierline/lm-edge-gguf"} if importlib.util.find_spec("llama_cpp") is not None else set()
     assert {
-        "tierline/lm-edge",  # the INT8 guard's pick of the two ONNX exports
+        "tierline/lm-edge",  # the runtime guard's pick among the exports
         "tierline/lm-edge-onnx",
         "tierline/lm-edge-onnx-int8",
         "tierline/lm-edge-tflite",
         "tierline/digits-small",
+        "tierline/digits-micro",
+        *gguf,
     } == set(models)
     # Tamper with one artifact: the agent refuses it and serves the rest.
     target = data_dir / "zoo" / "tiny" / "artifacts" / "lm-edge-onnx-int8" / "model.onnx"
