@@ -71,7 +71,7 @@ def test_forced_token_is_the_one_token_the_mask_allows_and_its_mask_is_reused(la
     forced_steps = free_steps = 0
     for grammar in _grammars().values():
         for _ in range(3):  # random paths through the grammar
-            constraint, path = gt.constraint(grammar), []
+            constraint, path = gt.constraint(grammar), list[int]()
             while not constraint.done and len(path) < 60:
                 forced = constraint.forced_token()  # computes the mask and keeps it for the step
                 kept = np.zeros((1, constraint.num_words), dtype=np.int32)
@@ -117,11 +117,11 @@ def test_cloud_jump_forward_gives_the_token_by_token_output_in_fewer_steps(layou
             assert _generate(speculating, [prompt], [params])[0] == expected, (name, prompt, "ngram")
     # All of them in one batch, beside free requests and an n > 1 request: each as it decodes alone.
     prompts = PROMPTS * 2
-    params = [SamplingParams(temperature=0.0, max_tokens=80, grammar=g) for g in grammars.values()] * 2
-    params[1] = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    params[5] = SamplingParams(temperature=0.0, max_tokens=60, grammar=grammars["pet"], n=2)
-    expected, steps_by_token = _generate(by_token, prompts, params)
-    got, steps_jumping = _generate(jumping, prompts, params)
+    batch = [SamplingParams(temperature=0.0, max_tokens=80, grammar=g) for g in grammars.values()] * 2
+    batch[1] = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    batch[5] = SamplingParams(temperature=0.0, max_tokens=60, grammar=grammars["pet"], n=2)
+    expected, steps_by_token = _generate(by_token, prompts, batch)
+    got, steps_jumping = _generate(jumping, prompts, batch)
     assert got == expected
     # The pet schema's keys are forced: a single pet request takes fewer forwards than tokens.
     pet = SamplingParams(temperature=0.0, max_tokens=80, grammar=grammars["pet"])

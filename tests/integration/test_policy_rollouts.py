@@ -13,6 +13,7 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
+from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
 from controlplane.fleet.devices import ingest
@@ -41,7 +42,7 @@ NUM_BETA, NUM_PROD = 30, 4
 
 
 @pytest.fixture
-def engine(migrated_db: str) -> Iterator[object]:
+def engine(migrated_db: str) -> Iterator[Engine]:
     eng = create_db(migrated_db)
     yield eng
     eng.dispose()
@@ -127,9 +128,9 @@ def report(session: Session, tid: int, at: datetime, *, escalate: dict[int, floa
     session.commit()
 
 
-def test_a_policy_version_goes_to_its_arm_and_a_costlier_one_rolls_back(engine: object, tmp_path: Path) -> None:
+def test_a_policy_version_goes_to_its_arm_and_a_costlier_one_rolls_back(engine: Engine, tmp_path: Path) -> None:
     key = tmp_path / "signing.key"
-    with Session(engine) as s:  # type: ignore[call-overload]
+    with Session(engine) as s:
         tid, _ = fleet(s)
         v1 = new_version(s, -3.0, key)
         v2 = new_version(s, -1.0, key)  # a stricter operating point: escalates more
@@ -154,9 +155,9 @@ def test_a_policy_version_goes_to_its_arm_and_a_costlier_one_rolls_back(engine: 
         with pytest.raises(ConflictError):
             create_rollout(s, spec, actor="test")
 
-    assert [r.action for r in run_controller_pass(engine)] == ["start"]  # type: ignore[arg-type]
+    assert [r.action for r in run_controller_pass(engine)] == ["start"]
     start = datetime.now(UTC)
-    with Session(engine) as s:  # type: ignore[call-overload]
+    with Session(engine) as s:
         want = desired(s)
         for device_id, version in want.items():
             canary = device_id.startswith("dev-beta") and arm(rid, device_id, 50) == "candidate"
@@ -175,20 +176,20 @@ def test_a_policy_version_goes_to_its_arm_and_a_costlier_one_rolls_back(engine: 
     assert window.candidate.value("cost_per_request") == Decimal("0.0002005")
     assert window.baseline.value("cost_per_request") == Decimal("0.0000505")
 
-    (result,) = run_controller_pass(engine, now=datetime.now(UTC) + timedelta(seconds=5))  # type: ignore[arg-type]
+    (result,) = run_controller_pass(engine, now=datetime.now(UTC) + timedelta(seconds=5))
     assert result.action == "rollback", result.reason
     assert "policy escalation_rate 0.4 exceeds limit" in result.reason
     assert "policy cost_per_request 0.0002005 exceeds limit" in result.reason
-    with Session(engine) as s:  # type: ignore[call-overload]
+    with Session(engine) as s:
         assert set(desired(s).values()) == {v1}  # everyone back on the baseline version
         event = s.exec(select(RolloutEvent).where(RolloutEvent.kind == "rolled_back")).one()
         assert event.metrics is not None and "candidate_usage" not in event.metrics
         assert event.metrics["windows"]["policy"]["candidate"]["devices"] > 0
 
 
-def test_a_healthy_policy_version_is_promoted_and_a_newer_one_takes_over_after(engine: object, tmp_path: Path) -> None:
+def test_a_healthy_policy_version_is_promoted_and_a_newer_one_takes_over_after(engine: Engine, tmp_path: Path) -> None:
     key = tmp_path / "signing.key"
-    with Session(engine) as s:  # type: ignore[call-overload]
+    with Session(engine) as s:
         tid, _ = fleet(s)
         v1, v2 = new_version(s, -3.0, key), new_version(s, -4.0, key)
         spec = RolloutSpec(
@@ -202,15 +203,15 @@ def test_a_healthy_policy_version_is_promoted_and_a_newer_one_takes_over_after(e
         )
         rid = create_rollout(s, spec, actor="test").id or 0
         s.commit()
-    run_controller_pass(engine)  # type: ignore[arg-type]
+    run_controller_pass(engine)
     start = datetime.now(UTC)
-    with Session(engine) as s:  # type: ignore[call-overload]
+    with Session(engine) as s:
         escalate, cost = {v1: 0.2, v2: 0.1}, {v1: "0.0002", v2: "0.0002"}  # escalates less: cheaper per request
         for i in (1, 2):
             report(s, tid, start + timedelta(seconds=i), escalate=escalate, cost=cost)
-    (result,) = run_controller_pass(engine, now=datetime.now(UTC) + timedelta(seconds=5))  # type: ignore[arg-type]
+    (result,) = run_controller_pass(engine, now=datetime.now(UTC) + timedelta(seconds=5))
     assert result.action == "promote", result.reason
-    with Session(engine) as s:  # type: ignore[call-overload]
+    with Session(engine) as s:
         assert set(desired(s).values()) == {v2}  # prod included: the rollout had no selector
         v3 = new_version(s, -5.0, key)
         row = policies.get_version(s, MODEL, v3)
@@ -242,10 +243,10 @@ def shadow(session: Session, tid: int, at: datetime, per_device: int, disagree: 
     session.commit()
 
 
-def test_a_cheaper_policy_version_that_disagrees_with_the_cloud_rolls_back(engine: object, tmp_path: Path) -> None:
+def test_a_cheaper_policy_version_that_disagrees_with_the_cloud_rolls_back(engine: Engine, tmp_path: Path) -> None:
     """Escalating less always looks cheaper: what it keeps on the edge is judged by the shadow samples."""
     key = tmp_path / "signing.key"
-    with Session(engine) as s:  # type: ignore[call-overload]
+    with Session(engine) as s:
         tid, _ = fleet(s)
         v1, v2 = new_version(s, -3.0, key), new_version(s, -6.0, key)  # v2 keeps far more on the edge
         spec = RolloutSpec(
@@ -259,26 +260,26 @@ def test_a_cheaper_policy_version_that_disagrees_with_the_cloud_rolls_back(engin
         )
         create_rollout(s, spec, actor="test")
         s.commit()
-    run_controller_pass(engine)  # type: ignore[arg-type]
+    run_controller_pass(engine)
     start = datetime.now(UTC)
-    with Session(engine) as s:  # type: ignore[call-overload]
+    with Session(engine) as s:
         escalate, cost = {v1: 0.2, v2: 0.05}, {v1: "0.0002", v2: "0.0002"}  # fewer escalations: cheaper
         for i in (1, 2):
             report(s, tid, start + timedelta(seconds=i), escalate=escalate, cost=cost)
         # Too few shadow samples for a verdict on agreement: the step waits rather than promoting blind.
         shadow(s, tid, start + timedelta(seconds=2), 1, {v1: 0, v2: 1})
-    (result,) = run_controller_pass(engine, now=datetime.now(UTC) + timedelta(seconds=5))  # type: ignore[arg-type]
+    (result,) = run_controller_pass(engine, now=datetime.now(UTC) + timedelta(seconds=5))
     assert result.action == "wait", result.reason
     assert "disagreement_rate: fewer than 30 shadow samples" in result.reason
-    with Session(engine) as s:  # type: ignore[call-overload]
+    with Session(engine) as s:
         # 1 in 20 of the baseline's edge answers differ from the cloud's, 1 in 4 of the candidate's.
         shadow(s, tid, start + timedelta(seconds=3), 20, {v1: 1, v2: 5})
         assert set(desired(s).values()) == {v1, v2}
-    (result,) = run_controller_pass(engine, now=datetime.now(UTC) + timedelta(seconds=5))  # type: ignore[arg-type]
+    (result,) = run_controller_pass(engine, now=datetime.now(UTC) + timedelta(seconds=5))
     assert result.action == "rollback", result.reason
     assert "policy disagreement_rate" in result.reason and "exceeds limit" in result.reason
     assert "escalation_rate" not in result.reason and "cost_per_request" not in result.reason  # those passed
-    with Session(engine) as s:  # type: ignore[call-overload]
+    with Session(engine) as s:
         assert set(desired(s).values()) == {v1}
         event = s.exec(select(RolloutEvent).where(RolloutEvent.kind == "rolled_back")).one()
         assert event.metrics is not None
@@ -286,9 +287,9 @@ def test_a_cheaper_policy_version_that_disagrees_with_the_cloud_rolls_back(engin
         assert candidate["shadow_samples"] >= 30 and candidate["disagreement_rate"] > 0.2
 
 
-def test_an_unconverged_or_overriding_device_is_not_counted(engine: object, tmp_path: Path) -> None:
+def test_an_unconverged_or_overriding_device_is_not_counted(engine: Engine, tmp_path: Path) -> None:
     key = tmp_path / "signing.key"
-    with Session(engine) as s:  # type: ignore[call-overload]
+    with Session(engine) as s:
         tid, devices = fleet(s)
         v1, v2 = new_version(s, -3.0, key), new_version(s, -4.0, key)
         spec = RolloutSpec(
@@ -296,9 +297,9 @@ def test_an_unconverged_or_overriding_device_is_not_counted(engine: object, tmp_
         )
         rid = create_rollout(s, spec, actor="test").id or 0
         s.commit()
-    run_controller_pass(engine)  # type: ignore[arg-type]
+    run_controller_pass(engine)
     start = datetime.now(UTC)
-    with Session(engine) as s:  # type: ignore[call-overload]
+    with Session(engine) as s:
         report(s, tid, start + timedelta(seconds=1), escalate={v1: 0.1, v2: 0.1}, cost={v1: "0", v2: "0"})
         report(s, tid, start + timedelta(seconds=2), escalate={v1: 0.1, v2: 0.1}, cost={v1: "0", v2: "0"})
         for i, d in enumerate(s.exec(select(Device)).all()):
@@ -307,7 +308,7 @@ def test_an_unconverged_or_overriding_device_is_not_counted(engine: object, tmp_
         s.commit()
         window = policy_window(s, get_rollout(s, rid), start, datetime.now(UTC) + timedelta(seconds=5))
     assert window.candidate.requests == 0 and window.baseline.requests == 0
-    with Session(engine) as s:  # type: ignore[call-overload]
+    with Session(engine) as s:
         promote(s, rid, actor="test")
         s.commit()
         assert set(desired(s).values()) == {v2}
@@ -325,9 +326,9 @@ def test_an_unconverged_or_overriding_device_is_not_counted(engine: object, tmp_
     ],
 )
 def test_a_bad_policy_rollout_is_refused_naming_the_field(
-    engine: object, tmp_path: Path, change: dict[str, str], param: str
+    engine: Engine, tmp_path: Path, change: dict[str, str], param: str
 ) -> None:
-    with Session(engine) as s:  # type: ignore[call-overload]
+    with Session(engine) as s:
         v1, v2 = new_version(s, -3.0, tmp_path / "k"), new_version(s, -4.0, tmp_path / "k")
         fields = {"model": MODEL, "baseline_version": str(v1), "candidate_version": str(v2), "kind": "policy", **change}
         with pytest.raises(ValidationError) as err:
@@ -347,13 +348,13 @@ def sample(device: str, tid: int, at: datetime, requests: int, escalations: int,
     )
 
 
-def test_each_increase_counts_for_the_version_its_sync_reported(engine: object, tmp_path: Path) -> None:
+def test_each_increase_counts_for_the_version_its_sync_reported(engine: Engine, tmp_path: Path) -> None:
     """A device that switched inside the window: what it served before the switch counts for the baseline, after
     it for the candidate; what it served on its own policy file (override) counts for neither arm."""
     key = tmp_path / "signing.key"
     start = datetime.now(UTC) - timedelta(minutes=10)
     minute = timedelta(minutes=1)
-    with Session(engine) as s:  # type: ignore[call-overload]
+    with Session(engine) as s:
         tid = create_tenant(s, "acme").id or 0
         s.add(Device(id="dev-switch", tenant_id=tid, labels={}, token_hash="h1", policies={MODEL: "2"}))
         s.add(Device(id="dev-own", tenant_id=tid, labels={}, token_hash="h2", policies={MODEL: "override"}))
@@ -378,8 +379,8 @@ def test_each_increase_counts_for_the_version_its_sync_reported(engine: object, 
     assert window.candidate.num_devices == window.baseline.num_devices == 1
 
 
-def test_a_sync_stores_the_policies_in_use_with_its_telemetry(engine: object) -> None:
-    with Session(engine) as s:  # type: ignore[call-overload]
+def test_a_sync_stores_the_policies_in_use_with_its_telemetry(engine: Engine) -> None:
+    with Session(engine) as s:
         tid = create_tenant(s, "acme").id or 0
         device = Device(id="dev-a", tenant_id=tid, labels={}, token_hash="h")
         s.add(device)
