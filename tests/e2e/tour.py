@@ -240,7 +240,16 @@ def _canary(env: dict[str, str], info: dict[str, Any], db: str, device: str) -> 
     _cli(env, "cloud", "publish", artifact, "--as-version", candidate)
     _cli(env, "rollouts", "pin", str(rollout), "--device", device, "--arm", "candidate")
     if "pending" in _cli(env, "rollouts", "get", str(rollout)).splitlines()[0]:  # else the controller started it
-        _cli(env, "rollouts", "resume", str(rollout))
+        # The controller may start it between the read and the resume; then resume refuses, and that is fine.
+        proc = subprocess.run(
+            tierline_cmd("rollouts", "resume", str(rollout)),
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert proc.returncode == 0 or f"rollout {rollout} is running" in proc.stderr, proc.stderr
     deadline = time.monotonic() + 90
     while _device_version(db, device, "lm-edge-onnx-int8") != candidate:
         assert time.monotonic() < deadline, f"the device never installed {candidate}"
