@@ -466,7 +466,12 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
                             enrollment_margin=timedelta(seconds=settings.edge_usage_enrollment_margin_s),
                         ),
                         ShadowIntake(
-                            db, prices, limiter, settings.edge_shadow_share, settings.edge_shadow_rows_per_minute
+                            db,
+                            prices,
+                            limiter,
+                            settings.edge_shadow_share,
+                            settings.edge_shadow_rows_per_minute,
+                            settings.edge_shadow_tokens_per_minute,
                         ),
                     ),
                 )

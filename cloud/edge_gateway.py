@@ -291,14 +291,16 @@ async def escalate(
     dependencies=DEVICE,
     status_code=200,
     security=DEVICE_BEARER,
-    responses=error_responses(400, 401, 404, 413, 429),
+    responses=error_responses(400, 401, 404, 409, 413, 429),
 )
-async def shadow(edge: EdgeGateway, tensors: TensorPool, device: DeviceCaller, data: ShadowRequest) -> ShadowResponse:
-    """Edge-answered inputs answered again by the cloud for the quality monitor (never shown to a client), billed
-    once per batch id as ``shadow`` usage."""
+async def shadow(
+    edge: EdgeGateway, tensors: TensorPool, completions: CompletionService, device: DeviceCaller, data: ShadowRequest
+) -> ShadowResponse:
+    """Edge-answered inputs (classifier rows, or LM prompts and generated tokens) answered again by the cloud for the
+    quality monitor (never shown to a client), billed once per batch id as ``shadow`` usage."""
     if edge.shadow is None:
         raise NotFoundError("this cloud does not take shadow samples", param="id")
-    return await edge.shadow.answer(tensors, device.device, device.tenant, data)
+    return await edge.shadow.answer(tensors, device.device, device.tenant, data, completions.pool)
 
 
 ROUTES = [enroll_device, sync, escalate, shadow]

@@ -2,6 +2,15 @@
 (``POST /v1/edge/shadow``) are answered again by the cloud's model, compared with the edge's answers, billed as
 ``shadow`` usage and handed to the control plane's monitor (``controlplane.policies.monitor``).
 
+- Classifier batches: the rows are run through the cloud's tensor model; a sample agrees when both predicted
+  the same class.
+- LM batches: each sample's prompt token ids are run through the cloud LM's engine (the pool the gateway serves
+  from), greedily, for as many tokens as the edge generated; a sample agrees when the cloud's tokens are the
+  edge's at every position (the calibration's ``agrees_with_cloud`` for LMs: the edge's answer *is* the cloud's),
+  or at least at the share the policy's ``calibration.agreement_min_token_share`` names. Token ids are compared
+  only when both models have the same vocabulary (``vocabulary_sha256``); otherwise the batch is refused (409)
+  and the agent stops sampling that pair.
+
 - Exactly once per batch: the usage record's id is derived from the device's batch id (namespaced by tenant and
   device, in a space the device's own usage ids cannot reach), and the record and the samples are stored in one
   transaction; a retried batch is answered ``duplicate`` without running the model again.
@@ -16,8 +25,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+import uuid
+import weakref
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from sqlalchemy.engine import Engine
@@ -30,13 +42,34 @@ from controlplane.billing.ledger import NewUsage
 from controlplane.billing.pricing import Tokens
 from controlplane.fleet.devices import device_usage_id
 from controlplane.policies import monitor
+from controlplane.rollouts.analysis import token_agreement
 from controlplane.storage.tables import Device, EscalationPolicy, QualityAlert, Tenant, UsageRecord
-from shared.edge_protocol import ShadowRequest, ShadowResponse
-from shared.errors import NotFoundError, ValidationError
+from shared.edge_protocol import ShadowRequest, ShadowResponse, vocabulary_sha256
+from shared.errors import ConflictError, NotFoundError, ValidationError
+
+if TYPE_CHECKING:  # the engines (torch) load only where requests are served
+    from cloud.engine_pool import EnginePool, ServedLM
 
 logger = logging.getLogger(__name__)
 SHADOW_TIER = "shadow"
 SHADOW_REASON = "quality-monitor"
+AGREEMENT_KEY = "agreement_min_token_share"  # an LM policy's calibration key: what "agrees" means (default 1.0)
+
+
+def lm_agrees(edge_tokens: list[int], cloud_tokens: list[int], min_share: float = 1.0) -> tuple[bool, float]:
+    """Whether an LM sample agrees (the share of the edge's positions where the cloud chose the same token is at
+    least ``min_share``; 1.0: the same answer) and that share."""
+    share = token_agreement(edge_tokens, cloud_tokens) or 0.0
+    return share >= min_share - 1e-12, share
+
+
+def min_token_share(policy: dict[str, Any] | None) -> float:
+    """The token share at which an LM sample counts as agreeing under ``policy`` (its calibration's
+    ``agreement_min_token_share``, in (0, 1]; else 1.0: every token the same)."""
+    value = ((policy or {}).get("calibration") or {}).get(AGREEMENT_KEY)
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0.0 < float(value) <= 1.0:
+        return float(value)
+    return 1.0
 
 
 def shadow_usage_id(tenant_id: int, device_id: str, batch_id: str) -> str:
@@ -53,8 +86,10 @@ class ShadowIntake:
     limiter: RateLimiter
     share: float = 0.0
     rows_per_minute: int = 600
+    tokens_per_minute: int = 60_000
     num_batches: int = 0
     num_alerts: int = 0
+    _vocabularies: weakref.WeakKeyDictionary[Any, str] = field(default_factory=weakref.WeakKeyDictionary)
 
     def share_for(self, tenant: Tenant) -> float:
         """The share the tenant's devices sample: the tenant's own setting, else the cloud's."""
@@ -64,19 +99,32 @@ class ShadowIntake:
         """Count a batch's inputs against the device's bound, or raise RateLimitError (429)."""
         await self.limiter.take_per_minute("shadow-inputs", device_id, rows, self.rows_per_minute)
 
-    async def answer(self, tensors: TensorPool, device: Device, tenant: Tenant, data: ShadowRequest) -> ShadowResponse:
-        n = len(data.inputs)
-        if len(data.edge_answers) != n or len(data.confidences) != n:
+    async def take_tokens(self, device_id: str, tokens: int) -> None:
+        """Count an LM batch's tokens (prompts and generated) against the device's bound, or raise (429)."""
+        await self.limiter.take_per_minute("shadow-tokens", device_id, tokens, self.tokens_per_minute)
+
+    async def answer(
+        self,
+        tensors: TensorPool,
+        device: Device,
+        tenant: Tenant,
+        data: ShadowRequest,
+        engines: EnginePool | None = None,
+    ) -> ShadowResponse:
+        n = len(data.lm_samples) if data.is_lm else len(data.inputs)
+        if not data.is_lm and (len(data.edge_answers) != n or len(data.confidences) != n):
             raise ValidationError("edge_answers and confidences: one per input", param="edge_answers")
         assert tenant.id is not None
         usage_id = shadow_usage_id(tenant.id, device.id, data.id)
-        is_stored, is_known = await asyncio.to_thread(self._lookup, usage_id, data.model, data.policy_version)
+        is_stored, policy = await asyncio.to_thread(self._lookup, usage_id, data.model, data.policy_version)
         if is_stored:
             return ShadowResponse(num_samples=n, num_agreements=0, duplicate=True)
-        if not is_known:
+        if policy is None:
             raise NotFoundError(
                 f"no escalation policy version {data.policy_version} of '{data.model}'", param="policy_version"
             )
+        if data.is_lm:
+            return await self._answer_lm(engines, device, tenant, data, usage_id, policy)
         model = tensors.get(data.cloud_model)
         if model is None:
             raise NotFoundError(f"the cloud does not serve '{data.cloud_model}'", param="cloud_model")
@@ -89,8 +137,91 @@ class ShadowIntake:
             for c, a, b in zip(data.confidences, data.edge_answers, cloud_answers, strict=True)
         ]
         latency = round((time.monotonic() - started) * 1000, 2)
-        is_new, alert = await asyncio.to_thread(self._record, device, tenant, data, usage_id, samples, latency)
+        rows = Tokens(0, 0, rows=len(samples))
+        is_new, alert = await asyncio.to_thread(self._record, device, tenant, data, usage_id, samples, latency, rows)
+        self._log_alert(alert)
         agreements = sum(s.agrees for s in samples)
+        return ShadowResponse(num_samples=n, num_agreements=agreements, duplicate=not is_new)
+
+    async def _answer_lm(
+        self,
+        engines: EnginePool | None,
+        device: Device,
+        tenant: Tenant,
+        data: ShadowRequest,
+        usage_id: str,
+        policy: dict[str, Any],
+    ) -> ShadowResponse:
+        """An LM batch: each prompt answered greedily by the cloud LM for as many tokens as the edge generated."""
+        if engines is None or not engines.serves(data.cloud_model):
+            raise NotFoundError(f"the cloud does not serve '{data.cloud_model}'", param="cloud_model")
+        if engines.remote_version(data.cloud_model) is not None:
+            raise ConflictError(
+                f"'{data.cloud_model}' is answered by an upstream backend here: its token ids cannot be compared"
+            )
+        served = engines.get(data.cloud_model)
+        tokenizer = served.engine.tokenizer
+        vocabulary = self._vocabularies.get(tokenizer)
+        if vocabulary is None:
+            vocabulary = await asyncio.to_thread(vocabulary_sha256, tokenizer.tokenizer)
+            self._vocabularies[tokenizer] = vocabulary
+        if vocabulary != data.vocabulary_sha256:
+            raise ConflictError(
+                f"'{data.model}' and '{data.cloud_model}' have different vocabularies: their token ids cannot be "
+                "compared, so this pair is not monitored"
+            )
+        for i, sample in enumerate(data.lm_samples):
+            if len(sample.prompt_ids) + len(sample.edge_tokens) > served.max_model_len:
+                raise ValidationError(
+                    f"lm_samples.{i}.prompt_ids: {len(sample.prompt_ids)} prompt tokens and "
+                    f"{len(sample.edge_tokens)} generated exceed {data.cloud_model}'s context "
+                    f"({served.max_model_len} tokens)",
+                    param=f"lm_samples.{i}.prompt_ids",
+                )
+            served.engine.encode_prompt(sample.prompt_ids)  # ids outside the vocabulary: 400, naming the prompt
+        prompt_tokens = sum(len(s.prompt_ids) for s in data.lm_samples)
+        completion_tokens = sum(len(s.edge_tokens) for s in data.lm_samples)
+        await self.take_tokens(device.id, prompt_tokens + completion_tokens)
+        started = time.monotonic()
+        salt = f"tenant:{tenant.id}"  # the tenant's prefix-cache namespace, as its own requests
+        answers = await asyncio.gather(
+            *(self._greedy(served, s.prompt_ids, len(s.edge_tokens), salt) for s in data.lm_samples)
+        )
+        min_share = min_token_share(policy)
+        samples, shares = [], []
+        for sample, cloud_tokens in zip(data.lm_samples, answers, strict=True):
+            agrees, share = lm_agrees(sample.edge_tokens, cloud_tokens, min_share)
+            samples.append(monitor.Sample(confidence=sample.confidence, agrees=agrees))
+            shares.append(share)
+        latency = round((time.monotonic() - started) * 1000, 2)
+        generated = sum(len(a) for a in answers)
+        tokens = Tokens(prompt_tokens, generated)
+        is_new, alert = await asyncio.to_thread(self._record, device, tenant, data, usage_id, samples, latency, tokens)
+        self._log_alert(alert)
+        return ShadowResponse(
+            num_samples=len(samples),
+            num_agreements=sum(s.agrees for s in samples),
+            duplicate=not is_new,
+            token_agreement=round(sum(shares) / len(shares), 6),
+        )
+
+    @staticmethod
+    async def _greedy(served: ServedLM, prompt: list[int], max_tokens: int, salt: str) -> list[int]:
+        from cloud.engine.sampling_params import SamplingParams
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        tokens: list[int] = []
+        stream = served.engine.generate(prompt, params, request_id=f"edge-shadow-{uuid.uuid4().hex}", cache_salt=salt)
+        try:
+            async for out in stream:
+                if out.finished:
+                    tokens = list(out.outputs[0].token_ids)
+        finally:
+            await stream.aclose()
+        return tokens
+
+    @staticmethod
+    def _log_alert(alert: QualityAlert | None) -> None:
         if alert is not None:
             logger.warning(
                 "quality alert %s: %s v%s group %r agrees with the cloud on %d/%d shadow samples (promised %.3f)",
@@ -102,16 +233,17 @@ class ShadowIntake:
                 alert.num_samples,
                 alert.promised,
             )
-        return ShadowResponse(num_samples=n, num_agreements=agreements, duplicate=not is_new)
 
-    def _lookup(self, usage_id: str, model: str, version: int) -> tuple[bool, bool]:
-        """Whether the batch is stored already (a retry), and whether its policy version exists."""
+    def _lookup(self, usage_id: str, model: str, version: int) -> tuple[bool, dict[str, Any] | None]:
+        """Whether the batch is stored already (a retry), and its policy version's JSON (None: no such version)."""
         with Session(self.db) as session:
             is_stored = session.exec(select(UsageRecord.id).where(UsageRecord.id == usage_id)).first() is not None
             policy = session.exec(
-                select(EscalationPolicy.id).where(EscalationPolicy.model == model, EscalationPolicy.version == version)
+                select(EscalationPolicy.policy).where(
+                    EscalationPolicy.model == model, EscalationPolicy.version == version
+                )
             ).first()
-            return is_stored, policy is not None
+            return is_stored, dict(policy) if policy is not None else None
 
     def _record(
         self,
@@ -121,13 +253,13 @@ class ShadowIntake:
         usage_id: str,
         samples: list[monitor.Sample],
         latency_ms: float,
+        work: Tokens,
     ) -> tuple[bool, QualityAlert | None]:
         assert tenant.id is not None
-        rows = Tokens(0, 0, rows=len(samples))
         # A price for the shadow tier wins; else the cloud's own price for the same work.
         price = self.prices.lookup(data.cloud_model, None, SHADOW_TIER, tenant_id=tenant.id)
         rating = self.prices.cost(
-            data.cloud_model, None, SHADOW_TIER if price is not None else "cloud", rows, tenant_id=tenant.id
+            data.cloud_model, None, SHADOW_TIER if price is not None else "cloud", work, tenant_id=tenant.id
         )
         usage = NewUsage(
             id=usage_id,
@@ -135,7 +267,9 @@ class ShadowIntake:
             model=data.cloud_model,
             tier=SHADOW_TIER,
             occurred_at=datetime.now(UTC),
-            rows=len(samples),
+            prompt_tokens=work.prompt,
+            completion_tokens=work.completion,
+            rows=work.rows,
             device_id=device.id,
             latency_ms=latency_ms,
             escalation_reason=SHADOW_REASON,

@@ -123,6 +123,11 @@ class CloudSettings(BaseSettings):
     edge_shadow_rows_per_minute: int = Field(
         600, ge=0, description="most shadow inputs the cloud answers per device and minute (more: 429)"
     )
+    edge_shadow_tokens_per_minute: int = Field(
+        60_000,
+        ge=0,
+        description="most LM shadow tokens (prompts and generated) the cloud answers per device and minute (more: 429)",
+    )
     edge_usage_max_future_s: float = Field(
         300.0,
         ge=0,

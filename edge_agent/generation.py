@@ -49,6 +49,7 @@ class LocalRequest:
     ignore_eos: bool = False
     logprobs: int | None = None
     grammar: str | None = None  # the output must match it (response_format; shared.structured)
+    keep_logits: bool = False  # hand each sampled step's logits on (the LM hidden-state probe's running mean)
 
 
 @dataclass(slots=True)
@@ -60,6 +61,7 @@ class LocalStep:
     logprob: Logprob | None
     finish_reason: str | None
     signal: StepSignal | None = None  # confidence evidence for the escalation policy
+    logits: np.ndarray | None = None  # the step's raw logits (``keep_logits``); the consumer folds and drops them
 
 
 class LocalLM:
@@ -137,7 +139,7 @@ class LocalLM:
             self.runtime.reset()
             logits = run_model(model, partial(self.runtime.prefill, req.prompt_ids))
             while True:
-                lp = signal = None
+                lp = signal = kept = None
                 if forced is not None:  # the grammar allows this token only: no logits, no evidence of confidence
                     token = forced
                 else:
@@ -147,6 +149,7 @@ class LocalLM:
                     token = choose(allowed, rng, req.temperature, req.top_p, req.top_k, req.min_p)
                     lp = logprob_of(logits, token, req.logprobs) if req.logprobs is not None else None
                     signal = step_signal(logits, token)
+                    kept = np.array(logits, dtype=np.float64) if req.keep_logits else None
                 out.append(token)
                 reason = None
                 if constraint is not None:
@@ -160,7 +163,7 @@ class LocalLM:
                 delta, stopped = detok.update(out, is_final=reason is not None)
                 if stopped:
                     reason = "stop"
-                yield LocalStep(token, delta, lp, reason, signal)
+                yield LocalStep(token, delta, lp, reason, signal, kept)
                 if reason is not None:
                     return
                 forced = constraint.forced_token() if jump and constraint is not None else None

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
+
 from edge_agent.generation import LocalLM, LocalRequest, LocalStep, ModelFaultError
 from shared.artifacts import Manifest, verify_files
 from shared.errors import ApplicationError, ArtifactVerificationError, NotFoundError, ValidationError
@@ -164,6 +166,8 @@ class Prepared:
     local: LocalRequest
     echo_text: str = ""
     steps_seen: list[LocalStep] = field(default_factory=list)
+    logits_sum: np.ndarray | None = None  # over the sampled steps, when ``local.keep_logits``
+    logits_steps: int = 0
 
     @property
     def prompt_tokens(self) -> int:
@@ -175,6 +179,24 @@ class Prepared:
 
     def signals(self) -> dict[str, float]:
         return lm_signals([s.signal for s in self.steps_seen if isinstance(s.signal, StepSignal)])
+
+    def mean_logits(self) -> np.ndarray | None:
+        """The generated tokens' logits averaged (the LM hidden-state probe's input, ``LinearProbe.input``
+        ``mean_logits``), over the steps seen so far; None unless ``local.keep_logits`` and a token was sampled."""
+        if self.logits_sum is None or self.logits_steps == 0:
+            return None
+        return self.logits_sum / self.logits_steps
+
+    def record(self, step: LocalStep) -> None:
+        """Keep ``step`` (usage, signals) and fold its logits into the running sum (not kept: one vector per
+        answer, not one per token)."""
+        if step.logits is not None:
+            if self.logits_sum is None:
+                self.logits_sum = np.zeros_like(step.logits, dtype=np.float64)
+            self.logits_sum += step.logits
+            self.logits_steps += 1
+            step.logits = None
+        self.steps_seen.append(step)
 
 
 async def prepare(models: LocalModels, endpoint: Endpoint, req: ChatCompletionRequest | CompletionRequest) -> Prepared:
@@ -197,7 +219,7 @@ def steps(p: Prepared) -> AsyncGenerator[LocalStep, None]:
 
     async def gen() -> AsyncGenerator[LocalStep, None]:
         async for step in _steps(p.lm, p.local):
-            p.steps_seen.append(step)
+            p.record(step)
             yield step
 
     return gen()

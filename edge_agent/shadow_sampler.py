@@ -8,6 +8,11 @@ background (``POST /v1/edge/shadow``), so the cloud can answer them again and ch
   (the cloud is slow or unreachable) a new batch is dropped and counted, never the client's answer delayed.
 - A batch carries an id chosen here and is retried under it (the cloud bills it once); a refusal (4xx, such as
   the per-device rate bound) drops it.
+- LM answers (``offer_lm``): only greedy, unconstrained generations (the calibration's promise is about the greedy
+  answer; a sampled or grammar-forced one says nothing about it); the batch carries the prompt's token ids, the
+  first ``MAX_SHADOW_TOKENS`` generated ids and the edge vocabulary's fingerprint, computed here in the background
+  once per tokenizer. A pair the cloud refuses with 409 (different vocabularies: token ids cannot be compared) is
+  not sampled again until the agent restarts.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import contextlib
 import logging
 import random
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from edge_agent.cloud_link import CloudLink, CloudUnavailableError
-from shared.edge_protocol import MAX_SHADOW_ROWS
+from shared.edge_protocol import MAX_SHADOW_ROWS, MAX_SHADOW_TOKENS, vocabulary_sha256
 
 logger = logging.getLogger(__name__)
 QUEUE_SIZE = 32
@@ -38,6 +44,7 @@ class ShadowStats:
     sent: int = 0
     dropped: int = 0
     refused: int = 0
+    lm_offered: int = 0
 
 
 class ShadowSampler:
@@ -58,6 +65,8 @@ class ShadowSampler:
         self.stats = ShadowStats()
         self._queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(queue_size)
         self._task: asyncio.Task[None] | None = None
+        self._vocabularies: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+        self.unmonitorable: set[tuple[str, str]] = set()  # (model, cloud model): vocabularies differ (409)
 
     def offer(
         self, model: str, cloud_model: str, rows: np.ndarray, logits: np.ndarray, confidence: np.ndarray, at: float
@@ -82,12 +91,62 @@ class ShadowSampler:
             "confidences": np.asarray(confidence[keep], dtype=np.float64).tolist(),
             "occurred_at": at,
         }
+        return self._put(batch)
+
+    def offer_lm(
+        self,
+        model: str,
+        cloud_model: str,
+        prompt_ids: list[int],
+        tokens: list[int],
+        confidence: float,
+        tokenizer: Any,
+        at: float,
+    ) -> bool:
+        """Queue one edge-answered LM request (its prompt ids, generated ids and the policy's confidence) when it
+        is drawn; ``tokenizer`` (the model's ``ChatTokenizer``) names the vocabulary the ids are in. True when queued.
+        The caller offers greedy, unconstrained answers only."""
+        share = self.share()
+        if share <= 0 or not prompt_ids or not tokens or self.link() is None:
+            return False
+        if (model, cloud_model) in self.unmonitorable:
+            return False
+        version = self.policy_version(model)
+        if version is None or self.draw() >= share:
+            return False
+        self.stats.offered += 1
+        self.stats.lm_offered += 1
+        batch = {
+            "id": uuid.uuid4().hex,
+            "model": model,
+            "cloud_model": cloud_model,
+            "policy_version": version,
+            "lm_samples": [
+                {
+                    "prompt_ids": [int(t) for t in prompt_ids],
+                    "edge_tokens": [int(t) for t in tokens[:MAX_SHADOW_TOKENS]],
+                    "confidence": float(confidence),
+                }
+            ],
+            "vocabulary_sha256": tokenizer,  # replaced by its fingerprint in the background (_send)
+            "occurred_at": at,
+        }
+        return self._put(batch)
+
+    def _put(self, batch: dict[str, Any]) -> bool:
         try:
             self._queue.put_nowait(batch)
         except asyncio.QueueFull:
             self.stats.dropped += 1
             return False
         return True
+
+    async def _vocabulary(self, tokenizer: Any) -> str:
+        found = self._vocabularies.get(tokenizer)
+        if found is None:
+            found = await asyncio.to_thread(vocabulary_sha256, tokenizer.tokenizer)
+            self._vocabularies[tokenizer] = found
+        return found
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="edge-shadow-sampler")
@@ -109,6 +168,8 @@ class ShadowSampler:
                 self.stats.dropped += 1
 
     async def _send(self, batch: dict[str, Any]) -> None:
+        if "lm_samples" in batch and not isinstance(batch["vocabulary_sha256"], str):
+            batch["vocabulary_sha256"] = await self._vocabulary(batch["vocabulary_sha256"])
         for attempt in range(ATTEMPTS):
             link = self.link()
             if link is None:
@@ -123,6 +184,13 @@ class ShadowSampler:
             else:
                 self.stats.refused += 1
                 logger.info("the cloud refused a shadow batch (%d); dropped", status)
+                if status == 409 and "lm_samples" in batch:
+                    self.unmonitorable.add((batch["model"], batch["cloud_model"]))
+                    logger.warning(
+                        "%s and %s cannot be compared token by token (different vocabularies); not sampled again",
+                        batch["model"],
+                        batch["cloud_model"],
+                    )
             return
         self.stats.dropped += 1
 
@@ -134,4 +202,6 @@ class ShadowSampler:
             "sent": self.stats.sent,
             "dropped": self.stats.dropped,
             "refused": self.stats.refused,
+            "lm_offered": self.stats.lm_offered,
+            "unmonitorable": sorted(f"{m} -> {c}" for m, c in self.unmonitorable),
         }

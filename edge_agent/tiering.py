@@ -40,7 +40,7 @@ from edge_agent.shadow_sampler import ShadowSampler
 from edge_agent.tensors import LocalClassifier, row_confidences
 from shared.edge_protocol import MAX_USAGE_SUBJECT
 from shared.errors import ApplicationError, NotFoundError, ServiceUnavailableError, ValidationError
-from shared.escalation import MODES, EdgePolicy
+from shared.escalation import HIDDEN_PROBE, MODES, EdgePolicy
 from shared.logs import server_request_id
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
 
@@ -193,16 +193,26 @@ class Tiering:
                 raise
             return await self._cloud(endpoint, req, request_id, reason, fallback=None)
         policy = self.policy(req.model)
+        prepared.local.keep_logits = mode == "local-first" and _probes_logits(policy)
         if mode == "local-first":
             reason = self._pre_signal(req, prepared, policy)
             if reason is not None:
                 return await self._cloud(endpoint, req, request_id, reason, fallback=started, prepared=prepared)
         if not req.stream:
             body = await serving.run(prepared)
-            if mode == "local-first" and policy.should_escalate(_signals(prepared)):
-                return await self._cloud(
-                    endpoint, req, request_id, "low-confidence", fallback=started, prepared=prepared, local_body=body
-                )
+            if mode == "local-first":
+                confidence = policy.confidence(_signals(prepared, policy))
+                if confidence < policy.threshold:
+                    return await self._cloud(
+                        endpoint,
+                        req,
+                        request_id,
+                        "low-confidence",
+                        fallback=started,
+                        prepared=prepared,
+                        local_body=body,
+                    )
+                self._offer_shadow(prepared, policy, confidence)
             return self._edge(prepared, body, request_id, started, None)
         if mode == "local-only":
             return self._edge_stream(prepared, serving.steps(prepared), request_id, started, None)
@@ -355,6 +365,26 @@ class Tiering:
             return "max-tokens"
         return None
 
+    # -- the quality monitor ----------------------------------------------------------------------------------
+    def _offer_shadow(self, prepared: serving.Prepared, policy: EdgePolicy, confidence: float) -> None:
+        """Hand an answer the policy kept on the device to the quality monitor's sampler: greedy, unconstrained
+        generations only (what the calibration's promise is about). Never raises: the answer is the client's."""
+        local = prepared.local
+        if self.shadow is None or local.temperature != 0.0 or local.grammar is not None:
+            return
+        try:
+            self.shadow.offer_lm(
+                policy.model,
+                self.cloud_model(prepared.req.model),
+                local.prompt_ids,
+                [s.token_id for s in prepared.steps_seen],
+                confidence,
+                prepared.lm.tokenizer,
+                time.time(),
+            )
+        except Exception:
+            logger.exception("offering a shadow sample failed; skipped")
+
     # -- answers ----------------------------------------------------------------------------------------------
     def _served(self, served: Served) -> None:
         try:
@@ -397,7 +427,9 @@ class Tiering:
         started: float,
         degraded: str | None,
         reason: str | None = None,
+        on_done: Callable[[], None] | None = None,
     ) -> Answer:
+        """``on_done`` runs once the stream was sent whole (not when it failed or the client left)."""
         first: list[float] = []
 
         async def timed() -> AsyncIterator[LocalStep]:
@@ -451,8 +483,17 @@ class Tiering:
             window.append(step)
             if step.finish_reason is not None or len(window) >= policy.stream_window:
                 break
-        if not policy.should_escalate(_signals(prepared)):
-            return self._edge_stream(prepared, _chain(window, source), request_id, started, None)
+        confidence = policy.confidence(_signals(prepared, policy))
+        if confidence >= policy.threshold:
+            # Shadowed once the stream is complete (the tokens after the window are not known before).
+            return self._edge_stream(
+                prepared,
+                _chain(window, source),
+                request_id,
+                started,
+                None,
+                on_done=lambda: self._offer_shadow(prepared, policy, confidence),
+            )
         try:
             answer = await self._cloud(endpoint, req, request_id, "low-confidence", fallback=None)
         except ServiceUnavailableError:
@@ -560,9 +601,20 @@ class Tiering:
         return Answer(payload, "cloud", reason, status_code=status)
 
 
-def _signals(prepared: serving.Prepared) -> dict[str, float]:
-    """The policy's inputs: the answer's confidence signals and the prompt's length (the router uses it)."""
-    return {**prepared.signals(), "prompt_tokens": float(prepared.prompt_tokens)}
+def _probes_logits(policy: EdgePolicy) -> bool:
+    return policy.signal == HIDDEN_PROBE and policy.probe is not None and policy.probe.input == "mean_logits"
+
+
+def _signals(prepared: serving.Prepared, policy: EdgePolicy | None = None) -> dict[str, float]:
+    """The policy's inputs: the answer's confidence signals, the prompt's length (the router uses it) and, for a
+    policy with an LM hidden-state probe, the probe's confidence on the generated tokens' mean logits (the bench's
+    ``lm`` task computes the same, ``bench.cascade_tasks._EdgeRun``)."""
+    signals = {**prepared.signals(), "prompt_tokens": float(prepared.prompt_tokens)}
+    if policy is not None and _probes_logits(policy):
+        mean = prepared.mean_logits()
+        # No sampled token (nothing generated, or every token forced): nothing to doubt, as ``lm_signals`` says.
+        signals.update(policy.probe_signal(mean) if mean is not None else {HIDDEN_PROBE: 1.0})
+    return signals
 
 
 def _ms(started: float) -> float:

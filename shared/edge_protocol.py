@@ -10,7 +10,7 @@ from __future__ import annotations
 from decimal import Decimal
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_BATCH = 1000
 
@@ -158,23 +158,88 @@ def version_number(version: str | None) -> int | None:
 
 
 MAX_SHADOW_ROWS = 64
+MAX_SHADOW_TOKENS = 32  # an LM sample's generated tokens: the exact-line task's lines (24 tokens at most) fit whole
+MAX_SHADOW_PROMPT_TOKENS = 32768
+MAX_SHADOW_LM_SAMPLES = 8
+
+
+def vocabulary_sha256(tokenizer: Any) -> str:
+    """What makes token ids comparable between two models: the sha256 of the id -> token map of a ``tokenizers``
+    tokenizer (added tokens included). Two models with the same map read the same ids as the same text, whatever
+    their normalisers (the ids are compared, never re-encoded)."""
+    import hashlib
+    import json
+
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    ordered = sorted(((int(i), str(t)) for t, i in vocab.items()), key=lambda it: it[0])
+    return hashlib.sha256(json.dumps(ordered, ensure_ascii=False).encode()).hexdigest()
+
+
+class LMShadowSample(_Strict):
+    """One LM request the device answered itself: the prompt's token ids and the first generated token ids."""
+
+    prompt_ids: list[int] = Field(
+        min_length=1, max_length=MAX_SHADOW_PROMPT_TOKENS, description="the prompt as the edge model read it"
+    )
+    edge_tokens: list[int] = Field(
+        min_length=1,
+        max_length=MAX_SHADOW_TOKENS,
+        description="the edge's generated token ids (greedy), the first MAX_SHADOW_TOKENS of them",
+    )
+    confidence: float = Field(description="the policy's signal for the answer")
 
 
 class ShadowRequest(_Strict):
     """Edge-answered inputs for the cloud to answer again in the background (the live quality monitor): never
-    returned to a client; the cloud bills the work as ``shadow`` usage once per ``id``."""
+    returned to a client; the cloud bills the work as ``shadow`` usage once per ``id``.
+
+    A classifier batch carries ``inputs``, ``edge_answers`` and ``confidences`` (one per row; what every agent
+    sends); an LM batch carries ``lm_samples`` and ``vocabulary_sha256`` instead (agents from this release on).
+    """
 
     id: str = Field(min_length=8, max_length=48, pattern=r"^[A-Za-z0-9_-]+$", description="the device's batch id")
     model: str = Field(max_length=128, description="the edge model that answered")
     cloud_model: str = Field(max_length=128, description="the cloud model to answer again with")
     policy_version: int = Field(ge=1, description="the cloud's escalation policy version the device ran")
-    inputs: list[list[float]] = Field(min_length=1, max_length=MAX_SHADOW_ROWS)
-    edge_answers: list[int] = Field(min_length=1, max_length=MAX_SHADOW_ROWS, description="the predicted classes")
-    confidences: list[float] = Field(min_length=1, max_length=MAX_SHADOW_ROWS, description="the policy's signal")
+    inputs: list[list[float]] = Field(default_factory=list, max_length=MAX_SHADOW_ROWS)
+    edge_answers: list[int] = Field(
+        default_factory=list, max_length=MAX_SHADOW_ROWS, description="the predicted classes"
+    )
+    confidences: list[float] = Field(
+        default_factory=list, max_length=MAX_SHADOW_ROWS, description="the policy's signal"
+    )
+    lm_samples: list[LMShadowSample] = Field(default_factory=list, max_length=MAX_SHADOW_LM_SAMPLES)
+    vocabulary_sha256: str | None = Field(
+        None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="the edge LM's vocabulary (``vocabulary_sha256``): the cloud compares token ids only when its "
+        "model's is the same",
+    )
     occurred_at: float
+
+    @property
+    def is_lm(self) -> bool:
+        return bool(self.lm_samples)
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> ShadowRequest:
+        if self.lm_samples:
+            if self.inputs or self.edge_answers or self.confidences:
+                raise ValueError("a batch carries either lm_samples or inputs, edge_answers and confidences, not both")
+            if self.vocabulary_sha256 is None:
+                raise ValueError("vocabulary_sha256: required with lm_samples")
+            return self
+        if not self.inputs:
+            raise ValueError("inputs: a batch needs at least one input (or lm_samples)")
+        if len(self.edge_answers) != len(self.inputs) or len(self.confidences) != len(self.inputs):
+            raise ValueError("edge_answers and confidences: one per input")
+        return self
 
 
 class ShadowResponse(_Answer):
     num_samples: int
     num_agreements: int
     duplicate: bool = Field(False, description="a retry of a batch the cloud already has: nothing was redone")
+    token_agreement: float | None = Field(
+        None, description="LM batches: the share of the edge's generated positions where the cloud chose the same token"
+    )

@@ -108,3 +108,98 @@ def test_a_batch_is_retried_under_its_id_and_sent_once(monkeypatch: pytest.Monke
     assert sampler.stats.sent == 1 and len(link.sent) == 2 and link.sent[0]["id"] == link.sent[1]["id"]
     batch = link.sent[0]
     assert len(batch["inputs"]) == 64 and batch["edge_answers"][:2] == [1, 1] and batch["policy_version"] == 2
+
+
+# -- LM answers --------------------------------------------------------------------------------------------------
+
+
+class _Vocab:
+    """A stand-in for the model's ChatTokenizer: ``.tokenizer`` is what ``vocabulary_sha256`` reads."""
+
+    def __init__(self, vocab: dict[str, int]) -> None:
+        self.tokenizer = self
+        self.vocab = vocab
+
+    def get_vocab(self, with_added_tokens: bool = True) -> dict[str, int]:
+        return dict(self.vocab)
+
+
+def _offer_lm(sampler: ShadowSampler, tokens: list[int], vocab: _Vocab | None = None) -> bool:
+    return sampler.offer_lm(
+        "tierline/lm-edge", "tierline/lm-cloud", [5, 6, 7], tokens, 0.8, vocab or _Vocab({"a": 0, "b": 1}), 1.0
+    )
+
+
+def test_an_lm_answer_is_sent_with_its_prompt_ids_capped_tokens_and_vocabulary(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shared.edge_protocol import MAX_SHADOW_TOKENS, ShadowRequest, vocabulary_sha256
+
+    link = _Link([200, 409, 200])
+    sampler = ShadowSampler(lambda: link, lambda: 1.0, lambda m: 3)  # type: ignore[arg-type,return-value]
+    vocab = _Vocab({"a": 0, "b": 1})
+
+    async def run() -> None:
+        await sampler.start()
+        assert _offer_lm(sampler, list(range(100)), vocab)
+        assert _offer_lm(sampler, [1, 2], vocab)  # the cloud answers 409: vocabularies differ
+        for _ in range(200):
+            if sampler.stats.sent + sampler.stats.refused == 2:
+                break
+            await asyncio.sleep(0.01)
+        await sampler.close()
+
+    asyncio.run(run())
+    batch = link.sent[0]
+    ShadowRequest.model_validate(batch)  # what the cloud accepts
+    (sample,) = batch["lm_samples"]
+    assert sample["prompt_ids"] == [5, 6, 7] and sample["edge_tokens"] == list(range(MAX_SHADOW_TOKENS))
+    assert batch["vocabulary_sha256"] == vocabulary_sha256(vocab) and batch["policy_version"] == 3
+    # After a 409 the pair is not sampled again; other pairs are.
+    assert not _offer_lm(sampler, [1]) and sampler.as_json()["unmonitorable"] == [
+        "tierline/lm-edge -> tierline/lm-cloud"
+    ]
+
+
+def test_the_vocabulary_fingerprint_names_the_id_to_token_map() -> None:
+    from shared.edge_protocol import vocabulary_sha256
+
+    same = vocabulary_sha256(_Vocab({"a": 0, "b": 1}))
+    assert same == vocabulary_sha256(_Vocab({"b": 1, "a": 0}))  # order of the map does not matter
+    assert same != vocabulary_sha256(_Vocab({"a": 1, "b": 0}))  # the same tokens under other ids do
+
+
+def test_the_shadow_request_takes_classifier_batches_as_before_and_lm_batches() -> None:
+    from pydantic import ValidationError
+
+    from shared.edge_protocol import ShadowRequest
+
+    head = {"id": "batch-0001", "model": "m", "cloud_model": "c", "policy_version": 1, "occurred_at": 1.0}
+    old = {**head, "inputs": [[0.0, 1.0]], "edge_answers": [1], "confidences": [0.9]}  # what every agent sends
+    assert not ShadowRequest.model_validate(old).is_lm
+    lm = {
+        **head,
+        "lm_samples": [{"prompt_ids": [1], "edge_tokens": [2], "confidence": 0.5}],
+        "vocabulary_sha256": "a" * 64,
+    }
+    assert ShadowRequest.model_validate(lm).is_lm
+    bad = [
+        ({**head}, "at least one input"),
+        ({**old, "confidences": []}, "confidences"),
+        ({**lm, "vocabulary_sha256": None}, "vocabulary_sha256"),
+        ({**lm, "inputs": [[0.0]]}, "not both"),
+        ({**lm, "lm_samples": [{"prompt_ids": [1], "edge_tokens": [], "confidence": 0.5}]}, "edge_tokens"),
+    ]
+    for body, message in bad:
+        with pytest.raises(ValidationError, match=message):
+            ShadowRequest.model_validate(body)
+
+
+def test_an_lm_sample_agrees_as_its_policy_defines_agreement() -> None:
+    from cloud.quality_monitor import lm_agrees, min_token_share
+
+    assert lm_agrees([1, 2, 3], [1, 2, 3]) == (True, 1.0)
+    assert lm_agrees([1, 2, 3, 4], [1, 2, 3, 5]) == (False, 0.75)  # exact by default: one token differs
+    assert lm_agrees([1, 2, 3, 4], [1, 2]) == (False, 0.5)  # a shorter cloud answer misses the rest
+    assert lm_agrees([1, 2, 3, 4], [1, 2, 3, 5], 0.75) == (True, 0.75)
+    assert min_token_share({"calibration": {"agreement_min_token_share": 0.5}}) == 0.5
+    assert min_token_share({"calibration": {}}) == min_token_share(None) == 1.0
+    assert min_token_share({"calibration": {"agreement_min_token_share": 7}}) == 1.0  # out of range: exact

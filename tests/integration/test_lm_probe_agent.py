@@ -1,0 +1,97 @@
+"""The LM hidden-state probe on the device: the agent's LM path builds the running mean of the generated tokens'
+logits and applies the policy's probe (``EdgePolicy.probe``, input ``mean_logits``); on the same prompts it
+decides exactly as ``bench cascade`` does (``bench.cascade_tasks._greedy`` and ``_EdgeRun``, the probe folded onto the
+logits through the tied embedding as the bench ships it). The tiny zoo's INT8 edge LM, through the agent's
+``Tiering`` with a cloud link that is unreachable, so an escalation shows as a degraded local answer."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from edge_agent import serving
+from edge_agent.cloud_link import CloudUnavailableError
+from edge_agent.models import zoo_models
+from edge_agent.tiering import Tiering
+from shared.artifacts import load_public_key
+from shared.escalation import HIDDEN_PROBE, EdgePolicy, LearnedRouter, fold_hidden_probe
+from shared.openai_schema import CompletionRequest
+
+pytestmark = pytest.mark.integration
+INT8 = "tierline/lm-edge-onnx-int8"
+NUM_ITEMS = 16
+
+
+class _Unreachable:
+    """A cloud link whose cloud never answers: an escalated request falls back to the device (degraded)."""
+
+    def __init__(self) -> None:
+        self.escalated = 0
+
+    async def escalate(self, *args: Any, **kwargs: Any) -> Any:
+        self.escalated += 1
+        raise CloudUnavailableError("cloud-unreachable")
+
+
+def test_the_agent_applies_the_lm_probe_and_decides_as_the_bench(tiny_zoo: Path, tiny_zoo_public_key: Path) -> None:
+    from tokenizers import Tokenizer
+
+    from bench.cascade_tasks import NEXT_TOKENS, _EdgeRun, _greedy, tied_embedding_projection, token_items
+    from edge_agent.runtime.lm import load_causal_lm
+    from shared.zoo.corpus import held_out_files
+    from shared.zoo.registry import ZooLayout
+
+    layout = ZooLayout(tiny_zoo)
+    edge_dir = layout.artifact_dir("lm-edge-onnx-int8")
+    runtime = load_causal_lm(edge_dir, num_threads=1)
+    tokenizer = Tokenizer.from_file(str(edge_dir / "tokenizer.json"))
+    items = token_items(tokenizer, [f.text for f in held_out_files()], NUM_ITEMS, 3, runtime.max_context - NEXT_TOKENS)
+    assert len(items) == NUM_ITEMS
+
+    # The bench: greedy NEXT_TOKENS tokens, the mean of their logits, the probe folded as bench cascade folds it.
+    run = _EdgeRun()
+    for item in items:
+        _greedy(runtime, item.prompt, NEXT_TOKENS, run)
+    projection = tied_embedding_projection(layout)  # pinv(E): logits -> the final normalised hidden state
+    hidden = np.stack(run.mean_logits) @ projection.T
+    rng = np.random.default_rng(0)
+    d = hidden.shape[1]
+    on_hidden = LearnedRouter(
+        [f"h{j:03d}" for j in range(d)],
+        rng.normal(size=d).tolist(),
+        0.0,
+        hidden.mean(axis=0).tolist(),
+        (hidden.std(axis=0) + 1e-6).tolist(),
+    )
+    probe = fold_hidden_probe(on_hidden, projection, "mean_logits", d)
+    bench_conf = probe.confidences(np.stack(run.mean_logits))
+    ranked = np.sort(bench_conf)
+    threshold = float((ranked[NUM_ITEMS // 2 - 1] + ranked[NUM_ITEMS // 2]) / 2)  # half of them escalate
+    bench_escalates = bench_conf < threshold
+    assert 0 < bench_escalates.sum() < NUM_ITEMS
+
+    # The agent: the same prompts through its tiering, local-first, under a policy carrying that probe.
+    keys = [load_public_key(tiny_zoo_public_key)]
+    models = zoo_models(tiny_zoo, keys)
+    lms = serving.LocalModels({INT8: (models[INT8].path, models[INT8].manifest)}, num_threads=1)
+    policy = EdgePolicy("tierline/lm-edge", signal=HIDDEN_PROBE, threshold=threshold, probe=probe)
+    link = _Unreachable()
+    tiering = Tiering(lms, link, {"tierline/lm-edge": policy}, lambda served: None)  # type: ignore[arg-type]
+
+    async def ask(prompt: list[int]) -> bool:
+        req = CompletionRequest.model_validate(
+            {"model": INT8, "prompt": prompt, "max_tokens": NEXT_TOKENS, "temperature": 0, "ignore_eos": True}
+        )
+        answer = await tiering.handle("completions", req, None)
+        assert isinstance(answer.body, dict) and answer.body["usage"]["completion_tokens"] == NEXT_TOKENS
+        return answer.reason == "low-confidence"
+
+    async def ask_all() -> list[bool]:
+        return [await ask(item.prompt) for item in items]
+
+    assert asyncio.run(ask_all()) == bench_escalates.tolist()
+    assert link.escalated == int(bench_escalates.sum())  # an escalation was tried exactly for those
