@@ -40,7 +40,7 @@ from controlplane.policies import service
 from controlplane.storage.audit import audit
 from controlplane.storage.tables import EscalationPolicy, QualityAlert, ShadowSample
 from shared.errors import ConfigurationError, ConflictError, NotFoundError
-from shared.escalation import ROUTER, EdgePolicy
+from shared.escalation import HIDDEN_PROBE, ROUTER, EdgePolicy
 
 GROUP_LABELS = ("group", "ring")  # the device label that names its group, first found wins
 MIN_SAMPLES = 30
@@ -98,6 +98,14 @@ def _validation_agreement(path: str, mtime_ns: int, model: str, policy_json: str
     policy = EdgePolicy.from_json(json.loads(policy_json))
     if policy.signal == ROUTER and policy.router is not None:
         confidence = policy.router.confidences(router_inputs(data))
+    elif (
+        policy.signal == HIDDEN_PROBE
+        and policy.probe is not None
+        and data.probe_inputs is not None
+        and data.probe_input == policy.probe.input
+        and data.probe_inputs.shape[1] == len(policy.probe.weights)
+    ):
+        confidence = policy.probe.confidences(data.probe_inputs)
     elif policy.signal in data.signals:
         confidence = data.signals[policy.signal]
     else:

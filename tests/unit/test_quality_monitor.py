@@ -203,3 +203,28 @@ def test_an_lm_sample_agrees_as_its_policy_defines_agreement() -> None:
     assert min_token_share({"calibration": {"agreement_min_token_share": 0.5}}) == 0.5
     assert min_token_share({"calibration": {}}) == min_token_share(None) == 1.0
     assert min_token_share({"calibration": {"agreement_min_token_share": 7}}) == 1.0  # out of range: exact
+
+
+def test_a_probe_policy_promises_what_its_probe_keeps_on_the_validation_set(tmp_path: Any) -> None:
+    """The promise of a ``hidden_probe`` policy ranks the validation items by the probe's own confidence (not by
+    the quality-loss bound): here the probe keeps exactly the items that agree."""
+    import json
+
+    from controlplane.policies.monitor import _validation_agreement
+    from shared.calibration import validation_row
+    from shared.escalation import HIDDEN_PROBE, EdgePolicy, LinearProbe
+
+    rows = []
+    for i in range(40):
+        agrees = i % 2 == 0
+        x = np.array([1.0 if agrees else -1.0, 0.0])
+        signals = {"softmax_margin": 0.5, "max_prob": 0.7, "norm_entropy": 0.5}
+        row = validation_row(
+            "m", signals, None, edge_good=agrees, cloud_good=True, agrees_with_cloud=agrees, probe=("pixels", x)
+        )
+        rows.append(json.dumps(row))
+    path = tmp_path / "m.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    policy = EdgePolicy("m", signal=HIDDEN_PROBE, threshold=0.5, probe=LinearProbe("pixels", [5.0, 0.0], 0.0))
+    found = _validation_agreement(str(path), 1, "m", json.dumps(policy.to_json(), sort_keys=True), 0.5)
+    assert found == 1.0  # the half the probe is surest of is the half that agrees
