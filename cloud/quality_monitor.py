@@ -14,7 +14,8 @@
 - Exactly once per batch: the usage record's id is derived from the device's batch id (namespaced by tenant and
   device, in a space the device's own usage ids cannot reach), and the record and the samples are stored in one
   transaction; a retried batch is answered ``duplicate`` without running the model again.
-- Rate-bounded per device (``edge_shadow_rows_per_minute``, a one-minute window in the rate limiter's storage:
+- Rate-bounded per device (``edge_shadow_rows_per_minute`` classifier rows, ``edge_shadow_tokens_per_minute`` LM
+  tokens, prompts and generated; a one-minute window in the rate limiter's storage:
   Redis where the gateways have it, so every replica counts against the same bound): a device over it gets 429
   and its agent drops the batch (a sample is a sample).
 - Never on a client's path: devices send these after answering, from a bounded background queue.
