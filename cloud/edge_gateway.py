@@ -9,7 +9,8 @@
   tenant (tier ``cloud``, the escalation reason recorded) under a usage id the cloud chooses and returns in
   ``x-tierline-usage-id``; the agent records no usage of its own for an escalated request.
 - ``POST /v1/edge/shadow``: device-authenticated, rate-bounded; edge-answered inputs (classifier rows, or LM prompts
-  and generated token ids) answered again by the cloud for the live quality monitor, billed as ``shadow`` usage (``cloud.quality_monitor``).
+  and generated token ids) answered again by the cloud for the live quality monitor, billed as ``shadow`` usage
+  (``cloud.quality_monitor``).
 """
 
 from __future__ import annotations

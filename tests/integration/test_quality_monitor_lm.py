@@ -290,7 +290,13 @@ def test_a_mis_set_lm_policy_raises_an_alert_within_200_samples_and_a_calibrated
     # The client's answer is the device's own with or without shadowing: the same text for the same prompt.
     again = complete(p, p.traffic[0]).json()["choices"][0]["text"]
     assert again == texts2[0]
+    # A stream the policy kept on the device is shadowed too, once it was sent whole.
+    body = {"model": INT8, "prompt": p.traffic[0], "max_tokens": 24, "temperature": 0, "stop": ["\n"], "stream": True}
+    with httpx.stream("POST", f"{p.edge_url}/v1/completions", json=body, timeout=120) as streamed:
+        assert streamed.status_code == 200 and streamed.headers["x-tierline-tier"] == "edge"
+        assert b"[DONE]" in b"".join(streamed.iter_bytes())
     settle(p)
+    assert counts(p, 2)[0] == n2 + 2
 
     # Billed once per batch, as tier shadow on the cloud LM, in tokens (the prompts and the tokens generated).
     def billed(s: Session) -> tuple[int, int, int]:
@@ -300,7 +306,7 @@ def test_a_mis_set_lm_policy_raises_an_alert_within_200_samples_and_a_calibrated
         return len(records), sum(r.prompt_tokens for r in records), len(set(s.exec(select(ShadowSample.usage_id))))
 
     num_records, prompt_tokens, sample_ids = p.query(billed)
-    assert num_records == sample_ids == n1 + n2 + 1 and prompt_tokens > 0
+    assert num_records == sample_ids == n1 + n2 + 2 and prompt_tokens > 0
 
     # A retried LM batch is not redone or billed twice; a vocabulary that is not the cloud LM's is refused (409).
     creds = Credentials.load(Path(p.agent_env["TIERLINE_EDGE_STATE_DIR"]))
