@@ -429,7 +429,8 @@ class Tiering:
         reason: str | None = None,
         on_done: Callable[[], None] | None = None,
     ) -> Answer:
-        """``on_done`` runs once the stream was sent whole (not when it failed or the client left)."""
+        """``on_done`` runs once the whole answer was generated and streamed (not when it failed or the client left
+        before its end)."""
         first: list[float] = []
 
         async def timed() -> AsyncIterator[LocalStep]:
@@ -465,6 +466,9 @@ class Tiering:
                         subject=prepared.req.user,
                     )
                 )
+                seen = prepared.steps_seen
+                if on_done is not None and status != "error" and seen and seen[-1].finish_reason is not None:
+                    on_done()  # the whole answer was generated (a client closing after the last chunk included)
 
         return Answer(body(), "edge", reason, degraded, request_id=request_id)
 

@@ -290,11 +290,13 @@ def test_a_mis_set_lm_policy_raises_an_alert_within_200_samples_and_a_calibrated
     # The client's answer is the device's own with or without shadowing: the same text for the same prompt.
     again = complete(p, p.traffic[0]).json()["choices"][0]["text"]
     assert again == texts2[0]
-    # A stream the policy kept on the device is shadowed too, once it was sent whole.
+    # A stream the policy kept on the device is shadowed too, once it was sent whole (just after its last chunk).
+    offered = p.agent()["shadow"]["lm_offered"]
     body = {"model": INT8, "prompt": p.traffic[0], "max_tokens": 24, "temperature": 0, "stop": ["\n"], "stream": True}
     with httpx.stream("POST", f"{p.edge_url}/v1/completions", json=body, timeout=120) as streamed:
         assert streamed.status_code == 200 and streamed.headers["x-tierline-tier"] == "edge"
         assert b"[DONE]" in b"".join(streamed.iter_bytes())
+    wait_for("the stream is offered to the sampler", lambda: p.agent()["shadow"]["lm_offered"] == offered + 1)
     settle(p)
     assert counts(p, 2)[0] == n2 + 2
 
