@@ -228,3 +228,31 @@ def test_a_probe_policy_promises_what_its_probe_keeps_on_the_validation_set(tmp_
     policy = EdgePolicy("m", signal=HIDDEN_PROBE, threshold=0.5, probe=LinearProbe("pixels", [5.0, 0.0], 0.0))
     found = _validation_agreement(str(path), 1, "m", json.dumps(policy.to_json(), sort_keys=True), 0.5)
     assert found == 1.0  # the half the probe is surest of is the half that agrees
+
+
+def test_the_agent_offers_greedy_unconstrained_lm_answers_only() -> None:
+    """A sampled or grammar-constrained answer says nothing about a promise calibrated on greedy answers."""
+    from types import SimpleNamespace
+
+    from edge_agent.generation import LocalRequest
+    from edge_agent.tiering import Tiering
+    from shared.escalation import EdgePolicy
+
+    link = _Link([])
+    sampler = ShadowSampler(lambda: link, lambda: 1.0, lambda m: 1)  # type: ignore[arg-type,return-value]
+    tiering = Tiering(None, None, {}, lambda served: None, shadow=sampler)  # type: ignore[arg-type]
+    policy = EdgePolicy("tierline/lm-edge")
+
+    def prepared(**choice: Any) -> Any:
+        steps = [SimpleNamespace(token_id=t) for t in (4, 5)]
+        req = SimpleNamespace(model="tierline/lm-edge-onnx-int8")
+        local = LocalRequest(prompt_ids=[1, 2, 3], **choice)
+        return SimpleNamespace(local=local, steps_seen=steps, req=req, lm=SimpleNamespace(tokenizer=_Vocab({})))
+
+    tiering._offer_shadow(prepared(temperature=1.0), policy, 0.5)
+    tiering._offer_shadow(prepared(temperature=0.0, grammar='start: "a"'), policy, 0.5)
+    assert sampler.stats.lm_offered == 0
+    tiering._offer_shadow(prepared(temperature=0.0), policy, 0.5)
+    assert sampler.stats.lm_offered == 1
+    (batch,) = [sampler._queue.get_nowait()]
+    assert batch["cloud_model"] == "tierline/lm-cloud" and batch["lm_samples"][0]["edge_tokens"] == [4, 5]
