@@ -41,7 +41,7 @@ from cloud.backends.pool import (
     UpstreamUnavailableError,
     resolve_roots,
 )
-from cloud.completions import Caller, CompletionService
+from cloud.completions import Caller, CompletionService, run_to_end
 from cloud.engine.prompts import check_context_length
 from controlplane.billing.pricing import Tokens
 from shared.backend_spec import UpstreamSpec
@@ -498,7 +498,8 @@ class Backends:
                 if data is None:
                     raise httpx.RemoteProtocolError("upstream closed the stream before [DONE]")
             status, ok = "ok", True
-            counted = await bill("ok")  # billed before [DONE]: a stream the client saw end is never unbilled
+            # Billed before [DONE]: a stream the client saw end is never unbilled (to its end, should it leave now).
+            counted = await run_to_end(bill("ok"))
             if include_usage and relay.usage is None:  # counted here: the client still gets its usage chunk
                 yield sse({**rewrite, "object": _chunk_object(chat), "choices": [], "usage": counted})
             yield SSE_DONE
@@ -512,9 +513,13 @@ class Backends:
             err2 = DeadlineExceededError(f"the request ran past the {self.request_timeout_s:.0f}s deadline")
             yield sse(err2.to_openai())
         finally:
-            await response.aclose()  # a client that left: closing the connection aborts the upstream request
-            remote.pool.release(endpoint, ok)
-            await bill(status)  # once: a stream that ended well was billed before its [DONE]
+
+            async def finish() -> None:
+                await response.aclose()  # a client that left: closing the connection aborts the upstream request
+                remote.pool.release(endpoint, ok)
+                await bill(status)  # once: a stream that ended well was billed before its [DONE]
+
+            await run_to_end(finish())
 
     async def _call(
         self,
