@@ -413,12 +413,14 @@ def _kill_phase(
     released_in: float | None = None
     deadline = time.monotonic() + args["lease_s"] + 30
     while time.monotonic() < deadline:
-        records = _records(platform.db_url)
-        spent, reserved = _budget(platform.db_url)
         # Settled only when no checkpoint is left either: the dead gateway's streams are billed from theirs (a
-        # record and its spend) after their reservations are released, and one billed between the two reads
-        # above would count its spend without its record.
-        if reserved == 0 and served <= set(records) and _open_checkpoints(platform.db_url) == 0:
+        # record and its spend) after their reservations are released. Read in this order: once nothing is
+        # checkpointed or reserved, nothing can add spend, so the records read last are all of it (read first,
+        # a stream billed between the reads counted its spend without its record).
+        is_open = _open_checkpoints(platform.db_url) > 0
+        spent, reserved = _budget(platform.db_url)
+        records = _records(platform.db_url)
+        if reserved == 0 and served <= set(records) and not is_open:
             released_in = round(time.monotonic() - kill_t, 1)
             break
         time.sleep(0.5)
