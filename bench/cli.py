@@ -234,7 +234,7 @@ def bench_backends(
 @click.option("--requests", type=int, default=64, show_default=True, help="streams per path (1 vs 2 gateways)")
 @click.option("--concurrency", type=int, default=16, show_default=True)
 @click.option("--max-tokens", type=int, default=16, show_default=True)
-@click.option("--duration", type=float, default=15.0, show_default=True, help="seconds of load around the kill -9")
+@click.option("--duration", type=float, default=20.0, show_default=True, help="seconds of load around the kill -9")
 @click.option("--vs", "peer", type=click.Choice(["litellm"]), default=None, help="also run beside the LiteLLM proxy")
 @click.option("--litellm", "litellm_exe", default=None, help="the litellm executable (default: .venv-peers, PATH)")
 @click.option(

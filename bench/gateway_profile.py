@@ -73,7 +73,16 @@ def breakdown(raw: Path) -> Counter[str]:
 
 
 def _point(
-    url: str, key: str, pid: int, tmp: Path, requests: int, concurrency: int, max_tokens: int, profile: bool, rate: int
+    url: str,
+    key: str,
+    pid: int,
+    tmp: Path,
+    requests: int,
+    concurrency: int,
+    max_tokens: int,
+    profile: bool,
+    rate: int,
+    gil: bool = False,
 ) -> dict[str, Any]:
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     raw = tmp / f"profile-{concurrency}.txt"
@@ -92,6 +101,7 @@ def _point(
             str(rate),
             "--nonblocking",
             "--threads",
+            *(["--gil"] if gil else []),
         ]
         sampler = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(2.0)  # attached
@@ -119,7 +129,9 @@ def _point(
     return result
 
 
-def run(requests: int, concurrency: list[int], max_tokens: int, profile: bool, rate: int) -> dict[str, Any]:
+def run(
+    requests: int, concurrency: list[int], max_tokens: int, profile: bool, rate: int, gil: bool = False
+) -> dict[str, Any]:
     from bench.billing_bench import _postgres, _postgres_url
     from bench.common import zoo_root
     from shared.settings import CoreSettings
@@ -129,7 +141,7 @@ def run(requests: int, concurrency: list[int], max_tokens: int, profile: bool, r
         raise SystemExit("set TIERLINE_BENCH_DATABASE_URL (or TIERLINE_TEST_DATABASE_URL)")
     redis_url = os.environ.get("TIERLINE_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
     zoo = zoo_root("tiny", None)
-    result: dict[str, Any] = {"requests": requests, "concurrency": concurrency, "max_tokens": max_tokens}
+    result: dict[str, Any] = {"requests": requests, "concurrency": concurrency, "max_tokens": max_tokens, "gil": gil}
     with tempfile.TemporaryDirectory(prefix="tierline-gw-profile-") as tmp_name, _postgres(db_url) as schema_url:
         tmp = Path(tmp_name)
         up_port = free_port()
@@ -142,7 +154,9 @@ def run(requests: int, concurrency: list[int], max_tokens: int, profile: bool, r
                 asyncio.run(_load(url, platform.key, 2 * max(concurrency), max(concurrency), max_tokens))  # warm
                 points = {}
                 for c in concurrency:
-                    points[str(c)] = _point(url, platform.key, gateway.pid, tmp, requests, c, max_tokens, profile, rate)
+                    points[str(c)] = _point(
+                        url, platform.key, gateway.pid, tmp, requests, c, max_tokens, profile, rate, gil
+                    )
                 result["points"] = points
     return result
 
@@ -154,9 +168,15 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     parser.add_argument("--no-profile", action="store_true", help="no py-spy: the unperturbed CPU per request")
+    parser.add_argument(
+        "--gil",
+        action="store_true",
+        help="sample only the thread holding the GIL: Python's CPU, without threads waiting on PostgreSQL",
+    )
     args = parser.parse_args()
     concurrency = [int(c) for c in args.concurrency.split(",")]
-    print(json.dumps(run(args.requests, concurrency, args.max_tokens, not args.no_profile, args.rate), indent=2))
+    result = run(args.requests, concurrency, args.max_tokens, not args.no_profile, args.rate, args.gil)
+    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

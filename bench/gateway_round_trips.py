@@ -1,7 +1,9 @@
 """PostgreSQL round trips of one gateway request's billing: reserve, the first checkpoint, settle + record.
 
-Counted with SQLAlchemy's events (statements, pool checkouts: each a pre-ping, BEGIN, COMMIT, ROLLBACK) on a fresh
-schema, for a tenant with a monthly budget; the first request also creates the month's row and is left out.
+Counted with SQLAlchemy's events (statements, BEGIN, COMMIT, ROLLBACK) and the pool's pre-pings on a fresh schema,
+for a tenant with a monthly budget; the first request also creates the month's row and is left out. The requests
+follow each other at once, as under load: a connection back in the pool a moment ago is not pinged
+(``controlplane.storage.database.PING_IDLE_S``).
 
     TIERLINE_TEST_DATABASE_URL=postgresql://postgres@127.0.0.1:5432/test python -m bench.gateway_round_trips
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime
 from decimal import Decimal
+from typing import Any
 
 from sqlalchemy import event
 from sqlmodel import Session
@@ -41,7 +44,13 @@ def main() -> None:
         event.listen(engine, "before_cursor_execute", count)
         for name in ("begin", "commit", "rollback"):
             event.listen(engine, name, count)
-        event.listen(engine.pool, "checkout", count)
+        ping = engine.dialect.do_ping  # the pool's pre-ping, when it pings (a connection idle for a while)
+
+        def counted_ping(dbapi_connection: Any) -> bool:
+            count()
+            return ping(dbapi_connection)
+
+        engine.dialect.do_ping = counted_ping  # type: ignore[method-assign]
         steps: list[dict[str, int]] = []
         for i in range(3):
             at = trips[0]

@@ -17,7 +17,8 @@ Streamed chat completions (greedy, ``ignore_eos``) from ``concurrency`` clients:
   A's connections may fail), records lost (served requests without a usage record) and unaccounted (records of
   no request a client sent: a duplicate), the budget's spend against the sum of the records' costs (drift) and
   what A still held reserved when it died (released by a survivor's sweeper when the lease ends), and the
-  survivor's requests/s from 5 s after the kill against one gateway's.
+  survivor's requests/s from 5 s after the kill to the end of the load (requests that ended in that window)
+  against B's alone under the same load over the same window, measured right before (``one_gateway_same_window``).
 
 ``--vs litellm`` adds the LiteLLM proxy (no-database mode: its spend tracking needs Prisma engine binaries
 that cannot be downloaded here; ``--num_workers 2`` with ``--run_gunicorn``, a master key) in front of the same
@@ -58,6 +59,7 @@ _EMPTY = re.compile(r'"content":\s*(""|null)')
 PROMPTS = ("def parse(line):\n", "import os\n\n\nclass ", "    for key, value in ", "# Copyright", "return ")
 TICK = os.sysconf("SC_CLK_TCK")
 REQUEST_TIMEOUT_S = 20.0
+SETTLE_S = 5.0  # the survivor's rate is taken from this long after the kill (the target: within 5 s)
 LITELLM_KEY = "sk-tierline-bench"  # the throwaway master key of a proxy living one run
 
 
@@ -398,7 +400,7 @@ def _kill_phase(
         os.kill(procs[0].pid, signal.SIGKILL)
 
     with round_robin_front(ports) as url:
-        outcomes, began, elapsed, warm, _ = asyncio.run(
+        outcomes, began, _, warm, _ = asyncio.run(
             _load(url, platform.key, None, concurrency, max_tokens, duration=duration, at=(duration / 3, kill))
         )
     procs[0].wait()
@@ -411,20 +413,21 @@ def _kill_phase(
     released_in: float | None = None
     deadline = time.monotonic() + args["lease_s"] + 30
     while time.monotonic() < deadline:
-        records = _records(platform.db_url)
-        spent, reserved = _budget(platform.db_url)
         # Settled only when no checkpoint is left either: the dead gateway's streams are billed from theirs (a
-        # record and its spend) after their reservations are released, and one billed between the two reads
-        # above would count its spend without its record.
-        if reserved == 0 and served <= set(records) and _open_checkpoints(platform.db_url) == 0:
+        # record and its spend) after their reservations are released. Read in this order: once nothing is
+        # checkpointed or reserved, nothing can add spend, so the records read last are all of it (read first,
+        # a stream billed between the reads counted its spend without its record).
+        is_open = _open_checkpoints(platform.db_url) > 0
+        spent, reserved = _budget(platform.db_url)
+        records = _records(platform.db_url)
+        if reserved == 0 and served <= set(records) and not is_open:
             released_in = round(time.monotonic() - kill_t, 1)
             break
         time.sleep(0.5)
     else:
         print(f"bench scale: still reserved {reserved}, {len(served - set(records))} records missing", file=sys.stderr)
     new = set(records) - known
-    after = [o for o in outcomes if o.ok and o.ended >= kill_t + 5]
-    window = began + elapsed - (kill_t + 5)
+    load_end = began + duration  # no client starts a request after it: the rest is the drain
     return {
         "duration_s": duration,
         "concurrency": concurrency,
@@ -440,7 +443,39 @@ def _kill_phase(
         "reservations_released_s_after_kill": released_in,
         "spent_minus_records_cost": str(spent - sum(records.values(), Decimal(0))),
         "budget_overspend": str(max(Decimal(0), spent - platform.budget)),
-        "survivor_requests_per_s": round(len(after) / window, 2) if window > 0 else None,
+        "survivor_requests_per_s": _rate(outcomes, kill_t + SETTLE_S, load_end),
+        "survivor_requests_per_s_by_second": _per_second(outcomes, kill_t, load_end),
+    }
+
+
+def _rate(outcomes: list[Outcome], start: float, end: float) -> float | None:
+    """Requests/s served in ``[start, end)``: those that ended in it. ``end`` is when clients stop starting
+    requests, so the window never holds the drain (fewer clients at work), which would read as a slower gateway."""
+    if end <= start:
+        return None
+    return round(sum(1 for o in outcomes if o.ok and start <= o.ended < end) / (end - start), 2)
+
+
+def _per_second(outcomes: list[Outcome], start: float, end: float) -> list[int]:
+    """Requests served in each whole second from ``start`` to ``end``: how fast the rate came back."""
+    return [sum(1 for o in outcomes if o.ok and start + s <= o.ended < start + s + 1) for s in range(int(end - start))]
+
+
+def _one_gateway_window(platform: _Platform, port: int, args: dict[str, Any]) -> dict[str, Any]:
+    """The kill phase's reference: the same load (clients, duration) through the front to the gateway that will
+    survive, alone, its rate taken over the same window as the survivor's (from the kill's time + ``SETTLE_S`` to
+    the end of the load), right before the kill phase: a like-for-like single gateway, not the shorter
+    ``one_gateway`` point with its own ramp and drain."""
+    duration = args["duration"]
+    with round_robin_front([port]) as url:
+        outcomes, began, _, _, _ = asyncio.run(
+            _load(url, platform.key, None, args["concurrency"], args["max_tokens"], duration=duration)
+        )
+    at = began + duration / 3
+    return {
+        "requests_per_s": _rate(outcomes, at + SETTLE_S, began + duration),
+        "requests_per_s_by_second": _per_second(outcomes, at, began + duration),
+        "errors": sum(1 for o in outcomes if not o.ok),
     }
 
 
@@ -538,7 +573,7 @@ def run_scale_bench(
     requests: int = 64,
     concurrency: int = 16,
     max_tokens: int = 16,
-    duration: float = 15.0,
+    duration: float = 20.0,
     vs_litellm: bool = False,
     litellm: str | None = None,
     peer_requests: dict[int, int] | None = None,
@@ -581,10 +616,14 @@ def run_scale_bench(
                     )
                 args = {"duration": duration, "concurrency": concurrency, "max_tokens": max_tokens}
                 args["lease_s"] = REQUEST_TIMEOUT_S + 5
+                reference = _one_gateway_window(platform, ports[1], args)
                 kill = _kill_phase(platform, ports, procs, args)
-                single = one["requests_per_s"]
                 survivor = kill["survivor_requests_per_s"]
+                single = reference["requests_per_s"]
+                kill["one_gateway_same_window"] = reference
                 kill["survivor_vs_one_gateway"] = round(survivor / single, 2) if survivor and single else None
+                point = one["requests_per_s"]  # the ratio as first reported: against the short one_gateway point
+                kill["survivor_vs_one_gateway_point"] = round(survivor / point, 2) if survivor and point else None
                 result["kill"] = kill
     _drop_ids(result)
     return result

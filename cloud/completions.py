@@ -10,10 +10,10 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any, Protocol, get_type_hints
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, get_type_hints
 
 from pydantic import TypeAdapter
 from pydantic import ValidationError as PydanticValidationError
@@ -62,8 +62,26 @@ _PARAMETER_TYPES: dict[str, TypeAdapter[Any]] = {
 
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAX_INLINE_PROMPT_BYTES = 4 << 10  # prompts up to this are tokenised on the event loop (a thread hop costs more)
+
+
+_FINISHING: set[asyncio.Future[Any]] = set()  # what run_to_end started: held here, or asyncio may drop it
+
+
+async def run_to_end(work: Awaitable[T]) -> T:
+    """Await ``work``, which runs to its end even if the caller is cancelled meanwhile.
+
+    For a stream's last steps (its upstream response closed, its pool slot given back, its usage settled): a client
+    that leaves cancels the response's task group, and that cancellation hits every later await of the stream, the
+    ones in its ``finally`` too; awaited there directly, a rate-limit release or a settle would stop half-way and
+    leave the record to the lease's sweeper (late) or unwritten. The caller still sees its cancellation.
+    """
+    task = asyncio.ensure_future(work)
+    _FINISHING.add(task)
+    task.add_done_callback(_FINISHING.discard)
+    return await asyncio.shield(task)
 
 
 class PromptTooLargeError(ApplicationError):
@@ -638,8 +656,12 @@ class CompletionService:
                 status = "error"
                 yield sse(exc.to_openai())
             finally:
-                await updates.aclose()
-                await self._settle(caller, served, meter, status)
+
+                async def finish() -> None:
+                    await updates.aclose()
+                    await self._settle(caller, served, meter, status)
+
+                await run_to_end(finish())
 
         return body()
 

@@ -41,7 +41,7 @@ from cloud.backends.pool import (
     UpstreamUnavailableError,
     resolve_roots,
 )
-from cloud.completions import Caller, CompletionService
+from cloud.completions import Caller, CompletionService, run_to_end
 from cloud.engine.prompts import check_context_length
 from controlplane.billing.pricing import Tokens
 from shared.backend_spec import UpstreamSpec
@@ -57,6 +57,8 @@ T = TypeVar("T")
 # Fields of tierline's schemas that steer the gateway, not the model: never sent upstream.
 GATEWAY_FIELDS = ("tier", "quality", "speculation")
 _decode = msgspec.json.Decoder().decode  # every relayed event: several times json.loads's speed
+_encode = msgspec.json.Encoder().encode
+_JSON = {"Content-Type": "application/json"}
 _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
 
 
@@ -184,18 +186,39 @@ def _upstream_error(response: httpx.Response, body: bytes) -> UpstreamRequestErr
     return error
 
 
-async def _sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
-    """The ``data`` of each server-sent event (multi-line data joined, comments and other fields skipped)."""
-    data: list[str] = []
-    async for line in lines:
-        if not line:
-            if data:
-                yield "\n".join(data)
-                data = []
-        elif line.startswith("data:"):
-            data.append(line[5:].removeprefix(" "))
-    if data:
-        yield "\n".join(data)
+def _event_data(block: bytes) -> bytes | None:
+    """The ``data`` of one server-sent event (its lines joined; comments and other fields skipped), None if none."""
+    if block.startswith(b"data: ") and b"\n" not in block:  # the usual event: one data line
+        return block[6:]
+    data = [
+        line[5:].removeprefix(b" ") if line.startswith(b"data:") else b""
+        for line in block.split(b"\n")
+        if line.startswith(b"data:") or line == b"data"
+    ]
+    return b"\n".join(data) if data else None
+
+
+async def _sse_batches(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[bytes]]:
+    """The ``data`` of the server-sent events each read of ``chunks`` completes, one list per read that completes
+    any: the relay handles and sends them together (one write for the tokens an upstream sent at once).
+
+    Parsed as bytes, not through httpx's text and line decoders (several times the cost, on every relayed token):
+    lines may end in LF, CRLF or CR; an event ends at an empty line (and at the end of the stream).
+    """
+    pending = b""
+    async for chunk in chunks:
+        buffer = pending + chunk
+        if b"\r" in buffer:
+            held = buffer.endswith(b"\r")  # maybe the first half of a CRLF: decided by the next read
+            buffer = buffer[:-1] if held else buffer
+            buffer = buffer.replace(b"\r\n", b"\n").replace(b"\r", b"\n") + (b"\r" if held else b"")
+        *blocks, pending = buffer.split(b"\n\n")
+        batch = [d for d in map(_event_data, blocks) if d is not None]
+        if batch:
+            yield batch
+    last = _event_data(pending.replace(b"\r", b"\n").strip(b"\n")) if pending.strip() else None
+    if last is not None:
+        yield [last]
 
 
 class Backends:
@@ -450,13 +473,13 @@ class Backends:
             return answer
 
         try:
-            endpoint, response, (events, first) = await self._call(remote, path, body, _first_event, key)
+            endpoint, response, (batches, first) = await self._call(remote, path, body, _first_event, key)
         except BaseException as exc:
             await bill("error", isinstance(exc, (BadGatewayError, UpstreamUnavailableError)))
             raise
         include_usage = req.include_usage
         return self._relay(
-            remote, endpoint, response, events, first, relay, rewrite, include_usage, chat, bill, checkpoint
+            remote, endpoint, response, batches, first, relay, rewrite, include_usage, chat, bill, checkpoint
         )
 
     async def _relay(
@@ -464,8 +487,8 @@ class Backends:
         remote: RemoteLM,
         endpoint: Endpoint,
         response: httpx.Response,
-        events: AsyncIterator[str],
-        first: str | None,
+        batches: AsyncIterator[list[bytes]],
+        first: list[bytes],
         relay: _Relay,
         rewrite: dict[str, str],
         include_usage: bool,
@@ -476,29 +499,44 @@ class Backends:
         status, ok = "abandoned", None
         try:
             async with asyncio.timeout(self.request_timeout_s):
-                data = first
-                while data is not None and data != "[DONE]":
-                    try:
-                        chunk = _decode(data)
-                    except msgspec.DecodeError:
-                        raise httpx.DecodingError(f"upstream sent an event that is not JSON: {data[:80]!r}") from None
-                    if not isinstance(chunk, dict):
-                        raise httpx.DecodingError("upstream sent an event that is not a JSON object")
-                    if "error" in chunk:  # the upstream failed the stream itself: relayed as it is
-                        status, ok = "error", False
-                        yield sse(chunk)
-                        return
-                    relay.add(chunk, chat)
-                    if not include_usage:
-                        chunk.pop("usage", None)
-                    if chunk.get("choices") or include_usage:
+                batch: list[bytes] | None = first
+                is_done = False
+                while batch is not None and not is_done:
+                    out: list[bytes] = []  # the batch's events, sent in one write
+                    for data in batch:
+                        if data == b"[DONE]":
+                            is_done = True
+                            break
+                        try:
+                            chunk = _decode(data)
+                        except msgspec.DecodeError:
+                            raise httpx.DecodingError(
+                                f"upstream sent an event that is not JSON: {data[:80]!r}"
+                            ) from None
+                        if not isinstance(chunk, dict):
+                            raise httpx.DecodingError("upstream sent an event that is not a JSON object")
+                        if "error" in chunk:  # the upstream failed the stream itself: relayed as it is
+                            status, ok = "error", False
+                            if out:
+                                await checkpoint()
+                                yield b"".join(out)
+                            yield sse(chunk)
+                            return
+                        relay.add(chunk, chat)
+                        if not include_usage:
+                            chunk.pop("usage", None)
+                        if chunk.get("choices") or include_usage:
+                            out.append(sse({**chunk, **rewrite}))
+                    if out:
                         await checkpoint()  # before the bytes: a crash after them leaves them billed
-                        yield sse({**chunk, **rewrite})
-                    data = await anext(events, None)
-                if data is None:
+                        yield b"".join(out)
+                    if not is_done:
+                        batch = await anext(batches, None)
+                if not is_done:
                     raise httpx.RemoteProtocolError("upstream closed the stream before [DONE]")
             status, ok = "ok", True
-            counted = await bill("ok")  # billed before [DONE]: a stream the client saw end is never unbilled
+            # Billed before [DONE]: a stream the client saw end is never unbilled (to its end, should it leave now).
+            counted = await run_to_end(bill("ok"))
             if include_usage and relay.usage is None:  # counted here: the client still gets its usage chunk
                 yield sse({**rewrite, "object": _chunk_object(chat), "choices": [], "usage": counted})
             yield SSE_DONE
@@ -512,9 +550,13 @@ class Backends:
             err2 = DeadlineExceededError(f"the request ran past the {self.request_timeout_s:.0f}s deadline")
             yield sse(err2.to_openai())
         finally:
-            await response.aclose()  # a client that left: closing the connection aborts the upstream request
-            remote.pool.release(endpoint, ok)
-            await bill(status)  # once: a stream that ended well was billed before its [DONE]
+
+            async def finish() -> None:
+                await response.aclose()  # a client that left: closing the connection aborts the upstream request
+                remote.pool.release(endpoint, ok)
+                await bill(status)  # once: a stream that ended well was billed before its [DONE]
+
+            await run_to_end(finish())
 
     async def _call(
         self,
@@ -528,6 +570,7 @@ class Backends:
         stream: the first event), failing over to another endpoint while nothing has reached the client."""
         tried: set[str] = set()
         last: str | None = None
+        content = _encode(body)  # once, whatever the retries; msgspec: a fraction of httpx's json.dumps
         while True:
             try:
                 endpoint = await remote.pool.acquire(tried, key)
@@ -539,8 +582,10 @@ class Backends:
                     retry_after=exc.retry_after,
                 ) from None
             tried.add(endpoint.root)
-            headers = {**remote.headers, "Host": endpoint.host} if endpoint.host else remote.headers
-            request = self.client.build_request("POST", f"{endpoint.root}{path}", json=body, headers=headers)
+            headers = {**remote.headers, **_JSON}
+            if endpoint.host:
+                headers["Host"] = endpoint.host
+            request = self.client.build_request("POST", f"{endpoint.root}{path}", content=content, headers=headers)
             response: httpx.Response | None = None
             try:
                 response = await self.client.send(request, stream=True)
@@ -577,12 +622,12 @@ async def _read_json(response: httpx.Response) -> dict[str, Any]:
     return answer
 
 
-async def _first_event(response: httpx.Response) -> tuple[AsyncIterator[str], str | None]:
-    events = _sse_data(response.aiter_lines())
-    first = await anext(events, None)
+async def _first_event(response: httpx.Response) -> tuple[AsyncIterator[list[bytes]], list[bytes]]:
+    batches = _sse_batches(response.aiter_bytes())
+    first = await anext(batches, None)
     if first is None:
         raise httpx.RemoteProtocolError("upstream closed the stream before its first event")
-    return events, first
+    return batches, first
 
 
 def _chunk_object(chat: bool) -> str:

@@ -10,6 +10,7 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, text
+from sqlalchemy.engine import Engine
 from sqlmodel import Session, SQLModel
 
 from controlplane.storage.database import create_db
@@ -114,3 +115,44 @@ def test_usage_record_id_is_unique(migrated_db: str) -> None:
         with pytest.raises(IntegrityError):
             s.commit()
     engine.dispose()
+
+
+@pytest.mark.postgres
+def test_a_dropped_postgres_connection_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection PostgreSQL dropped (a restart, an idle timeout) is not handed out again: one idle for a while
+    is pinged and replaced before use; one used a moment ago fails once, and every connection after it is new."""
+    from sqlalchemy.exc import OperationalError
+
+    from controlplane.storage import database
+    from tests.conftest import PG_URL
+
+    if not PG_URL:
+        pytest.skip("PostgreSQL not configured: set TIERLINE_TEST_DATABASE_URL")
+    admin = create_db(PG_URL)
+
+    def drop_connections_of(db: Engine) -> None:
+        with db.connect() as conn:
+            pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        with admin.begin() as conn:
+            assert conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid}).scalar_one()
+
+    def ask(db: Engine) -> int:
+        with db.connect() as conn:
+            return int(conn.execute(text("SELECT 1")).scalar_one())
+
+    try:
+        monkeypatch.setattr(database, "PING_IDLE_S", 0.0)  # every connection counts as idle: always pinged
+        pinged = create_db(PG_URL, pool_size=1)
+        drop_connections_of(pinged)
+        assert ask(pinged) == 1  # the ping saw the dead connection: a new one answered
+        pinged.dispose()
+
+        monkeypatch.setattr(database, "PING_IDLE_S", 3600.0)  # never idle: never pinged
+        unpinged = create_db(PG_URL, pool_size=1)
+        drop_connections_of(unpinged)
+        with pytest.raises(OperationalError):
+            ask(unpinged)
+        assert ask(unpinged) == 1  # the disconnect invalidated the pool: the next checkout reconnects
+        unpinged.dispose()
+    finally:
+        admin.dispose()
