@@ -19,8 +19,11 @@ Per task:
 - ``auc_gain_vs_random``: area under the test quality-vs-edge-share curve minus random routing's, over [0, 1].
 - ``signals``: the same numbers per signal (router included), plus ``auroc_edge_good`` (how well the signal
   alone ranks right edge answers above wrong ones). ``router`` is the learned router over the signals (and the
-  prompt length for the LM), fitted on validation to predict that the edge's answer is the cloud's.
-  ``winner``: the best on validation (``rank_signals``).
+  prompt length for the LM), fitted on validation to predict that the edge's answer is the cloud's;
+  ``router_gain`` the same features fitted on ``no_loss_target`` (that keeping the request local loses nothing
+  against the cloud: it ranks by what escalation gains, as PGR does; it ships as signal ``router``).
+  ``lm-next8`` adds the prompt-side ``copy_signals`` (``prompt_novelty``, ``copy_kept``), which both routers
+  also read. ``winner``: the best on validation (``rank_signals``).
 - ``decision_p95_ms``: per test request, computing the signals and comparing the best simple signal with its
   threshold; ``router_decision_p95_ms``: the same with the learned router (signals, features, logistic).
   ``decision_p95_ms_by_signal``: the same for every signal a policy can ship (``hidden_probe`` included: the
@@ -42,7 +45,9 @@ Per task:
 
 Tasks: ``digits`` (digits-small, the near-equal pair), ``digits-micro`` (the INT8 micro model, a real gap),
 ``lm`` (exact-line match, the near-equal LM pair) and ``lm-next8`` (top-1 agreement with the reference over the
-next 8 tokens: graded per item, the LM pair's real gap). ``quality_gap``: cloud minus edge quality over all
+next 8 tokens: graded per item, the LM pair's gap on prompts longer than the models were trained on;
+``within_training_window`` measures both tiers again with the prompts cut to the trained context).
+``quality_gap``: cloud minus edge quality over all
 the task's items with its 95 % paired bootstrap interval. Graded tasks are not exported for calibration (its
 ``--data`` format holds right/wrong answers).
 """
@@ -58,7 +63,7 @@ from typing import Any
 import click
 import numpy as np
 
-from bench.cascade_tasks import TaskResults, run_digits, run_lm, run_lm_next
+from bench.cascade_tasks import TaskResults, quality_gap, run_digits, run_lm, run_lm_next
 from bench.common import emit, zoo_root
 from bench.prompt_router import EMBEDDING_MODEL, PROMPT_EMBEDDING, embedding_table, fit_prompt_router
 from shared.calibration import PROMPT_TOKENS, validation_row
@@ -72,6 +77,7 @@ from shared.escalation import (
     auc_gain_vs_random,
     fit_router,
     fold_hidden_probe,
+    no_loss_target,
     quality_curve,
     rank_signals,
     routed_quality,
@@ -82,7 +88,6 @@ from shared.routing_eval import (
     ORACLE,
     RANDOM_SAMPLE,
     Half,
-    bootstrap_weights,
     evaluate_routers,
     oracle_confidence,
     pgr_curves,
@@ -94,6 +99,7 @@ MAX_QUALITY_LOSS = 0.01
 SHARE_GRID = np.linspace(0.0, 1.0, 21)
 DEFAULT_LINES = 300
 DEFAULT_NEXT_ITEMS = 400
+ROUTER_GAIN = "router_gain"  # the learned router fitted on no_loss_target; ships as signal "router"
 
 
 @dataclass(slots=True)
@@ -113,11 +119,14 @@ def _features(results: TaskResults, rows: np.ndarray) -> dict[str, np.ndarray]:
     return table
 
 
-def _half(results: TaskResults, rows: np.ndarray, router: LearnedRouter, probe: LinearProbe | None) -> _Half:
+def _half(
+    results: TaskResults, rows: np.ndarray, routers: dict[str, LearnedRouter], probe: LinearProbe | None
+) -> _Half:
     confidences = {k: v[rows] for k, v in results.signals.items()}
     if probe is not None and results.probe_inputs is not None:
         confidences[HIDDEN_PROBE] = probe.confidences(results.probe_inputs[rows])
-    confidences[ROUTER] = router.confidences(_features(results, rows))
+    for name, router in routers.items():
+        confidences[name] = router.confidences(_features(results, rows))
     return _Half(rows, confidences, results.edge_good[rows], results.cloud_good[rows])
 
 
@@ -135,10 +144,14 @@ def fit_probe(results: TaskResults, val_rows: np.ndarray, l2: float = 0.1) -> Li
 
 
 def _threshold_for_share(confidence: np.ndarray, share: float) -> float:
-    """The threshold that answers ``share`` of these items locally (ties may take a few more)."""
+    """The threshold that answers ``share`` of these items locally (ties may take a few more). The ends are
+    infinite, so that all-cloud and all-edge stay so on items whose confidence falls outside these (a router's
+    confidence on the test half can exceed every validation item's)."""
     ranked = np.sort(confidence)[::-1]
     k = round(share * len(ranked))
-    return float(np.nextafter(ranked[0], np.inf)) if k == 0 else float(ranked[k - 1])
+    if k == 0:
+        return float("inf")
+    return float("-inf") if k == len(ranked) else float(ranked[k - 1])
 
 
 def _auroc(score: np.ndarray, positive: np.ndarray) -> float | None:
@@ -184,17 +197,23 @@ def _decision_seconds(results: TaskResults, test: _Half, policy: EdgePolicy) -> 
 
 
 def _decision_p95s(
-    results: TaskResults, test: _Half, ranking: list[SignalChoice], router: LearnedRouter, probe: LinearProbe | None
+    results: TaskResults,
+    test: _Half,
+    ranking: list[SignalChoice],
+    routers: dict[str, LearnedRouter],
+    probe: LinearProbe | None,
 ) -> dict[str, float]:
-    """p95 decision overhead per request (ms) of every signal a policy can ship."""
+    """p95 decision overhead per request (ms) of every signal a policy can ship (either router ships as
+    signal ``router``)."""
     out = {}
     for choice in ranking:
         threshold = choice.threshold if np.isfinite(choice.threshold) else 0.0
+        router = routers.get(choice.signal)
         policy = EdgePolicy(
             results.edge_model,
-            choice.signal,
+            ROUTER if router is not None else choice.signal,
             threshold,
-            router=router if choice.signal == ROUTER else None,
+            router=router,
             probe=probe if choice.signal == HIDDEN_PROBE else None,
         )
         out[choice.signal] = _p95_ms(_decision_seconds(results, test, policy))
@@ -210,19 +229,6 @@ class TaskEvaluation:
     oracle_curve: tuple[np.ndarray, np.ndarray]
     validation_rows: np.ndarray
     pgr_curves: dict[str, tuple[np.ndarray, np.ndarray]]  # router -> (cloud-call share, PGR) on the test half
-
-
-def quality_gap(edge_good: np.ndarray, cloud_good: np.ndarray, resamples: int, seed: int) -> dict[str, Any]:
-    """Cloud minus edge quality over all the task's items, with its 95 % paired bootstrap interval."""
-    diff = np.asarray(cloud_good, dtype=np.float64) - np.asarray(edge_good, dtype=np.float64)
-    boot = bootstrap_weights(len(diff), resamples, seed) @ diff / len(diff)
-    lo, hi = np.percentile(boot, [2.5, 97.5])
-    return {
-        "n": len(diff),
-        "gap": round(float(diff.mean()), 4),
-        "gap_ci95": [round(float(lo), 4), round(float(hi), 4)],
-        "excludes_zero": bool(lo > 0 or hi < 0),
-    }
 
 
 def _signal_reports(ranking: list[SignalChoice], test: _Half) -> dict[str, dict[str, Any]]:
@@ -252,15 +258,16 @@ def _zero_loss(signal: str, val: _Half, test: _Half) -> dict[str, float]:
     return {"edge_share_at_cloud_parity": round(share, 4), "quality_at_cloud_parity": round(quality, 4)}
 
 
-def _sweep(signal: str, val: _Half, test: _Half) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
-    """Policy points (thresholds for validation edge shares on ``SHARE_GRID``, measured on test) and random
-    routing at the same test edge shares."""
+def _sweep(signal: str, val: _Half, test: _Half) -> tuple[list[dict[str, float | None]], list[dict[str, float]]]:
+    """Policy points (thresholds for validation edge shares on ``SHARE_GRID``, measured on test; null: an
+    infinite threshold, all-cloud or all-edge) and random routing at the same test edge shares."""
     cloud_q, edge_q = float(test.cloud_good.mean()), float(test.edge_good.mean())
-    points, random_points = [], []
+    points: list[dict[str, float | None]] = []
+    random_points = []
     for target in SHARE_GRID:
         threshold = _threshold_for_share(val.confidences[signal], float(target))
         share, quality = routed_quality(test.confidences[signal], test.edge_good, test.cloud_good, threshold)
-        points.append({"threshold": round(threshold, 6), "edge_share": round(share, 4), "quality": round(quality, 4)})
+        points.append({"threshold": _finite(threshold), "edge_share": round(share, 4), "quality": round(quality, 4)})
         random_points.append(
             {"edge_share": round(share, 4), "quality": round(share * edge_q + (1 - share) * cloud_q, 4)}
         )
@@ -323,15 +330,17 @@ def evaluate(
     val_rows, test_rows = np.sort(order[: n // 2]), np.sort(order[n // 2 :])
     features = _features(results, val_rows)
     router = fit_router(features, results.agrees[val_rows], list(features))
+    gain_target = no_loss_target(results.edge_good[val_rows], results.cloud_good[val_rows])
+    routers = {ROUTER: router, ROUTER_GAIN: fit_router(features, gain_target, list(features))}
     probe = fit_probe(results, val_rows)
-    val, test = _half(results, val_rows, router, probe), _half(results, test_rows, router, probe)
+    val, test = _half(results, val_rows, routers, probe), _half(results, test_rows, routers, probe)
     ranking = rank_signals(val.confidences, val.edge_good, val.cloud_good, MAX_QUALITY_LOSS)
     prompt = _prompt_router(results, embedder, val_rows, test_rows)
     by_signal = {c.signal: c for c in ranking}
     winner = ranking[0].signal
     signals = _signal_reports(ranking, test)
     points, random_points = _sweep(winner, val, test)
-    simple = next(c for c in ranking if c.signal not in (ROUTER, HIDDEN_PROBE))
+    simple = next(c for c in ranking if c.signal not in (ROUTER, ROUTER_GAIN, HIDDEN_PROBE))
     decision = _decision_seconds(results, test, EdgePolicy(results.edge_model, simple.signal, simple.threshold))
     routed = _decision_seconds(
         results, test, EdgePolicy(results.edge_model, ROUTER, by_signal[ROUTER].threshold, router=router)
@@ -358,7 +367,7 @@ def evaluate(
         "decision_signal": simple.signal,
         "decision_p95_ms": _p95_ms(decision),
         "router_decision_p95_ms": _p95_ms(routed),
-        "decision_p95_ms_by_signal": _decision_p95s(results, test, ranking, router, probe),
+        "decision_p95_ms_by_signal": _decision_p95s(results, test, ranking, routers, probe),
         "probe": None if probe is None else {"input": probe.input, "hidden_size": probe.hidden_size},
         "signals": signals,
         "policy_points": points,

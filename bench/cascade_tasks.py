@@ -38,7 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from shared.escalation import classifier_signals, lm_signals, step_signals
+from shared.escalation import classifier_signals, copy_signals, lm_signals, step_signals
+from shared.routing_eval import DEFAULT_RESAMPLES, bootstrap_weights
 from shared.zoo.registry import ZooLayout
 
 CONTEXT_TOKENS = 128
@@ -166,18 +167,23 @@ def line_items(ends: _LineEnds, texts: list[str], num_items: int, seed: int) -> 
 
 @dataclass(slots=True)
 class _EdgeRun:
-    """What the edge produced per item: its tokens, signals, mean logits (the probe's input) and timings."""
+    """What the edge produced per item: its tokens, signals, mean logits (the probe's input) and timings.
+    ``with_copy``: add ``copy_signals`` (prompt-side, token ids only) to each item's signals."""
 
+    with_copy: bool = False
     outputs: list[list[int]] = field(default_factory=list)
     signals: list[dict[str, float]] = field(default_factory=list)
     mean_logits: list[np.ndarray] = field(default_factory=list)
     signal_s: list[float] = field(default_factory=list)
     probe_s: list[float] = field(default_factory=list)
 
-    def add(self, out: list[int], rows: list[np.ndarray]) -> None:
+    def add(self, prompt: list[int], out: list[int], rows: list[np.ndarray]) -> None:
         """The evidence for the whole answer in one vectorised pass (what a device pays to decide)."""
         started = time.perf_counter()
-        self.signals.append(lm_signals(step_signals(np.stack(rows), out)))
+        signals = lm_signals(step_signals(np.stack(rows), out))
+        if self.with_copy:
+            signals |= copy_signals(prompt, out)
+        self.signals.append(signals)
         self.signal_s.append(time.perf_counter() - started)
         started = time.perf_counter()
         self.mean_logits.append(np.asarray(np.mean(rows, axis=0, dtype=np.float64)))
@@ -221,7 +227,7 @@ def _greedy(
         if len(out) == limit or (is_end is not None and is_end(token)):
             break
         logits = runtime.decode(token)
-    run.add(out, rows)
+    run.add(prompt, out, rows)
     return out
 
 
@@ -314,7 +320,7 @@ def _match_share(tokens: list[int], reference: list[int]) -> float:
 
 
 def _edge_next_tokens(runtime: Any, items: list[TokenItem]) -> _EdgeRun:
-    run = _EdgeRun()
+    run = _EdgeRun(with_copy=True)
     for item in items:
         _greedy(runtime, item.prompt, NEXT_TOKENS, run)
     return run
@@ -327,6 +333,29 @@ def _cloud_next_tokens(model_dir: Path, items: list[TokenItem]) -> list[list[int
     llm = LLM(model_dir, kv_cache_bytes=KV_CACHE_BYTES)
     params = SamplingParams(temperature=0.0, max_tokens=NEXT_TOKENS, ignore_eos=True)
     return [list(out.token_ids) for out in llm.generate([item.prompt for item in items], params)]
+
+
+def training_window(layout: ZooLayout) -> int:
+    """The shorter of the two LMs' training sequence lengths (the longest context both were trained on)."""
+    from shared.zoo.presets import get_preset
+
+    preset = get_preset(str(layout.report()["preset"]))
+    return min(preset.edge_training.seq_len, preset.cloud_training.seq_len)
+
+
+def _within_window(runtime: Any, cloud_dir: Path, items: list[TokenItem], window: int, seed: int) -> dict[str, Any]:
+    """Both tiers again on the same items with each prompt cut to its last ``window`` tokens: how much of the
+    gap comes from running the models past the context they were trained on."""
+    cut = [TokenItem(item.prompt[-window:], item.reference) for item in items]
+    edge_out = _edge_next_tokens(runtime, cut).outputs
+    cloud_out = _cloud_next_tokens(cloud_dir, cut)
+    edge_q = np.array([_match_share(e, it.reference) for e, it in zip(edge_out, items, strict=True)])
+    cloud_q = np.array([_match_share(c, it.reference) for c, it in zip(cloud_out, items, strict=True)])
+    return {
+        "max_prompt_tokens": window,
+        **_gap(edge_q, cloud_q),
+        "quality_gap": quality_gap(edge_q, cloud_q, DEFAULT_RESAMPLES, seed),
+    }
 
 
 def run_lm_next(layout: ZooLayout, num_items: int, seed: int) -> TaskResults:
@@ -370,9 +399,26 @@ def run_lm_next(layout: ZooLayout, num_items: int, seed: int) -> TaskResults:
                 "long": _gap(edge_q[long], cloud_q[long]),
                 "long_from_tokens": max_prompt // 2 + 1,
             },
+            # The same items with both prompts cut to the trained context (a runtime setting, not routing).
+            "within_training_window": _within_window(
+                runtime, layout.artifact_dir("lm-cloud"), items, training_window(layout) - NEXT_TOKENS, seed
+            ),
         },
         prompt_texts=[str(tokenizer.decode(item.prompt)) for item in items],
     )
+
+
+def quality_gap(edge_good: np.ndarray, cloud_good: np.ndarray, resamples: int, seed: int) -> dict[str, Any]:
+    """Cloud minus edge quality over all the task's items, with its 95 % paired bootstrap interval."""
+    diff = np.asarray(cloud_good, dtype=np.float64) - np.asarray(edge_good, dtype=np.float64)
+    boot = bootstrap_weights(len(diff), resamples, seed) @ diff / len(diff)
+    lo, hi = np.percentile(boot, [2.5, 97.5])
+    return {
+        "n": len(diff),
+        "gap": round(float(diff.mean()), 4),
+        "gap_ci95": [round(float(lo), 4), round(float(hi), 4)],
+        "excludes_zero": bool(lo > 0 or hi < 0),
+    }
 
 
 def _gap(edge_q: np.ndarray, cloud_q: np.ndarray) -> dict[str, float | int | None]:

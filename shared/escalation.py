@@ -11,8 +11,14 @@ Signals per generated token (from the raw model distribution at that step):
 For a classifier (one distribution): ``softmax_margin`` (top-1 - top-2 probability), ``max_prob`` and
 ``norm_entropy``.
 
+Prompt-side LM signals (``copy_signals``, token ids only): ``prompt_novelty`` (how little of the prompt's tail an
+in-context copy predictor gets right) and ``copy_kept`` (low when the text is copyable and the edge's answer does
+not follow the copy). They see where a model that uses its context well gains, which the confidence signals do
+not: on long prompts the edge repeats confidently.
+
 A ``LearnedRouter`` is a logistic regression over the signals plus prompt length; its confidence is the
-predicted probability that the local answer matches what the cloud would have done.
+predicted probability that the local answer matches what the cloud would have done (or, fitted on
+``no_loss_target``, that keeping the request local loses nothing against the cloud).
 
 A ``LinearProbe`` (signal ``hidden_probe``) is a linear layer on the edge model's own hidden state, trained on
 validation data and shipped in the policy (``EdgePolicy.probe``). It reads what the runtime already produces:
@@ -38,6 +44,8 @@ from shared.errors import ConfigurationError
 
 LM_SIGNALS = ("mean_logprob", "min_margin", "norm_entropy")
 CLASSIFIER_SIGNALS = ("softmax_margin", "max_prob", "norm_entropy")
+COPY_SIGNALS = ("prompt_novelty", "copy_kept")
+COPY_TAIL_TOKENS = 32
 ROUTER = "router"
 HIDDEN_PROBE = "hidden_probe"
 PROBE_INPUTS = ("mean_logits", "pixels")
@@ -125,6 +133,43 @@ def lm_signals(steps: list[StepSignal]) -> dict[str, float]:
     }
 
 
+def copy_hits(ids: np.ndarray | list[int]) -> np.ndarray:
+    """Per position, whether an in-context copy predictor gets the token right: the token that followed the latest
+    earlier occurrence of the two tokens before it (an induction-style bigram lookup; positions 0-1 and bigrams
+    seen for the first time are misses). One stable sort, no per-token Python loop."""
+    t = np.asarray(ids, dtype=np.int64)
+    hits = np.zeros(len(t), dtype=bool)
+    if len(t) < 3:
+        return hits
+    keys = t[:-2] * (int(t.max()) + 1) + t[1:-1]  # keys[j - 2]: the bigram before position j
+    order = np.argsort(keys, kind="stable")  # equal bigrams stay in position order
+    same = keys[order[1:]] == keys[order[:-1]]
+    later, earlier = order[1:][same] + 2, order[:-1][same] + 2  # a position and the latest earlier one like it
+    hits[later] = t[earlier] == t[later]
+    return hits
+
+
+def copy_signals(
+    prompt: np.ndarray | list[int], output: np.ndarray | list[int], tail: int = COPY_TAIL_TOKENS
+) -> dict[str, float]:
+    """How much the request could be answered by copying from its own prompt, and whether the edge did.
+
+    - ``prompt_novelty``: 1 - the share of the prompt's last ``tail`` tokens that ``copy_hits`` predicts. Low on
+      repetitive text (tables, parallel branches), where a model that attends well over the context (the cloud)
+      gains most.
+    - ``copy_kept``: 1 - (copy share of the prompt tail) x (share of the output tokens the copy predictor misses):
+      low when the text is copyable but the edge's answer does not follow it.
+
+    Both are oriented as confidences (escalate when low) and need only token ids, no model output."""
+    seq = np.concatenate([np.asarray(prompt, dtype=np.int64), np.asarray(output, dtype=np.int64)])
+    hits = copy_hits(seq)
+    n_prompt = len(seq) - len(output)
+    window = hits[max(2, n_prompt - tail) : n_prompt]
+    prompt_share = float(window.mean()) if len(window) else 0.0
+    output_share = float(hits[n_prompt:].mean()) if len(output) else 1.0
+    return {"prompt_novelty": 1.0 - prompt_share, "copy_kept": 1.0 - prompt_share * (1.0 - output_share)}
+
+
 def classifier_signals(logits: np.ndarray) -> dict[str, np.ndarray]:
     """Signals for a batch of classifier outputs ``[batch, classes]`` (one value per row)."""
     p = _probs(np.atleast_2d(logits))
@@ -180,6 +225,14 @@ def fit_router(
         w -= lr * (xs.T @ g / len(y) + l2 * w)
         b -= lr * float(g.mean())
     return LearnedRouter(features, w.tolist(), b, mean.tolist(), std.tolist())
+
+
+def no_loss_target(edge_good: np.ndarray, cloud_good: np.ndarray) -> np.ndarray:
+    """A soft label in [0, 1] for a router that ranks by what escalation gains: ``(1 - (cloud - edge)) / 2``
+    (1: only the edge is right, 0.5: no difference, 0: only the cloud is right; graded qualities in between).
+    Its fitted probability falls as the expected gain of escalating rises, which is the order PGR rewards."""
+    gain = np.asarray(cloud_good, dtype=np.float64) - np.asarray(edge_good, dtype=np.float64)
+    return np.asarray((1.0 - gain) / 2.0)
 
 
 @dataclass(slots=True)
@@ -247,7 +300,7 @@ class EdgePolicy:
             raise ConfigurationError(f"edge policy for {self.model}: signal 'router' needs router weights")
         if self.signal == HIDDEN_PROBE and self.probe is None:
             raise ConfigurationError(f"edge policy for {self.model}: signal 'hidden_probe' needs probe weights")
-        if self.signal not in (*LM_SIGNALS, *CLASSIFIER_SIGNALS, ROUTER, HIDDEN_PROBE):
+        if self.signal not in (*LM_SIGNALS, *COPY_SIGNALS, *CLASSIFIER_SIGNALS, ROUTER, HIDDEN_PROBE):
             raise ConfigurationError(f"edge policy for {self.model}: unknown signal {self.signal!r}")
 
     def confidence(self, signals: dict[str, float]) -> float:

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from bench.cascade_bench import cascade_command
+from bench.cascade_bench import ROUTER_GAIN, cascade_command
 from bench.prompt_router import PROMPT_EMBEDDING
 from edge_agent.calibrate import calibrate_command
 from shared.escalation import (
     CLASSIFIER_SIGNALS,
+    COPY_SIGNALS,
     HIDDEN_PROBE,
     LM_SIGNALS,
     ROUTER,
@@ -78,10 +79,11 @@ def _calibrate(*args: str) -> Any:
 def test_cascade_reports_every_number_in_range(cascade: dict[str, Any]) -> None:
     report = cascade["report"]
     expected_signals = {
-        "digits": {*CLASSIFIER_SIGNALS, ROUTER, HIDDEN_PROBE},
-        "digits-micro": {*CLASSIFIER_SIGNALS, ROUTER, HIDDEN_PROBE},
-        "lm": {*LM_SIGNALS, ROUTER, HIDDEN_PROBE},
-        "lm-next8": {*LM_SIGNALS, ROUTER, HIDDEN_PROBE},
+        "digits": {*CLASSIFIER_SIGNALS, ROUTER, ROUTER_GAIN, HIDDEN_PROBE},
+        "digits-micro": {*CLASSIFIER_SIGNALS, ROUTER, ROUTER_GAIN, HIDDEN_PROBE},
+        "lm": {*LM_SIGNALS, ROUTER, ROUTER_GAIN, HIDDEN_PROBE},
+        # The prompt-side copy signals only where the rows are not exported for calibration (see below).
+        "lm-next8": {*LM_SIGNALS, *COPY_SIGNALS, ROUTER, ROUTER_GAIN, HIDDEN_PROBE},
     }
     for task, total in (("digits", 540), ("digits-micro", 540), ("lm", NUM_LINES), ("lm-next8", NUM_NEXT)):
         r = report[task]
@@ -128,6 +130,11 @@ def test_lm_next8_grades_each_request_and_evaluates_the_prompt_router(cascade: d
     assert 0 < r["median_prompt_tokens"] <= r["max_prompt_tokens"]
     by_length = r["gap_by_prompt_length"]
     assert by_length["short"]["n"] + by_length["long"]["n"] == NUM_NEXT
+    window = r["within_training_window"]  # the same items, both prompts cut to the tiny LMs' 128-token training
+    assert window["n"] == NUM_NEXT and window["max_prompt_tokens"] == 120
+    assert 0.0 <= window["edge_quality"] <= 1.0 and 0.0 <= window["cloud_quality"] <= 1.0
+    lo, hi = window["quality_gap"]["gap_ci95"]
+    assert lo <= window["cloud_quality"] - window["edge_quality"] <= hi
     for task in ("lm", "lm-next8"):
         info = report[task]["prompt_router"]
         assert info["features"] == 384 and "MiniLM" in info["embedding_model"] and info["decision_p95_ms"] > 0

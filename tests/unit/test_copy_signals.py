@@ -1,0 +1,88 @@
+"""The prompt-side copy signals and the router target that ranks by what escalation gains."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shared.escalation import (
+    COPY_SIGNALS,
+    EdgePolicy,
+    copy_hits,
+    copy_signals,
+    fit_router,
+    no_loss_target,
+)
+from shared.routing_eval import apgr, pgr_curves
+
+
+def _copy_hits_by_search(ids: list[int]) -> list[bool]:
+    """The definition, written out: the token after the latest earlier occurrence of the two tokens before."""
+    out = []
+    for j in range(len(ids)):
+        prediction = None
+        for s in range(j - 3, -1, -1):
+            if j >= 2 and ids[s : s + 2] == ids[j - 2 : j]:
+                prediction = ids[s + 2]
+                break
+        out.append(prediction is not None and prediction == ids[j])
+    return out
+
+
+def test_copy_hits_follow_the_latest_earlier_occurrence() -> None:
+    # "a b c ... a b d ... a b": the last "a b" is predicted from the latest one (d), not the first (c).
+    a, b, c, d, x = 1, 2, 3, 4, 9
+    ids = [a, b, c, x, a, b, d, x, a, b, d]
+    assert copy_hits(ids).tolist() == [False] * 9 + [True, True]  # "x a" -> b, then "a b" -> d
+    assert copy_hits([a, b, c, x, a, b, d, x, a, b, c])[-1] == np.False_
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        seq = rng.integers(0, 5, size=int(rng.integers(0, 40))).tolist()
+        assert copy_hits(seq).tolist() == _copy_hits_by_search(seq)
+
+
+def test_copy_signals_see_copyable_text_the_edge_did_not_copy() -> None:
+    table = [7, 8, 9, 10] * 20  # a repeating table: every token after the first cycle is copyable
+    follows, breaks = [7, 8, 9, 10], [5, 6, 5, 6]
+    kept = copy_signals(table, follows)
+    missed = copy_signals(table, breaks)
+    assert set(kept) == set(COPY_SIGNALS)
+    assert kept["prompt_novelty"] == 0.0 and kept["copy_kept"] == 1.0
+    assert missed["prompt_novelty"] == 0.0 and missed["copy_kept"] == 0.0
+    # Text with nothing to copy: nothing for the cloud's copying to gain, whatever the edge answers.
+    novel = copy_signals(list(range(100, 180)), breaks)
+    assert novel == {"prompt_novelty": 1.0, "copy_kept": 1.0}
+    assert copy_signals([], []) == {"prompt_novelty": 1.0, "copy_kept": 1.0}
+
+
+def test_a_policy_can_ship_a_copy_signal() -> None:
+    policy = EdgePolicy.from_json(EdgePolicy("tierline/lm-edge", "copy_kept", 0.5).to_json())
+    assert policy.should_escalate({"copy_kept": 0.2}) and not policy.should_escalate({"copy_kept": 0.9})
+
+
+def test_no_loss_target_orders_by_what_escalation_gains() -> None:
+    edge = np.array([1.0, 0.0, 0.5, 0.25])
+    cloud = np.array([0.0, 1.0, 0.5, 0.75])
+    assert no_loss_target(edge, cloud).tolist() == pytest.approx([1.0, 0.0, 0.5, 0.25])
+    assert no_loss_target(np.array([True, False]), np.array([True, True])).tolist() == [0.5, 0.0]
+
+
+def test_router_on_the_gain_beats_one_on_agreement_when_the_cloud_fixes_what_the_edge_cannot_see() -> None:
+    """The LM pair's situation: one feature says when the edge is right (its confidence), another when the cloud
+    is (how copyable the text is). The tiers agree where the edge is right, so a router fitted on agreement
+    learns only the edge's side; one fitted on the gain sends first the requests the cloud fixes."""
+    rng = np.random.default_rng(1)
+    n = 2000
+    confidence, copyable = rng.uniform(size=n), rng.uniform(size=n)
+    edge = (confidence > 0.7).astype(float)
+    cloud = np.maximum(edge, copyable > 0.5)
+    table = {"confidence": confidence + rng.normal(scale=0.05, size=n), "copyable": copyable}
+    agrees = edge * cloud  # the same answer when both are right; wrong answers differ (graded tokens)
+    val, test = np.arange(n // 2), np.arange(n // 2, n)
+
+    def test_apgr(target: np.ndarray) -> float:
+        router = fit_router({k: v[val] for k, v in table.items()}, target[val], list(table))
+        conf = router.confidences({k: v[test] for k, v in table.items()})
+        return float(apgr(pgr_curves(conf, edge[test], cloud[test]))[0])
+
+    assert test_apgr(no_loss_target(edge, cloud)) > test_apgr(agrees) + 0.1
