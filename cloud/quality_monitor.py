@@ -192,7 +192,7 @@ class ShadowIntake:
         samples, shares = [], []
         for sample, cloud_tokens in zip(data.lm_samples, answers, strict=True):
             agrees, share = lm_agrees(sample.edge_tokens, cloud_tokens, min_share)
-            samples.append(monitor.Sample(confidence=sample.confidence, agrees=agrees))
+            samples.append(monitor.Sample(confidence=sample.confidence, agrees=agrees, token_agreement=share))
             shares.append(share)
         latency = round((time.monotonic() - started) * 1000, 2)
         generated = sum(len(a) for a in answers)

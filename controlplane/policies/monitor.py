@@ -154,6 +154,7 @@ class Agreement:
     num_samples: int
     num_agreements: int
     promised: float | None
+    token_agreement: float | None = None  # LM samples: the mean share of the edge's tokens the cloud chose too
 
     @property
     def agreement(self) -> float | None:
@@ -167,15 +168,23 @@ class Agreement:
 def agreement_table(session: Session, model: str | None = None) -> list[Agreement]:
     """Every group's counts (newest policy versions first), with the promise of its version."""
     agrees = func.sum(cast(col(ShadowSample.agrees), Integer))
+    tokens = func.avg(col(ShadowSample.token_agreement))  # AVG skips the classifier rows' NULLs
     query = sql_select(
-        col(ShadowSample.model), col(ShadowSample.policy_version), col(ShadowSample.device_group), func.count(), agrees
+        col(ShadowSample.model),
+        col(ShadowSample.policy_version),
+        col(ShadowSample.device_group),
+        func.count(),
+        agrees,
+        tokens,
     ).group_by(col(ShadowSample.model), col(ShadowSample.policy_version), col(ShadowSample.device_group))
     if model is not None:
         query = query.where(col(ShadowSample.model) == model)
     out = []
-    for name, version, group, n, k in session.execute(query).all():
+    for name, version, group, n, k, share in session.execute(query).all():
         row = _policy_row(session, name, version)
-        out.append(Agreement(name, version, group, int(n), int(k or 0), promised_agreement(row) if row else None))
+        promised = promised_agreement(row) if row else None
+        token_share = None if share is None else float(share)
+        out.append(Agreement(name, version, group, int(n), int(k or 0), promised, token_share))
     return sorted(out, key=lambda a: (a.model, -a.policy_version, a.device_group))
 
 
@@ -299,10 +308,12 @@ def check_group(
 
 @dataclass(frozen=True, slots=True)
 class Sample:
-    """One input of a shadow batch: the edge's confidence and whether the cloud agreed."""
+    """One input of a shadow batch: the edge's confidence and whether the cloud agreed (for an LM answer, also
+    the share of its tokens the cloud chose too)."""
 
     confidence: float
     agrees: bool
+    token_agreement: float | None = None
 
 
 def record_batch(
@@ -332,6 +343,7 @@ def record_batch(
                 device_group=group,
                 confidence=float(s.confidence),
                 agrees=bool(s.agrees),
+                token_agreement=None if s.token_agreement is None else float(s.token_agreement),
             )
         )
     session.flush()

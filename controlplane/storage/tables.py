@@ -865,6 +865,9 @@ class ShadowSample(SQLModel, table=True):
     device_group: str = Field(max_length=64, description="the device's group label ('' when it has none)")
     confidence: float = Field(description="the policy's signal on the edge's answer")
     agrees: bool = Field(description="the cloud's answer equals the edge's")
+    token_agreement: float | None = Field(
+        default=None, description="LM samples: the share of the edge's tokens the cloud chose too (None: a row)"
+    )
     created_at: datetime = _ts()
 
 

@@ -285,7 +285,17 @@ def test_a_mis_set_lm_policy_raises_an_alert_within_200_samples_and_a_calibrated
     with httpx.Client(base_url=p.console_url, follow_redirects=False, timeout=30) as admin:
         assert login(admin, "ops", PASSWORD).status_code == 303
         assert 'id="quality-alerts"' in admin.get("/").text
-        assert f'id="quality-alert-{alert.id}"' in admin.get("/models/lm-edge").text
+        page = admin.get("/models/lm-edge").text
+        assert f'id="quality-alert-{alert.id}"' in page
+        assert "<th>Token agreement</th>" in page  # LM groups show the mean share of tokens the cloud chose too
+    # Every LM sample stores its token share; a sample that agrees (every token the same) has share 1.
+    shares = p.query(
+        lambda s: list(
+            s.exec(select(ShadowSample.agrees, ShadowSample.token_agreement).where(ShadowSample.model == LM))
+        )
+    )
+    assert shares and all(t is not None and 0.0 <= t <= 1.0 for _, t in shares)
+    assert all(t == 1.0 for a, t in shares if a)
 
     # The client's answer is the device's own with or without shadowing: the same text for the same prompt.
     again = complete(p, p.traffic[0]).json()["choices"][0]["text"]
