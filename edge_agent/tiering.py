@@ -40,7 +40,7 @@ from edge_agent.shadow_sampler import ShadowSampler
 from edge_agent.tensors import LocalClassifier, row_confidences
 from shared.edge_protocol import MAX_USAGE_SUBJECT
 from shared.errors import ApplicationError, NotFoundError, ServiceUnavailableError, ValidationError
-from shared.escalation import HIDDEN_PROBE, MODES, EdgePolicy
+from shared.escalation import COPY_SIGNALS, HIDDEN_PROBE, MODES, EdgePolicy, copy_signals
 from shared.logs import server_request_id
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
 
@@ -609,11 +609,19 @@ def _probes_logits(policy: EdgePolicy) -> bool:
     return policy.signal == HIDDEN_PROBE and policy.probe is not None and policy.probe.input == "mean_logits"
 
 
+def _uses_copy_signals(policy: EdgePolicy) -> bool:
+    features = policy.router.features if policy.router is not None else []
+    return policy.signal in COPY_SIGNALS or any(f in COPY_SIGNALS for f in features)
+
+
 def _signals(prepared: serving.Prepared, policy: EdgePolicy | None = None) -> dict[str, float]:
-    """The policy's inputs: the answer's confidence signals, the prompt's length (the router uses it) and, for a
-    policy with an LM hidden-state probe, the probe's confidence on the generated tokens' mean logits (the bench's
-    ``lm`` task computes the same, ``bench.cascade_tasks._EdgeRun``)."""
+    """The policy's inputs: the answer's confidence signals, the prompt's length (the router uses it), for a policy
+    that reads them the prompt-side copy signals (token ids only, ~0.05 ms) and, for a policy with an LM hidden-state
+    probe, the probe's confidence on the generated tokens' mean logits (the bench's ``lm`` tasks compute the same,
+    ``bench.cascade_tasks._EdgeRun``)."""
     signals = {**prepared.signals(), "prompt_tokens": float(prepared.prompt_tokens)}
+    if policy is not None and _uses_copy_signals(policy):
+        signals.update(copy_signals(prepared.local.prompt_ids, [s.token_id for s in prepared.steps_seen]))
     if policy is not None and _probes_logits(policy):
         mean = prepared.mean_logits()
         # No sampled token (nothing generated, or every token forced): nothing to doubt, as ``lm_signals`` says.

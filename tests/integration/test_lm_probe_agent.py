@@ -95,3 +95,49 @@ def test_the_agent_applies_the_lm_probe_and_decides_as_the_bench(tiny_zoo: Path,
 
     assert asyncio.run(ask_all()) == bench_escalates.tolist()
     assert link.escalated == int(bench_escalates.sum())  # an escalation was tried exactly for those
+
+
+def test_the_agent_computes_the_copy_signals_as_the_bench(tiny_zoo: Path, tiny_zoo_public_key: Path) -> None:
+    """A router reading the prompt-side copy signals (``prompt_novelty``, ``copy_kept``; token ids only) decides on
+    the device exactly as ``bench cascade``'s ``lm-next8`` computes them (``_EdgeRun(with_copy=True)``)."""
+    from tokenizers import Tokenizer
+
+    from bench.cascade_tasks import NEXT_TOKENS, _EdgeRun, _greedy, token_items
+    from edge_agent.runtime.lm import load_causal_lm
+    from shared.escalation import ROUTER
+    from shared.zoo.corpus import held_out_files
+    from shared.zoo.registry import ZooLayout
+
+    edge_dir = ZooLayout(tiny_zoo).artifact_dir("lm-edge-onnx-int8")
+    runtime = load_causal_lm(edge_dir, num_threads=1)
+    tokenizer = Tokenizer.from_file(str(edge_dir / "tokenizer.json"))
+    items = token_items(tokenizer, [f.text for f in held_out_files()], NUM_ITEMS, 5, runtime.max_context - NEXT_TOKENS)
+    run = _EdgeRun(with_copy=True)
+    for item in items:
+        _greedy(runtime, item.prompt, NEXT_TOKENS, run)
+    features = ["prompt_novelty", "copy_kept", "mean_logprob"]
+    table = {f: np.array([s[f] for s in run.signals]) for f in features}
+    assert len(set(table["prompt_novelty"].tolist())) > 1, "the items' prompts do not differ in copyability"
+    router = LearnedRouter(features, [-1.0, 1.0, 0.5], 0.0, [float(table[f].mean()) for f in features], [1.0, 1.0, 1.0])
+    bench_conf = router.confidences(table)
+    ranked = np.sort(bench_conf)
+    threshold = float((ranked[NUM_ITEMS // 2 - 1] + ranked[NUM_ITEMS // 2]) / 2)
+    bench_escalates = bench_conf < threshold
+    assert 0 < bench_escalates.sum() < NUM_ITEMS
+
+    keys = [load_public_key(tiny_zoo_public_key)]
+    models = zoo_models(tiny_zoo, keys)
+    lms = serving.LocalModels({INT8: (models[INT8].path, models[INT8].manifest)}, num_threads=1)
+    policy = EdgePolicy("tierline/lm-edge", signal=ROUTER, threshold=threshold, router=router)
+    tiering = Tiering(lms, _Unreachable(), {"tierline/lm-edge": policy}, lambda served: None)  # type: ignore[arg-type]
+
+    async def ask_all() -> list[bool]:
+        out = []
+        for item in items:
+            req = CompletionRequest.model_validate(
+                {"model": INT8, "prompt": item.prompt, "max_tokens": NEXT_TOKENS, "temperature": 0, "ignore_eos": True}
+            )
+            out.append((await tiering.handle("completions", req, None)).reason == "low-confidence")
+        return out
+
+    assert asyncio.run(ask_all()) == bench_escalates.tolist()
