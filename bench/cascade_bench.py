@@ -70,6 +70,7 @@ from shared.calibration import PROMPT_TOKENS, validation_row
 from shared.escalation import (
     HIDDEN_PROBE,
     ROUTER,
+    ROUTER_GAIN,
     EdgePolicy,
     LearnedRouter,
     LinearProbe,
@@ -99,7 +100,6 @@ MAX_QUALITY_LOSS = 0.01
 SHARE_GRID = np.linspace(0.0, 1.0, 21)
 DEFAULT_LINES = 300
 DEFAULT_NEXT_ITEMS = 400
-ROUTER_GAIN = "router_gain"  # the learned router fitted on no_loss_target; ships as signal "router"
 
 
 @dataclass(slots=True)

@@ -236,7 +236,7 @@ def _edge_lines(model_dir: Path, ends: _LineEnds, items: list[LineItem]) -> tupl
 
     runtime = load_causal_lm(model_dir, num_threads=1)
     lines: list[str | None] = []
-    run = _EdgeRun()
+    run = _EdgeRun(with_copy=True)  # exported rows carry the copy signals: calibration can fit on them
     for item in items:
         out = _greedy(runtime, item.prompt, MAX_LINE_TOKENS, run, ends.is_end)
         lines.append(ends.line(out))

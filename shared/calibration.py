@@ -21,16 +21,19 @@ import numpy as np
 from shared.errors import ConfigurationError
 from shared.escalation import (
     CLASSIFIER_SIGNALS,
+    COPY_SIGNALS,
     HIDDEN_PROBE,
     LM_SIGNALS,
     PROBE_INPUTS,
     ROUTER,
+    ROUTER_GAIN,
     EdgePolicy,
     LearnedRouter,
     LinearProbe,
     SignalChoice,
     fit_router,
     fold_hidden_probe,
+    no_loss_target,
     quality_curve,
     rank_signals,
 )
@@ -136,7 +139,9 @@ def read_validation(path: Path, model: str) -> ValidationSet:
         raise ConfigurationError(f"{path}: {model!r} matches several models ({', '.join(ids)}); give the full id")
     if len(mine) < MIN_ITEMS:
         raise ConfigurationError(f"{path}: only {len(mine)} items for {ids[0]}; calibration needs {MIN_ITEMS}")
-    known = [s for s in dict.fromkeys(LM_SIGNALS + CLASSIFIER_SIGNALS) if all(s in r["signals"] for r in mine)]
+    known = [
+        s for s in dict.fromkeys(LM_SIGNALS + COPY_SIGNALS + CLASSIFIER_SIGNALS) if all(s in r["signals"] for r in mine)
+    ]
     if not known:
         raise ConfigurationError(f"{path}: no item of {ids[0]} has a known signal ({', '.join(LM_SIGNALS)}, ...)")
     tokens = [r.get(PROMPT_TOKENS) for r in mine]
@@ -170,6 +175,15 @@ def fit_validation_router(data: ValidationSet) -> LearnedRouter:
     return fit_router(table, data.agrees, list(table))
 
 
+def fit_gain_router(data: ValidationSet) -> LearnedRouter:
+    """The same features fitted on what escalating gains (``no_loss_target``: that keeping the request local loses
+    nothing against the cloud). It ranks where the cloud does better rather than where the tiers agree, which is
+    what the quality curve rewards when the edge is confidently wrong on requests the cloud gets right (the demo
+    LM pair on long prompts, ``docs/routing.md``). Competes with the agreement router; ships as signal ``router``."""
+    table = router_inputs(data)
+    return fit_router(table, no_loss_target(data.edge_good, data.cloud_good), list(table))
+
+
 def curve_points(
     confidence: np.ndarray, edge_good: np.ndarray, cloud_good: np.ndarray, max_points: int = MAX_CURVE_POINTS
 ) -> list[dict[str, float | None]]:
@@ -199,11 +213,12 @@ def calibrate(data: ValidationSet, max_quality_loss: float) -> tuple[EdgePolicy,
     """The policy whose signal answers the most requests locally within the bound, and every signal's result.
     With probe inputs the hidden-state probe competes too; its confidences join ``data.signals`` (as
     ``hidden_probe``), so a caller reads the winner's confidences there whichever it is."""
-    router = fit_validation_router(data)
+    routers = {ROUTER: fit_validation_router(data), ROUTER_GAIN: fit_gain_router(data)}
     probe = fit_validation_probe(data)
     if probe is not None and data.probe_inputs is not None:
         data.signals[HIDDEN_PROBE] = probe.confidences(data.probe_inputs)
-    confidences = {**data.signals, ROUTER: router.confidences(router_inputs(data))}
+    inputs = router_inputs(data)
+    confidences = {**data.signals, **{name: r.confidences(inputs) for name, r in routers.items()}}
     ranking = rank_signals(confidences, data.edge_good, data.cloud_good, max_quality_loss)
     best = ranking[0]
     # No threshold qualifies: escalate everything, with a finite threshold (policies travel as strict JSON).
@@ -226,9 +241,9 @@ def calibrate(data: ValidationSet, max_quality_loss: float) -> tuple[EdgePolicy,
     }
     policy = EdgePolicy(
         model=data.model,
-        signal=best.signal,
+        signal=ROUTER if best.signal in routers else best.signal,
         threshold=threshold,
-        router=router if best.signal == ROUTER else None,
+        router=routers.get(best.signal),
         probe=probe if best.signal == HIDDEN_PROBE else None,
         calibration=calibration,
     )

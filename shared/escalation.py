@@ -47,6 +47,7 @@ CLASSIFIER_SIGNALS = ("softmax_margin", "max_prob", "norm_entropy")
 COPY_SIGNALS = ("prompt_novelty", "copy_kept")
 COPY_TAIL_TOKENS = 32
 ROUTER = "router"
+ROUTER_GAIN = "router_gain"  # the learned router fitted on no_loss_target; ships as signal "router"
 HIDDEN_PROBE = "hidden_probe"
 PROBE_INPUTS = ("mean_logits", "pixels")
 MODES = ("local-first", "cloud-first", "local-only", "cloud-only")

@@ -81,8 +81,8 @@ def test_cascade_reports_every_number_in_range(cascade: dict[str, Any]) -> None:
     expected_signals = {
         "digits": {*CLASSIFIER_SIGNALS, ROUTER, ROUTER_GAIN, HIDDEN_PROBE},
         "digits-micro": {*CLASSIFIER_SIGNALS, ROUTER, ROUTER_GAIN, HIDDEN_PROBE},
-        "lm": {*LM_SIGNALS, ROUTER, ROUTER_GAIN, HIDDEN_PROBE},
-        # The prompt-side copy signals only where the rows are not exported for calibration (see below).
+        # The prompt-side copy signals on both LM tasks: the agent computes them, calibration reads them.
+        "lm": {*LM_SIGNALS, *COPY_SIGNALS, ROUTER, ROUTER_GAIN, HIDDEN_PROBE},
         "lm-next8": {*LM_SIGNALS, *COPY_SIGNALS, ROUTER, ROUTER_GAIN, HIDDEN_PROBE},
     }
     for task, total in (("digits", 540), ("digits-micro", 540), ("lm", NUM_LINES), ("lm-next8", NUM_NEXT)):

@@ -96,7 +96,7 @@ def test_calibration_keeps_the_probe_when_it_wins_on_validation(tmp_path: Path) 
     assert data.probe_inputs is not None and data.probe_inputs.shape == (120, 4) and data.probe_input == "pixels"
     policy, ranking = calibrate(data, 0.01)
     assert policy.signal == HIDDEN_PROBE and policy.probe is not None
-    assert {c.signal for c in ranking} == {"softmax_margin", HIDDEN_PROBE, "router"}
+    assert {c.signal for c in ranking} == {"softmax_margin", HIDDEN_PROBE, "router", "router_gain"}
     shipped = EdgePolicy.from_json(json.loads(json.dumps(policy.to_json())))
     local = [not shipped.should_escalate(shipped.probe_signal(x)) for x in data.probe_inputs]
     quality = np.where(local, data.edge_good, data.cloud_good).mean()
