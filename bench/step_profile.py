@@ -48,6 +48,8 @@ def profile_steps(engine: LLMEngine, batch: int, num_tokens: int = 120, salt: st
         (runner.model, "forward"): "forward",
         (runner.model, "compute_logits"): "forward",
     }
+    if runner.fused_decoder is not None:  # a small decode step's whole forward, one C call
+        patched[(runner.fused_decoder, "run")] = "forward"
     if engine.output_processor is not None:
         patched[(engine.output_processor, "process")] = "output_processing"
     for (obj, attr), name in patched.items():
@@ -86,9 +88,16 @@ def main() -> None:
     parser.add_argument("model_dir", type=Path)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--no-fused-decode", action="store_true", help="every step through the torch model")
     args = parser.parse_args()
     engine = LLMEngine(
-        EngineConfig(args.model_dir, kv_cache_bytes=256 << 20, max_num_batched_tokens=2048, num_threads=args.threads)
+        EngineConfig(
+            args.model_dir,
+            kv_cache_bytes=256 << 20,
+            max_num_batched_tokens=2048,
+            num_threads=args.threads,
+            fused_decode=not args.no_fused_decode,
+        )
     )
     profile_steps(engine, 2, 16, "warm-up")
     results = [profile_steps(engine, b, salt=f"b{b}") for b in args.batches]
@@ -97,6 +106,7 @@ def main() -> None:
             {
                 "model": str(args.model_dir),
                 "threads": getattr(engine.runner, "max_threads", torch.get_num_threads()),
+                "fused_decode": engine.runner.fused_decoder is not None,
                 "runs": results,
             },
             indent=1,
