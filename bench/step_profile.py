@@ -1,15 +1,18 @@
-"""Where an engine step's time goes: ``python -m bench.step_profile <lm dir> [--threads N]``.
+"""Where an engine step's time goes: ``python -m bench.step_profile <lm dir> [--threads N] [--no-fused-decode]``.
 
 Decodes greedy requests (100-token prompts, 120 new tokens) at batch 1 and at 64 concurrent through
 ``LLMEngine.step`` and splits each step's wall time into scheduling, input preparation (the runner's work before
 and after the model), the model's forward, sampling, postprocessing (appending tokens, finishing) and output
-processing (detokenisation, stop strings), by timing those calls. Prints one JSON object: milliseconds per step.
+processing (detokenisation, stop strings), by timing those calls, and the median step's wall and CPU time (a decode
+step). ``--no-fused-decode`` runs every step through the torch model (``EngineConfig.fused_decode`` off). Prints one
+JSON object: milliseconds per step.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -58,9 +61,14 @@ def profile_steps(engine: LLMEngine, batch: int, num_tokens: int = 120, salt: st
     for i in range(batch):
         engine.add_request(f"{salt}{i}", list(range(5 + i % 50, 105 + i % 50)), params, cache_salt=salt)
     steps = 0
+    step_wall: list[float] = []
+    step_cpu: list[float] = []
     started, cpu_started = time.perf_counter(), time.process_time()
     while engine.has_unfinished_requests():
+        t, c = time.perf_counter(), time.process_time()
         engine.step()
+        step_wall.append(time.perf_counter() - t)
+        step_cpu.append(time.process_time() - c)
         steps += 1
     wall, cpu_total = time.perf_counter() - started, time.process_time() - cpu_started
     for obj, attr in patched:
@@ -70,6 +78,9 @@ def profile_steps(engine: LLMEngine, batch: int, num_tokens: int = 120, salt: st
         "steps": steps,
         "tokens_per_s": round(batch * num_tokens / wall, 1),
         "ms_per_step": _per_step(totals, wall, steps),
+        # The median step is a decode step (prefills are few) and shrugs off the host's bursts of other work.
+        "median_step_ms": round(statistics.median(step_wall) * 1000, 3),
+        "median_step_cpu_ms": round(statistics.median(step_cpu) * 1000, 3),
         # CPU time of the process (all its threads): on a busy host, closer than wall time to what a quiet one shows.
         "cpu_ms_per_step": _per_step(cpu, cpu_total, steps),
     }

@@ -493,8 +493,14 @@ class FusedDecoder:
         """Each sequence's one new token at its position (its context is the positions before it, in the cache)
         → logits [len(token_ids), vocab] in fp32."""
         n = len(token_ids)
+        # The C code trusts its indices: what the torch model would refuse with an IndexError is refused here.
+        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size}), got {token_ids}")
         if max(positions) >= self.max_positions:
             raise ValueError(f"position {max(positions)} is past the model's {self.max_positions} positions")
+        block_size = self.dims[7]
+        if any(p < 0 or len(t) * block_size <= p for p, t in zip(positions, block_tables, strict=True)):
+            raise ValueError("a block table does not cover its sequence's position")
         max_blocks = max(len(t) for t in block_tables)
         flat: list[int] = []
         for t in block_tables:

@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 from cloud.engine import EngineConfig, SamplingParams
 from cloud.engine.llm_engine import LLMEngine
 from cloud.engine.model import apply_rotary, rotary_factors
-from cloud.engine.model_runner import PARALLEL_MIN_MACS, Feed
+from cloud.engine.model_runner import PARALLEL_MIN_MACS, Feed, ModelRunner
 from shared.zoo.build import committed_weights
 from shared.zoo.corpus import held_out_files
 from shared.zoo.presets import DEMO
@@ -113,3 +113,18 @@ def test_the_fused_decode_step_gives_the_torch_models_greedy_tokens(two_threads:
     reference, _ = _greedy_tokens(False, prompts, 64)
     assert calls >= 2 * 63  # the lone request's decode steps and the group's
     assert fused == reference and all(len(t) == 64 for t in fused.values())
+
+
+def test_the_fused_step_refuses_what_the_torch_model_would() -> None:
+    """The C code trusts its indices, so the binding checks them: a token past the vocabulary, a position past the
+    RoPE table or one its block table does not reach are refused, not read out of bounds."""
+    runner = ModelRunner(DEMO_LM, torch.device("cpu"), torch.float32, 16, num_blocks=8, max_model_len=64)
+    fused = runner.fused_decoder
+    assert fused is not None
+    assert fused.run([5], [3], [[0]]).shape == (1, runner.config.vocab_size)
+    with pytest.raises(ValueError, match="token ids"):
+        fused.run([runner.config.vocab_size], [3], [[0]])
+    with pytest.raises(ValueError, match="past the model's 64 positions"):
+        fused.run([5], [64], [[0, 1, 2, 3, 4]])
+    with pytest.raises(ValueError, match="does not cover"):
+        fused.run([5], [16], [[0]])
