@@ -23,6 +23,7 @@ import torch
 
 from cloud.engine.config import EngineConfig
 from cloud.engine.llm_engine import LLMEngine
+from cloud.engine.model_runner import Feed
 from cloud.engine.sampling_params import SamplingParams
 
 
@@ -86,6 +87,40 @@ def profile_steps(engine: LLMEngine, batch: int, num_tokens: int = 120, salt: st
     }
 
 
+def decode_forward_ms(engine: LLMEngine, batches: list[int], repeats: int = 100) -> list[dict[str, Any]]:
+    """The runner's decode step alone (``execute``: one token per sequence at ~100-200 positions, on one thread),
+    fused and through the torch model, alternately: best of three timings of ``repeats`` steps, in ms."""
+    runner, fused = engine.runner, engine.runner.fused_decoder
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    runner.adapt_threads = False  # (a decode of 4+ sequences of the demo LM would otherwise take both threads)
+    bs = runner.block_size
+    rows = []
+    try:
+        for batch in batches:
+            feeds = [Feed(list(range(b * 16, b * 16 + 16)), [7], 100 + 13 * b, 1) for b in range(batch)]
+            assert max(f.start for f in feeds) < 16 * bs and 16 * batch <= runner.num_blocks
+            row: dict[str, Any] = {"batch": batch}
+            for name, decoder in (("torch", None), ("fused", fused)):
+                if name == "fused" and decoder is None:
+                    continue
+                runner.fused_decoder = decoder
+                for _ in range(10):
+                    runner.execute(feeds)
+                best = float("inf")
+                for _ in range(3):
+                    started = time.perf_counter()
+                    for _ in range(repeats):
+                        runner.execute(feeds)
+                    best = min(best, (time.perf_counter() - started) / repeats)
+                row[f"{name}_ms"] = round(best * 1000, 3)
+            rows.append(row)
+    finally:
+        runner.fused_decoder, runner.adapt_threads = fused, True
+        torch.set_num_threads(threads)
+    return rows
+
+
 def _per_step(totals: dict[str, float], total: float, steps: int) -> dict[str, float]:
     ms = {k: v / steps * 1000 for k, v in totals.items()}
     ms["input_preparation"] = ms.pop("runner") - ms["forward"]
@@ -100,6 +135,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--no-fused-decode", action="store_true", help="every step through the torch model")
+    parser.add_argument(
+        "--forward-batches", type=int, nargs="*", default=[], help="also time the decode forward alone at these batches"
+    )
     args = parser.parse_args()
     engine = LLMEngine(
         EngineConfig(
@@ -119,6 +157,7 @@ def main() -> None:
                 "threads": getattr(engine.runner, "max_threads", torch.get_num_threads()),
                 "fused_decode": engine.runner.fused_decoder is not None,
                 "runs": results,
+                "decode_forward_ms": decode_forward_ms(engine, args.forward_batches),
             },
             indent=1,
         )
