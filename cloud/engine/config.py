@@ -19,6 +19,9 @@ class EngineConfig:
     and its last update at once), as SGLang's and vLLM's ``--stream-interval``: fewer, larger stream events.
     ``grammar_jump_forward``: a token a request's grammar forces is appended without sampling and computed in the
     next forward together with the token before it (off: one forward per token, as unconstrained decoding).
+    ``fused_decode``: on CPU in fp32, a decode step small enough for one thread (a few sequences) runs the whole
+    forward as one compiled C call instead of ~30 torch ops a layer (``cpu_kernels.FusedDecoder``; the same greedy
+    tokens, logits equal to float rounding). Off, or without a C compiler, every step runs the torch model.
     """
 
     model_dir: Path
@@ -40,6 +43,7 @@ class EngineConfig:
     num_threads: int | None = None
     stream_interval: int = 1
     grammar_jump_forward: bool = True
+    fused_decode: bool = True
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)

@@ -23,8 +23,12 @@ import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from cloud.engine.model import CausalLM, DecoderLayer
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +110,163 @@ int tl_paged_attention(const float *q, const float *k_cache, const float *v_cach
 }
 """
 
+DECODE_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* y[b, :] = (bias or 0) + x[b, :] @ wt for b < rows; wt: [n_in, n_out] row-major (the engine's transposed weights).
+   Four input rows per pass over y, added in input order (the same sums as one row at a time). Columns are split
+   across threads when num_threads > 1. */
+static void linear(const float *restrict x, int64_t rows, int64_t n_in, const float *restrict wt,
+                   const float *restrict bias, int64_t n_out, float *restrict y, int num_threads) {
+    const int64_t chunk = 256, num_chunks = (n_out + chunk - 1) / chunk;
+#pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && num_chunks > 1) schedule(static)
+    for (int64_t c = 0; c < num_chunks; ++c) {
+        const int64_t j0 = c * chunk, j1 = j0 + chunk < n_out ? j0 + chunk : n_out;
+        for (int64_t b = 0; b < rows; ++b) {
+            float *restrict yb = y + b * n_out;
+            for (int64_t j = j0; j < j1; ++j) yb[j] = bias ? bias[j] : 0.f;
+        }
+        int64_t i = 0;
+        for (; i + 4 <= n_in; i += 4) {
+            const float *w0 = wt + i * n_out, *w1 = w0 + n_out, *w2 = w1 + n_out, *w3 = w2 + n_out;
+            for (int64_t b = 0; b < rows; ++b) {
+                const float *xb = x + b * n_in + i;
+                const float x0 = xb[0], x1 = xb[1], x2 = xb[2], x3 = xb[3];
+                float *restrict yb = y + b * n_out;
+#pragma omp simd
+                for (int64_t j = j0; j < j1; ++j)
+                    yb[j] = (((yb[j] + x0 * w0[j]) + x1 * w1[j]) + x2 * w2[j]) + x3 * w3[j];
+            }
+        }
+        for (; i < n_in; ++i) {
+            const float *w0 = wt + i * n_out;
+            for (int64_t b = 0; b < rows; ++b) {
+                const float x0 = x[b * n_in + i];
+                float *restrict yb = y + b * n_out;
+#pragma omp simd
+                for (int64_t j = j0; j < j1; ++j) yb[j] += x0 * w0[j];
+            }
+        }
+    }
+}
+
+/* out = weight * (x * rsqrt(mean(x^2) + eps)), one row of n. */
+static void rms_norm(const float *restrict x, const float *restrict weight, int64_t n, float eps, float *restrict out) {
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t j = 0; j < n; ++j) ss += x[j] * x[j];
+    const float r = 1.f / sqrtf(ss / (float)n + eps);
+    for (int64_t j = 0; j < n; ++j) out[j] = weight[j] * (x[j] * r);
+}
+
+/* Rotate-half RoPE of one head in place: (x1 c - x2 s, x2 c + x1 s). */
+static void rope(float *restrict x, const float *restrict c, const float *restrict s, int64_t half) {
+    for (int64_t d = 0; d < half; ++d) {
+        const float x1 = x[d], x2 = x[d + half];
+        x[d] = x1 * c[d] + x2 * -s[d];
+        x[d + half] = x2 * c[d] + x1 * s[d];
+    }
+}
+
+static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t d = 0; d < n; ++d) s += a[d] * b[d];
+    return s;
+}
+
+enum { L_IN_NORM, L_QKV, L_QKV_BIAS, L_O, L_POST_NORM, L_GATE_UP, L_GATE_UP_BIAS, L_DOWN, L_DOWN_BIAS, L_FIELDS };
+enum { W_EMBED, W_NORM, W_LM_HEAD, W_COS, W_SIN, W_LAYERS };
+enum { D_LAYERS, D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_VOCAB, D_BLOCK, D_NUM_BLOCKS, D_MAX_BLOCKS,
+       D_EMBED_ROW, D_EMBED_COL, D_FIELDS };
+
+/* One decode step of a Llama-family decoder: num_seqs sequences feed one token each (token_ids, positions), attend
+   their whole context through block_tables [num_seqs, max_blocks] on the paged cache kv [layers, 2, num_blocks,
+   block_size, kv_heads, head_dim] (the new token's K/V written at its position first), and get logits [num_seqs,
+   vocab]. dims and weights: the D_ and W_/L_ fields above (a NULL bias is none). The same operations as the torch
+   model in one call; sums may be ordered differently. Returns 0, or -1 when out of memory. */
+int tl_decode_step(const int64_t *dims, const float *const *weights, float *kv, const int64_t *token_ids,
+                   const int64_t *positions, const int64_t *block_tables, int64_t num_seqs, float *logits, float eps,
+                   float scale, int num_threads) {
+    const int64_t L = dims[D_LAYERS], H = dims[D_HIDDEN], nh = dims[D_HEADS], nkv = dims[D_KV_HEADS];
+    const int64_t hd = dims[D_HEAD_DIM], I = dims[D_INTER], V = dims[D_VOCAB], bs = dims[D_BLOCK];
+    const int64_t nb = dims[D_NUM_BLOCKS], max_blocks = dims[D_MAX_BLOCKS];
+    const int64_t qs = nh * hd, kvs = nkv * hd, qkv_n = qs + 2 * kvs, group = nh / nkv, half = hd / 2;
+    const int64_t B = num_seqs, cache_half = nb * bs * kvs; /* floats in one layer's K (or V) cache */
+    int64_t max_ctx = 0;
+    for (int64_t b = 0; b < B; ++b) max_ctx = positions[b] + 1 > max_ctx ? positions[b] + 1 : max_ctx;
+    const size_t need = (size_t)(B * (2 * H + qkv_n + qs + 2 * I + I) + group * max_ctx);
+    float *buf = malloc(sizeof(float) * need);
+    if (buf == NULL) return -1;
+    float *x = buf, *h = x + B * H, *qkv = h + B * H, *att = qkv + B * qkv_n, *gu = att + B * qs, *act = gu + B * 2 * I;
+    float *p = act + B * I;
+    const float *embed = weights[W_EMBED];
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t j = 0; j < H; ++j) x[b * H + j] = embed[token_ids[b] * dims[D_EMBED_ROW] + j * dims[D_EMBED_COL]];
+    for (int64_t l = 0; l < L; ++l) {
+        const float *const *w = weights + W_LAYERS + l * L_FIELDS;
+        float *k_cache = kv + (2 * l) * cache_half, *v_cache = k_cache + cache_half;
+        for (int64_t b = 0; b < B; ++b) rms_norm(x + b * H, w[L_IN_NORM], H, eps, h + b * H);
+        linear(h, B, H, w[L_QKV], w[L_QKV_BIAS], qkv_n, qkv, num_threads);
+        for (int64_t b = 0; b < B; ++b) {
+            const int64_t pos = positions[b], ctx = pos + 1;
+            const int64_t *table = block_tables + b * max_blocks;
+            const float *c = weights[W_COS] + pos * half, *s = weights[W_SIN] + pos * half;
+            float *row = qkv + b * qkv_n;
+            for (int64_t head = 0; head < nh + nkv; ++head) rope(row + head * hd, c, s, half);
+            const int64_t slot = table[pos / bs] * bs + pos % bs;
+            memcpy(k_cache + slot * kvs, row + qs, sizeof(float) * (size_t)kvs);
+            memcpy(v_cache + slot * kvs, row + qs + kvs, sizeof(float) * (size_t)kvs);
+            for (int64_t kvh = 0; kvh < nkv; ++kvh) {
+                for (int64_t t = 0; t < ctx; ++t) {
+                    const float *k = k_cache + (table[t / bs] * bs + t % bs) * kvs + kvh * hd;
+                    for (int64_t r = 0; r < group; ++r)
+                        p[r * ctx + t] = dot(row + (kvh * group + r) * hd, k, hd) * scale;
+                }
+                for (int64_t r = 0; r < group; ++r) {
+                    float *pr = p + r * ctx, m = -INFINITY, sum = 0.f;
+                    for (int64_t t = 0; t < ctx; ++t) m = pr[t] > m ? pr[t] : m;
+                    for (int64_t t = 0; t < ctx; ++t) {
+                        pr[t] = expf(pr[t] - m);
+                        sum += pr[t];
+                    }
+                    const float inv = 1.f / sum;
+                    for (int64_t t = 0; t < ctx; ++t) pr[t] *= inv;
+                    memset(att + b * qs + (kvh * group + r) * hd, 0, sizeof(float) * (size_t)hd);
+                }
+                for (int64_t t = 0; t < ctx; ++t) {
+                    const float *v = v_cache + (table[t / bs] * bs + t % bs) * kvs + kvh * hd;
+                    for (int64_t r = 0; r < group; ++r) {
+                        const float wgt = p[r * ctx + t];
+                        float *restrict o = att + b * qs + (kvh * group + r) * hd;
+#pragma omp simd
+                        for (int64_t d = 0; d < hd; ++d) o[d] += wgt * v[d];
+                    }
+                }
+            }
+        }
+        linear(att, B, qs, w[L_O], NULL, H, h, num_threads);
+        for (int64_t j = 0; j < B * H; ++j) x[j] += h[j];
+        for (int64_t b = 0; b < B; ++b) rms_norm(x + b * H, w[L_POST_NORM], H, eps, h + b * H);
+        linear(h, B, H, w[L_GATE_UP], w[L_GATE_UP_BIAS], 2 * I, gu, num_threads);
+        for (int64_t b = 0; b < B; ++b)
+            for (int64_t j = 0; j < I; ++j) {
+                const float g = gu[b * 2 * I + j];
+                act[b * I + j] = g / (1.f + expf(-g)) * gu[b * 2 * I + I + j];
+            }
+        linear(act, B, I, w[L_DOWN], w[L_DOWN_BIAS], H, h, num_threads);
+        for (int64_t j = 0; j < B * H; ++j) x[j] += h[j];
+    }
+    for (int64_t b = 0; b < B; ++b) rms_norm(x + b * H, weights[W_NORM], H, eps, h + b * H);
+    linear(h, B, H, weights[W_LM_HEAD], NULL, V, logits, num_threads);
+    free(buf);
+    return 0;
+}
+"""
+
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
 # (q, k_cache, v_cache, block_tables, context_lens, q_len, scale) -> attention output
@@ -115,6 +276,7 @@ PagedAttention = Callable[
 
 _lock = threading.Lock()
 _loaded: dict[str, PagedAttention | None] = {}
+_loaded_decode: dict[str, ctypes._NamedFuncPointer | None] = {}
 
 
 def cache_dir() -> Path:
@@ -132,10 +294,10 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, name: str, source: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE, compiler, version, " ".join(FLAGS), _cpu_flags()]).encode()).hexdigest()
-    target = cache_dir() / f"paged_attention-{key[:16]}.so"
+    key = hashlib.sha256("\0".join([source, compiler, version, " ".join(FLAGS), _cpu_flags()]).encode()).hexdigest()
+    target = cache_dir() / f"{name}-{key[:16]}.so"
     target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     info = target.parent.stat()
     if info.st_uid != os.getuid() or info.st_mode & 0o022:
@@ -144,8 +306,8 @@ def _build(compiler: str) -> Path:
     if target.exists():
         return target
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src, lib = Path(tmp) / "paged_attention.c", Path(tmp) / "paged_attention.so"
-        src.write_text(SOURCE)
+        src, lib = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.so"
+        src.write_text(source)
         subprocess.run(
             [compiler, *FLAGS, "-o", str(lib), str(src), "-lm"], capture_output=True, text=True, check=True, timeout=120
         )
@@ -153,26 +315,55 @@ def _build(compiler: str) -> Path:
     return target
 
 
+def _switched_off() -> bool:
+    return os.environ.get("TIERLINE_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def _library(name: str, source: str, fallback: str) -> ctypes.CDLL | None:
+    """``source`` compiled (or its cached build) and loaded, or None with ``fallback`` (what the engine does
+    instead) logged. Call with ``_lock`` held."""
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        logger.info("no C compiler found: %s", fallback)
+        return None
+    try:
+        return ctypes.CDLL(str(_build(compiler, name, source)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        logger.warning("CPU kernel %s unavailable (%s): %s", name, detail, fallback)
+        return None
+
+
 def paged_attention_kernel() -> PagedAttention | None:
     """The compiled kernel, or None (no C compiler, a failed build, or ``TIERLINE_CPU_KERNELS=0``); built once
     per process and cached on disk across processes."""
-    if os.environ.get("TIERLINE_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+    if _switched_off():
         return None
     with _lock:
         if "paged_attention" in _loaded:
             return _loaded["paged_attention"]
-        kernel: PagedAttention | None = None
-        compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-        if compiler is None:
-            logger.info("no C compiler found: CPU paged attention gathers blocks with torch")
-        else:
-            try:
-                kernel = _wrap(ctypes.CDLL(str(_build(compiler))).tl_paged_attention)
-            except (OSError, subprocess.SubprocessError) as exc:
-                detail = getattr(exc, "stderr", "") or exc
-                logger.warning("CPU paged-attention kernel unavailable (%s): gathering blocks with torch", detail)
+        lib = _library("paged_attention", SOURCE, "CPU paged attention gathering blocks with torch")
+        kernel = _wrap(lib.tl_paged_attention) if lib is not None else None
         _loaded["paged_attention"] = kernel
         return kernel
+
+
+def decode_step_function() -> ctypes._NamedFuncPointer | None:
+    """``tl_decode_step`` of ``DECODE_SOURCE`` with its signature declared, or None (as ``paged_attention_kernel``);
+    ``FusedDecoder`` binds it to a model."""
+    if _switched_off():
+        return None
+    with _lock:
+        if "decode_step" in _loaded_decode:
+            return _loaded_decode["decode_step"]
+        lib = _library("decode_step", DECODE_SOURCE, "small decode steps run the torch model")
+        fn = lib.tl_decode_step if lib is not None else None
+        if fn is not None:
+            fn.restype = ctypes.c_int
+            void, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+            fn.argtypes = [void, void, void, void, void, void, i64, void, f32, f32, ctypes.c_int]
+        _loaded_decode["decode_step"] = fn
+        return fn
 
 
 def _wrap(fn: ctypes._NamedFuncPointer) -> PagedAttention:
@@ -219,3 +410,129 @@ def _wrap(fn: ctypes._NamedFuncPointer) -> PagedAttention:
         return out
 
     return paged_attention
+
+
+class FusedDecoder:
+    """A small decode step of ``model`` as one C call (``DECODE_SOURCE``): sequences feeding one token each, the
+    whole forward (embedding, every layer with its cache write and attention, the final norm and the LM head)
+    without a torch op. At batch 1 the torch forward is ~30 ops a layer, each a few microseconds of dispatch
+    around less work than that; this is the same arithmetic with none of it (the sums ordered differently, so
+    logits agree to float rounding, not bitwise). For the CPU in fp32, with the CPU layout (``TransposedLinear``)
+    and RoPE from the model's tables (not ``dynamic``); ``supports`` says whether a model qualifies."""
+
+    DIMS = 12  # the D_ fields of DECODE_SOURCE
+    MAX_BLOCKS = 9
+
+    def __init__(self, fn: ctypes._NamedFuncPointer, model: CausalLM, kv_cache: torch.Tensor) -> None:
+        cfg = model.config
+        self.fn = fn
+        self.vocab_size = cfg.vocab_size
+        self.kv_cache = kv_cache
+        self.max_positions = model.rotary.cos_table.shape[0]
+        self.eps = cfg.rms_norm_eps
+        self.scale = cfg.head_dim**-0.5
+        embed = model.embed_tokens.weight
+        tensors: list[torch.Tensor | None] = [
+            embed,
+            model.norm.weight,
+            _weight_t(model.lm_head),
+            model.rotary.cos_table,
+            model.rotary.sin_table,
+        ]
+        layers = cast("list[DecoderLayer]", list(model.layers))
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            tensors += [
+                layer.input_layernorm.weight,
+                _weight_t(attn.qkv_proj),
+                _bias(attn.qkv_proj),
+                _weight_t(attn.o_proj),
+                layer.post_attention_layernorm.weight,
+                _weight_t(mlp.gate_up_proj),
+                _bias(mlp.gate_up_proj),
+                _weight_t(mlp.down_proj),
+                _bias(mlp.down_proj),
+            ]
+        for t in tensors[1:]:
+            if t is not None and not (t.is_contiguous() and t.dtype == torch.float32 and t.device.type == "cpu"):
+                raise ValueError("FusedDecoder needs contiguous fp32 CPU weights")
+        if _bias(model.lm_head) is not None or any(_bias(layer.self_attn.o_proj) is not None for layer in layers):
+            raise ValueError("FusedDecoder: the LM head and o_proj have no bias in this model family")
+        self._tensors = tensors  # the pointers below stay valid while these live
+        self.weights = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() if t is not None else None for t in tensors])
+        self.dims = (ctypes.c_int64 * self.DIMS)(
+            cfg.num_layers,
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+            cfg.vocab_size,
+            kv_cache.shape[3],
+            kv_cache.shape[2],
+            0,
+            embed.stride(0),
+            embed.stride(1),
+        )
+        assert kv_cache.is_contiguous() and kv_cache.shape[1] == 2 and kv_cache.dtype == torch.float32
+
+    @staticmethod
+    def supports(model: CausalLM, kv_cache: torch.Tensor) -> bool:
+        cfg = model.config
+        return (
+            kv_cache.device.type == "cpu"
+            and kv_cache.dtype == torch.float32
+            and cfg.rope_type != "dynamic"
+            and cfg.head_dim % 2 == 0
+            and cfg.num_heads % cfg.num_kv_heads == 0
+            and hasattr(model.lm_head, "weight_t")  # the CPU layout: every projection transposed
+            and not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+        )
+
+    def run(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+        """Each sequence's one new token at its position (its context is the positions before it, in the cache)
+        → logits [len(token_ids), vocab] in fp32."""
+        n = len(token_ids)
+        # The C code trusts its indices: what the torch model would refuse with an IndexError is refused here.
+        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size}), got {token_ids}")
+        if max(positions) >= self.max_positions:
+            raise ValueError(f"position {max(positions)} is past the model's {self.max_positions} positions")
+        block_size = self.dims[7]
+        if any(p < 0 or len(t) * block_size <= p for p, t in zip(positions, block_tables, strict=True)):
+            raise ValueError("a block table does not cover its sequence's position")
+        max_blocks = max(len(t) for t in block_tables)
+        flat: list[int] = []
+        for t in block_tables:
+            flat += t
+            flat += [0] * (max_blocks - len(t))
+        self.dims[self.MAX_BLOCKS] = max_blocks
+        logits = torch.empty(n, self.vocab_size, dtype=torch.float32)
+        rc = self.fn(
+            self.dims,
+            self.weights,
+            self.kv_cache.data_ptr(),
+            (ctypes.c_int64 * n)(*token_ids),
+            (ctypes.c_int64 * n)(*positions),
+            (ctypes.c_int64 * len(flat))(*flat),
+            n,
+            logits.data_ptr(),
+            self.eps,
+            self.scale,
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise MemoryError("fused decode step: out of memory for its activations")
+        return logits
+
+
+def _weight_t(module: torch.nn.Module) -> torch.Tensor:
+    weight = getattr(module, "weight_t", None)
+    if not isinstance(weight, torch.Tensor):
+        raise ValueError(f"FusedDecoder needs the CPU layout (TransposedLinear), got {type(module).__name__}")
+    return weight
+
+
+def _bias(module: torch.nn.Module) -> torch.Tensor | None:
+    bias = getattr(module, "bias", None)
+    return bias if isinstance(bias, torch.Tensor) else None

@@ -98,11 +98,23 @@ class LLMEngine:
         self.dtype = dtype
         self.num_blocks = self._num_kv_blocks()
         self.runner = ModelRunner(
-            config.model_dir, self.device, dtype, config.block_size, self.num_blocks, self.max_model_len
+            config.model_dir,
+            self.device,
+            dtype,
+            config.block_size,
+            self.num_blocks,
+            self.max_model_len,
+            fused_decode=config.fused_decode,
         )
         self.draft_runner = (
             ModelRunner(
-                config.draft_model_dir, self.device, dtype, config.block_size, self.num_blocks, self.max_model_len
+                config.draft_model_dir,
+                self.device,
+                dtype,
+                config.block_size,
+                self.num_blocks,
+                self.max_model_len,
+                fused_decode=config.fused_decode,
             )
             if config.draft_model_dir is not None
             else None

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from cloud.engine.attention import AttentionGroup, AttentionMetadata, build_group, split_by_context
-from cloud.engine.cpu_kernels import paged_attention_kernel
+from cloud.engine.cpu_kernels import FusedDecoder, decode_step_function, paged_attention_kernel
 from cloud.engine.loader import load_model
 from cloud.engine.model_config import ModelConfig
 
@@ -29,6 +29,10 @@ GROUP_COST_TOKENS_CUDA = 8192
 # are busy (the waiting thread must first be scheduled: milliseconds). Measured on the demo cloud LM, 2 cores
 # under load (docs/engine-step.md): batch 1 at 2 threads 248 ms a step, at 1 thread 22 ms.
 PARALLEL_MIN_MACS = 32 << 20
+
+# At most this many sequences decode in one ``FusedDecoder`` call (each weight is read once for all of them); more
+# run the torch model, whose BLAS wins at larger batches.
+FUSED_DECODE_MAX_SEQS = 8
 
 
 @dataclass(slots=True)
@@ -51,6 +55,7 @@ class ModelRunner:
         block_size: int,
         num_blocks: int,
         max_model_len: int,
+        fused_decode: bool = True,
     ) -> None:
         self.device = device
         self.dtype = dtype
@@ -66,6 +71,11 @@ class ModelRunner:
         self.group_cost_blocks = cost_tokens / block_size
         # On CPU in fp32 batched groups read the cache in place (no padding: one group per token count).
         self.attention_kernel = paged_attention_kernel() if device.type == "cpu" and dtype == torch.float32 else None
+        # Decode steps on one thread run the whole forward in one C call (``FusedDecoder``) when it builds.
+        self.fused_decoder: FusedDecoder | None = None
+        if fused_decode and FusedDecoder.supports(self.model, self.kv_cache):
+            fn = decode_step_function()
+            self.fused_decoder = FusedDecoder(fn, self.model, self.kv_cache) if fn is not None else None
         self.forward_seconds = 0.0
         self.num_forwards = 0
         # Threads a large step uses (the engine's ``num_threads``, set before the runner is built); small steps use 1.
@@ -106,7 +116,19 @@ class ModelRunner:
     def execute(self, feeds: list[Feed]) -> torch.Tensor:
         """Run one forward over all feeds; returns logits [sum(num_logits), V] in feed order."""
         started = time.perf_counter()
-        self.use_threads_for(feeds)
+        threads = self.use_threads_for(feeds)
+        if (
+            self.fused_decoder is not None
+            and threads == 1
+            and len(feeds) <= FUSED_DECODE_MAX_SEQS
+            and all(len(f.token_ids) == f.num_logits == 1 for f in feeds)
+        ):
+            logits = self.fused_decoder.run(
+                [f.token_ids[0] for f in feeds], [f.start for f in feeds], [f.block_table for f in feeds]
+            )
+            self.forward_seconds += time.perf_counter() - started
+            self.num_forwards += 1
+            return logits
         # Group small feeds by length so each group is one batched attention; large ones (prefill) go alone.
         by_len: dict[int, list[int]] = {}
         singles: list[int] = []

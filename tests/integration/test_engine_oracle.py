@@ -57,7 +57,22 @@ def _save(tmp_path: Path, case: str, max_shard_size: str | None = None) -> tuple
 
 
 def _runner(path: Path, attention: str = "kernel") -> ModelRunner:
+    """``fused``: small decode steps as one C call (``FusedDecoder``, the default where the model qualifies);
+    ``kernel``: the torch model with the C paged-attention kernel; ``torch``: torch's gather and SDPA."""
     runner = ModelRunner(path, torch.device("cpu"), torch.float32, BLOCK, num_blocks=64, max_model_len=128)
+    if attention == "fused":
+        dynamic = runner.config.rope_type == "dynamic"  # (its RoPE base moves with the length: not fused)
+        assert (runner.fused_decoder is None) == dynamic, "the fused decode step did not build (see the log)"
+        if runner.fused_decoder is not None:  # every decode step must take it
+            forward = runner.model.forward
+
+            def prefill_only(ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+                assert ids.numel() > 1, "a one-token decode step ran the torch model"
+                return forward(ids, *args, **kwargs)
+
+            runner.model.forward = prefill_only  # type: ignore[method-assign,assignment]
+        return runner
+    runner.fused_decoder = None
     if attention == "kernel":
         assert runner.attention_kernel is not None, "the CPU paged-attention kernel did not build (see the log)"
     else:
@@ -78,14 +93,14 @@ def test_prefill_logits_match_transformers(tmp_path: Path, case: str) -> None:
         torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("attention", ["kernel", "torch"])
+@pytest.mark.parametrize("attention", ["fused", "kernel", "torch"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_step_by_step_decode_through_paged_cache_matches_transformers(
     tmp_path: Path, case: str, attention: str
 ) -> None:
     """A chunked prefill then one token at a time, through scattered (non-contiguous) blocks, against
-    transformers' own incremental decoding with its KV cache; reading the cache with the CPU kernel and with
-    torch's gather."""
+    transformers' own incremental decoding with its KV cache; each decode step as one fused C call, or through the
+    torch model reading the cache with the CPU kernel or with torch's gather."""
     hf, path = _save(tmp_path, case)
     runner = _runner(path, attention)
     ids = torch.randint(0, SMALL["vocab_size"], (1, 30), generator=torch.Generator().manual_seed(2))
@@ -105,15 +120,15 @@ def test_step_by_step_decode_through_paged_cache_matches_transformers(
 
 @pytest.mark.parametrize(
     ("attention", "group_cost_blocks"),
-    [("kernel", 0.0), ("torch", 0.0), ("torch", 1e9)],
-    ids=["kernel", "torch-a-group-per-length", "torch-one-padded-group"],
+    [("fused", 0.0), ("kernel", 0.0), ("torch", 0.0), ("torch", 1e9)],
+    ids=["fused", "kernel", "torch-a-group-per-length", "torch-one-padded-group"],
 )
 def test_batched_decode_of_different_lengths_matches_single_sequences(
     tmp_path: Path, attention: str, group_cost_blocks: float
 ) -> None:
-    """Sequences of different context lengths decoded in one batch give the logits each gets alone: read in place
-    by the kernel, or gathered by torch into one group padded to the longest or into groups split by length (then
-    computed out of feed order, the rows still come back in it)."""
+    """Sequences of different context lengths decoded in one batch give the logits each gets alone: in one fused C
+    call, read in place by the kernel, or gathered by torch into one group padded to the longest or into groups
+    split by length (then computed out of feed order, the rows still come back in it)."""
     hf, path = _save(tmp_path, "llama-gqa")
     runner = _runner(path, attention)
     runner.group_cost_blocks = group_cost_blocks

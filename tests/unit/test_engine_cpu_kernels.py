@@ -11,7 +11,7 @@ import torch
 
 from cloud.engine import cpu_kernels
 from cloud.engine.attention import AttentionMetadata, build_group, paged_attention
-from cloud.engine.cpu_kernels import paged_attention_kernel
+from cloud.engine.cpu_kernels import decode_step_function, paged_attention_kernel
 
 
 @pytest.fixture
@@ -67,10 +67,29 @@ def test_without_a_compiler_or_when_switched_off_the_engine_keeps_torch(
     assert "gathering blocks with torch" in caplog.text and "no such compiler" in caplog.text
 
 
+def test_the_fused_decode_step_follows_the_same_switch_and_fallback(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(cpu_kernels, "_loaded_decode", {})
+    monkeypatch.setenv("TIERLINE_CPU_KERNELS", "off")
+    assert decode_step_function() is None
+    monkeypatch.delenv("TIERLINE_CPU_KERNELS")
+    monkeypatch.setenv("TIERLINE_KERNEL_CACHE", str(tmp_path / "kernels"))
+    broken = tmp_path / "cc"
+    broken.write_text("#!/bin/sh\necho 'cc: error: no such compiler' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("CC", str(broken))
+    with caplog.at_level(logging.WARNING, logger="cloud.engine.cpu_kernels"):
+        assert decode_step_function() is None
+    assert "small decode steps run the torch model" in caplog.text and "no such compiler" in caplog.text
+
+
 def test_the_build_is_cached_on_disk_and_private(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    monkeypatch.setattr(cpu_kernels, "_loaded_decode", {})
     monkeypatch.setenv("TIERLINE_KERNEL_CACHE", str(tmp_path / "kernels"))
-    assert paged_attention_kernel() is not None
+    assert paged_attention_kernel() is not None and decode_step_function() is not None
+    assert len(list((tmp_path / "kernels").glob("decode_step-*.so"))) == 1
     built = list((tmp_path / "kernels").glob("paged_attention-*.so"))
     assert len(built) == 1 and (tmp_path / "kernels").stat().st_mode & 0o077 == 0
     stamp = built[0].stat().st_mtime_ns
