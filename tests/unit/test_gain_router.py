@@ -61,6 +61,7 @@ def test_calibration_keeps_the_gain_router_when_it_wins(tmp_path: Path) -> None:
 
     # The shipped policy (strict JSON round trip) decides on the rows as calibration measured.
     shipped = EdgePolicy.from_json(json.loads(json.dumps(policy.to_json())))
+    assert data.prompt_tokens is not None
     table = {**data.signals, "prompt_tokens": data.prompt_tokens}
     rows = [{k: float(v[i]) for k, v in table.items()} for i in range(len(data))]
     local = np.array([not shipped.should_escalate(r) for r in rows])
