@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 import weakref
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -37,6 +36,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
 from cloud.limits import RateLimiter
+from cloud.shadow import greedy_tokens
 from cloud.tensor_models import TensorPool
 from controlplane.billing.budgets import PriceBook
 from controlplane.billing.ledger import NewUsage
@@ -49,7 +49,7 @@ from shared.edge_protocol import ShadowRequest, ShadowResponse, vocabulary_sha25
 from shared.errors import ConflictError, NotFoundError, ValidationError
 
 if TYPE_CHECKING:  # the engines (torch) load only where requests are served
-    from cloud.engine_pool import EnginePool, ServedLM
+    from cloud.engine_pool import EnginePool
 
 logger = logging.getLogger(__name__)
 SHADOW_TIER = "shadow"
@@ -186,7 +186,7 @@ class ShadowIntake:
         started = time.monotonic()
         salt = f"tenant:{tenant.id}"  # the tenant's prefix-cache namespace, as its own requests
         answers = await asyncio.gather(
-            *(self._greedy(served, s.prompt_ids, len(s.edge_tokens), salt) for s in data.lm_samples)
+            *(greedy_tokens(served, s.prompt_ids, len(s.edge_tokens), "edge-shadow", salt) for s in data.lm_samples)
         )
         min_share = min_token_share(policy)
         samples, shares = [], []
@@ -205,21 +205,6 @@ class ShadowIntake:
             duplicate=not is_new,
             token_agreement=round(sum(shares) / len(shares), 6),
         )
-
-    @staticmethod
-    async def _greedy(served: ServedLM, prompt: list[int], max_tokens: int, salt: str) -> list[int]:
-        from cloud.engine.sampling_params import SamplingParams
-
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-        tokens: list[int] = []
-        stream = served.engine.generate(prompt, params, request_id=f"edge-shadow-{uuid.uuid4().hex}", cache_salt=salt)
-        try:
-            async for out in stream:
-                if out.finished:
-                    tokens = list(out.outputs[0].token_ids)
-        finally:
-            await stream.aclose()
-        return tokens
 
     @staticmethod
     def _log_alert(alert: QualityAlert | None) -> None:

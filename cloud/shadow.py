@@ -34,6 +34,23 @@ QUEUE_SIZE: Final = 8
 WORKERS: Final = 1
 
 
+async def greedy_tokens(served: ServedLM, prompt: list[int], max_tokens: int, prefix: str, salt: str) -> list[int]:
+    """``served``'s greedy answer to ``prompt`` (``max_tokens`` ids) in prefix-cache namespace ``salt``: work no
+    client sees (a rollout's shadow mirror, the quality monitor's replay), under a request id starting ``prefix``."""
+    from cloud.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    tokens: list[int] = []
+    stream = served.engine.generate(prompt, params, request_id=f"{prefix}-{uuid.uuid4().hex}", cache_salt=salt)
+    try:
+        async for out in stream:
+            if out.finished:
+                tokens = list(out.outputs[0].token_ids)
+    finally:
+        await stream.aclose()
+    return tokens
+
+
 @dataclass(frozen=True, slots=True)
 class Mirror:
     """One request to replay on the candidate: its prompt's token ids and the baseline's generated tokens."""
@@ -87,19 +104,7 @@ class ShadowMirror:
                 logger.exception("shadow mirror for rollout %s failed; the sample is skipped", mirror.rollout_id)
 
     async def _run(self, mirror: Mirror) -> None:
-        from cloud.engine.sampling_params import SamplingParams
-
-        params = SamplingParams(max_tokens=len(mirror.baseline), temperature=0.0)
-        tokens: list[int] = []
-        stream = mirror.candidate.engine.generate(
-            mirror.prompt, params, request_id=f"shadow-{uuid.uuid4().hex}", cache_salt="shadow"
-        )
-        try:
-            async for out in stream:
-                if out.finished:
-                    tokens = list(out.outputs[0].token_ids)
-        finally:
-            await stream.aclose()
+        tokens = await greedy_tokens(mirror.candidate, mirror.prompt, len(mirror.baseline), "shadow", "shadow")
         agreement = token_agreement(mirror.baseline, tokens)
         if agreement is None:
             return
