@@ -428,6 +428,7 @@ class FusedDecoder:
         self.fn = fn
         self.vocab_size = cfg.vocab_size
         self.kv_cache = kv_cache
+        self.num_blocks = kv_cache.shape[2]  # [layers, 2 (k, v), blocks, block size, kv heads, head dim]
         self.max_positions = model.rotary.cos_table.shape[0]
         self.eps = cfg.rms_norm_eps
         self.scale = cfg.head_dim**-0.5
@@ -501,6 +502,8 @@ class FusedDecoder:
         block_size = self.dims[7]
         if any(p < 0 or len(t) * block_size <= p for p, t in zip(positions, block_tables, strict=True)):
             raise ValueError("a block table does not cover its sequence's position")
+        if any(b < 0 or b >= self.num_blocks for t in block_tables for b in t):
+            raise ValueError(f"block ids must be in [0, {self.num_blocks}), got {block_tables}")
         max_blocks = max(len(t) for t in block_tables)
         flat: list[int] = []
         for t in block_tables:

@@ -128,3 +128,5 @@ def test_the_fused_step_refuses_what_the_torch_model_would() -> None:
         fused.run([5], [64], [[0, 1, 2, 3, 4]])
     with pytest.raises(ValueError, match="does not cover"):
         fused.run([5], [16], [[0]])
+    with pytest.raises(ValueError, match=r"block ids must be in \[0, 8\)"):
+        fused.run([5], [3], [[8]])
