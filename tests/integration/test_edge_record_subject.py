@@ -65,33 +65,35 @@ def test_each_edge_record_counts_against_its_own_end_users_budget(
         TIERLINE_EDGE_STATE_DIR=str(state),
         TIERLINE_EDGE_CLOUD_DEADLINE_S="20",
     )
-    expected = {"erin": 2 * EDGE_CALL, "frank": EDGE_CALL + CLOUD_CALL, "dave": EDGE_CALL}
-    with run_server(["cloud", "serve"], cloud_env, free_port(), timeout=120) as cloud_url:
-        enroll = tierline_cmd("edge", "enroll", "--cloud", cloud_url, "--token", token, "--name", "kiosk-1")
-        proc = subprocess.run(enroll, env=agent_env, cwd=REPO, capture_output=True, text=True, check=False)
-        assert proc.returncode == 0, proc.stderr
-        save_policy(state / "policies", EdgePolicy("tierline/lm-edge", threshold=-1e9))  # always answers locally
-        with run_server(["edge", "run"], agent_env, free_port()) as edge_url:
-            sent = [
-                ({**BODY, "user": "erin"}, {}),
-                ({**BODY, "user": "erin", "stream": True}, {}),
-                ({**BODY, "user": "erin"}, {"x-tierline-subject": "frank"}),  # the header names the end user
-                (BODY, {"x-tierline-subject": "frank", "x-tierline-tier": "cloud"}),  # escalated, for frank
-                (BODY, {}),  # no one named: the device's billing.user
-            ]
-            for body, headers in sent:
-                r = httpx.post(f"{edge_url}/v1/completions", json=body, headers=headers, timeout=60)
-                assert r.status_code == 200, r.text
-                assert r.headers["x-tierline-tier"] == ("cloud" if "x-tierline-tier" in headers else "edge")
-            deadline = time.monotonic() + 60
-            while True:  # the agent syncs every 0.3 s
-                with Session(engine) as s:
-                    windows = s.exec(select(BudgetWindow).where(col(BudgetWindow.subject) != "")).all()
-                    spent = {w.subject: w.spent for w in windows if w.spent}
-                if spent == expected or time.monotonic() > deadline:
-                    break
-                time.sleep(0.2)
-    engine.dispose()
+    try:
+        expected = {"erin": 2 * EDGE_CALL, "frank": EDGE_CALL + CLOUD_CALL, "dave": EDGE_CALL}
+        with run_server(["cloud", "serve"], cloud_env, free_port(), timeout=120) as cloud_url:
+            enroll = tierline_cmd("edge", "enroll", "--cloud", cloud_url, "--token", token, "--name", "kiosk-1")
+            proc = subprocess.run(enroll, env=agent_env, cwd=REPO, capture_output=True, text=True, check=False)
+            assert proc.returncode == 0, proc.stderr
+            save_policy(state / "policies", EdgePolicy("tierline/lm-edge", threshold=-1e9))  # always answers locally
+            with run_server(["edge", "run"], agent_env, free_port()) as edge_url:
+                sent = [
+                    ({**BODY, "user": "erin"}, {}),
+                    ({**BODY, "user": "erin", "stream": True}, {}),
+                    ({**BODY, "user": "erin"}, {"x-tierline-subject": "frank"}),  # the header names the end user
+                    (BODY, {"x-tierline-subject": "frank", "x-tierline-tier": "cloud"}),  # escalated, for frank
+                    (BODY, {}),  # no one named: the device's billing.user
+                ]
+                for body, headers in sent:
+                    r = httpx.post(f"{edge_url}/v1/completions", json=body, headers=headers, timeout=60)
+                    assert r.status_code == 200, r.text
+                    assert r.headers["x-tierline-tier"] == ("cloud" if "x-tierline-tier" in headers else "edge")
+                deadline = time.monotonic() + 60
+                while True:  # the agent syncs every 0.3 s
+                    with Session(engine) as s:
+                        windows = s.exec(select(BudgetWindow).where(col(BudgetWindow.subject) != "")).all()
+                        spent = {w.subject: w.spent for w in windows if w.spent}
+                    if spent == expected or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.2)
+    finally:  # a failure above must not leave a connection for the next test to trip over
+        engine.dispose()
     assert spent == expected
     assert all(w.reserved == 0 for w in windows)
 
