@@ -17,7 +17,7 @@ import dataclasses
 import subprocess
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +39,8 @@ from edge_agent.cloud_link import Credentials
 from shared.escalation import EdgePolicy
 from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, seed_data_dir, tierline_cmd
 from tests.integration.console_support import PASSWORD, login
+from tests.integration.test_quality_monitor import Platform as BasePlatform
+from tests.integration.test_quality_monitor import wait_for
 
 pytestmark = pytest.mark.integration
 LM = "tierline/lm-edge"
@@ -51,39 +53,10 @@ MIS_SET_SHARE = 0.2  # the mis-set version promises what the top fifth of the va
 
 
 @dataclass
-class Platform:
-    data: Path
-    env: dict[str, str]
-    agent_env: dict[str, str]
-    cloud_url: str
-    console_url: str
-    edge_url: str
-    db: str
-    traffic: list[list[int]]  # the test half's prompts (token ids)
+class Platform(BasePlatform):
+    """The classifier monitor test's platform, with the test half's LM prompts."""
 
-    def cli(self, *args: str) -> str:
-        proc = subprocess.run(tierline_cmd(*args), env=self.env, cwd=REPO, capture_output=True, text=True, check=False)
-        assert proc.returncode == 0, proc.stderr
-        return proc.stdout.strip()
-
-    def agent(self) -> dict[str, Any]:
-        status: dict[str, Any] = httpx.get(f"{self.edge_url}/v1/agent", timeout=10).json()
-        return status
-
-    def query(self, read: Callable[[Session], Any]) -> Any:
-        engine = create_engine(self.db)
-        try:
-            with Session(engine) as s:
-                return read(s)
-        finally:
-            engine.dispose()
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout: float = 60.0) -> None:
-    started = time.monotonic()
-    while not check():
-        assert time.monotonic() - started < timeout, f"{what}: not within {timeout:.0f}s"
-        time.sleep(0.05)
+    traffic: list[list[int]] = dataclasses.field(default_factory=list)  # the test half's prompts (token ids)
 
 
 def lm_validation(zoo: Path, dest: Path) -> tuple[Path, list[list[int]]]:
@@ -220,7 +193,7 @@ def test_a_mis_set_lm_policy_raises_an_alert_within_200_samples_and_a_calibrated
     platform: Platform, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     p = platform
-    wait_for("v1 reaches the agent", lambda: p.agent()["policies"].get(LM) == "1")
+    wait_for("v1 reaches the agent", lambda: p.agent()["policies"].get(LM) == "1", timeout=60)
     assert p.agent()["shadow"]["share"] == 1.0
 
     # Calibrated: the test half's prompts until 200 answers stayed on the device, every one of them shadowed.
@@ -257,7 +230,7 @@ def test_a_mis_set_lm_policy_raises_an_alert_within_200_samples_and_a_calibrated
             action="escalation_policy.test",
         )
     engine.dispose()
-    wait_for("v2 reaches the agent", lambda: p.agent()["policies"].get(LM) == "2")
+    wait_for("v2 reaches the agent", lambda: p.agent()["policies"].get(LM) == "2", timeout=60)
     requests2, texts2 = edge_answers(p, p.traffic, 200)
     assert requests2 == 200  # every request answered on the device
     n2, k2 = counts(p, 2)
@@ -306,7 +279,9 @@ def test_a_mis_set_lm_policy_raises_an_alert_within_200_samples_and_a_calibrated
     with httpx.stream("POST", f"{p.edge_url}/v1/completions", json=body, timeout=120) as streamed:
         assert streamed.status_code == 200 and streamed.headers["x-tierline-tier"] == "edge"
         assert b"[DONE]" in b"".join(streamed.iter_bytes())
-    wait_for("the stream is offered to the sampler", lambda: p.agent()["shadow"]["lm_offered"] == offered + 1)
+    wait_for(
+        "the stream is offered to the sampler", lambda: p.agent()["shadow"]["lm_offered"] == offered + 1, timeout=60
+    )
     settle(p)
     assert counts(p, 2)[0] == n2 + 2
 
