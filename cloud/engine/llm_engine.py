@@ -97,18 +97,10 @@ class LLMEngine:
         dtype = resolve_dtype(model_config, self.device, config.dtype)
         self.dtype = dtype
         self.num_blocks = self._num_kv_blocks()
-        self.runner = ModelRunner(
-            config.model_dir,
-            self.device,
-            dtype,
-            config.block_size,
-            self.num_blocks,
-            self.max_model_len,
-            fused_decode=config.fused_decode,
-        )
-        self.draft_runner = (
-            ModelRunner(
-                config.draft_model_dir,
+
+        def runner(model_dir: Path) -> ModelRunner:  # the target and its draft share the KV geometry
+            return ModelRunner(
+                model_dir,
                 self.device,
                 dtype,
                 config.block_size,
@@ -116,9 +108,9 @@ class LLMEngine:
                 self.max_model_len,
                 fused_decode=config.fused_decode,
             )
-            if config.draft_model_dir is not None
-            else None
-        )
+
+        self.runner = runner(config.model_dir)
+        self.draft_runner = runner(config.draft_model_dir) if config.draft_model_dir is not None else None
         self.sampler = Sampler(self.device)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
