@@ -46,7 +46,9 @@ Per task:
 Tasks: ``digits`` (digits-small, the near-equal pair), ``digits-micro`` (the INT8 micro model, a real gap),
 ``lm`` (exact-line match, the near-equal LM pair) and ``lm-next8`` (top-1 agreement with the reference over the
 next 8 tokens: graded per item, the LM pair's gap on prompts longer than the models were trained on;
-``within_training_window`` measures both tiers again with the prompts cut to the trained context).
+``within_training_window`` measures both tiers again with the prompts cut to the trained context) and
+``lm-micro-next8`` (the same items and measure with the zoo's micro LM at the edge and every prompt inside the
+trained context: the LM pair with a real gap in-window).
 ``quality_gap``: cloud minus edge quality over all
 the task's items with its 95 % paired bootstrap interval. Graded tasks are not exported for calibration (its
 ``--data`` format holds right/wrong answers).
@@ -63,7 +65,7 @@ from typing import Any
 import click
 import numpy as np
 
-from bench.cascade_tasks import TaskResults, quality_gap, run_digits, run_lm, run_lm_next
+from bench.cascade_tasks import TaskResults, quality_gap, run_digits, run_lm, run_lm_micro_next, run_lm_next
 from bench.common import emit, zoo_root
 from bench.prompt_router import EMBEDDING_MODEL, PROMPT_EMBEDDING, embedding_table, fit_prompt_router
 from shared.calibration import PROMPT_TOKENS, validation_row
@@ -456,7 +458,9 @@ def plot_cascade(path: Path, evaluations: dict[str, TaskEvaluation]) -> None:
         )
         ax.set_title(f"{task}: {report['edge_model']} -> {report['cloud_model']} (n_test={report['n_test']})")
         ax.set_xlabel("edge share")
-        ax.set_ylabel({"lm": "exact line match", "lm-next8": "next-8-token agreement"}.get(task, "accuracy"))
+        ax.set_ylabel(
+            "exact line match" if task == "lm" else "next-8-token agreement" if "next8" in task else "accuracy"
+        )
         ax.set_xlim(0, 1)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="lower left")
@@ -508,12 +512,12 @@ def run_cascade_bench(
     resamples: int = DEFAULT_RESAMPLES,
 ) -> dict[str, Any]:
     """Every task on one built zoo preset; returns ``{"digits": ..., "digits-micro": ..., "lm": ...,
-    "lm-next8": ..., "seconds": ...}``.
+    "lm-next8": ..., "lm-micro-next8": ..., "seconds": ...}``.
 
     Args:
         zoo_root: a built preset, ``<zoo dir>/<preset>``.
         num_lines: LM items (held-out line starts).
-        num_next_items: ``lm-next8`` items (held-out token positions).
+        num_next_items: ``lm-next8`` and ``lm-micro-next8`` items (held-out token positions).
         seed: draws the LM items and both validation/test splits.
         export_path: write the validation items here (``tierline edge calibrate --data``).
         plot_path: draw quality vs edge share and PGR vs cloud calls for every task into this PNG.
@@ -527,6 +531,7 @@ def run_cascade_bench(
         _require_matplotlib()
     runs = [lambda: run_digits(layout), lambda: run_digits(layout, "digits-micro")]
     runs += [lambda: run_lm(layout, num_lines, seed), lambda: run_lm_next(layout, num_next_items, seed)]
+    runs += [lambda: run_lm_micro_next(layout, num_next_items, seed)]
     embedder, no_embedder = _embedder()
     for run in runs:
         task_started = time.perf_counter()
@@ -562,7 +567,7 @@ def run_cascade_bench(
     type=click.IntRange(min=4),
     default=DEFAULT_NEXT_ITEMS,
     show_default=True,
-    help="lm-next8 items (held-out token positions)",
+    help="lm-next8 and lm-micro-next8 items (held-out token positions)",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="draws the LM items, the splits, the resamples")
 @click.option(

@@ -25,6 +25,11 @@ edge's and the cloud's answers were right.
   tier's token is the reference token (top-1 agreement with the reference over the next 8 tokens). The edge's
   signals come from its own generated tokens, as on a device. ``agrees`` is the same share against the
   cloud's tokens (the router's target).
+- ``lm-micro-next8``: the LM pair with a real gap inside the training window. The same items (token positions
+  and references) as ``lm-next8``, with ``lm-micro`` (the zoo's smallest LM, ONNX INT8, on the same device
+  runtime) at the edge and ``lm-cloud`` in the cloud; every prompt is cut to the trained context minus
+  ``NEXT_TOKENS`` (248 tokens demo, 120 tiny) so both models run inside the windows they were trained on.
+  Graded, signals and agreement as ``lm-next8``.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ MAX_LINE_TOKENS = 24
 MIN_LINE_CHARS = 3
 NEXT_TOKENS = 8
 EDGE_LM_ARTIFACT = "lm-edge-onnx-int8"
+MICRO_LM_ARTIFACT = "lm-micro-onnx-int8"
 KV_CACHE_BYTES = 256 << 20
 
 
@@ -201,13 +207,14 @@ class _EdgeRun:
         }
 
 
-def tied_embedding_projection(layout: ZooLayout) -> np.ndarray:
-    """``pinv(E)`` of the edge LM's tied embedding (``[d, V]``): logits to the final normalised hidden state."""
+def tied_embedding_projection(layout: ZooLayout, lm: str = "lm-edge") -> np.ndarray:
+    """``pinv(E)`` of the tied embedding of the edge LM ``lm`` (``[d, V]``): logits to the final normalised
+    hidden state."""
     from safetensors.numpy import load_file
 
     from shared.escalation import hidden_from_logits
 
-    weights = load_file(str(layout.artifact_dir("lm-edge") / "model.safetensors"))
+    weights = load_file(str(layout.artifact_dir(lm) / "model.safetensors"))
     return hidden_from_logits(weights["model.embed_tokens.weight"].astype(np.float64))
 
 
@@ -335,12 +342,14 @@ def _cloud_next_tokens(model_dir: Path, items: list[TokenItem]) -> list[list[int
     return [list(out.token_ids) for out in llm.generate([item.prompt for item in items], params)]
 
 
-def training_window(layout: ZooLayout) -> int:
-    """The shorter of the two LMs' training sequence lengths (the longest context both were trained on)."""
+def training_window(layout: ZooLayout, edge: str = "edge") -> int:
+    """The shorter of the training sequence lengths of the ``edge`` (or ``micro``) LM and the cloud LM (the
+    longest context both were trained on)."""
     from shared.zoo.presets import get_preset
 
     preset = get_preset(str(layout.report()["preset"]))
-    return min(preset.edge_training.seq_len, preset.cloud_training.seq_len)
+    edge_training = preset.micro_training if edge == "micro" else preset.edge_training
+    return min(edge_training.seq_len, preset.cloud_training.seq_len)
 
 
 def _within_window(runtime: Any, cloud_dir: Path, items: list[TokenItem], window: int, seed: int) -> dict[str, Any]:
@@ -403,6 +412,48 @@ def run_lm_next(layout: ZooLayout, num_items: int, seed: int) -> TaskResults:
             "within_training_window": _within_window(
                 runtime, layout.artifact_dir("lm-cloud"), items, training_window(layout) - NEXT_TOKENS, seed
             ),
+        },
+        prompt_texts=[str(tokenizer.decode(item.prompt)) for item in items],
+    )
+
+
+def run_lm_micro_next(layout: ZooLayout, num_items: int, seed: int) -> TaskResults:
+    """``lm-next8``'s items (same ``seed``: same positions and references) on the pair with a real gap: the micro
+    LM (INT8) at the edge and the cloud LM, every prompt cut to the trained context minus ``NEXT_TOKENS`` so
+    both run inside their training windows."""
+    from tokenizers import Tokenizer
+
+    from edge_agent.runtime.lm import load_causal_lm
+    from shared.zoo.corpus import held_out_files
+
+    edge_dir = layout.artifact_dir(MICRO_LM_ARTIFACT)
+    runtime = load_causal_lm(edge_dir, num_threads=1)
+    tokenizer = Tokenizer.from_file(str(edge_dir / "tokenizer.json"))
+    window = training_window(layout, "micro")
+    max_prompt = window - NEXT_TOKENS
+    items = token_items(tokenizer, [f.text for f in held_out_files()], num_items, seed, max_prompt)
+    run = _edge_next_tokens(runtime, items)
+    cloud_out = _cloud_next_tokens(layout.artifact_dir("lm-cloud"), items)
+    edge_q = np.array([_match_share(e, it.reference) for e, it in zip(run.outputs, items, strict=True)])
+    cloud_q = np.array([_match_share(c, it.reference) for c, it in zip(cloud_out, items, strict=True)])
+    prompt_tokens = np.array([len(item.prompt) for item in items], dtype=np.float64)
+    return TaskResults(
+        task="lm-micro-next8",
+        edge_model="tierline/lm-micro",
+        cloud_model="tierline/lm-cloud",
+        prompt_tokens=prompt_tokens,
+        edge_good=edge_q,
+        cloud_good=cloud_q,
+        agrees=np.array([_match_share(e, c) for e, c in zip(run.outputs, cloud_out, strict=True)]),
+        **run.columns(),
+        probe_projection=tied_embedding_projection(layout, "lm-micro"),
+        extra={
+            "quality_measure": f"top-1 agreement with the reference over the next {NEXT_TOKENS} tokens",
+            "next_tokens": NEXT_TOKENS,
+            "training_window": window,
+            "max_prompt_tokens": max_prompt,
+            "median_prompt_tokens": float(np.median(prompt_tokens)) if len(items) else 0.0,
+            "all_items": _gap(edge_q, cloud_q),
         },
         prompt_texts=[str(tokenizer.decode(item.prompt)) for item in items],
     )

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from shared.calibration import MIN_ITEMS, calibrate, read_validation
+from shared.calibration import MIN_ITEMS, calibrate, read_validation, tied_embedding_projection
 from shared.errors import ConfigurationError
 from shared.escalation import CLASSIFIER_SIGNALS, LM_SIGNALS, EdgePolicy, load_policy, save_policy
 
@@ -27,7 +27,9 @@ prompt_tokens      the prompt's length in tokens, or null (classifiers)
 edge_good          whether the edge model's answer was right
 cloud_good         whether the cloud model's answer was right
 agrees_with_cloud  whether the edge's answer was the cloud's (what the learned router predicts)
-probe              optional: {{"input": "pixels", "values": [...]}}, the hidden-state probe's input
+probe              optional: {{"input": "pixels" or "mean_logits", "values": [...]}}, the hidden-state
+                   probe's input (mean_logits: the mean of the generated tokens' logits; with --model-dir
+                   the probe is fitted on the hidden state they come from)
 \b
 Every signal, and a learned router over all of them (plus prompt_tokens), is tried, and the hidden-state probe
 (hidden_probe) when every row has a probe; the one that answers
@@ -65,12 +67,21 @@ def _merge(existing: EdgePolicy | None, calibrated: EdgePolicy) -> EdgePolicy:
     help="validation items, JSON Lines (format below)",
 )
 @click.option(
+    "--model-dir",
+    type=click.Path(path_type=Path, exists=True, file_okay=False),
+    default=None,
+    help="the LM's checkpoint (model.safetensors with a tied embedding E, e.g. the zoo's artifacts/lm-edge): the "
+    "hidden-state probe on mean_logits is fitted on the hidden state pinv(E) @ logits, as bench cascade fits it",
+)
+@click.option(
     "--out-dir",
     type=click.Path(path_type=Path, file_okay=False),
     default=None,
     help="where the policy goes (default: the agent's policy_dir)",
 )
-def calibrate_command(model: str, max_quality_loss: float, data_file: Path, out_dir: Path | None) -> None:
+def calibrate_command(
+    model: str, max_quality_loss: float, data_file: Path, model_dir: Path | None, out_dir: Path | None
+) -> None:
     """Pick the escalation signal and threshold that answer the most requests locally while quality stays within
     --max-quality-loss of cloud-only on the data; store the model's policy and print a one-line summary."""
     try:
@@ -79,7 +90,8 @@ def calibrate_command(model: str, max_quality_loss: float, data_file: Path, out_
 
             out_dir = policy_dir(load_edge_settings(None))
         data = read_validation(data_file, model)
-        policy, _ = calibrate(data, max_quality_loss)
+        projection = None if model_dir is None else tied_embedding_projection(model_dir)
+        policy, _ = calibrate(data, max_quality_loss, probe_projection=projection)
         try:
             existing = load_policy(out_dir, policy.model)
         except ConfigurationError as exc:

@@ -199,22 +199,53 @@ def curve_points(
     return points
 
 
-def fit_validation_probe(data: ValidationSet, l2: float = 0.1) -> LinearProbe | None:
-    """The hidden-state probe on the items' probe inputs (target as the router's), or None without them."""
+def tied_embedding_projection(model_dir: Path) -> np.ndarray:
+    """``pinv(E)`` (``[d, V]``) of the tied embedding in ``model_dir/model.safetensors`` (a zoo LM checkpoint,
+    such as ``artifacts/lm-edge``): what takes an LM's mean logits back to its final normalised hidden state."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    from shared.escalation import hidden_from_logits
+
+    path = model_dir / "model.safetensors"
+    try:
+        weights = load_file(str(path))
+    except (OSError, SafetensorError) as exc:
+        raise ConfigurationError(f"--model-dir: cannot read {path}: {exc}") from exc
+    if "model.embed_tokens.weight" not in weights:
+        raise ConfigurationError(f"--model-dir: {path} has no tied embedding (model.embed_tokens.weight)")
+    return hidden_from_logits(weights["model.embed_tokens.weight"].astype(np.float64))
+
+
+def fit_validation_probe(
+    data: ValidationSet, l2: float = 0.1, projection: np.ndarray | None = None
+) -> LinearProbe | None:
+    """The hidden-state probe on the items' probe inputs (target as the router's), or None without them. With
+    ``projection`` (``[d, k]``, e.g. ``tied_embedding_projection``) it is fitted on the hidden states
+    ``projection @ x`` and folded back onto the raw input, as ``bench cascade`` fits the LM probe."""
     if data.probe_inputs is None or data.probe_input is None:
         return None
     x = data.probe_inputs
-    table = {f"h{j:03d}": x[:, j] for j in range(x.shape[1])}
+    if projection is not None and projection.shape[1] != x.shape[1]:
+        raise ConfigurationError(
+            f"the items' probe inputs have {x.shape[1]} values but the model's embedding takes {projection.shape[1]}"
+            " (a different model?)"
+        )
+    hidden = x if projection is None else x @ projection.T
+    table = {f"h{j:03d}": hidden[:, j] for j in range(hidden.shape[1])}
     fitted = fit_router(table, np.asarray(data.agrees, dtype=np.float64), list(table), l2=l2)
-    return fold_hidden_probe(fitted, None, data.probe_input, x.shape[1])
+    return fold_hidden_probe(fitted, projection, data.probe_input, hidden.shape[1])
 
 
-def calibrate(data: ValidationSet, max_quality_loss: float) -> tuple[EdgePolicy, list[SignalChoice]]:
+def calibrate(
+    data: ValidationSet, max_quality_loss: float, probe_projection: np.ndarray | None = None
+) -> tuple[EdgePolicy, list[SignalChoice]]:
     """The policy whose signal answers the most requests locally within the bound, and every signal's result.
-    With probe inputs the hidden-state probe competes too; its confidences join ``data.signals`` (as
-    ``hidden_probe``), so a caller reads the winner's confidences there whichever it is."""
+    With probe inputs the hidden-state probe competes too (fitted through ``probe_projection`` when given); its
+    confidences join ``data.signals`` (as ``hidden_probe``), so a caller reads the winner's confidences there
+    whichever it is."""
     routers = {ROUTER: fit_validation_router(data), ROUTER_GAIN: fit_gain_router(data)}
-    probe = fit_validation_probe(data)
+    probe = fit_validation_probe(data, projection=probe_projection)
     if probe is not None and data.probe_inputs is not None:
         data.signals[HIDDEN_PROBE] = probe.confidences(data.probe_inputs)
     inputs = router_inputs(data)

@@ -26,15 +26,15 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shared.artifacts import build_manifest, write_signed_manifest
 from shared.errors import ArtifactVerificationError
-from shared.zoo.presets import Preset
+from shared.zoo.presets import LM_ROLES, Preset
 from shared.zoo.registry import ARTIFACTS_DIR, MANIFESTS_DIR, ZOO_REPORT, ZooLayout, verify_zoo
 
 logger = logging.getLogger(__name__)
 
 StepFn = Callable[[str], None]
-# Messages a full build sends to ``step`` (weights, edge export, INT8 check, TFLite check, GGUF, digits, signing,
-# done), so a caller can draw a progress bar.
-NUM_BUILD_STEPS = 8
+# Messages a full build sends to ``step`` (weights, edge export, INT8 check, TFLite check, the micro LM's INT8
+# check, GGUF, digits, signing, done), so a caller can draw a progress bar.
+NUM_BUILD_STEPS = 9
 BUILD_FORMAT = 1
 COMMITTED_WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 PINNED_HASHES = "SHA256SUMS"
@@ -113,7 +113,7 @@ def build_zoo(
         say(f"taking the committed {preset.name} weights (pinned sha256)")
         src = committed_weights(preset)
         check_pinned_hashes(src)
-        for role in ("edge", "cloud", "draft"):
+        for role in LM_ROLES:
             shutil.copytree(src / f"lm-{role}", arts / f"lm-{role}")
         training = json.loads((src / "training.json").read_text())
     else:
@@ -122,13 +122,16 @@ def build_zoo(
         say(f"training the {preset.name} tokenizer and LMs")
         train_dir = work / "train"
         training = train_preset(preset, train_dir)
-        for role in ("edge", "cloud", "draft"):
+        for role in LM_ROLES:
             shutil.move(str(train_dir / f"lm-{role}"), arts / f"lm-{role}")
         shutil.rmtree(train_dir)
     report["training"] = training
 
-    say("deriving edge LM artifacts: ONNX fp32 with KV cache, ONNX INT8, TFLite")
+    say("deriving edge LM artifacts: ONNX fp32 with KV cache, ONNX INT8, TFLite (lm-micro: ONNX only)")
     report["edge_lm"] = derive_edge_lm_artifacts(arts / "lm-edge", arts, say)
+    # The micro LM is not served by the agent; its INT8 export is the edge side of the bench's LM pair with a
+    # real gap (``lm-micro-next8``), run by the same device runtime.
+    report["micro_lm"] = derive_edge_lm_artifacts(arts / "lm-micro", arts, say, name="lm-micro", tflite=False)
     say("exporting the cloud and edge LMs to GGUF (f32, Q8_0) for llama.cpp")
     report["gguf"] = derive_gguf_artifacts(arts)
     say("training and exporting the digits classifiers")
@@ -203,6 +206,21 @@ def _artifact_metadata(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "distilled_from": "lm-cloud",
             "held_out_loss": training["draft"]["held_out_loss"],
             "top1_agreement_with_cloud": training["draft"]["top1_agreement_with_cloud"],
+        },
+        "lm-micro": {
+            "kind": "causal-lm",
+            "format": "hf-safetensors",
+            "role": "edge",
+            "held_out_loss": training["micro"]["held_out_loss"],
+            "num_params": training["micro"]["num_params"],
+        },
+        "lm-micro-onnx": {"kind": "causal-lm", "format": "onnx", "role": "edge", "derived_from": "lm-micro"},
+        "lm-micro-onnx-int8": {
+            "kind": "causal-lm",
+            "format": "onnx-int8",
+            "role": "edge",
+            "derived_from": "lm-micro-onnx",
+            "agreement_with_fp32": report["micro_lm"]["int8_top1_agreement"],
         },
         "lm-edge-onnx": {"kind": "causal-lm", "format": "onnx", "role": "edge", "derived_from": "lm-edge"},
         "lm-edge-onnx-int8": {

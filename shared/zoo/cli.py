@@ -94,11 +94,11 @@ def verify(directory: Path, key_files: tuple[Path, ...]) -> None:
 @click.option("--preset", type=click.Choice(PRESET_NAMES), default="demo", show_default=True)
 @click.option(
     "--role",
-    type=click.Choice(["all", "tokenizer", "edge", "cloud", "draft"]),
+    type=click.Choice(["all", "tokenizer", "edge", "cloud", "draft", "micro"]),
     default="all",
     show_default=True,
-    help="train one part (edge and cloud may run as two processes after the tokenizer; the draft, distilled "
-    "from both, after them)",
+    help="train one part (edge, cloud and micro may run as separate processes after the tokenizer; the draft, "
+    "distilled from edge and cloud, after them)",
 )
 @click.option(
     "--out",

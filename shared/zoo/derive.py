@@ -55,8 +55,11 @@ def _onnx_logits(model_path: Path, windows: np.ndarray, meta: dict[str, Any]) ->
     return logits
 
 
-def derive_edge_lm_artifacts(lm_dir: Path, arts: Path, say: Callable[[str], None]) -> dict[str, Any]:
-    """Write ``lm-edge-onnx``, ``lm-edge-onnx-int8`` and (when litert-torch is installed) ``lm-edge-tflite``."""
+def derive_edge_lm_artifacts(
+    lm_dir: Path, arts: Path, say: Callable[[str], None], *, name: str = "lm-edge", tflite: bool = True
+) -> dict[str, Any]:
+    """Write ``<name>-onnx``, ``<name>-onnx-int8`` and (with ``tflite``, when litert-torch is installed)
+    ``<name>-tflite`` from the LM in ``lm_dir``."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     from shared.zoo.export_lm import export_onnx, export_tflite, quiet_root_logger
@@ -69,7 +72,7 @@ def derive_edge_lm_artifacts(lm_dir: Path, arts: Path, say: Callable[[str], None
         "vocab_size": config["vocab_size"],
         "max_context": config["max_position_embeddings"],
     }
-    fp32_dir, int8_dir = arts / "lm-edge-onnx", arts / "lm-edge-onnx-int8"
+    fp32_dir, int8_dir = arts / f"{name}-onnx", arts / f"{name}-onnx-int8"
     fp32_dir.mkdir()
     int8_dir.mkdir()
     export_onnx(lm_dir, fp32_dir / "model.onnx")
@@ -84,13 +87,15 @@ def derive_edge_lm_artifacts(lm_dir: Path, arts: Path, say: Callable[[str], None
     int8 = _onnx_logits(int8_dir / "model.onnx", windows, meta)
     agreement = float((fp32.argmax(-1) == int8.argmax(-1)).mean())
     result: dict[str, Any] = {"int8_top1_agreement": round(agreement, 4), "tflite": None}
-    say(f"INT8 agrees with fp32 on {agreement:.1%} of next-token choices")
+    say(f"{name} INT8 agrees with fp32 on {agreement:.1%} of next-token choices")
 
+    if not tflite:
+        return result
     if importlib.util.find_spec("litert_torch") is None:
         result["tflite_skipped"] = "litert-torch is not installed (pip install 'tierline[convert]')"
         logger.warning("skipping TFLite: %s", result["tflite_skipped"])
         return result
-    tfl_dir = arts / "lm-edge-tflite"
+    tfl_dir = arts / f"{name}-tflite"
     tfl_dir.mkdir()
     io = export_tflite(lm_dir, tfl_dir / "model.tflite")
     _copy_side_files(lm_dir, tfl_dir)

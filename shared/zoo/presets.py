@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PRESET_NAMES = ("tiny", "demo")
+# Every LM of a preset, saved as ``lm-<role>``, in training order: the draft (the edge LM distilled towards the
+# cloud LM) after those two; the micro LM (a smaller edge LM, the weak side of the LM pair with a real gap) last,
+# with its own seed, so adding it changed no other model's weights.
+LM_ROLES = ("edge", "cloud", "draft", "micro")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +70,10 @@ class Preset:
     cloud_training: LMTraining
     # The cloud model's speculative draft: the edge LM distilled towards the cloud LM's next-token distribution.
     draft_training: LMTraining
+    # A third, smaller edge LM (not served by the agent): with lm-cloud, the LM pair with a real quality gap
+    # inside the training window (the lm-edge/lm-cloud pair is near-equal there).
+    micro: LMShape
+    micro_training: LMTraining
     max_train_files: int | None
     include_test_tree: bool
     num_eval_windows: int
@@ -88,6 +96,8 @@ TINY = Preset(
     draft_training=LMTraining(
         num_steps=20, batch_size=8, seq_len=128, learning_rate=1e-3, warmup_steps=5, weight_decay=0.0
     ),
+    micro=LMShape(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=96),
+    micro_training=LMTraining(num_steps=30, batch_size=8, seq_len=128, learning_rate=3e-3, warmup_steps=5),
     max_train_files=120,
     include_test_tree=False,
     num_eval_windows=16,
@@ -108,6 +118,8 @@ DEMO = Preset(
     draft_training=LMTraining(
         num_steps=1000, batch_size=16, seq_len=256, learning_rate=1e-3, warmup_steps=20, weight_decay=0.0
     ),
+    micro=LMShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=176),
+    micro_training=LMTraining(num_steps=800, batch_size=16, seq_len=256, learning_rate=3e-3, warmup_steps=50),
     max_train_files=None,
     include_test_tree=True,
     num_eval_windows=128,

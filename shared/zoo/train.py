@@ -13,15 +13,16 @@ import torch
 from tokenizers import Tokenizer
 
 from shared.zoo.corpus import SourceFile, iter_stdlib_files, split_corpus
-from shared.zoo.presets import Preset
+from shared.zoo.presets import LM_ROLES, Preset
 from shared.zoo.tokenizer import save_tokenizer, train_tokenizer
 from shared.zoo.train_lm import ProgressFn, distill_lm, encode_documents, save_lm, train_lm
 
 logger = logging.getLogger(__name__)
 
 TRAINING_REPORT = "training.json"
-# The draft comes last: it is the edge LM distilled towards the cloud LM.
-ROLES = ("edge", "cloud", "draft")
+ROLES = LM_ROLES
+# role -> offset of its seed from the preset's
+SEED_OFFSETS = {"edge": 1, "cloud": 2, "draft": 3, "micro": 4}
 
 
 def _corpus(preset: Preset) -> tuple[list[SourceFile], list[SourceFile]]:
@@ -52,20 +53,29 @@ def train_tokenizer_for(preset: Preset, out_dir: Path) -> Path:
 def train_role(
     preset: Preset, role: str, out_dir: Path, dtype: torch.dtype = torch.float32, progress: ProgressFn | None = None
 ) -> dict[str, Any]:
-    """Train the ``edge`` or ``cloud`` LM with the tokenizer in ``out_dir/tokenizer``, or distill the ``draft``
-    from the two; save ``out_dir/lm-<role>``."""
+    """Train the ``edge``, ``cloud`` or ``micro`` LM with the tokenizer in ``out_dir/tokenizer``, or distill the
+    ``draft`` from the first two; save ``out_dir/lm-<role>``."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}")
     if role == "draft":
         return _distill_draft(preset, out_dir, dtype, progress)
-    shape, cfg, seed_offset = (
-        (preset.edge, preset.edge_training, 1) if role == "edge" else (preset.cloud, preset.cloud_training, 2)
-    )
+    shape, cfg = {
+        "edge": (preset.edge, preset.edge_training),
+        "cloud": (preset.cloud, preset.cloud_training),
+        "micro": (preset.micro, preset.micro_training),
+    }[role]
     tok_dir = out_dir / "tokenizer"
     tokenizer = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
     train_files, held_out, train_stream, held_out_stream = _streams(preset, tokenizer)
     model, result = train_lm(
-        preset, shape, cfg, tokenizer, train_stream, held_out_stream, preset.seed + seed_offset, progress=progress
+        preset,
+        shape,
+        cfg,
+        tokenizer,
+        train_stream,
+        held_out_stream,
+        preset.seed + SEED_OFFSETS[role],
+        progress=progress,
     )
     save_lm(model, tok_dir, out_dir / f"lm-{role}", dtype)
     report = {
@@ -99,7 +109,14 @@ def _distill_draft(preset: Preset, out_dir: Path, dtype: torch.dtype, progress: 
     student = LlamaForCausalLM.from_pretrained(out_dir / "lm-edge", dtype=torch.float32)
     teacher = LlamaForCausalLM.from_pretrained(out_dir / "lm-cloud", dtype=torch.float32)
     model, result = distill_lm(
-        preset, student, teacher, preset.draft_training, train_stream, held_out_stream, preset.seed + 3, progress
+        preset,
+        student,
+        teacher,
+        preset.draft_training,
+        train_stream,
+        held_out_stream,
+        preset.seed + SEED_OFFSETS["draft"],
+        progress,
     )
     save_lm(model, tok_dir, out_dir / "lm-draft", dtype)
     report = {
@@ -123,9 +140,9 @@ def write_training_report(preset: Preset, out_dir: Path) -> dict[str, Any]:
     report: dict[str, Any] = {"preset": preset.name, "seed": preset.seed}
     for role in ROLES:
         report[role] = json.loads((out_dir / f"training-{role}.json").read_text())
-    report["cloud_to_edge_compute_ratio"] = round(
-        preset.cloud.flops_per_token(preset.vocab_size) / preset.edge.flops_per_token(preset.vocab_size), 2
-    )
+    cloud = preset.cloud.flops_per_token(preset.vocab_size)
+    report["cloud_to_edge_compute_ratio"] = round(cloud / preset.edge.flops_per_token(preset.vocab_size), 2)
+    report["cloud_to_micro_compute_ratio"] = round(cloud / preset.micro.flops_per_token(preset.vocab_size), 2)
     (out_dir / TRAINING_REPORT).write_text(json.dumps(report, indent=2) + "\n")
     return report
 
@@ -136,7 +153,8 @@ def train_preset(
     dtype: torch.dtype = torch.float32,
     progress: dict[str, ProgressFn] | None = None,
 ) -> dict[str, Any]:
-    """Tokenizer, edge LM, cloud LM and the draft in one go; deterministic for a given preset and thread count."""
+    """Tokenizer, the edge, cloud and micro LMs and the draft in one go; deterministic for a given preset and
+    thread count."""
     started = time.monotonic()
     train_tokenizer_for(preset, out_dir)
     for role in ROLES:

@@ -84,8 +84,11 @@ def test_cascade_reports_every_number_in_range(cascade: dict[str, Any]) -> None:
         # The prompt-side copy signals on both LM tasks: the agent computes them, calibration reads them.
         "lm": {*LM_SIGNALS, *COPY_SIGNALS, ROUTER, ROUTER_GAIN, HIDDEN_PROBE},
         "lm-next8": {*LM_SIGNALS, *COPY_SIGNALS, ROUTER, ROUTER_GAIN, HIDDEN_PROBE},
+        "lm-micro-next8": {*LM_SIGNALS, *COPY_SIGNALS, ROUTER, ROUTER_GAIN, HIDDEN_PROBE},
     }
-    for task, total in (("digits", 540), ("digits-micro", 540), ("lm", NUM_LINES), ("lm-next8", NUM_NEXT)):
+    assert set(report) == {*expected_signals, "seconds"}
+    totals = {"digits": 540, "digits-micro": 540, "lm": NUM_LINES, "lm-next8": NUM_NEXT, "lm-micro-next8": NUM_NEXT}
+    for task, total in totals.items():
         r = report[task]
         assert set(r) >= TASK_KEYS, TASK_KEYS - set(r)
         assert r["n_validation"] + r["n_test"] == total and r["n_validation"] > 0 and r["n_test"] > 0
@@ -135,7 +138,7 @@ def test_lm_next8_grades_each_request_and_evaluates_the_prompt_router(cascade: d
     assert 0.0 <= window["edge_quality"] <= 1.0 and 0.0 <= window["cloud_quality"] <= 1.0
     lo, hi = window["quality_gap"]["gap_ci95"]
     assert lo <= window["cloud_quality"] - window["edge_quality"] <= hi
-    for task in ("lm", "lm-next8"):
+    for task in ("lm", "lm-next8", "lm-micro-next8"):
         info = report[task]["prompt_router"]
         assert info["features"] == 384 and "MiniLM" in info["embedding_model"] and info["decision_p95_ms"] > 0
         assert PROMPT_EMBEDDING in report[task]["routing"]["routers"]
@@ -148,8 +151,30 @@ def test_lm_next8_grades_each_request_and_evaluates_the_prompt_router(cascade: d
     assert not [
         row
         for row in map(json.loads, (cascade["dir"] / "val.jsonl").read_text().splitlines())
-        if row["task"] == "lm-next8"
+        if row["task"] in ("lm-next8", "lm-micro-next8")
     ]
+
+
+def test_lm_micro_next8_runs_the_micro_lm_in_window_on_the_same_items(cascade: dict[str, Any]) -> None:
+    """The LM pair with a real gap: lm-micro at the edge, graded like lm-next8 on the same items, every prompt
+    inside the 128-token window the tiny LMs were trained on (cut to 120 so the 8 generated tokens fit)."""
+    report = cascade["report"]
+    r, full = report["lm-micro-next8"], report["lm-next8"]
+    assert (r["edge_model"], r["cloud_model"]) == ("tierline/lm-micro", "tierline/lm-cloud")
+    assert r["next_tokens"] == 8 and r["quality_measure"] == full["quality_measure"]
+    assert r["training_window"] == 128 and r["max_prompt_tokens"] == 120
+    assert 0 < r["median_prompt_tokens"] <= 120 < full["max_prompt_tokens"]
+    # The same positions as lm-next8, with the prompts lm-next8 cuts to the window: the cloud gives the same
+    # answers to them.
+    window = full["within_training_window"]
+    assert r["all_items"]["n"] == r["quality_gap"]["n"] == window["n"] == NUM_NEXT
+    assert window["max_prompt_tokens"] == r["max_prompt_tokens"]
+    assert r["all_items"]["cloud_quality"] == window["cloud_quality"]
+    assert r["quality_gap"]["gap"] == pytest.approx(
+        r["all_items"]["cloud_quality"] - r["all_items"]["edge_quality"], abs=1e-3
+    )
+    assert r["probe"] == {"input": "mean_logits", "hidden_size": 32}  # the tiny micro LM's width, not the edge's
+    assert r["routing"]["routers"][HIDDEN_PROBE]["apgr"] is not None or r["routing"]["gap"] is None
 
 
 @pytest.mark.parametrize(
@@ -253,7 +278,7 @@ def test_plot_writes_a_png(cascade: dict[str, Any]) -> None:
 
 def test_cascade_reports_routellm_metrics_for_every_signal(cascade: dict[str, Any]) -> None:
     report = cascade["report"]
-    for task in ("digits", "digits-micro", "lm", "lm-next8"):
+    for task in ("digits", "digits-micro", "lm", "lm-next8", "lm-micro-next8"):
         routing = report[task]["routing"]
         text = {PROMPT_EMBEDDING} if task.startswith("lm") else set()
         assert set(routing["routers"]) == {*report[task]["signals"], RANDOM_SAMPLE, *text}, task

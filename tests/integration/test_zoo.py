@@ -29,6 +29,9 @@ EXPECTED_ARTIFACTS = {
     "lm-edge-onnx",
     "lm-edge-onnx-int8",
     "lm-edge-tflite",
+    "lm-micro",
+    "lm-micro-onnx",
+    "lm-micro-onnx-int8",
     "lm-cloud-gguf",
     "lm-edge-gguf",
     "digits-small",
@@ -62,6 +65,24 @@ def test_second_build_is_cached(tiny_zoo: Path, session_data_dir: Path) -> None:
     assert (tiny_zoo / "zoo.json").stat().st_mtime_ns == before
 
 
+def test_the_micro_lm_is_the_smallest_and_runs_on_the_device_runtime(tiny_zoo: Path) -> None:
+    """The weak side of the LM pair with a real gap: fewer parameters than the edge LM, its own seed, exported
+    to ONNX INT8 (derived from the fp32 export) and decoded by the agent's runtime."""
+    layout = ZooLayout(tiny_zoo)
+    training = layout.report()["training"]
+    assert training["micro"]["num_params"] == TINY.micro.num_params(TINY.vocab_size)
+    assert training["micro"]["num_params"] < training["edge"]["num_params"] / 2
+    for preset in (TINY, DEMO):
+        assert preset.micro.flops_per_token(preset.vocab_size) < preset.edge.flops_per_token(preset.vocab_size)
+    int8 = layout.manifest("lm-micro-onnx-int8")
+    assert int8.derived_from is not None and int8.derived_from["sha256"] == layout.manifest("lm-micro-onnx").sha256
+    assert layout.report()["artifacts"]["lm-micro-onnx"]["derived_from"] == "lm-micro"
+    runtime = load_causal_lm(layout.artifact_dir("lm-micro-onnx-int8"), num_threads=1)
+    logits = runtime.prefill([5, 17, 300, 42])
+    assert logits.shape == (TINY.vocab_size,) and np.isfinite(logits).all()
+    assert runtime.decode(int(np.argmax(logits))).shape == (TINY.vocab_size,)
+
+
 def test_compute_ratio_between_cloud_and_edge() -> None:
     for preset in (TINY, DEMO):
         ratio = preset.cloud.flops_per_token(preset.vocab_size) / preset.edge.flops_per_token(preset.vocab_size)
@@ -92,7 +113,7 @@ def test_the_distilled_draft_agrees_with_the_cloud_lm_more_often_than_the_edge_l
 def test_transformers_loads_every_lm(tiny_zoo: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    for role in ("edge", "cloud", "draft"):
+    for role in ("edge", "cloud", "draft", "micro"):
         path = tiny_zoo / "artifacts" / f"lm-{role}"
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(path)
