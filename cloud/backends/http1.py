@@ -29,7 +29,7 @@ import os
 import ssl
 import time
 from collections.abc import AsyncIterator, Mapping
-from typing import Protocol
+from typing import Protocol, cast
 from urllib.parse import urlsplit
 
 import httpx
@@ -122,8 +122,7 @@ class _Connection(asyncio.Protocol):
 
     # -- asyncio.Protocol --------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio's classes
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
+import uvloop
 
 from cloud.backends.http1 import Http1Client, HttpxUpstream, upstream_client
 from tests.conftest import free_port
@@ -100,8 +101,11 @@ async def keep_answering(conn: Conn) -> None:
         n += 1
 
 
-def run(coro: Awaitable[None]) -> None:
-    asyncio.run(asyncio.wait_for(coro, 30))
+def run(scenario: Callable[[], Awaitable[None]]) -> None:
+    """On asyncio's loop, then on uvloop's (the gateway's)."""
+    for factory in (asyncio.new_event_loop, uvloop.new_event_loop):
+        with asyncio.Runner(loop_factory=factory) as runner:
+            runner.run(asyncio.wait_for(scenario(), 30))
 
 
 def test_a_sized_body_comes_whole_and_the_request_says_what_the_gateway_sends() -> None:
@@ -124,7 +128,7 @@ def test_a_sized_body_comes_whole_and_the_request_says_what_the_gateway_sends() 
             assert line in request
         assert request.endswith(b'\r\n\r\n{"model": "m"}')
 
-    run(scenario())
+    run(scenario)
 
 
 def test_a_chunked_body_comes_as_its_chunks_arrive_with_extensions_and_trailers_dropped() -> None:
@@ -149,7 +153,7 @@ def test_a_chunked_body_comes_as_its_chunks_arrive_with_extensions_and_trailers_
             assert pieces[0] == b"data: " and b"".join(pieces) == b"data: hello world"
             await client.aclose()
 
-    run(scenario())
+    run(scenario)
 
 
 def test_a_body_delimited_by_the_close_ends_there_and_its_connection_is_not_reused() -> None:
@@ -168,7 +172,7 @@ def test_a_body_delimited_by_the_close_ends_there_and_its_connection_is_not_reus
             assert seen.connections == 2 and client.connections_opened == 2
             await client.aclose()
 
-    run(scenario())
+    run(scenario)
 
 
 def test_informational_answers_are_skipped() -> None:
@@ -185,7 +189,7 @@ def test_informational_answers_are_skipped() -> None:
             assert await response.aread() == b"final"
             await client.aclose()
 
-    run(scenario())
+    run(scenario)
 
 
 def test_keep_alive_sends_requests_one_after_another_on_one_connection() -> None:
@@ -203,7 +207,7 @@ def test_keep_alive_sends_requests_one_after_another_on_one_connection() -> None
             assert seen.connections == 1 and client.connections_opened == 1
             await client.aclose()
 
-    run(scenario())
+    run(scenario)
 
 
 def test_a_reused_connection_the_server_closed_unanswered_is_retried_once_on_a_new_one() -> None:
@@ -225,7 +229,7 @@ def test_a_reused_connection_the_server_closed_unanswered_is_retried_once_on_a_n
             assert seen.connections == 2 and [r[-1:] for r in seen.requests] == [b"1", b"2", b"2"]
             await client.aclose()
 
-    run(scenario())
+    run(scenario)
 
 
 def test_no_retry_once_a_byte_of_the_answer_arrived_nor_on_a_new_connection() -> None:
@@ -252,7 +256,7 @@ def test_no_retry_once_a_byte_of_the_answer_arrived_nor_on_a_new_connection() ->
             assert seen.connections == 2 and len(seen.requests) == 3
             await client.aclose()
 
-    run(scenario())
+    run(scenario)
 
 
 def test_a_body_cut_short_is_a_protocol_error_not_a_short_answer() -> None:
@@ -269,7 +273,7 @@ def test_a_body_cut_short_is_a_protocol_error_not_a_short_answer() -> None:
                 await response.aread()
             await client.aclose()
 
-    run(scenario())
+    run(scenario)
 
 
 @pytest.mark.parametrize(
@@ -295,7 +299,7 @@ def test_a_malformed_answer_is_a_remote_protocol_error(head: bytes) -> None:
                 await (await client.post(url, b"", {})).aread()
             await client.aclose()
 
-    run(scenario())
+    run(scenario)
 
 
 def test_a_compressed_answer_is_refused_since_the_gateway_asks_for_identity() -> None:
@@ -310,7 +314,7 @@ def test_a_compressed_answer_is_refused_since_the_gateway_asks_for_identity() ->
                 await client.post(url, b"", {})
             await client.aclose()
 
-    run(scenario())
+    run(scenario)
 
 
 def test_a_silent_server_is_a_read_timeout_before_and_during_the_body() -> None:
@@ -333,7 +337,7 @@ def test_a_silent_server_is_a_read_timeout_before_and_during_the_body() -> None:
             await response.aclose()
             await client.aclose()
 
-    run(scenario())
+    run(scenario)
 
 
 def test_a_refused_connection_is_a_connect_error() -> None:
@@ -342,7 +346,7 @@ def test_a_refused_connection_is_a_connect_error() -> None:
         with pytest.raises(httpx.ConnectError):
             await client.post(f"http://127.0.0.1:{free_port()}/v1/completions", b"", {})
 
-    run(scenario())
+    run(scenario)
 
 
 def test_a_large_streamed_body_is_relayed_intact_while_the_reader_lags() -> None:
@@ -373,7 +377,7 @@ def test_a_large_streamed_body_is_relayed_intact_while_the_reader_lags() -> None
             assert seen.connections == 1
             await client.aclose()
 
-    run(scenario())
+    run(scenario)
 
 
 def test_closing_an_unfinished_answer_closes_the_connection_so_the_upstream_sees_the_client_leave() -> None:
@@ -391,7 +395,7 @@ def test_closing_an_unfinished_answer_closes_the_connection_so_the_upstream_sees
             await asyncio.wait_for(seen.closed_by_client.wait(), 5)
             await client.aclose()
 
-    run(scenario())
+    run(scenario)
 
 
 def test_a_header_that_would_inject_lines_is_refused_before_sending() -> None:
@@ -403,7 +407,7 @@ def test_a_header_that_would_inject_lines_is_refused_before_sending() -> None:
             assert seen.connections == 0
             await client.aclose()
 
-    run(scenario())
+    run(scenario)
 
 
 @pytest.mark.parametrize("variable", ["HTTPS_PROXY", "http_proxy", "ALL_PROXY"])
