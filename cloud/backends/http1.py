@@ -344,17 +344,22 @@ class Http1Response:
 
 
 class Http1Client:
-    """HTTP/1.1 requests over a keep-alive pool; ``timeout``: the most any read or write waits (seconds)."""
+    """HTTP/1.1 requests over a keep-alive pool; ``timeout``: the most any read or write waits (seconds);
+    ``ssl_context``: for https (default: ``ssl.create_default_context()``, made at the first https request)."""
 
     def __init__(
-        self, timeout: float, connect_timeout: float = CONNECT_TIMEOUT_S, max_idle_per_origin: int = 256
+        self,
+        timeout: float,
+        connect_timeout: float = CONNECT_TIMEOUT_S,
+        max_idle_per_origin: int = 256,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.max_idle_per_origin = max_idle_per_origin
         self._idle: dict[_Origin, list[_Connection]] = {}
         self._targets: dict[str, tuple[_Origin, str, str]] = {}  # url -> origin, request target, Host
-        self._ssl: ssl.SSLContext | None = None
+        self._ssl = ssl_context
         self.connections_opened = 0  # connections made so far (keep-alive reuse shows as fewer)
 
     async def post(self, url: str, content: bytes, headers: Mapping[str, str]) -> Http1Response:

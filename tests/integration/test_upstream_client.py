@@ -6,14 +6,22 @@ the failover and the endpoint breakers act on."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import httpx
 import pytest
 import uvloop
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from cloud.backends.http1 import Http1Client, HttpxUpstream, upstream_client
 from tests.conftest import free_port
@@ -419,3 +427,68 @@ def test_a_configured_proxy_keeps_httpx_which_honours_it(monkeypatch: pytest.Mon
     assert isinstance(upstream_client(http, 5.0), Http1Client)
     monkeypatch.setenv(variable, "http://127.0.0.1:3128")
     assert isinstance(upstream_client(http, 5.0), HttpxUpstream)
+
+
+def _tls_contexts(tmp_path: Path, name: str) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """A server context with a self-signed certificate for ``name`` (no IP address in it), and a client context
+    that trusts it."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.now(UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - timedelta(minutes=5))
+        .not_valid_after(now + timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_file, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(cert_file, key_file)
+    client = ssl.create_default_context(cafile=str(cert_file))
+    return server, client
+
+
+def test_https_sends_the_host_name_as_sni_and_verifies_the_certificate_against_it(tmp_path: Path) -> None:
+    name = "upstream.test"
+    server_context, client_context = _tls_contexts(tmp_path, name)
+    names: list[str | None] = []
+    server_context.sni_callback = lambda _sock, server_name, _ctx: names.append(server_name)
+
+    async def scenario() -> None:
+        async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            conn = Conn(reader, writer, Seen(), 0)
+            with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):
+                await keep_answering(conn)
+            writer.close()
+
+        srv = await asyncio.start_server(accept, "127.0.0.1", 0, ssl=server_context)
+        port = srv.sockets[0].getsockname()[1]
+        try:
+            client = Http1Client(5.0, ssl_context=client_context)
+            # an endpoint resolved to its address (resolve_dns) sends the name in Host: that name is the SNI
+            # and the one the certificate must match
+            for n in range(2):
+                response = await client.post(f"https://127.0.0.1:{port}/v1", b"{}", {"Host": f"{name}:{port}"})
+                assert await response.aread() == b"answer %d" % n  # one TLS connection, kept alive
+            await client.aclose()
+            # without it, the address is what is checked, and this certificate names no address
+            client = Http1Client(5.0, ssl_context=client_context)
+            with pytest.raises(httpx.ConnectError, match="certificate"):
+                await client.post(f"https://127.0.0.1:{port}/v1", b"{}", {})
+        finally:
+            srv.close()
+
+    names.clear()
+    with asyncio.Runner() as runner:
+        runner.run(asyncio.wait_for(scenario(), 30))
+    assert names[0] == name
