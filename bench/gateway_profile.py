@@ -34,12 +34,18 @@ from bench.scale_bench import MODEL, _load, _setup, _summary
 
 # (stage, substrings of a frame) in priority order: a sample counts for the first stage any of its frames matches.
 STAGES: list[tuple[str, tuple[str, ...]]] = [
-    ("budget settle + usage record (PostgreSQL)", ("_settle_checkpointed", "settle_checkpointed (")),
+    (
+        "budget settle + usage record (PostgreSQL)",
+        ("_settle_checkpointed", "settle_checkpointed (", "settle_async (", "_settled ("),
+    ),
     (
         "usage checkpoint (PostgreSQL)",
-        ("UsageWriter._checkpoint", "_checkpoint (cloud/metering", "checkpoint (controlplane"),
+        ("UsageWriter._checkpoint", "checkpoint (cloud/metering", "checkpoint (controlplane", "checkpoint_async ("),
     ),
-    ("budget reservation (PostgreSQL)", ("_reserve (cloud/completions", "reserve (controlplane/billing")),
+    (
+        "budget reservation (PostgreSQL)",
+        ("_reserve (cloud/completions", "reserve (controlplane/billing", "reserve_async (", "pg_async"),
+    ),
     ("usage writer batch (PostgreSQL)", ("_ingest (cloud/metering", "ingest_usage")),
     ("budget sweeper / background", ("sweep", "budget_watch", "canary", "job_worker", "webhook")),
     ("rate limits (Redis)", ("cloud/limits.py", "/limits/", "/redis/")),

@@ -65,7 +65,7 @@ from shared.http import StreamingOperation, error_responses
 from shared.logs import server_request_id
 from shared.openai_schema import JOB_FIELDS, AsyncJobFields, ChatCompletionRequest, CompletionRequest, InferenceRequest
 from shared.service_app import create_service_app
-from shared.settings import CoreSettings
+from shared.settings import CoreSettings, DatabaseSettings
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -358,6 +358,7 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
             settings.usage_flush_ms / 1000,
             checkpoint_tokens=settings.usage_checkpoint_tokens,
             checkpoint_ms=settings.usage_checkpoint_ms,
+            pool_size=DatabaseSettings().database_pool_size,
         )
         usage.on_conflicts = observed.usage_id_conflicts.labels("cloud").inc
         await usage.start()

@@ -29,7 +29,7 @@ from cloud.limits import RateLimiter, RateLimitGrant
 from cloud.metering import UsageWriter
 from cloud.observability import Metrics
 from cloud.shadow import Mirror
-from controlplane.billing.budgets import BudgetHold, PriceBook, reserve_request
+from controlplane.billing.budgets import BudgetHold, PriceBook
 from controlplane.billing.ledger import NewUsage
 from controlplane.billing.pricing import Tokens
 from controlplane.billing.scopes import MAX_SUBJECT_LEN, Attribution
@@ -272,22 +272,21 @@ class CompletionService:
         _, worst = self.prices.cost(served.model_id, served.version, "cloud", worst_case, tenant_id=caller.tenant.id)
         if worst is not None:
             try:
-                meter.budget = await asyncio.to_thread(self._reserve, caller, worst)
+                meter.budget = await self._reserve(caller, worst)
             except BaseException:
                 await self.limiter.release(meter.rate_limit, 0)
                 meter.rate_limit = None
                 raise
         return meter
 
-    def _reserve(self, caller: Caller, worst: Decimal) -> BudgetHold | None:
+    async def _reserve(self, caller: Caller, worst: Decimal) -> BudgetHold | None:
         """Hold ``worst`` on the tenant's monthly budget and on every scoped budget that applies to the caller's
         key, its project and its end user (an escalating device's: those of its attribution, its ``billing.user``
         label unless the request names a user), all at once, in one transaction; None when no budget applies
-        (nothing to hold)."""
+        (nothing to hold): one statement awaited on the event loop on PostgreSQL (``UsageWriter.reserve_request``)."""
         key = caller.key
         who = Attribution(key.id, key.project_id) if key is not None else caller.attribution or Attribution()
-        return reserve_request(
-            self.usage.engine,
+        return await self.usage.reserve_request(
             caller.tenant.id or 0,
             caller.tenant.monthly_budget,
             worst,

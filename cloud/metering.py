@@ -15,8 +15,11 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
 
-from controlplane.billing.budgets import BudgetHold
+from cloud.pg_async import AsyncPostgres
+from controlplane.billing import hotpath
+from controlplane.billing.budgets import DEFAULT_LEASE_S, BudgetHold, reserve_request
 from controlplane.billing.ledger import NewUsage, checkpoint, ingest_usage, settle_checkpointed
+from controlplane.billing.scopes import Attribution
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +39,11 @@ class UsageWriter:
     (``num_duplicates``), and one whose stored record differs is also counted in ``num_conflicts`` (and logged
     by the ledger).
     ``close()`` writes everything still queued (graceful shutdown loses nothing).
+
+    A request's billing phases (``reserve_request``, ``checkpoint``, ``settle_checkpointed``) are awaited by the
+    request itself. On PostgreSQL each is one statement (``controlplane.billing.hotpath``) awaited on the event
+    loop through a pool of at most ``pool_size`` connections of its own (``cloud.pg_async``); a phase the fast
+    statement does not cover runs the general path in a worker thread, as SQLite always does.
     """
 
     def __init__(
@@ -45,8 +53,10 @@ class UsageWriter:
         max_batch: int = 512,
         checkpoint_tokens: int = 0,
         checkpoint_ms: float = 0.0,
+        pool_size: int = 10,
     ) -> None:
         self.engine = engine
+        self.postgres = AsyncPostgres(engine, pool_size) if engine.dialect.name == "postgresql" else None
         self.checkpoint_tokens = checkpoint_tokens
         self.checkpoint_ms = checkpoint_ms
         self.flush_interval_s = flush_interval_s
@@ -58,6 +68,7 @@ class UsageWriter:
         self.num_conflicts = 0
         self.num_refused = 0
         self.num_checkpoints = 0
+        self.num_fast = 0  # billing phases done in one statement on the event loop (PostgreSQL)
         self.on_conflicts: Callable[[int], None] | None = None  # told how many records of a batch conflicted
 
     @staticmethod
@@ -94,8 +105,34 @@ class UsageWriter:
             or (new_tokens > 0 and self.checkpoint_ms > 0 and since_s * 1000 >= self.checkpoint_ms)
         )
 
+    # -- a request's budget hold, checkpoints and settlement, awaited by the request -----------------------------
+    async def reserve_request(
+        self,
+        tenant_id: int,
+        budget: Decimal | None,
+        amount: Decimal,
+        who: Attribution,
+        lease_s: float = DEFAULT_LEASE_S,
+    ) -> BudgetHold | None:
+        """``controlplane.billing.budgets.reserve_request``: one statement on PostgreSQL when only the tenant's
+        monthly budget applies and covers ``amount``; the general path otherwise (and for its precise refusal)."""
+        if self.postgres is not None:
+            prepared = hotpath.reservation(tenant_id, budget, amount, who, lease_s=lease_s)
+            async with self.postgres.connection() as connection:
+                held = await hotpath.reserve_async(connection, prepared)
+            if held is not hotpath.FALLBACK:
+                self.num_fast += 1
+                return held
+        return await asyncio.to_thread(reserve_request, self.engine, tenant_id, budget, amount, who, lease_s=lease_s)
+
     async def checkpoint(self, usage: NewUsage, hold: BudgetHold | None, lease_s: float) -> None:
         """Write a stream's counts so far (``controlplane.billing.ledger.checkpoint``), committed on return."""
+        if self.postgres is not None:
+            async with self.postgres.connection() as connection:
+                await hotpath.checkpoint_async(connection, usage, hold, lease_s)
+            self.num_checkpoints += 1
+            self.num_fast += 1
+            return
         await asyncio.to_thread(self._checkpoint, usage, hold, lease_s)
 
     def _checkpoint(self, usage: NewUsage, hold: BudgetHold | None, lease_s: float) -> None:
@@ -108,7 +145,22 @@ class UsageWriter:
         self, usage: NewUsage, hold: BudgetHold | None, *, checkpointed: bool = True
     ) -> Decimal | None:
         """A checkpointed stream's final record, hold and checkpoint (``checkpointed``: it wrote one), in one
-        transaction (not queued)."""
+        transaction (not queued): one statement on PostgreSQL for a hold on the month alone
+        (``controlplane.billing.hotpath.settle_async``)."""
+        if self.postgres is not None and hotpath.settles_fast(usage, hold):
+            async with self.postgres.connection() as connection:
+                settled = await hotpath.settle_async(connection, usage, hold, checkpointed)
+            self.num_fast += 1
+            if settled.inserted:
+                self.num_written += 1
+            elif settled.conflict:
+                self.num_duplicates += 1
+                self.num_conflicts += 1
+                if self.on_conflicts is not None:
+                    self.on_conflicts(1)
+            elif settled.duplicate:
+                self.num_duplicates += 1
+            return settled.spent
         return await asyncio.to_thread(self._settle_checkpointed, usage, hold, checkpointed)
 
     def _settle_checkpointed(self, usage: NewUsage, hold: BudgetHold | None, checkpointed: bool) -> Decimal | None:
@@ -128,6 +180,8 @@ class UsageWriter:
                 await self._task
             self._task = None
         await self._flush()
+        if self.postgres is not None:
+            await self.postgres.close()
 
     async def flush(self) -> None:
         """Write what is queued now (tests and shutdown)."""

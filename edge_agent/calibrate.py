@@ -43,6 +43,7 @@ def _merge(existing: EdgePolicy | None, calibrated: EdgePolicy) -> EdgePolicy:
         signal=calibrated.signal,
         threshold=calibrated.threshold,
         router=calibrated.router,
+        probe=calibrated.probe,
         calibration=calibrated.calibration,
     )
 
