@@ -53,7 +53,10 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("settle: rating, metrics, release", ("_settle (cloud/completions", "bill (cloud/backends")),
     ("prompt counting (tokenizer)", ("encode_counted", "chat_prompt", "_checked_size", "tokenizers")),
     ("SSE relay per chunk", ("_relay (cloud/backends",)),
-    ("upstream request + first event", ("_call (cloud/backends", "_first_event", "/httpx/", "/httpcore/")),
+    (
+        "upstream request + first event",
+        ("_call (cloud/backends", "_first_event", "cloud/backends/http1", "/httpx/", "/httpcore/"),
+    ),
     ("request parsing/validation", ("pydantic", "_dumper", "signature", "kwargs_model", "msgspec")),
     ("metrics", ("prometheus", "observability")),
     ("logging", ("logging/",)),

@@ -3,5 +3,6 @@
 ``config``: the static backends file (``TIERLINE_CLOUD_BACKENDS``); ``pool``: a replica pool per backend (least
 outstanding requests, a breaker per endpoint, active re-admission probes, per-endpoint metrics); ``upstream``: the
 gateway's side of a request to one (admission, billing from the upstream's usage, SSE relay, failover before the
-first byte). See docs/cloud-api.md#backends.
+first byte); ``http1``: the lean HTTP/1.1 client the requests to the upstream servers go through. See
+docs/cloud-api.md#backends.
 """

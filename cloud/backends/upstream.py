@@ -33,6 +33,7 @@ import httpx
 import msgspec
 
 from cloud.backends.config import context_length, load_backends
+from cloud.backends.http1 import UpstreamClient, UpstreamResponse, upstream_client
 from cloud.backends.pool import (
     BadGatewayError,
     Endpoint,
@@ -41,7 +42,7 @@ from cloud.backends.pool import (
     UpstreamUnavailableError,
     resolve_roots,
 )
-from cloud.completions import Caller, CompletionService, run_to_end
+from cloud.completions import MAX_INLINE_PROMPT_BYTES, Caller, CompletionService, run_to_end
 from cloud.engine.prompts import check_context_length
 from controlplane.billing.pricing import Tokens
 from shared.backend_spec import UpstreamSpec
@@ -167,7 +168,7 @@ def _valid_usage(usage: Any) -> bool:
     )
 
 
-def _upstream_error(response: httpx.Response, body: bytes) -> UpstreamRequestError:
+def _upstream_error(response: UpstreamResponse, body: bytes) -> UpstreamRequestError:
     message, param, code = f"upstream answered {response.status_code}", None, None
     with contextlib.suppress(ValueError, AttributeError, TypeError):
         error = json.loads(body)["error"]
@@ -234,10 +235,11 @@ class Backends:
         self.request_timeout_s = request_timeout_s
         slots = sum(len(m.pool.endpoints) * m.config.max_concurrency for m in models.values()) + 8
         slots = max(slots, self.MAX_CONNECTIONS)
-        self.client = httpx.AsyncClient(
+        self.client = httpx.AsyncClient(  # health probes; requests too when a proxy is configured
             timeout=httpx.Timeout(request_timeout_s, connect=2.0),
             limits=httpx.Limits(max_connections=slots, max_keepalive_connections=slots),
         )
+        self.upstream: UpstreamClient = upstream_client(self.client, request_timeout_s)
         self.pools = [m.pool for m in models.values()]
         self.collector = PoolCollector(self.pools)
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -276,6 +278,7 @@ class Backends:
         await asyncio.gather(*self._retiring, return_exceptions=True)
         for pool in list(self.pools):
             await pool.close()
+        await self.upstream.aclose()
         await self.client.aclose()
 
     # -- registry versions (called from a worker thread) ------------------------------------------------------
@@ -347,7 +350,7 @@ class Backends:
         remote = remote or self._get(caller, req.model)
         self.service._checked_size(m.text() for m in req.messages)
         prompt = chat_prompt(req, remote.tokenizer)  # counted as the engine would see it (tools and calls too)
-        counts = [remote.tokenizer.encode_counted(prompt, remote.max_model_len)[1]]
+        counts = [await _count(remote, prompt)]
         key = remote.affinity_key(caller, prompt)
         return await self._run(
             caller, remote, req, "/v1/chat/completions", counts, req.max_new_tokens, chat=True, key=key
@@ -359,10 +362,7 @@ class Backends:
         remote = remote or self._get(caller, req.model)
         prompts = req.prompts()
         self.service._checked_size(p for p in prompts if isinstance(p, str))
-        counts = [
-            remote.tokenizer.encode_counted(p, remote.max_model_len)[1] if isinstance(p, str) else len(p)
-            for p in prompts
-        ]
+        counts = [await _count(remote, p) if isinstance(p, str) else len(p) for p in prompts]
         key = remote.affinity_key(caller, prompts[0]) if prompts else None
         return await self._run(caller, remote, req, "/v1/completions", counts, req.max_tokens, chat=False, key=key)
 
@@ -486,7 +486,7 @@ class Backends:
         self,
         remote: RemoteLM,
         endpoint: Endpoint,
-        response: httpx.Response,
+        response: UpstreamResponse,
         batches: AsyncIterator[list[bytes]],
         first: list[bytes],
         relay: _Relay,
@@ -563,9 +563,9 @@ class Backends:
         remote: RemoteLM,
         path: str,
         body: dict[str, Any],
-        read: Callable[[httpx.Response], Awaitable[T]],
+        read: Callable[[UpstreamResponse], Awaitable[T]],
         key: str | None = None,
-    ) -> tuple[Endpoint, httpx.Response, T]:
+    ) -> tuple[Endpoint, UpstreamResponse, T]:
         """Send ``body`` to an endpoint of ``remote`` and ``read`` the start of its answer (non-stream: all of it;
         stream: the first event), failing over to another endpoint while nothing has reached the client."""
         tried: set[str] = set()
@@ -585,10 +585,9 @@ class Backends:
             headers = {**remote.headers, **_JSON}
             if endpoint.host:
                 headers["Host"] = endpoint.host
-            request = self.client.build_request("POST", f"{endpoint.root}{path}", content=content, headers=headers)
-            response: httpx.Response | None = None
+            response: UpstreamResponse | None = None
             try:
-                response = await self.client.send(request, stream=True)
+                response = await self.upstream.post(f"{endpoint.root}{path}", content, headers)
                 if response.status_code >= 500:
                     last = f"{endpoint.root} answered {response.status_code}"
                     await response.aclose()
@@ -611,7 +610,7 @@ class Backends:
             return endpoint, response, result
 
 
-async def _read_json(response: httpx.Response) -> dict[str, Any]:
+async def _read_json(response: UpstreamResponse) -> dict[str, Any]:
     data = await response.aread()
     try:
         answer = msgspec.json.decode(data)
@@ -622,12 +621,20 @@ async def _read_json(response: httpx.Response) -> dict[str, Any]:
     return answer
 
 
-async def _first_event(response: httpx.Response) -> tuple[AsyncIterator[list[bytes]], list[bytes]]:
+async def _first_event(response: UpstreamResponse) -> tuple[AsyncIterator[list[bytes]], list[bytes]]:
     batches = _sse_batches(response.aiter_bytes())
     first = await anext(batches, None)
     if first is None:
         raise httpx.RemoteProtocolError("upstream closed the stream before its first event")
     return batches, first
+
+
+async def _count(remote: RemoteLM, prompt: str) -> int:
+    """The prompt's tokens; one over ``MAX_INLINE_PROMPT_BYTES`` is counted in a worker thread (milliseconds to
+    seconds of work that would stall every other request on the event loop)."""
+    if len(prompt) > MAX_INLINE_PROMPT_BYTES // 4 and len(prompt.encode()) > MAX_INLINE_PROMPT_BYTES:
+        return (await asyncio.to_thread(remote.tokenizer.encode_counted, prompt, remote.max_model_len))[1]
+    return remote.tokenizer.encode_counted(prompt, remote.max_model_len)[1]
 
 
 def _chunk_object(chat: bool) -> str:

@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -256,6 +257,39 @@ def test_an_upstream_4xx_passes_through_with_its_message_and_bills_nothing(
     # refused by the gateway itself before any upstream call: the context is checked with the model's tokenizer
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="fox " * 400, max_tokens=2)
+
+
+def test_a_large_prompt_is_counted_off_the_event_loop_which_keeps_answering_meanwhile(
+    gateway: dict[str, Any],
+) -> None:
+    prompt = "the quick brown fox jumps " * 38_000  # ~1 MB (the limit is 1 MiB): about a second of tokenising
+    answer: dict[str, Any] = {}
+
+    def large() -> None:
+        started = time.monotonic()
+        response = httpx.post(
+            f"{gateway['url']}/v1/completions",
+            json={"model": MODEL, "prompt": prompt, "max_tokens": 1},
+            headers={"Authorization": f"Bearer {gateway['key']}"},
+            timeout=120,
+        )
+        answer.update(status=response.status_code, body=response.json(), took=time.monotonic() - started)
+
+    slowest = 0.0
+    with httpx.Client(base_url=gateway["url"], timeout=120) as http:
+        assert http.get("/healthz").status_code == 200  # connected before the large request starts
+        thread = threading.Thread(target=large)
+        thread.start()
+        while thread.is_alive():
+            started = time.monotonic()
+            assert http.get("/healthz").status_code == 200
+            slowest = max(slowest, time.monotonic() - started)
+        thread.join()
+    # refused after counting (its ~540k tokens are past the context), as before, and only then
+    assert answer["status"] == 400 and "context" in answer["body"]["error"]["message"], answer
+    assert answer["took"] > 0.3, answer  # long enough to tell a blocked loop from a busy host
+    # counted on the event loop, a /healthz sent meanwhile waited for the whole count
+    assert slowest < answer["took"] / 2, (slowest, answer["took"])
 
 
 def test_an_idempotent_retry_is_replayed_and_billed_once(gateway: dict[str, Any]) -> None:
