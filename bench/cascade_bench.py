@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,8 @@ MAX_QUALITY_LOSS = 0.01
 SHARE_GRID = np.linspace(0.0, 1.0, 21)
 DEFAULT_LINES = 300
 DEFAULT_NEXT_ITEMS = 400
+# Every task, in the order they run (``--tasks`` picks some).
+TASKS = ("digits", "digits-micro", "lm", "lm-next8", "lm-micro-next8")
 
 
 @dataclass(slots=True)
@@ -510,9 +513,10 @@ def run_cascade_bench(
     export_path: Path | None = None,
     plot_path: Path | None = None,
     resamples: int = DEFAULT_RESAMPLES,
+    tasks: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """Every task on one built zoo preset; returns ``{"digits": ..., "digits-micro": ..., "lm": ...,
-    "lm-next8": ..., "lm-micro-next8": ..., "seconds": ...}``.
+    """Every task (or those in ``tasks``) on one built zoo preset; returns ``{"digits": ..., "digits-micro": ...,
+    "lm": ..., "lm-next8": ..., "lm-micro-next8": ..., "seconds": ...}`` (the tasks run).
 
     Args:
         zoo_root: a built preset, ``<zoo dir>/<preset>``.
@@ -522,6 +526,7 @@ def run_cascade_bench(
         export_path: write the validation items here (``tierline edge calibrate --data``).
         plot_path: draw quality vs edge share and PGR vs cloud calls for every task into this PNG.
         resamples: bootstrap resamples of the test items for the routing intervals.
+        tasks: run only these tasks (``TASKS``); None runs all.
     """
     started = time.perf_counter()
     layout = ZooLayout(zoo_root)
@@ -529,11 +534,20 @@ def run_cascade_bench(
     exported = []
     if plot_path is not None:
         _require_matplotlib()
-    runs = [lambda: run_digits(layout), lambda: run_digits(layout, "digits-micro")]
-    runs += [lambda: run_lm(layout, num_lines, seed), lambda: run_lm_next(layout, num_next_items, seed)]
-    runs += [lambda: run_lm_micro_next(layout, num_next_items, seed)]
+    runs: dict[str, Callable[[], TaskResults]] = {
+        "digits": lambda: run_digits(layout),
+        "digits-micro": lambda: run_digits(layout, "digits-micro"),
+        "lm": lambda: run_lm(layout, num_lines, seed),
+        "lm-next8": lambda: run_lm_next(layout, num_next_items, seed),
+        "lm-micro-next8": lambda: run_lm_micro_next(layout, num_next_items, seed),
+    }
+    unknown = [t for t in tasks or () if t not in runs]
+    if unknown:
+        raise ValueError(f"unknown cascade task {', '.join(unknown)}: choose from {', '.join(runs)}")
     embedder, no_embedder = _embedder()
-    for run in runs:
+    for name, run in runs.items():
+        if tasks is not None and name not in tasks:
+            continue
         task_started = time.perf_counter()
         task = run()
         evaluation = evaluations[task.task] = evaluate(task, seed, resamples, embedder=embedder)
@@ -585,6 +599,13 @@ def run_cascade_bench(
     help="draw quality vs edge share into this PNG (needs matplotlib)",
 )
 @click.option(
+    "--tasks",
+    "task_list",
+    default=None,
+    metavar="NAMES",
+    help=f"comma-separated tasks to run (default all: {','.join(TASKS)})",
+)
+@click.option(
     "--export-validation",
     "export_path",
     type=click.Path(path_type=Path, dir_okay=False),
@@ -601,6 +622,7 @@ def cascade_command(
     resamples: int,
     plot_path: Path | None,
     export_path: Path | None,
+    task_list: str | None,
 ) -> None:
     """Edge/cloud cascade: quality vs edge share per escalation signal, thresholds chosen on a validation half
     of the held-out data and reported on the other half."""
@@ -613,6 +635,20 @@ def cascade_command(
             export_path=export_path,
             plot_path=plot_path,
             resamples=resamples,
+            tasks=_tasks(task_list),
         ),
         as_json,
     )
+
+
+def _tasks(task_list: str | None) -> list[str] | None:
+    """``--tasks``' names, checked (a one-line error names an unknown one)."""
+    if task_list is None:
+        return None
+    tasks = [t.strip() for t in task_list.split(",") if t.strip()]
+    unknown = [t for t in tasks if t not in TASKS]
+    if not tasks or unknown:
+        raise click.BadParameter(
+            f"unknown task {', '.join(unknown) or '(none given)'}; choose from {', '.join(TASKS)}", param_hint="--tasks"
+        )
+    return tasks

@@ -319,3 +319,19 @@ def test_zoo_holds_a_microcontroller_class_digits_model_with_a_real_gap(tiny_zoo
     graph = onnx.load(str(model)).graph
     assert graph.input[0].name == "pixels" and graph.output[0].name == "logits"
     assert {init.data_type for init in graph.initializer if init.name.endswith("_quantized")} == {onnx.TensorProto.INT8}
+
+
+def test_tasks_runs_only_the_named_tasks_and_names_an_unknown_one(
+    tiny_zoo: Path, session_data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--tasks`` (what ``tierline up`` runs for its calibration data): only those tasks are run and exported."""
+    monkeypatch.setenv("TIERLINE_DATA_DIR", str(session_data_dir))
+    export = tmp_path / "val.jsonl"
+    args = ["--preset", "tiny", "--json", "--lines", "8", "--tasks", "digits", "--export-validation", str(export)]
+    result = CliRunner().invoke(cascade_command, args)
+    assert result.exit_code == 0, result.output
+    assert set(json.loads(result.stdout)) == {"digits", "seconds"}
+    assert {row["model"] for row in map(json.loads, export.read_text().splitlines())} == {"tierline/digits-small"}
+
+    result = CliRunner().invoke(cascade_command, ["--preset", "tiny", "--tasks", "digits,lm-nope"])
+    assert result.exit_code == 2 and "lm-nope" in result.output and "lm-micro-next8" in result.output
