@@ -34,7 +34,7 @@ from decimal import Decimal
 from typing import Any, Final
 
 from controlplane.billing.budgets import BudgetHold
-from controlplane.billing.ledger import NewUsage, _identity, _row
+from controlplane.billing.ledger import CHECKPOINT_COUNTS, NewUsage, _identity, _row, checkpoint_row
 from controlplane.billing.pricing import period_of
 from controlplane.billing.scopes import EVERY_USER, Attribution
 from controlplane.storage.types import as_utc, to_micros
@@ -77,32 +77,12 @@ WITH eligible AS (
 SELECT (SELECT ok FROM eligible), EXISTS (SELECT 1 FROM inserted)
 """
 
-_CHECKPOINT_COLUMNS = (
-    "id",
-    "tenant_id",
-    "api_key_id",
-    "device_id",
-    "model",
-    "model_version",
-    "rollout_arm",
-    "escalation_reason",
-    "reservation_id",
-    "period",
-    "reserved",
-    "started_at",
-    "expires_at",
-    "prompt_tokens",
-    "completion_tokens",
-    "cached_prompt_tokens",
-    "updated_at",
-)
+# ``ledger.checkpoint``'s upsert: the row of ``ledger.checkpoint_row``, a later write moving only its counts.
+_CHECKPOINT_COLUMNS = tuple(checkpoint_row(NewUsage("", 0, "", "", datetime.now(UTC)), None, 0.0))
 _CHECKPOINT = f"""
 INSERT INTO usage_checkpoint ({", ".join(_CHECKPOINT_COLUMNS)})
 VALUES ({", ".join(f"%({c})s" for c in _CHECKPOINT_COLUMNS)})
-ON CONFLICT (id) DO UPDATE SET prompt_tokens = EXCLUDED.prompt_tokens,
-    completion_tokens = EXCLUDED.completion_tokens,
-    cached_prompt_tokens = EXCLUDED.cached_prompt_tokens,
-    updated_at = EXCLUDED.updated_at
+ON CONFLICT (id) DO UPDATE SET {", ".join(f"{c} = EXCLUDED.{c}" for c in CHECKPOINT_COUNTS)}
 """
 
 # The columns of a usage record (``ledger._row``'s) and those that make two records with one id the same record.
@@ -220,36 +200,12 @@ def reserve_blocking(connection: Any, prepared: Reservation) -> BudgetHold | Fal
     return reserved(prepared, connection.execute(_RESERVE, prepared.params).fetchone())
 
 
-def checkpoint_params(usage: NewUsage, hold: BudgetHold | None, lease_s: float) -> dict[str, Any]:
-    """``ledger.checkpoint``'s row as the upsert's parameters."""
-    now = datetime.now(UTC)
-    return {
-        "id": usage.id,
-        "tenant_id": usage.tenant_id,
-        "api_key_id": usage.api_key_id,
-        "device_id": usage.device_id,
-        "model": usage.model,
-        "model_version": usage.model_version,
-        "rollout_arm": usage.rollout_arm,
-        "escalation_reason": usage.escalation_reason,
-        "reservation_id": hold.id if hold is not None else None,
-        "period": hold.period if hold is not None else None,
-        "reserved": hold.amount if hold is not None else None,
-        "started_at": now,
-        "expires_at": now + timedelta(seconds=lease_s),
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "cached_prompt_tokens": usage.cached_prompt_tokens,
-        "updated_at": now,
-    }
-
-
 async def checkpoint_async(connection: Any, usage: NewUsage, hold: BudgetHold | None, lease_s: float) -> None:
-    await connection.execute(_CHECKPOINT, checkpoint_params(usage, hold, lease_s))
+    await connection.execute(_CHECKPOINT, checkpoint_row(usage, hold, lease_s))
 
 
 def checkpoint_blocking(connection: Any, usage: NewUsage, hold: BudgetHold | None, lease_s: float) -> None:
-    connection.execute(_CHECKPOINT, checkpoint_params(usage, hold, lease_s))
+    connection.execute(_CHECKPOINT, checkpoint_row(usage, hold, lease_s))
 
 
 def settles_fast(usage: NewUsage, hold: BudgetHold | None) -> bool:

@@ -285,20 +285,15 @@ def _conflicts(session: Session, skipped: list[NewUsage]) -> list[str]:
 INTERRUPTED = "interrupted"  # the status of a record billed from a dead process's last checkpoint
 
 
-def checkpoint(session: Session, usage: NewUsage, hold: BudgetHold | None, lease_s: float) -> None:
-    """Store ``usage`` (the stream's counts so far) as its checkpoint, the first time with a lease of ``lease_s``
-    (the budget hold's: a live stream never outlives it). The caller commits.
+# What a later checkpoint of the same stream moves forward (the rest is written once, by the first).
+CHECKPOINT_COUNTS = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "updated_at")
 
-    One statement (an upsert): the first write inserts the row, a later one only moves its counts forward.
-    """
+
+def checkpoint_row(usage: NewUsage, hold: BudgetHold | None, lease_s: float) -> dict[str, Any]:
+    """``usage_checkpoint``'s row for ``usage`` (the stream's counts so far) under ``hold``, leased for
+    ``lease_s`` from now."""
     now = datetime.now(UTC)
-    counts: dict[str, Any] = {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "cached_prompt_tokens": usage.cached_prompt_tokens,
-        "updated_at": now,
-    }
-    row = {
+    return {
         "id": usage.id,
         "tenant_id": usage.tenant_id,
         "api_key_id": usage.api_key_id,
@@ -312,8 +307,21 @@ def checkpoint(session: Session, usage: NewUsage, hold: BudgetHold | None, lease
         "reserved": hold.amount if hold is not None else None,
         "started_at": now,
         "expires_at": now + timedelta(seconds=lease_s),
-        **counts,
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "cached_prompt_tokens": usage.cached_prompt_tokens,
+        "updated_at": now,
     }
+
+
+def checkpoint(session: Session, usage: NewUsage, hold: BudgetHold | None, lease_s: float) -> None:
+    """Store ``usage`` (the stream's counts so far) as its checkpoint, the first time with a lease of ``lease_s``
+    (the budget hold's: a live stream never outlives it). The caller commits.
+
+    One statement (an upsert): the first write inserts the row, a later one only moves its counts forward.
+    """
+    row = checkpoint_row(usage, hold, lease_s)
+    counts = {k: row[k] for k in CHECKPOINT_COUNTS}
     table = UsageCheckpoint.__table__  # type: ignore[attr-defined]
     connection = session.connection()
     insert = postgresql.insert(table) if connection.dialect.name == "postgresql" else sqlite.insert(table)
