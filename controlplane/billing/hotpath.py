@@ -34,7 +34,7 @@ from decimal import Decimal
 from typing import Any, Final
 
 from controlplane.billing.budgets import BudgetHold
-from controlplane.billing.ledger import CHECKPOINT_COUNTS, NewUsage, _identity, _row, checkpoint_row
+from controlplane.billing.ledger import _IDENTITY, CHECKPOINT_COUNTS, NewUsage, _identity, _row, checkpoint_row
 from controlplane.billing.pricing import period_of
 from controlplane.billing.scopes import EVERY_USER, Attribution
 from controlplane.storage.types import as_utc, to_micros
@@ -87,20 +87,7 @@ ON CONFLICT (id) DO UPDATE SET {", ".join(f"{c} = EXCLUDED.{c}" for c in CHECKPO
 
 # The columns of a usage record (``ledger._row``'s) and those that make two records with one id the same record.
 _RECORD_COLUMNS = tuple(_row(NewUsage("", 0, "", "", datetime.now(UTC)), (None, None), datetime.now(UTC)))
-_IDENTITY_COLUMNS = (
-    "tenant_id",
-    "device_id",
-    "model",
-    "model_version",
-    "tier",
-    "prompt_tokens",
-    "completion_tokens",
-    "cached_prompt_tokens",
-    "rows",
-    "status",
-    "reported_at",
-    "occurred_at",
-)
+_IDENTITY_COLUMNS = (*_IDENTITY, "reported_at", "occurred_at")  # what ``ledger._identity`` reads
 
 
 def _settle_sql(with_record: bool) -> str:
