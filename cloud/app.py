@@ -64,7 +64,7 @@ from shared.errors import AuthenticationError, ServiceUnavailableError
 from shared.http import StreamingOperation, error_responses
 from shared.logs import server_request_id
 from shared.openai_schema import JOB_FIELDS, AsyncJobFields, ChatCompletionRequest, CompletionRequest, InferenceRequest
-from shared.service_app import create_service_app
+from shared.service_app import create_service_app, typed_state
 from shared.settings import CoreSettings, DatabaseSettings
 
 
@@ -253,75 +253,71 @@ async def _idempotent(
     return respond(caller, result)
 
 
+async def _request_caller(request: Request[Any, Any, Any]) -> Caller:
+    """``require_caller`` with the services read from the app's state: the inference routes' only dependency."""
+    state = typed_state(request.app.state, CloudState)
+    return await require_caller(request, state.db, state.auth_cache, state.jwt)
+
+
+# The inference routes (the hot path) take one dependency, the caller, and read the services from the state:
+# dependencies at one level are resolved in an anyio task group (a task and a signature model each, per request),
+# which for the six a route and require_caller would name cost more than any other step in the framework. The
+# caller stays a dependency so that authentication still comes before the body's validation (401 before 400).
+INFERENCE_CALLER = {"caller": Provide(_request_caller)}
+
+
 @post(
     "/v1/chat/completions",
-    dependencies=CALLER,
+    dependencies=INFERENCE_CALLER,
     status_code=200,
     security=BEARER,
     responses=INFERENCE_RESPONSES,
     operation_class=StreamingOperation,
 )
-async def chat_completions(
-    request: Request[Any, Any, Any],
-    completions: CompletionService,
-    idempotency: IdempotencyStore,
-    job_intake: JobIntake,
-    caller: Caller,
-    data: CloudChatRequest,
-) -> Response[Any]:
+async def chat_completions(request: Request[Any, Any, Any], caller: Caller, data: CloudChatRequest) -> Response[Any]:
     """OpenAI chat completions, with ``stream: true`` as server-sent events (``"async": true``: a job, 202)."""
+    state = typed_state(request.app.state, CloudState)
     body = _dumper(data)
-    if (job := await job_intake.submit_if_async(request, caller, CHAT, data.model, body, data.stream)) is not None:
+    job = await state.job_intake.submit_if_async(request, caller, CHAT, data.model, body, data.stream)
+    if job is not None:
         return job
-    call = partial(completions.chat, caller, data)
-    return await _idempotent(request, idempotency, caller, body, data.stream, call)
+    call = partial(state.completions.chat, caller, data)
+    return await _idempotent(request, state.idempotency, caller, body, data.stream, call)
 
 
 @post(
     "/v1/completions",
-    dependencies=CALLER,
+    dependencies=INFERENCE_CALLER,
     status_code=200,
     security=BEARER,
     responses=INFERENCE_RESPONSES,
     operation_class=StreamingOperation,
 )
-async def completions(
-    request: Request[Any, Any, Any],
-    completions: CompletionService,
-    idempotency: IdempotencyStore,
-    job_intake: JobIntake,
-    caller: Caller,
-    data: CloudCompletionRequest,
-) -> Response[Any]:
+async def completions(request: Request[Any, Any, Any], caller: Caller, data: CloudCompletionRequest) -> Response[Any]:
     """OpenAI (legacy) completions, with ``stream: true`` as server-sent events (``"async": true``: a job, 202)."""
+    state = typed_state(request.app.state, CloudState)
     body = _dumper(data)
-    job = await job_intake.submit_if_async(request, caller, COMPLETIONS, data.model, body, data.stream)
+    job = await state.job_intake.submit_if_async(request, caller, COMPLETIONS, data.model, body, data.stream)
     if job is not None:
         return job
-    call = partial(completions.completions, caller, data)
-    return await _idempotent(request, idempotency, caller, body, data.stream, call)
+    call = partial(state.completions.completions, caller, data)
+    return await _idempotent(request, state.idempotency, caller, body, data.stream, call)
 
 
-@post("/v1/inference", dependencies=CALLER, status_code=200, security=BEARER, responses=INFERENCE_RESPONSES)
-async def inference(
-    request: Request[Any, Any, Any],
-    completions: CompletionService,
-    tensors: TensorPool,
-    pool: EnginePool,
-    idempotency: IdempotencyStore,
-    job_intake: JobIntake,
-    caller: Caller,
-    data: CloudInferenceRequest,
-) -> Response[Any]:
+@post("/v1/inference", dependencies=INFERENCE_CALLER, status_code=200, security=BEARER, responses=INFERENCE_RESPONSES)
+async def inference(request: Request[Any, Any, Any], caller: Caller, data: CloudInferenceRequest) -> Response[Any]:
     """Generic inference: prompts for an LLM, rows of numbers for a tensor model (concurrent calls batch)."""
+    state = typed_state(request.app.state, CloudState)
     body = _dumper(data)
-    if (job := await job_intake.submit_if_async(request, caller, INFERENCE, data.model_id, body, False)) is not None:
+    job = await state.job_intake.submit_if_async(request, caller, INFERENCE, data.model_id, body, False)
+    if job is not None:
         return job
-    if tensors.serves(data.model_id):  # metered, limited and budgeted like an LLM call; Idempotency-Key too
-        return await _idempotent(request, idempotency, caller, body, False, partial(tensors.inference, caller, data))
-    if data.model_id not in pool.engines:
+    if state.tensors.serves(data.model_id):  # metered, limited and budgeted like an LLM call; Idempotency-Key too
+        call = partial(state.tensors.inference, caller, data)
+        return await _idempotent(request, state.idempotency, caller, body, False, call)
+    if data.model_id not in state.pool.engines:
         raise unknown_model(data.model_id)
-    return respond(caller, await completions.inference(caller, data))
+    return respond(caller, await state.completions.inference(caller, data))
 
 
 def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litestar:
