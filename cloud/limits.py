@@ -7,6 +7,8 @@ unused part is given back when the request settles.
 
 On Redis, a request's counters are taken in one script call (``_ACQUIRE``: every scope's requests, tokens and
 slot, all or none) and given back in one (``_RELEASE``): two round trips a request instead of one per counter.
+For ``redis://`` URLs both go through ``cloud.redis_pipe`` (one pipelined connection per event loop); other
+URLs (TLS, unix sockets, sentinel) through redis-py's client.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 from limits.aio.storage import Storage
 from limits.storage import storage_from_string
 
+from cloud import redis_pipe
 from cloud.settings import CloudSettings
 from controlplane.storage.tables import ApiKey, Tenant
 from shared.errors import RateLimitError
@@ -48,6 +51,7 @@ for i, key in ipairs(KEYS) do
 end
 return 0
 """
+_SHAS = (redis_pipe.PipelinedScripts.sha(_ACQUIRE), redis_pipe.PipelinedScripts.sha(_RELEASE))
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,12 +108,18 @@ class RateLimiter:
         bridge = getattr(storage, "bridge", None)
         self._bridge: Any = bridge if redis_url and hasattr(bridge, "get_connection") else None
         self._scripts: tuple[Any, Any] | None = None
+        self._pipe = redis_pipe.PipelinedScripts(redis_url) if redis_url and redis_pipe.supports(redis_url) else None
 
-    def _redis_scripts(self) -> tuple[Any, Any]:
+    async def _run_script(self, which: int, keys: list[str], args: list[int]) -> Any:
+        """Script ``which`` (0: ``_ACQUIRE``, 1: ``_RELEASE``) on Redis, over the pipelined client when it can."""
+        keys = [self._bridge.prefixed_key(k) for k in keys]
+        if self._pipe is not None:
+            script = (_ACQUIRE, _RELEASE)[which]
+            return await self._pipe.run(script, _SHAS[which], keys, args)
         if self._scripts is None:
             client = self._bridge.get_connection()
             self._scripts = (client.register_script(_ACQUIRE), client.register_script(_RELEASE))
-        return self._scripts
+        return await self._scripts[which](keys=keys, args=args)
 
     def _scopes(self, tenant: Tenant, key: ApiKey | None) -> list[_Scope]:
         s = self.settings
@@ -202,11 +212,10 @@ class RateLimiter:
             return res
         over: tuple[str, int, int, int, str, _Scope] | None = None
         if self._bridge is not None:
-            acquire, _ = self._redis_scripts()
             args: list[int] = []
             for _, amount, limit, expiry, _, _ in counters:
                 args += (amount, limit, expiry)
-            index = int(await acquire(keys=[self._bridge.prefixed_key(c[0]) for c in counters], args=args))
+            index = int(await self._run_script(0, [c[0] for c in counters], args))
             over = counters[index - 1] if index else None
         else:
             taken: list[tuple[str, int, int]] = []
@@ -234,11 +243,10 @@ class RateLimiter:
         if not back:
             return
         if self._bridge is not None:
-            _, release = self._redis_scripts()
             args: list[int] = []
             for _, amount, expiry in back:
                 args += (amount, expiry)
-            await release(keys=[self._bridge.prefixed_key(k) for k, _, _ in back], args=args)
+            await self._run_script(1, [k for k, _, _ in back], args)
             return
         for k, amount, expiry in back:
             await self.storage.incr(k, expiry, amount=amount)
@@ -248,3 +256,5 @@ class RateLimiter:
         client = getattr(getattr(self.storage, "bridge", None), "storage", None)
         if client is not None and hasattr(client, "aclose"):
             await client.aclose()
+        if self._pipe is not None:
+            await self._pipe.close()
