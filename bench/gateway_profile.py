@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import free_port, tierline_server
-from bench.scale_bench import MODEL, _load, _setup, _summary
+from bench.scale_bench import MODEL, _load, _setup, _summary, _tree_cpu
 
 # (stage, substrings of a frame) in priority order: a sample counts for the first stage any of its frames matches.
 STAGES: list[tuple[str, tuple[str, ...]]] = [
@@ -139,7 +139,13 @@ def _point(
 
 
 def run(
-    requests: int, concurrency: list[int], max_tokens: int, profile: bool, rate: int, gil: bool = False
+    requests: int,
+    concurrency: list[int],
+    max_tokens: int,
+    profile: bool,
+    rate: int,
+    gil: bool = False,
+    idle_s: float = 0.0,
 ) -> dict[str, Any]:
     from bench.billing_bench import _postgres, _postgres_url
     from bench.common import zoo_root
@@ -161,6 +167,11 @@ def run(
             with tierline_server(["cloud", "serve"], platform.envs[0], port, "/readyz") as gateway:
                 url = f"http://127.0.0.1:{port}"
                 asyncio.run(_load(url, platform.key, 2 * max(concurrency), max(concurrency), max_tokens))  # warm
+                if idle_s > 0:  # what the gateway burns with no request: its background work, per second
+                    time.sleep(1.0)
+                    cpu0 = _tree_cpu(gateway.pid)
+                    time.sleep(idle_s)
+                    result["idle_cpu_ms_per_s"] = round((_tree_cpu(gateway.pid) - cpu0) / idle_s * 1000, 2)
                 points = {}
                 for c in concurrency:
                     points[str(c)] = _point(
@@ -182,9 +193,12 @@ def main() -> None:
         action="store_true",
         help="sample only the thread holding the GIL: Python's CPU, without threads waiting on PostgreSQL",
     )
+    parser.add_argument(
+        "--idle", type=float, default=0.0, help="seconds of no load first: the gateway's idle CPU ms per second"
+    )
     args = parser.parse_args()
     concurrency = [int(c) for c in args.concurrency.split(",")]
-    result = run(args.requests, concurrency, args.max_tokens, not args.no_profile, args.rate, args.gil)
+    result = run(args.requests, concurrency, args.max_tokens, not args.no_profile, args.rate, args.gil, args.idle)
     print(json.dumps(result, indent=2))
 
 

@@ -103,6 +103,7 @@ class JobWorker:
         self._loops: list[asyncio.Task[None]] = []
         self._heartbeat: asyncio.Task[None] | None = None
         self._running: dict[str, int] = {}  # job id -> attempt
+        self._poller: asyncio.Task[None] | None = None  # the one idle worker that polls the store on a timer
 
     async def start(self) -> None:
         self._loops = [asyncio.create_task(self._loop(), name=f"job-worker-{i}") for i in range(self.num_workers)]
@@ -134,14 +135,27 @@ class JobWorker:
                 logger.exception("claiming a job failed; trying again")
                 job = None
             if job is not None:
+                self._wake.set()  # more may be queued: the other idle workers look too (and one polls again)
                 try:
                     await self._run(job)
                 except Exception:
                     logger.exception("job %s: storing its outcome failed; it runs again when its lease lapses", job.id)
                 continue
+            await self._idle()
+
+    async def _idle(self) -> None:
+        """Wait for a ``notify`` or, for one idle worker at a time, ``poll_s``: the store is polled once per
+        ``poll_s`` by the process, not once per worker (each poll is a query)."""
+        me = asyncio.current_task()
+        if self._poller is None or self._poller.done():
+            self._poller = me
+        try:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.poll_s)
-            self._wake.clear()
+                await asyncio.wait_for(self._wake.wait(), self.poll_s if self._poller is me else None)
+        finally:
+            if self._poller is me:
+                self._poller = None
+        self._wake.clear()
 
     async def _renew_leases(self) -> None:
         while True:
