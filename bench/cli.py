@@ -243,6 +243,13 @@ def bench_backends(
     show_default=True,
     help="concurrency:requests points of --vs litellm",
 )
+@click.option(
+    "--rounds",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="--vs litellm: alternate upstream alone, tierline and LiteLLM this many times per point",
+)
 @click.option("--redis-url", default=None, help="default $TIERLINE_BENCH_REDIS_URL or redis://127.0.0.1:6379/0")
 def bench_scale(
     preset: str,
@@ -255,6 +262,7 @@ def bench_scale(
     peer: str | None,
     litellm_exe: str | None,
     peer_requests: str,
+    rounds: int,
     redis_url: str | None,
 ) -> None:
     """Two gateways on PostgreSQL + Redis behind a round-robin front: 1 vs 2 gateways, a kill -9 of one mid-load
@@ -290,5 +298,6 @@ def bench_scale(
         vs_litellm=peer == "litellm",
         litellm=litellm_exe,
         peer_requests=points,
+        rounds=rounds,
     )
     emit(result, as_json)

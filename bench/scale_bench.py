@@ -38,6 +38,7 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -577,6 +578,7 @@ def run_scale_bench(
     vs_litellm: bool = False,
     litellm: str | None = None,
     peer_requests: dict[int, int] | None = None,
+    rounds: int = 1,
 ) -> dict[str, Any]:
     from bench.billing_bench import _postgres
 
@@ -612,7 +614,7 @@ def run_scale_bench(
                 result["overhead_ms"] = {"one_gateway": _overhead(one, direct), "two_gateways": _overhead(two, direct)}
                 if vs_litellm:
                     result["vs_litellm"] = _vs_litellm(
-                        exe, upstream, tmp, platform, pids[1], ports[1], peer_requests, max_tokens
+                        exe, upstream, tmp, platform, pids[1], ports[1], peer_requests, max_tokens, rounds
                     )
                 args = {"duration": duration, "concurrency": concurrency, "max_tokens": max_tokens}
                 args["lease_s"] = REQUEST_TIMEOUT_S + 5
@@ -646,6 +648,7 @@ def _vs_litellm(
     gateway_port: int,
     peer_requests: dict[int, int],
     tokens: int,
+    rounds: int = 1,
 ) -> dict[str, Any]:
     if exe is None:
         return {
@@ -663,21 +666,50 @@ def _vs_litellm(
     points: dict[str, Any] = {}
     with litellm_proxy(exe, upstream, tmp, workers=2) as (proxy, proc):
         for c, n in sorted(peer_requests.items()):
-            direct = _measured(upstream, None, [], n, c, tokens)
-            ours = _measured(gateway, platform.key, [gateway_pid], n, c, tokens)
-            ids = set(ours["_usage_ids"])  # the requests it served (the warm-up's too): each must have its record
+            runs = []
+            for _ in range(rounds):  # alternating: upstream alone, tierline, LiteLLM, then again
+                direct = _measured(upstream, None, [], n, c, tokens)
+                ours = _measured(gateway, platform.key, [gateway_pid], n, c, tokens)
+                theirs = _measured(proxy, LITELLM_KEY, [proc.pid], n, c, tokens)
+                runs.append((direct, ours, theirs))
+            direct, ours, theirs = runs[-1]
+            # the served requests (the warm-ups' too) of every round: each must have its record
+            ids = {i for _, o, _ in runs for i in o["_usage_ids"]}
             deadline = time.monotonic() + 20
             while len(written := ids & set(_records(platform.db_url))) < len(ids) and time.monotonic() < deadline:
                 time.sleep(0.2)
             ours["spend_records_per_request"] = round(len(written) / max(1, len(ids)), 3)
-            theirs = _measured(proxy, LITELLM_KEY, [proc.pid], n, c, tokens)
             theirs["spend_records_per_request"] = 0.0  # no database: it writes none
-            points[str(c)] = {
+            point: dict[str, Any] = {
                 "direct": direct,
                 "tierline": ours,
                 "litellm": theirs,
                 "overhead_ms": {"tierline": _overhead(ours, direct), "litellm": _overhead(theirs, direct)},
             }
+            if rounds > 1:  # each side's CPU over every round; overhead: the median round's
+                per_round = [
+                    {
+                        "tierline_cpu_s_per_1000": o.get("gateway_cpu_s_per_1000"),
+                        "litellm_cpu_s_per_1000": t.get("gateway_cpu_s_per_1000"),
+                        "tierline_overhead_p50_ms": _overhead(o, d)["p50_ms"],
+                        "litellm_overhead_p50_ms": _overhead(t, d)["p50_ms"],
+                    }
+                    for d, o, t in runs
+                ]
+                point["rounds"] = per_round
+                for side in ("tierline", "litellm"):
+                    cpu = [r[f"{side}_cpu_s_per_1000"] for r in per_round]
+                    if all(v is not None for v in cpu):
+                        point[side]["gateway_cpu_s_per_1000"] = round(statistics.fmean(float(v or 0) for v in cpu), 2)
+                    overheads = [r[f"{side}_overhead_p50_ms"] for r in per_round]
+                    if all(v is not None for v in overheads):
+                        median = statistics.median(float(v or 0) for v in overheads)
+                        point["overhead_ms"][side]["p50_ms"] = round(median, 2)
+            ratio = [point[s_]["gateway_cpu_s_per_1000"] for s_ in ("tierline", "litellm")]
+            if all(ratio):
+                point["cpu_ratio_tierline_to_litellm"] = round(ratio[0] / ratio[1], 3)
+            points[str(c)] = point
     out["max_tokens"] = tokens
+    out["rounds"] = rounds
     out["points"] = points
     return out

@@ -49,6 +49,7 @@ def scale(tiny_zoo: Path, session_data_dir: Path) -> dict[str, Any]:
         duration=10.0,
         vs_litellm=litellm is not None,
         peer_requests={1: 3, 8: 8},
+        rounds=2,
     )
 
 
@@ -75,10 +76,15 @@ def test_litellm_side_by_side(scale: dict[str, Any]) -> None:
     vs = scale.get("vs_litellm")
     if vs is None:
         pytest.skip("LiteLLM is not installed (make bench-peers makes .venv-peers): the side-by-side did not run")
-    assert vs["litellm_version"]
+    assert vs["litellm_version"] and vs["rounds"] == 2
     for c in ("1", "8"):
         point = vs["points"][c]
         assert point["litellm"]["errors"] == 0 and point["tierline"]["errors"] == 0, point
-        assert point["tierline"]["spend_records_per_request"] == 1.0
+        assert point["tierline"]["spend_records_per_request"] == 1.0  # every request of both rounds has its record
         assert point["litellm"]["gateway_cpu_s_per_1000"] > 0
         assert point["tierline"]["gateway_cpu_s_per_1000"] > 0
+        assert len(point["rounds"]) == 2  # alternated, each round's numbers kept
+        cpu = [r["tierline_cpu_s_per_1000"] for r in point["rounds"]]
+        assert point["tierline"]["gateway_cpu_s_per_1000"] == pytest.approx(sum(cpu) / 2, abs=0.01)
+        ratio = point["tierline"]["gateway_cpu_s_per_1000"] / point["litellm"]["gateway_cpu_s_per_1000"]
+        assert point["cpu_ratio_tierline_to_litellm"] == pytest.approx(ratio, abs=1e-3)
