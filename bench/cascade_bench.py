@@ -22,8 +22,14 @@ Per task:
   prompt length for the LM), fitted on validation to predict that the edge's answer is the cloud's;
   ``router_gain`` the same features fitted on ``no_loss_target`` (that keeping the request local loses nothing
   against the cloud: it ranks by what escalation gains, as PGR does; it ships as signal ``router``).
-  ``lm-next8`` adds the prompt-side ``copy_signals`` (``prompt_novelty``, ``copy_kept``), which both routers
-  also read. ``winner``: the best on validation (``rank_signals``).
+  ``lm-next8`` adds the prompt-side ``copy_signals`` (``prompt_novelty``, ``copy_kept``, ``prompt_novelty_all``,
+  ``copy_unavailable``, ``copy_first_kept``, ``suffix_novelty``), which the routers also read.
+  ``router_gain_probe``: ``router_gain``'s features plus the confidence of a hidden-state probe fitted on
+  ``no_loss_target`` (the gain probe; feature ``hidden_probe``), fitted on the gain probe's out-of-fold
+  confidences on validation (``fit_gain_probe``; from ``MIN_GAIN_PROBE_ITEMS`` validation items); it ships as
+  signal ``router`` with the gain probe in the policy. Both gain routers and the gain probe take the L2 strength
+  that routes best out of fold within validation (``fit_router_cv``); ``router_l2`` reports them.
+  ``winner``: the best on validation (``rank_signals``).
 - ``decision_p95_ms``: per test request, computing the signals and comparing the best simple signal with its
   threshold; ``router_decision_p95_ms``: the same with the learned router (signals, features, logistic).
   ``decision_p95_ms_by_signal``: the same for every signal a policy can ship (``hidden_probe`` included: the
@@ -41,7 +47,10 @@ Per task:
   seeded random router (``random_sample``), random routing's expectation and the oracle: APGR, CPT(50/80/95 %)
   and the cloud-call share at 95 % of cloud quality, each for the test curve (``test_curve``) and for the
   threshold chosen on validation measured on test (``call_share``, ``pgr``), with 95 % bootstrap intervals
-  over ``--resamples`` resamples of the test items.
+  over ``--resamples`` resamples of the test items. Per router, ``apgr_gain_vs_random`` is its APGR minus random
+  routing's expectation (0.5) and ``apgr_gain_vs_random_sample`` minus the seeded random router's, each with a
+  95 % paired bootstrap interval (``_ci95``: both on the same resamples): "APGR at least 0.15 above random, with
+  its interval" reads ``apgr_gain_vs_random >= 0.15`` and ``apgr_gain_vs_random_ci95``.
 
 Tasks: ``digits`` (digits-small, the near-equal pair), ``digits-micro`` (the INT8 micro model, a real gap),
 ``lm`` (exact-line match, the near-equal LM pair) and ``lm-next8`` (top-1 agreement with the reference over the
@@ -74,12 +83,14 @@ from shared.escalation import (
     HIDDEN_PROBE,
     ROUTER,
     ROUTER_GAIN,
+    ROUTER_GAIN_PROBE,
     EdgePolicy,
     LearnedRouter,
     LinearProbe,
     SignalChoice,
     auc_gain_vs_random,
     fit_router,
+    fit_router_cv,
     fold_hidden_probe,
     no_loss_target,
     quality_curve,
@@ -103,6 +114,8 @@ MAX_QUALITY_LOSS = 0.01
 SHARE_GRID = np.linspace(0.0, 1.0, 21)
 DEFAULT_LINES = 300
 DEFAULT_NEXT_ITEMS = 400
+GAIN_PROBE_FOLDS = 5  # the gain probe's out-of-fold confidences on validation (``fit_gain_probe``)
+MIN_GAIN_PROBE_ITEMS = 4 * GAIN_PROBE_FOLDS  # validation items below which there is no router_gain_probe
 # Every task, in the order they run (``--tasks`` picks some).
 TASKS = ("digits", "digits-micro", "lm", "lm-next8", "lm-micro-next8")
 
@@ -125,27 +138,79 @@ def _features(results: TaskResults, rows: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def _half(
-    results: TaskResults, rows: np.ndarray, routers: dict[str, LearnedRouter], probe: LinearProbe | None
+    results: TaskResults,
+    rows: np.ndarray,
+    routers: dict[str, LearnedRouter],
+    probe: LinearProbe | None,
+    gain_probe: np.ndarray | None = None,
 ) -> _Half:
+    """``gain_probe``: the gain probe's confidence on these rows, the feature ``hidden_probe`` of a router that
+    reads it (``router_gain_probe``)."""
     confidences = {k: v[rows] for k, v in results.signals.items()}
     if probe is not None and results.probe_inputs is not None:
         confidences[HIDDEN_PROBE] = probe.confidences(results.probe_inputs[rows])
     for name, router in routers.items():
-        confidences[name] = router.confidences(_features(results, rows))
+        table = _features(results, rows)
+        if HIDDEN_PROBE in router.features:
+            assert gain_probe is not None
+            table[HIDDEN_PROBE] = gain_probe
+        confidences[name] = router.confidences(table)
     return _Half(rows, confidences, results.edge_good[rows], results.cloud_good[rows])
 
 
-def fit_probe(results: TaskResults, val_rows: np.ndarray, l2: float = 0.1) -> LinearProbe | None:
+def _hidden_table(results: TaskResults, rows: np.ndarray) -> dict[str, np.ndarray]:
+    assert results.probe_inputs is not None
+    x = results.probe_inputs[rows]
+    hidden = x if results.probe_projection is None else x @ results.probe_projection.T
+    return {f"h{j:03d}": hidden[:, j] for j in range(hidden.shape[1])}
+
+
+def fit_probe(
+    results: TaskResults, val_rows: np.ndarray, l2: float = 0.1, target: np.ndarray | None = None
+) -> LinearProbe | None:
     """The hidden-state probe: logistic regression on the edge's hidden state (LM: recovered from the mean
-    logits through ``probe_projection``) of the validation items, target as the router's; folded onto the raw
-    probe input so the agent needs nothing but what its runtime produces."""
+    logits through ``probe_projection``) of the validation items, target as the router's (or ``target``, one
+    value per validation item); folded onto the raw probe input so the agent needs nothing but what its runtime
+    produces."""
     if results.probe_inputs is None or results.probe_input is None or len(val_rows) < 2:
         return None
-    x = results.probe_inputs[val_rows]
-    hidden = x if results.probe_projection is None else x @ results.probe_projection.T
-    table = {f"h{j:03d}": hidden[:, j] for j in range(hidden.shape[1])}
-    router = fit_router(table, np.asarray(results.agrees[val_rows], dtype=np.float64), list(table), l2=l2)
-    return fold_hidden_probe(router, results.probe_projection, results.probe_input, hidden.shape[1])
+    table = _hidden_table(results, val_rows)
+    y = np.asarray(results.agrees[val_rows] if target is None else target, dtype=np.float64)
+    router = fit_router(table, y, list(table), l2=l2)
+    return fold_hidden_probe(router, results.probe_projection, results.probe_input, len(table))
+
+
+@dataclass(slots=True)
+class GainProbe:
+    """The hidden-state probe fitted on ``no_loss_target`` (L2 chosen by cross-validation within validation), and
+    its confidences on the validation items out of fold (what a router stacked on it is fitted on, so that it
+    does not learn to trust the probe's in-sample fit)."""
+
+    probe: LinearProbe
+    l2: float
+    validation: np.ndarray
+
+
+def fit_gain_probe(
+    results: TaskResults, val_rows: np.ndarray, folds: int = GAIN_PROBE_FOLDS, seed: int = 0
+) -> GainProbe | None:
+    """None without a probe input or with fewer than ``MIN_GAIN_PROBE_ITEMS`` validation items (too few to
+    cross-fit)."""
+    if results.probe_inputs is None or results.probe_input is None or len(val_rows) < max(4 * folds, 2):
+        return None
+    edge, cloud = results.edge_good[val_rows], results.cloud_good[val_rows]
+    target = no_loss_target(edge, cloud)
+    table = _hidden_table(results, val_rows)
+    router, l2 = fit_router_cv(table, target, list(table), edge, cloud, seed=seed)
+    probe = fold_hidden_probe(router, results.probe_projection, results.probe_input, len(table))
+    probe.target = "no_loss_target"
+    out = np.empty(len(val_rows))
+    fold = np.random.default_rng(seed + 1).permutation(len(val_rows)) % folds
+    for f in range(folds):
+        part = fit_probe(results, val_rows[fold != f], l2, target[fold != f])
+        assert part is not None and results.probe_inputs is not None
+        out[fold == f] = part.confidences(results.probe_inputs[val_rows[fold == f]])
+    return GainProbe(probe, l2, out)
 
 
 def _threshold_for_share(confidence: np.ndarray, share: float) -> float:
@@ -185,7 +250,7 @@ def _decision_seconds(results: TaskResults, test: _Half, policy: EdgePolicy) -> 
     plus building its input and the probe's dot product)."""
     names = list(results.signals)
     out = np.empty(len(test.rows))
-    probing = policy.signal == HIDDEN_PROBE and results.probe_inputs is not None
+    probing = policy.probe is not None and results.probe_inputs is not None
     for j, i in enumerate(test.rows):
         started = time.perf_counter()
         values = {name: float(results.signals[name][i]) for name in names}
@@ -207,19 +272,21 @@ def _decision_p95s(
     ranking: list[SignalChoice],
     routers: dict[str, LearnedRouter],
     probe: LinearProbe | None,
+    gain_probe: LinearProbe | None = None,
 ) -> dict[str, float]:
-    """p95 decision overhead per request (ms) of every signal a policy can ship (either router ships as
-    signal ``router``)."""
+    """p95 decision overhead per request (ms) of every signal a policy can ship (every router ships as signal
+    ``router``; ``router_gain_probe`` with the gain probe)."""
     out = {}
     for choice in ranking:
         threshold = choice.threshold if np.isfinite(choice.threshold) else 0.0
         router = routers.get(choice.signal)
+        shipped_probe = {HIDDEN_PROBE: probe, ROUTER_GAIN_PROBE: gain_probe}.get(choice.signal)
         policy = EdgePolicy(
             results.edge_model,
             ROUTER if router is not None else choice.signal,
             threshold,
             router=router,
-            probe=probe if choice.signal == HIDDEN_PROBE else None,
+            probe=shipped_probe,
         )
         out[choice.signal] = _p95_ms(_decision_seconds(results, test, policy))
     return out
@@ -335,17 +402,31 @@ def evaluate(
     val_rows, test_rows = np.sort(order[: n // 2]), np.sort(order[n // 2 :])
     features = _features(results, val_rows)
     router = fit_router(features, results.agrees[val_rows], list(features))
-    gain_target = no_loss_target(results.edge_good[val_rows], results.cloud_good[val_rows])
-    routers = {ROUTER: router, ROUTER_GAIN: fit_router(features, gain_target, list(features))}
+    val_edge, val_cloud = results.edge_good[val_rows], results.cloud_good[val_rows]
+    gain_target = no_loss_target(val_edge, val_cloud)
+    gain_router, gain_l2 = fit_router_cv(features, gain_target, list(features), val_edge, val_cloud, seed=seed)
+    routers = {ROUTER: router, ROUTER_GAIN: gain_router}
+    l2s: dict[str, float] = {ROUTER_GAIN: gain_l2}
     probe = fit_probe(results, val_rows)
-    val, test = _half(results, val_rows, routers, probe), _half(results, test_rows, routers, probe)
+    gain_probe = fit_gain_probe(results, val_rows, seed=seed)
+    test_gain_probe = None
+    if gain_probe is not None:
+        assert results.probe_inputs is not None
+        stacked = features | {HIDDEN_PROBE: gain_probe.validation}
+        routers[ROUTER_GAIN_PROBE], l2s[ROUTER_GAIN_PROBE] = fit_router_cv(
+            stacked, gain_target, list(stacked), val_edge, val_cloud, seed=seed
+        )
+        l2s["gain_probe"] = gain_probe.l2
+        test_gain_probe = gain_probe.probe.confidences(results.probe_inputs[test_rows])
+    val = _half(results, val_rows, routers, probe, None if gain_probe is None else gain_probe.validation)
+    test = _half(results, test_rows, routers, probe, test_gain_probe)
     ranking = rank_signals(val.confidences, val.edge_good, val.cloud_good, MAX_QUALITY_LOSS)
     prompt = _prompt_router(results, embedder, val_rows, test_rows)
     by_signal = {c.signal: c for c in ranking}
     winner = ranking[0].signal
     signals = _signal_reports(ranking, test)
     points, random_points = _sweep(winner, val, test)
-    simple = next(c for c in ranking if c.signal not in (ROUTER, ROUTER_GAIN, HIDDEN_PROBE))
+    simple = next(c for c in ranking if c.signal not in (ROUTER, ROUTER_GAIN, ROUTER_GAIN_PROBE, HIDDEN_PROBE))
     decision = _decision_seconds(results, test, EdgePolicy(results.edge_model, simple.signal, simple.threshold))
     routed = _decision_seconds(
         results, test, EdgePolicy(results.edge_model, ROUTER, by_signal[ROUTER].threshold, router=router)
@@ -372,8 +453,11 @@ def evaluate(
         "decision_signal": simple.signal,
         "decision_p95_ms": _p95_ms(decision),
         "router_decision_p95_ms": _p95_ms(routed),
-        "decision_p95_ms_by_signal": _decision_p95s(results, test, ranking, routers, probe),
+        "decision_p95_ms_by_signal": _decision_p95s(
+            results, test, ranking, routers, probe, None if gain_probe is None else gain_probe.probe
+        ),
         "probe": None if probe is None else {"input": probe.input, "hidden_size": probe.hidden_size},
+        "router_l2": l2s,
         "signals": signals,
         "policy_points": points,
         "random_points": random_points,

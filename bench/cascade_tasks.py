@@ -55,6 +55,7 @@ NEXT_TOKENS = 8
 EDGE_LM_ARTIFACT = "lm-edge-onnx-int8"
 MICRO_LM_ARTIFACT = "lm-micro-onnx-int8"
 KV_CACHE_BYTES = 256 << 20
+CLOUD_CHUNK = 512  # prompts handed to the cloud engine at once: its queue holds 1,024 requests
 
 
 @dataclass(slots=True)
@@ -256,8 +257,17 @@ def _cloud_lines(model_dir: Path, ends: _LineEnds, items: list[LineItem]) -> lis
 
     llm = LLM(model_dir, kv_cache_bytes=KV_CACHE_BYTES)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_LINE_TOKENS, stop=["\n"])
-    outputs = llm.generate([item.prompt for item in items], params)
+    outputs = _generate(llm, [item.prompt for item in items], params)
     return [ends.line(out.token_ids) for out in outputs]
+
+
+def _generate(llm: Any, prompts: list[list[int]], params: Any) -> list[Any]:
+    """``llm.generate`` in chunks of ``CLOUD_CHUNK`` prompts (in order): more items than the engine's queue
+    holds at once (``--next-items`` past 1,024) would be refused."""
+    out: list[Any] = []
+    for start in range(0, len(prompts), CLOUD_CHUNK):
+        out.extend(llm.generate(prompts[start : start + CLOUD_CHUNK], params))
+    return out
 
 
 def run_lm(layout: ZooLayout, num_lines: int, seed: int) -> TaskResults:
@@ -339,7 +349,7 @@ def _cloud_next_tokens(model_dir: Path, items: list[TokenItem]) -> list[list[int
 
     llm = LLM(model_dir, kv_cache_bytes=KV_CACHE_BYTES)
     params = SamplingParams(temperature=0.0, max_tokens=NEXT_TOKENS, ignore_eos=True)
-    return [list(out.token_ids) for out in llm.generate([item.prompt for item in items], params)]
+    return [list(out.token_ids) for out in _generate(llm, [item.prompt for item in items], params)]
 
 
 def training_window(layout: ZooLayout, edge: str = "edge") -> int:

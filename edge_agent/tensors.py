@@ -70,6 +70,8 @@ def row_confidences(
     signals, the hidden-state probe on the rows' input pixels (the micro model's logits inputs), or a classifier
     signal (``softmax_margin`` and ``default_threshold`` when the policy names none)."""
     if policy.signal == ROUTER and policy.router is not None:
+        if HIDDEN_PROBE in policy.router.features and policy.probe is not None and policy.probe.input == "pixels":
+            signals = {**signals, HIDDEN_PROBE: policy.probe.confidences(rows)}  # a router stacked on the probe
         return policy.router.confidences(signals), policy.threshold
     if policy.signal == HIDDEN_PROBE and policy.probe is not None and policy.probe.input == "pixels":
         return policy.probe.confidences(rows), policy.threshold

@@ -606,7 +606,11 @@ class Tiering:
 
 
 def _probes_logits(policy: EdgePolicy) -> bool:
-    return policy.signal == HIDDEN_PROBE and policy.probe is not None and policy.probe.input == "mean_logits"
+    """The policy reads an LM hidden-state probe: as its signal, or as a feature of its router (the bench's
+    ``router_gain_probe``)."""
+    if policy.probe is None or policy.probe.input != "mean_logits":
+        return False
+    return policy.signal == HIDDEN_PROBE or (policy.router is not None and HIDDEN_PROBE in policy.router.features)
 
 
 def _uses_copy_signals(policy: EdgePolicy) -> bool:

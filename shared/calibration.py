@@ -32,6 +32,7 @@ from shared.escalation import (
     LinearProbe,
     SignalChoice,
     fit_router,
+    fit_router_cv,
     fold_hidden_probe,
     no_loss_target,
     quality_curve,
@@ -179,9 +180,12 @@ def fit_gain_router(data: ValidationSet) -> LearnedRouter:
     """The same features fitted on what escalating gains (``no_loss_target``: that keeping the request local loses
     nothing against the cloud). It ranks where the cloud does better rather than where the tiers agree, which is
     what the quality curve rewards when the edge is confidently wrong on requests the cloud gets right (the demo
-    LM pair on long prompts, ``docs/routing.md``). Competes with the agreement router; ships as signal ``router``."""
+    LM pair on long prompts, ``docs/routing.md``). Competes with the agreement router; ships as signal ``router``.
+    Its L2 strength is chosen by cross-validation within these items (``fit_router_cv``), as ``bench cascade``
+    chooses it."""
     table = router_inputs(data)
-    return fit_router(table, no_loss_target(data.edge_good, data.cloud_good), list(table))
+    target = no_loss_target(data.edge_good, data.cloud_good)
+    return fit_router_cv(table, target, list(table), data.edge_good, data.cloud_good)[0]
 
 
 def curve_points(

@@ -44,10 +44,22 @@ from shared.errors import ConfigurationError
 
 LM_SIGNALS = ("mean_logprob", "min_margin", "norm_entropy")
 CLASSIFIER_SIGNALS = ("softmax_margin", "max_prob", "norm_entropy")
-COPY_SIGNALS = ("prompt_novelty", "copy_kept")
+COPY_SIGNALS = (
+    "prompt_novelty",
+    "copy_kept",
+    "prompt_novelty_all",
+    "copy_unavailable",
+    "copy_first_kept",
+    "suffix_novelty",
+)
 COPY_TAIL_TOKENS = 32
+SUFFIX_CAP_TOKENS = 32
 ROUTER = "router"
 ROUTER_GAIN = "router_gain"  # the learned router fitted on no_loss_target; ships as signal "router"
+# router_gain with the gain probe's confidence (feature ``hidden_probe``) among its features; ships as signal
+# "router" with the probe in the policy (``EdgePolicy.probe``)
+ROUTER_GAIN_PROBE = "router_gain_probe"
+L2_GRID = (1e-3, 1e-2, 0.1, 1.0)  # the router's L2 strengths ``fit_router_cv`` chooses from
 HIDDEN_PROBE = "hidden_probe"
 PROBE_INPUTS = ("mean_logits", "pixels")
 MODES = ("local-first", "cloud-first", "local-only", "cloud-only")
@@ -134,20 +146,51 @@ def lm_signals(steps: list[StepSignal]) -> dict[str, float]:
     }
 
 
-def copy_hits(ids: np.ndarray | list[int]) -> np.ndarray:
-    """Per position, whether an in-context copy predictor gets the token right: the token that followed the latest
-    earlier occurrence of the two tokens before it (an induction-style bigram lookup; positions 0-1 and bigrams
-    seen for the first time are misses). One stable sort, no per-token Python loop."""
+def copy_lookup(ids: np.ndarray | list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Per position, whether an in-context copy predictor has a prediction (``has``: the two tokens before it
+    occurred earlier) and whether it gets the token right (``hits``: the token that followed the latest earlier
+    occurrence of those two tokens is this one). Positions 0-1 have neither. One stable sort, no per-token loop."""
     t = np.asarray(ids, dtype=np.int64)
+    has = np.zeros(len(t), dtype=bool)
     hits = np.zeros(len(t), dtype=bool)
     if len(t) < 3:
-        return hits
+        return has, hits
     keys = t[:-2] * (int(t.max()) + 1) + t[1:-1]  # keys[j - 2]: the bigram before position j
     order = np.argsort(keys, kind="stable")  # equal bigrams stay in position order
     same = keys[order[1:]] == keys[order[:-1]]
     later, earlier = order[1:][same] + 2, order[:-1][same] + 2  # a position and the latest earlier one like it
+    has[later] = True
     hits[later] = t[earlier] == t[later]
-    return hits
+    return has, hits
+
+
+def copy_hits(ids: np.ndarray | list[int]) -> np.ndarray:
+    """Per position, whether an in-context copy predictor gets the token right: the token that followed the latest
+    earlier occurrence of the two tokens before it (an induction-style bigram lookup; positions 0-1 and bigrams
+    seen for the first time are misses)."""
+    return copy_lookup(ids)[1]
+
+
+def suffix_repeat(ids: np.ndarray | list[int], cap: int = SUFFIX_CAP_TOKENS) -> int:
+    """The length (up to ``cap``) of the longest suffix of ``ids`` that also occurs earlier in ``ids``: how long a
+    stretch a model that copies from its context can follow. Vectorised over the earlier positions, one step per
+    matched token."""
+    t = np.asarray(ids, dtype=np.int64)
+    n = len(t)
+    if n < 2:
+        return 0
+    ends = np.arange(n - 1)  # where an earlier occurrence of the suffix may end
+    alive = t[ends] == t[-1]
+    length = 0
+    while alive.any() and length < cap:
+        length += 1
+        k = length  # compare the token k before each end with the token k before the suffix's end
+        ok = ends >= k
+        alive = alive & ok
+        if length == cap or not alive.any():
+            break
+        alive[ok] &= t[ends[ok] - k] == t[n - 1 - k]
+    return length
 
 
 def copy_signals(
@@ -160,15 +203,33 @@ def copy_signals(
       gains most.
     - ``copy_kept``: 1 - (copy share of the prompt tail) x (share of the output tokens the copy predictor misses):
       low when the text is copyable but the edge's answer does not follow it.
+    - ``prompt_novelty_all``: ``prompt_novelty`` over the whole prompt.
+    - ``copy_unavailable``: 1 when the copy predictor has no prediction for the first generated token (the prompt's
+      last two tokens never occurred before), else 0.
+    - ``copy_first_kept``: 0 when it has one and the edge's first token is not it (a missed copy derails the
+      greedy continuation from its first token), else 1.
+    - ``suffix_novelty``: -log(1 + ``suffix_repeat(prompt)``): low when the prompt ends in a long stretch it has
+      seen before.
 
-    Both are oriented as confidences (escalate when low) and need only token ids, no model output."""
-    seq = np.concatenate([np.asarray(prompt, dtype=np.int64), np.asarray(output, dtype=np.int64)])
-    hits = copy_hits(seq)
-    n_prompt = len(seq) - len(output)
+    All are oriented as confidences (escalate when low) and need only token ids, no model output."""
+    p = np.asarray(prompt, dtype=np.int64)
+    seq = np.concatenate([p, np.asarray(output, dtype=np.int64)])
+    has, hits = copy_lookup(seq)
+    n_prompt = len(p)
     window = hits[max(2, n_prompt - tail) : n_prompt]
     prompt_share = float(window.mean()) if len(window) else 0.0
     output_share = float(hits[n_prompt:].mean()) if len(output) else 1.0
-    return {"prompt_novelty": 1.0 - prompt_share, "copy_kept": 1.0 - prompt_share * (1.0 - output_share)}
+    whole = hits[2:n_prompt]
+    first_has = bool(has[n_prompt]) if len(output) else False
+    first_hit = bool(hits[n_prompt]) if len(output) else False
+    return {
+        "prompt_novelty": 1.0 - prompt_share,
+        "copy_kept": 1.0 - prompt_share * (1.0 - output_share),
+        "prompt_novelty_all": 1.0 - float(whole.mean()) if len(whole) else 1.0,
+        "copy_unavailable": 0.0 if first_has else 1.0,
+        "copy_first_kept": 0.0 if first_has and not first_hit else 1.0,
+        "suffix_novelty": -math.log1p(suffix_repeat(p)),
+    }
 
 
 def classifier_signals(logits: np.ndarray) -> dict[str, np.ndarray]:
@@ -228,6 +289,39 @@ def fit_router(
     return LearnedRouter(features, w.tolist(), b, mean.tolist(), std.tolist())
 
 
+def fit_router_cv(
+    table: dict[str, np.ndarray],
+    target: np.ndarray,
+    features: list[str],
+    edge_good: np.ndarray,
+    cloud_good: np.ndarray,
+    grid: tuple[float, ...] = L2_GRID,
+    folds: int = 5,
+    seed: int = 0,
+) -> tuple[LearnedRouter, float]:
+    """``fit_router`` with the L2 strength of ``grid`` whose out-of-fold confidences (``folds``-fold cross-validation
+    within these items) route best (``auc_gain_vs_random`` of the pooled out-of-fold confidences: on a fixed item
+    set an increasing function of APGR). Returns the router fitted on all the items and the strength chosen;
+    fewer than ``4 * folds`` items: the first strength of ``grid`` without cross-validation."""
+    y = np.asarray(target, dtype=np.float64)
+    n = len(y)
+    if n < 4 * folds or len(grid) == 1:
+        return fit_router(table, y, features, l2=grid[0]), grid[0]
+    fold = np.random.default_rng(seed).permutation(n) % folds
+    best: tuple[float, float] | None = None
+    for l2 in grid:
+        out = np.empty(n)
+        for f in range(folds):
+            train, held = fold != f, fold == f
+            router = fit_router({k: np.asarray(table[k])[train] for k in features}, y[train], features, l2=l2)
+            out[held] = router.confidences({k: np.asarray(table[k])[held] for k in features})
+        score = auc_gain_vs_random(out, edge_good, cloud_good)
+        if best is None or score > best[0] + 1e-12:
+            best = (score, l2)
+    assert best is not None
+    return fit_router(table, y, features, l2=best[1]), best[1]
+
+
 def no_loss_target(edge_good: np.ndarray, cloud_good: np.ndarray) -> np.ndarray:
     """A soft label in [0, 1] for a router that ranks by what escalation gains: ``(1 - (cloud - edge)) / 2``
     (1: only the edge is right, 0.5: no difference, 0: only the cloud is right; graded qualities in between).
@@ -236,10 +330,12 @@ def no_loss_target(edge_good: np.ndarray, cloud_good: np.ndarray) -> np.ndarray:
     return np.asarray((1.0 - gain) / 2.0)
 
 
-@dataclass(slots=True)
+@dataclass
 class LinearProbe:
     """``confidence = sigmoid(weights . x + bias)`` on the probe input ``x`` (``input``: one of
-    ``PROBE_INPUTS``); ``hidden_size`` and ``target`` say what it was trained on."""
+    ``PROBE_INPUTS``); ``hidden_size`` and ``target`` say what it was trained on. The weights are read as an array
+    once (not a field: the policy's JSON keeps the list); a vocabulary-wide list converted on every request cost
+    more than the dot product."""
 
     input: str
     weights: list[float]
@@ -256,8 +352,14 @@ class LinearProbe:
         v = np.asarray(x, dtype=np.float64)
         if v.shape[-1] != len(self.weights):
             raise ConfigurationError(f"probe takes {len(self.weights)} inputs, got {v.shape[-1]}")
-        z = v @ np.asarray(self.weights, dtype=np.float64) + self.bias
+        z = v @ self._weights() + self.bias
         return np.asarray(1.0 / (1.0 + np.exp(-np.clip(z, -60.0, 60.0))))
+
+    def _weights(self) -> np.ndarray:
+        cached = self.__dict__.get("_weights_array")
+        if cached is None or cached[0] is not self.weights:  # weights replaced: read them again
+            cached = self.__dict__["_weights_array"] = (self.weights, np.asarray(self.weights, dtype=np.float64))
+        return np.asarray(cached[1])
 
     def confidence(self, x: np.ndarray) -> float:
         return float(self.confidences(np.asarray(x).reshape(-1)))

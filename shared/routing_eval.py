@@ -16,6 +16,10 @@ sends the least confident items first. Quality is per item right (1) or wrong (0
 - **CPT(x)**: the smallest call share whose PGR reaches ``x`` (random: ``x``).
 - **Share at 95 % of cloud quality**: the smallest call share with ``q(routed) >= 0.95 q(cloud)``, i.e. CPT at
   ``(0.95 q(cloud) - q(edge)) / (q(cloud) - q(edge))`` (0 when the edge alone already reaches it).
+- **APGR gain over random**: a router's APGR minus random routing's expectation (``RANDOM_APGR``, 0.5 in every
+  resample with a positive gap), ``apgr_gain_vs_random``, and minus the seeded random router's APGR on the same
+  items, ``apgr_gain_vs_random_sample``; each with a 95 % *paired* bootstrap interval: both APGRs are computed
+  on the same resamples of the test items and the interval is that of their per-resample difference.
 
 ``evaluate_routers`` chooses each threshold on a validation half and measures it on a test half, and gives 95 %
 bootstrap intervals (test items resampled with replacement, seeded).
@@ -32,6 +36,7 @@ PGR_TARGETS = (0.5, 0.8, 0.95)
 QUALITY_FRACTION = 0.95
 DEFAULT_RESAMPLES = 1000
 RANDOM_SAMPLE = "random_sample"
+RANDOM_APGR = 0.5  # random routing's expected APGR: its expected PGR equals the call share
 ORACLE = "oracle"
 _EPS = 1e-12
 
@@ -174,12 +179,40 @@ def _target_key(target: float) -> str:
     return f"cpt_{round(target * 100)}"
 
 
-def _router_report(name: str, val: Half, test: Half, weights: np.ndarray) -> dict[str, Any]:
-    """APGR and the test curve's CPTs (with intervals), and each validation threshold measured on test."""
+def apgr_gain(
+    point: float, boot: np.ndarray, baseline_point: float, baseline_boot: np.ndarray | float
+) -> dict[str, Any]:
+    """``point - baseline_point`` with the 95 % interval of the per-resample differences ``boot - baseline_boot``
+    (the same resamples for both: a paired bootstrap), and whether that interval excludes zero."""
+    diff = np.asarray(boot, dtype=np.float64) - np.asarray(baseline_boot, dtype=np.float64)
+    ci = _ci(diff)
+    return {
+        "gain": _r(point - baseline_point),
+        "ci95": ci,
+        "excludes_zero": ci is not None and ci[0] is not None and ci[1] is not None and (ci[0] > 0 or ci[1] < 0),
+    }
+
+
+def _router_report(
+    name: str, val: Half, test: Half, weights: np.ndarray, random_apgr: tuple[float, np.ndarray] | None = None
+) -> dict[str, Any]:
+    """APGR and the test curve's CPTs (with intervals), APGR's gain over random routing (its expectation and, given
+    ``random_apgr`` (point, per resample), the seeded random router) with paired intervals, and each validation
+    threshold measured on test."""
     conf = test.confidences[name]
     point = pgr_curves(conf, test.edge_good, test.cloud_good)
     boot = pgr_curves(conf, test.edge_good, test.cloud_good, weights)
-    out: dict[str, Any] = {"apgr": _r(apgr(point)[0]), "apgr_ci95": _ci(apgr(boot))}
+    a_point, a_boot = float(apgr(point)[0]), apgr(boot)
+    out: dict[str, Any] = {"apgr": _r(a_point), "apgr_ci95": _ci(a_boot)}
+    # Random routing's expectation is RANDOM_APGR wherever the resample has a gap (NaN where it has none).
+    vs_random = apgr_gain(a_point, a_boot, RANDOM_APGR, np.where(np.isnan(a_boot), np.nan, RANDOM_APGR))
+    out["apgr_gain_vs_random"] = vs_random["gain"]
+    out["apgr_gain_vs_random_ci95"] = vs_random["ci95"]
+    out["apgr_gain_vs_random_excludes_zero"] = vs_random["excludes_zero"]
+    if random_apgr is not None and name != RANDOM_SAMPLE:
+        vs_sample = apgr_gain(a_point, a_boot, *random_apgr)
+        out["apgr_gain_vs_random_sample"] = vs_sample["gain"]
+        out["apgr_gain_vs_random_sample_ci95"] = vs_sample["ci95"]
     qe_b = weights @ _as_float(test.edge_good) / weights.sum(axis=1)
     qc_b = weights @ _as_float(test.cloud_good) / weights.sum(axis=1)
     qe_v, qc_v = float(np.mean(val.edge_good)), float(np.mean(val.cloud_good))
@@ -261,7 +294,11 @@ def evaluate_routers(val: Half, test: Half, *, resamples: int = DEFAULT_RESAMPLE
     weights = bootstrap_weights(n_test, resamples, seed)
     qe, qc = float(np.mean(test.edge_good)), float(np.mean(test.cloud_good))
     gap_b = weights @ (_as_float(test.cloud_good) - _as_float(test.edge_good)) / n_test
-    routers = {name: _router_report(name, val, test, weights) for name in test.confidences if name != ORACLE}
+    sample = pgr_curves(test.confidences[RANDOM_SAMPLE], test.edge_good, test.cloud_good)
+    random_apgr = (float(apgr(sample)[0]), apgr(pgr_curves(test_random, test.edge_good, test.cloud_good, weights)))
+    routers = {
+        name: _router_report(name, val, test, weights, random_apgr) for name in test.confidences if name != ORACLE
+    }
     return {
         "edge_quality": _r(qe),
         "cloud_quality": _r(qc),
@@ -271,5 +308,5 @@ def evaluate_routers(val: Half, test: Half, *, resamples: int = DEFAULT_RESAMPLE
         "resamples_without_gap": int(np.sum(gap_b <= _EPS)),
         "routers": routers,
         "random_expected": random_expected(qe, qc),
-        "oracle": _router_report(ORACLE, val, test, weights),
+        "oracle": _router_report(ORACLE, val, test, weights, random_apgr),
     }

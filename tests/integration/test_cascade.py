@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from bench.cascade_bench import ROUTER_GAIN, cascade_command
+from bench.cascade_bench import MIN_GAIN_PROBE_ITEMS, ROUTER_GAIN, ROUTER_GAIN_PROBE, cascade_command
 from bench.prompt_router import PROMPT_EMBEDDING
 from edge_agent.calibrate import calibrate_command
 from shared.escalation import (
@@ -90,6 +90,9 @@ def test_cascade_reports_every_number_in_range(cascade: dict[str, Any]) -> None:
     totals = {"digits": 540, "digits-micro": 540, "lm": NUM_LINES, "lm-next8": NUM_NEXT, "lm-micro-next8": NUM_NEXT}
     for task, total in totals.items():
         r = report[task]
+        # The gain router stacked on the gain probe, where validation has the items to cross-fit the probe.
+        if r["n_validation"] >= MIN_GAIN_PROBE_ITEMS:
+            expected_signals[task].add(ROUTER_GAIN_PROBE)
         assert set(r) >= TASK_KEYS, TASK_KEYS - set(r)
         assert r["n_validation"] + r["n_test"] == total and r["n_validation"] > 0 and r["n_test"] > 0
         for key in ("edge_only_quality", "cloud_only_quality", "oracle_quality", "oracle_edge_share"):
@@ -284,6 +287,11 @@ def test_cascade_reports_routellm_metrics_for_every_signal(cascade: dict[str, An
         assert set(routing["routers"]) == {*report[task]["signals"], RANDOM_SAMPLE, *text}, task
         assert routing["resamples"] == 1000
         assert routing["random_expected"]["apgr"] in (0.5, None)
+        for name, r in routing["routers"].items():  # APGR over random routing's 0.5, with its paired interval
+            if r["apgr"] is not None:
+                lo, hi = r["apgr_gain_vs_random_ci95"]
+                assert r["apgr_gain_vs_random"] == pytest.approx(r["apgr"] - 0.5, abs=1e-3), name
+                assert lo <= r["apgr_gain_vs_random"] <= hi, name
     # The pair with a real gap: on the test half its 95 % interval excludes zero.
     routing = report["digits-micro"]["routing"]
     lo, hi = routing["gap_ci95"]

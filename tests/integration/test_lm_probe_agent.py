@@ -141,3 +141,66 @@ def test_the_agent_computes_the_copy_signals_as_the_bench(tiny_zoo: Path, tiny_z
         return out
 
     assert asyncio.run(ask_all()) == bench_escalates.tolist()
+
+
+def test_the_agent_runs_a_router_stacked_on_the_probe_as_the_bench(tiny_zoo: Path, tiny_zoo_public_key: Path) -> None:
+    """The policy ``bench cascade`` ships for ``router_gain_probe``: signal ``router`` whose features include the
+    probe's confidence (``hidden_probe``, the probe on the mean logits in the policy) and the copy signals of the
+    first generated token and the repeated suffix. The agent builds the mean logits and the copy signals for it and
+    decides on the same prompts exactly as the bench computes them."""
+    from tokenizers import Tokenizer
+
+    from bench.cascade_tasks import NEXT_TOKENS, _EdgeRun, _greedy, tied_embedding_projection, token_items
+    from edge_agent.runtime.lm import load_causal_lm
+    from shared.escalation import ROUTER
+    from shared.zoo.corpus import held_out_files
+    from shared.zoo.registry import ZooLayout
+
+    layout = ZooLayout(tiny_zoo)
+    edge_dir = layout.artifact_dir("lm-edge-onnx-int8")
+    runtime = load_causal_lm(edge_dir, num_threads=1)
+    tokenizer = Tokenizer.from_file(str(edge_dir / "tokenizer.json"))
+    items = token_items(tokenizer, [f.text for f in held_out_files()], NUM_ITEMS, 7, runtime.max_context - NEXT_TOKENS)
+    run = _EdgeRun(with_copy=True)
+    for item in items:
+        _greedy(runtime, item.prompt, NEXT_TOKENS, run)
+    projection = tied_embedding_projection(layout)
+    hidden = np.stack(run.mean_logits) @ projection.T
+    d = hidden.shape[1]
+    rng = np.random.default_rng(1)
+    on_hidden = LearnedRouter(
+        [f"h{j:03d}" for j in range(d)],
+        rng.normal(size=d).tolist(),
+        0.0,
+        hidden.mean(axis=0).tolist(),
+        (hidden.std(axis=0) + 1e-6).tolist(),
+    )
+    probe = fold_hidden_probe(on_hidden, projection, "mean_logits", d)
+    features = ["suffix_novelty", "copy_first_kept", "prompt_novelty_all", "mean_logprob", HIDDEN_PROBE]
+    table = {f: np.array([s[f] for s in run.signals]) for f in features[:-1]}
+    table[HIDDEN_PROBE] = probe.confidences(np.stack(run.mean_logits))
+    router = LearnedRouter(
+        features, [0.7, 0.5, -0.4, 0.3, 2.0], 0.0, [float(table[f].mean()) for f in features], [1.0] * len(features)
+    )
+    bench_conf = router.confidences(table)
+    ranked = np.sort(bench_conf)
+    threshold = float((ranked[NUM_ITEMS // 2 - 1] + ranked[NUM_ITEMS // 2]) / 2)
+    bench_escalates = bench_conf < threshold
+    assert 0 < bench_escalates.sum() < NUM_ITEMS
+
+    keys = [load_public_key(tiny_zoo_public_key)]
+    models = zoo_models(tiny_zoo, keys)
+    lms = serving.LocalModels({INT8: (models[INT8].path, models[INT8].manifest)}, num_threads=1)
+    policy = EdgePolicy("tierline/lm-edge", signal=ROUTER, threshold=threshold, router=router, probe=probe)
+    tiering = Tiering(lms, _Unreachable(), {"tierline/lm-edge": policy}, lambda served: None)  # type: ignore[arg-type]
+
+    async def ask_all() -> list[bool]:
+        out = []
+        for item in items:
+            req = CompletionRequest.model_validate(
+                {"model": INT8, "prompt": item.prompt, "max_tokens": NEXT_TOKENS, "temperature": 0, "ignore_eos": True}
+            )
+            out.append((await tiering.handle("completions", req, None)).reason == "low-confidence")
+        return out
+
+    assert asyncio.run(ask_all()) == bench_escalates.tolist()

@@ -9,9 +9,11 @@ from shared.escalation import (
     COPY_SIGNALS,
     EdgePolicy,
     copy_hits,
+    copy_lookup,
     copy_signals,
     fit_router,
     no_loss_target,
+    suffix_repeat,
 )
 from shared.routing_eval import apgr, pgr_curves
 
@@ -51,8 +53,55 @@ def test_copy_signals_see_copyable_text_the_edge_did_not_copy() -> None:
     assert missed["prompt_novelty"] == 0.0 and missed["copy_kept"] == 0.0
     # Text with nothing to copy: nothing for the cloud's copying to gain, whatever the edge answers.
     novel = copy_signals(list(range(100, 180)), breaks)
-    assert novel == {"prompt_novelty": 1.0, "copy_kept": 1.0}
-    assert copy_signals([], []) == {"prompt_novelty": 1.0, "copy_kept": 1.0}
+    confident = {"prompt_novelty", "copy_kept", "prompt_novelty_all", "copy_unavailable", "copy_first_kept"}
+    assert all(novel[k] == 1.0 for k in confident) and novel["suffix_novelty"] == 0.0
+    empty = copy_signals([], [])
+    assert set(empty) == set(COPY_SIGNALS) and all(empty[k] == 1.0 for k in confident)
+    assert empty["suffix_novelty"] == 0.0
+
+
+def test_the_first_generated_token_and_the_repeated_suffix_say_where_copying_gains() -> None:
+    """A copy available for the first generated token that the edge did not take derails the greedy continuation
+    (the cloud, copying, gets the rest right): ``copy_first_kept`` drops to 0; a prompt ending in a long stretch it
+    has seen before is copyable far ahead: ``suffix_novelty`` falls with the stretch's length."""
+    table = [7, 8, 9, 10] * 20
+    follows, breaks = [7, 8, 9, 10], [5, 6, 5, 6]
+    kept, missed = copy_signals(table, follows), copy_signals(table, breaks)
+    assert kept["copy_unavailable"] == missed["copy_unavailable"] == 0.0  # "9 10" was followed by 7 before
+    assert kept["copy_first_kept"] == 1.0 and missed["copy_first_kept"] == 0.0
+    assert kept["prompt_novelty_all"] < 0.1  # all but the first cycle is copyable
+    # The table repeats its whole 80-token suffix (less one cycle): capped.
+    assert suffix_repeat(table) == 32 and kept["suffix_novelty"] == pytest.approx(-np.log(33))
+    fresh_end = [*table, 50, 51]  # the last two tokens never seen: nothing to copy from for the next one
+    late = copy_signals(fresh_end, breaks)
+    assert late["copy_unavailable"] == 1.0 and late["copy_first_kept"] == 1.0 and late["suffix_novelty"] == 0.0
+    short = copy_signals([1, 2, 3, 4, 1, 2, 3], [9])  # "1 2 3" repeats: 3 tokens, then "2 3" was followed by 4
+    assert short["suffix_novelty"] == pytest.approx(-np.log(4)) and short["copy_first_kept"] == 0.0
+
+
+def _suffix_repeat_by_search(ids: list[int], cap: int = 32) -> int:
+    best = 0
+    for end in range(len(ids) - 1):  # an earlier occurrence ending at ``end``
+        k = 0
+        while k < cap and end - k >= 0 and ids[end - k] == ids[len(ids) - 1 - k]:
+            k += 1
+        best = max(best, k)
+    return best
+
+
+def test_copy_lookup_and_suffix_repeat_match_their_definitions() -> None:
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        seq = rng.integers(0, 4, size=int(rng.integers(0, 60))).tolist()
+        has, hits = copy_lookup(seq)
+        searched = _copy_hits_by_search(seq)
+        assert hits.tolist() == searched
+        # A prediction exists exactly where the two tokens before occurred earlier.
+        assert has.tolist() == [
+            j >= 2 and any(seq[s : s + 2] == seq[j - 2 : j] for s in range(j - 2)) for j in range(len(seq))
+        ]
+        assert suffix_repeat(seq) == _suffix_repeat_by_search(seq)
+        assert suffix_repeat(seq, cap=3) == _suffix_repeat_by_search(seq, cap=3)
 
 
 def test_a_policy_can_ship_a_copy_signal() -> None:

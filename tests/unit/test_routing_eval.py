@@ -139,3 +139,56 @@ def test_evaluate_routers_orders_oracle_signal_and_random_with_intervals() -> No
     entry = useful_report["share_at_95pct_quality"]
     assert entry["quality_ratio"] >= 0.9 and 0.0 <= entry["call_share"] <= 1.0
     assert len(useful_report["pgr_at_call_share"]) == 21
+
+
+def _gain_report(seed: int) -> dict:
+    """Graded items with a real gap, an informative router and one that is random, evaluated like the bench."""
+    rng = np.random.default_rng(seed)
+    n = 800
+    edge = rng.integers(0, 9, n) / 8  # graded 0..1, as lm-micro-next8's quality
+    cloud = np.clip(edge + rng.choice([0.0, 0.125, 0.5], n, p=[0.5, 0.3, 0.2]), 0.0, 1.0)
+    signals = {"informative": edge - cloud + rng.normal(0, 0.2, n), "coin": rng.random(n)}
+    half = n // 2
+    val = Half({k: v[:half] for k, v in signals.items()}, edge[:half], cloud[:half])
+    test = Half({k: v[half:] for k, v in signals.items()}, edge[half:], cloud[half:])
+    return evaluate_routers(val, test, resamples=400, seed=seed)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_apgr_gain_vs_random_states_the_margin_over_random_with_a_paired_interval(seed: int) -> None:
+    report = _gain_report(seed)
+    routers, oracle = report["routers"], report["oracle"]
+    for r in (*routers.values(), oracle):
+        lo, hi = r["apgr_gain_vs_random_ci95"]
+        assert lo <= r["apgr_gain_vs_random"] <= hi
+        # Random routing's expectation is the constant 0.5: the gain is APGR shifted, interval included.
+        assert r["apgr_gain_vs_random"] == pytest.approx(r["apgr"] - 0.5, abs=1e-4)
+        assert [lo, hi] == pytest.approx([b - 0.5 for b in r["apgr_ci95"]], abs=2e-4)
+    # A router that routes at random gains nothing over random: its interval holds zero.
+    coin = routers["coin"]
+    assert abs(coin["apgr_gain_vs_random"]) < 0.1 and not coin["apgr_gain_vs_random_excludes_zero"]
+    lo, hi = coin["apgr_gain_vs_random_ci95"]
+    assert lo < 0 < hi
+    # The oracle and an informative router are above random with intervals that exclude zero.
+    for r in (oracle, routers["informative"]):
+        assert r["apgr_gain_vs_random"] > 0.1 and r["apgr_gain_vs_random_excludes_zero"]
+        assert r["apgr_gain_vs_random_ci95"][0] > 0
+    assert oracle["apgr_gain_vs_random"] >= routers["informative"]["apgr_gain_vs_random"]
+
+
+def test_apgr_gain_vs_the_seeded_random_router_is_paired() -> None:
+    """Against the seeded random router on the same resamples: pairing removes the items' shared noise, so the
+    interval of the difference is no wider than the two intervals' widths added."""
+    report = _gain_report(3)
+    routers = report["routers"]
+    sample = routers["random_sample"]
+    assert "apgr_gain_vs_random_sample" not in sample
+    r = routers["informative"]
+    assert r["apgr_gain_vs_random_sample"] == pytest.approx(r["apgr"] - sample["apgr"], abs=2e-4)
+    lo, hi = r["apgr_gain_vs_random_sample_ci95"]
+    assert lo <= r["apgr_gain_vs_random_sample"] <= hi and lo > 0
+    width = (r["apgr_ci95"][1] - r["apgr_ci95"][0]) + (sample["apgr_ci95"][1] - sample["apgr_ci95"][0])
+    assert hi - lo <= width
+    coin = routers["coin"]
+    lo, hi = coin["apgr_gain_vs_random_sample_ci95"]
+    assert lo < 0 < hi
