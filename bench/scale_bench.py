@@ -245,7 +245,9 @@ def _overhead(path: dict[str, Any], direct: dict[str, Any]) -> dict[str, float |
 
 
 def _tree_cpu(pid: int) -> float:
-    """CPU seconds of ``pid`` and every live descendant (a proxy's workers)."""
+    """CPU seconds of ``pid`` and every live descendant (a proxy's workers), with the CPU of descendants that
+    exited and were reaped (``cutime``/``cstime``): a worker the proxy recycles mid-run keeps counting, and the
+    total never goes down (it went negative once when a LiteLLM worker was replaced during a point)."""
     parents: dict[int, int] = {}
     cpu: dict[int, float] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -253,7 +255,7 @@ def _tree_cpu(pid: int) -> float:
             fields = stat.read_text().rsplit(")", 1)[1].split()
             p = int(stat.parent.name)
             parents[p] = int(fields[1])
-            cpu[p] = (int(fields[11]) + int(fields[12])) / TICK
+            cpu[p] = sum(int(f) for f in fields[11:15]) / TICK  # utime, stime, cutime, cstime
         except (OSError, ValueError, IndexError):
             continue
     total = 0.0
