@@ -501,8 +501,9 @@ class Backends:
             async with asyncio.timeout(self.request_timeout_s):
                 batch: list[bytes] | None = first
                 is_done = False
+                out: list[bytes] = []
                 while batch is not None and not is_done:
-                    out: list[bytes] = []  # the batch's events, sent in one write
+                    out = []  # the batch's events, sent in one write
                     for data in batch:
                         if data == b"[DONE]":
                             is_done = True
@@ -527,7 +528,7 @@ class Backends:
                             chunk.pop("usage", None)
                         if chunk.get("choices") or include_usage:
                             out.append(sse({**chunk, **rewrite}))
-                    if out:
+                    if out and not is_done:  # the last batch's events go out with [DONE], once billed
                         await checkpoint()  # before the bytes: a crash after them leaves them billed
                         yield b"".join(out)
                     if not is_done:
@@ -538,8 +539,9 @@ class Backends:
             # Billed before [DONE]: a stream the client saw end is never unbilled (to its end, should it leave now).
             counted = await run_to_end(bill("ok"))
             if include_usage and relay.usage is None:  # counted here: the client still gets its usage chunk
-                yield sse({**rewrite, "object": _chunk_object(chat), "choices": [], "usage": counted})
-            yield SSE_DONE
+                out.append(sse({**rewrite, "object": _chunk_object(chat), "choices": [], "usage": counted}))
+            out.append(SSE_DONE)
+            yield b"".join(out)  # one write: the events that came with the upstream's [DONE], usage, [DONE]
         except (httpx.HTTPError, OSError) as exc:
             status, ok = "error", False
             logger.warning("backend %s: stream from %s failed: %s", remote.model_id, endpoint.root, exc)
