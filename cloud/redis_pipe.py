@@ -178,8 +178,10 @@ class PipelinedScripts:
                     greetings.append(conn.send(_command("AUTH", *auth)))
                 if self.db:
                     greetings.append(conn.send(_command("SELECT", self.db)))
-                greetings.append(conn.send(_command("CLIENT", "SETNAME", self.name)))
-                for answer in await asyncio.gather(*greetings):
+                # The name is a courtesy: a user whose ACL refuses CLIENT still connects (its answer is not checked).
+                named = conn.send(_command("CLIENT", "SETNAME", self.name))
+                answers = await asyncio.gather(*greetings, named)
+                for answer in answers[:-1]:
                     if isinstance(answer, ResponseError):
                         conn.fail(RedisConnectionError(f"Redis refused the connection's set-up: {answer}"))
                         raise answer

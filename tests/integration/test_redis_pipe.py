@@ -195,6 +195,11 @@ def test_the_url_credentials_authenticate_and_wrong_ones_are_refused(admin: redi
                 await pipe.close()
 
         assert asyncio.run(run(f"redis://{user}:{password}@127.0.0.1:6379/0")) == 70
+        # A user allowed only the scripts (no CLIENT, no SELECT beyond its database) is served too.
+        admin.acl_setuser(
+            user, reset=True, enabled=True, passwords=[f"+{password}"], keys=["*"], commands=["+evalsha", "+eval"]
+        )
+        assert asyncio.run(run(f"redis://{user}:{password}@127.0.0.1:6379/0")) == 70
         with pytest.raises(ResponseError, match=r"WRONGPASS|invalid"):
             asyncio.run(run(f"redis://{user}:not-{password}@127.0.0.1:6379/0"))
     finally:
