@@ -37,10 +37,57 @@ class _Unreachable:
         raise CloudUnavailableError("cloud-unreachable")
 
 
+def _random_probe(layout: Any, mean_logits: np.ndarray, seed: int) -> Any:
+    """A random linear probe on the hidden state the mean logits give through ``pinv(E)``, folded onto the logits
+    as ``bench cascade`` folds it (only the agent's agreement with the bench is tested, not the probe's skill)."""
+    from bench.cascade_tasks import tied_embedding_projection
+
+    projection = tied_embedding_projection(layout)  # pinv(E): logits -> the final normalised hidden state
+    hidden = mean_logits @ projection.T
+    d = hidden.shape[1]
+    on_hidden = LearnedRouter(
+        [f"h{j:03d}" for j in range(d)],
+        np.random.default_rng(seed).normal(size=d).tolist(),
+        0.0,
+        hidden.mean(axis=0).tolist(),
+        (hidden.std(axis=0) + 1e-6).tolist(),
+    )
+    return fold_hidden_probe(on_hidden, projection, "mean_logits", d)
+
+
+def _median_split(confidences: np.ndarray) -> tuple[float, np.ndarray]:
+    """A threshold between the two middle confidences (half of the items escalate) and which ones do."""
+    ranked = np.sort(confidences)
+    threshold = float((ranked[NUM_ITEMS // 2 - 1] + ranked[NUM_ITEMS // 2]) / 2)
+    escalates = confidences < threshold
+    assert 0 < escalates.sum() < NUM_ITEMS
+    return threshold, escalates
+
+
+def _agent_escalations(tiny_zoo: Path, public_key: Path, policy: EdgePolicy, prompts: list[list[int]]) -> list[bool]:
+    """Which prompts the agent's tiering (local-first, the cloud unreachable) escalates under ``policy``."""
+    from bench.cascade_tasks import NEXT_TOKENS
+
+    models = zoo_models(tiny_zoo, [load_public_key(public_key)])
+    lms = serving.LocalModels({INT8: (models[INT8].path, models[INT8].manifest)}, num_threads=1)
+    tiering = Tiering(lms, _Unreachable(), {"tierline/lm-edge": policy}, lambda served: None)  # type: ignore[arg-type]
+
+    async def ask_all() -> list[bool]:
+        out = []
+        for prompt in prompts:
+            req = CompletionRequest.model_validate(
+                {"model": INT8, "prompt": prompt, "max_tokens": NEXT_TOKENS, "temperature": 0, "ignore_eos": True}
+            )
+            out.append((await tiering.handle("completions", req, None)).reason == "low-confidence")
+        return out
+
+    return asyncio.run(ask_all())
+
+
 def test_the_agent_applies_the_lm_probe_and_decides_as_the_bench(tiny_zoo: Path, tiny_zoo_public_key: Path) -> None:
     from tokenizers import Tokenizer
 
-    from bench.cascade_tasks import NEXT_TOKENS, _EdgeRun, _greedy, tied_embedding_projection, token_items
+    from bench.cascade_tasks import NEXT_TOKENS, _EdgeRun, _greedy, token_items
     from edge_agent.runtime.lm import load_causal_lm
     from shared.zoo.corpus import held_out_files
     from shared.zoo.registry import ZooLayout
@@ -56,23 +103,9 @@ def test_the_agent_applies_the_lm_probe_and_decides_as_the_bench(tiny_zoo: Path,
     run = _EdgeRun()
     for item in items:
         _greedy(runtime, item.prompt, NEXT_TOKENS, run)
-    projection = tied_embedding_projection(layout)  # pinv(E): logits -> the final normalised hidden state
-    hidden = np.stack(run.mean_logits) @ projection.T
-    rng = np.random.default_rng(0)
-    d = hidden.shape[1]
-    on_hidden = LearnedRouter(
-        [f"h{j:03d}" for j in range(d)],
-        rng.normal(size=d).tolist(),
-        0.0,
-        hidden.mean(axis=0).tolist(),
-        (hidden.std(axis=0) + 1e-6).tolist(),
-    )
-    probe = fold_hidden_probe(on_hidden, projection, "mean_logits", d)
+    probe = _random_probe(layout, np.stack(run.mean_logits), seed=0)
     bench_conf = probe.confidences(np.stack(run.mean_logits))
-    ranked = np.sort(bench_conf)
-    threshold = float((ranked[NUM_ITEMS // 2 - 1] + ranked[NUM_ITEMS // 2]) / 2)  # half of them escalate
-    bench_escalates = bench_conf < threshold
-    assert 0 < bench_escalates.sum() < NUM_ITEMS
+    threshold, bench_escalates = _median_split(bench_conf)  # half of them escalate
 
     # The agent: the same prompts through its tiering, local-first, under a policy carrying that probe.
     keys = [load_public_key(tiny_zoo_public_key)]
@@ -119,28 +152,10 @@ def test_the_agent_computes_the_copy_signals_as_the_bench(tiny_zoo: Path, tiny_z
     table = {f: np.array([s[f] for s in run.signals]) for f in features}
     assert len(set(table["prompt_novelty"].tolist())) > 1, "the items' prompts do not differ in copyability"
     router = LearnedRouter(features, [-1.0, 1.0, 0.5], 0.0, [float(table[f].mean()) for f in features], [1.0, 1.0, 1.0])
-    bench_conf = router.confidences(table)
-    ranked = np.sort(bench_conf)
-    threshold = float((ranked[NUM_ITEMS // 2 - 1] + ranked[NUM_ITEMS // 2]) / 2)
-    bench_escalates = bench_conf < threshold
-    assert 0 < bench_escalates.sum() < NUM_ITEMS
-
-    keys = [load_public_key(tiny_zoo_public_key)]
-    models = zoo_models(tiny_zoo, keys)
-    lms = serving.LocalModels({INT8: (models[INT8].path, models[INT8].manifest)}, num_threads=1)
+    threshold, bench_escalates = _median_split(router.confidences(table))
     policy = EdgePolicy("tierline/lm-edge", signal=ROUTER, threshold=threshold, router=router)
-    tiering = Tiering(lms, _Unreachable(), {"tierline/lm-edge": policy}, lambda served: None)  # type: ignore[arg-type]
-
-    async def ask_all() -> list[bool]:
-        out = []
-        for item in items:
-            req = CompletionRequest.model_validate(
-                {"model": INT8, "prompt": item.prompt, "max_tokens": NEXT_TOKENS, "temperature": 0, "ignore_eos": True}
-            )
-            out.append((await tiering.handle("completions", req, None)).reason == "low-confidence")
-        return out
-
-    assert asyncio.run(ask_all()) == bench_escalates.tolist()
+    prompts = [item.prompt for item in items]
+    assert _agent_escalations(tiny_zoo, tiny_zoo_public_key, policy, prompts) == bench_escalates.tolist()
 
 
 def test_the_agent_runs_a_router_stacked_on_the_probe_as_the_bench(tiny_zoo: Path, tiny_zoo_public_key: Path) -> None:
@@ -150,7 +165,7 @@ def test_the_agent_runs_a_router_stacked_on_the_probe_as_the_bench(tiny_zoo: Pat
     decides on the same prompts exactly as the bench computes them."""
     from tokenizers import Tokenizer
 
-    from bench.cascade_tasks import NEXT_TOKENS, _EdgeRun, _greedy, tied_embedding_projection, token_items
+    from bench.cascade_tasks import NEXT_TOKENS, _EdgeRun, _greedy, token_items
     from edge_agent.runtime.lm import load_causal_lm
     from shared.escalation import ROUTER
     from shared.zoo.corpus import held_out_files
@@ -164,43 +179,14 @@ def test_the_agent_runs_a_router_stacked_on_the_probe_as_the_bench(tiny_zoo: Pat
     run = _EdgeRun(with_copy=True)
     for item in items:
         _greedy(runtime, item.prompt, NEXT_TOKENS, run)
-    projection = tied_embedding_projection(layout)
-    hidden = np.stack(run.mean_logits) @ projection.T
-    d = hidden.shape[1]
-    rng = np.random.default_rng(1)
-    on_hidden = LearnedRouter(
-        [f"h{j:03d}" for j in range(d)],
-        rng.normal(size=d).tolist(),
-        0.0,
-        hidden.mean(axis=0).tolist(),
-        (hidden.std(axis=0) + 1e-6).tolist(),
-    )
-    probe = fold_hidden_probe(on_hidden, projection, "mean_logits", d)
+    probe = _random_probe(layout, np.stack(run.mean_logits), seed=1)
     features = ["suffix_novelty", "copy_first_kept", "prompt_novelty_all", "mean_logprob", HIDDEN_PROBE]
     table = {f: np.array([s[f] for s in run.signals]) for f in features[:-1]}
     table[HIDDEN_PROBE] = probe.confidences(np.stack(run.mean_logits))
     router = LearnedRouter(
         features, [0.7, 0.5, -0.4, 0.3, 2.0], 0.0, [float(table[f].mean()) for f in features], [1.0] * len(features)
     )
-    bench_conf = router.confidences(table)
-    ranked = np.sort(bench_conf)
-    threshold = float((ranked[NUM_ITEMS // 2 - 1] + ranked[NUM_ITEMS // 2]) / 2)
-    bench_escalates = bench_conf < threshold
-    assert 0 < bench_escalates.sum() < NUM_ITEMS
-
-    keys = [load_public_key(tiny_zoo_public_key)]
-    models = zoo_models(tiny_zoo, keys)
-    lms = serving.LocalModels({INT8: (models[INT8].path, models[INT8].manifest)}, num_threads=1)
+    threshold, bench_escalates = _median_split(router.confidences(table))
     policy = EdgePolicy("tierline/lm-edge", signal=ROUTER, threshold=threshold, router=router, probe=probe)
-    tiering = Tiering(lms, _Unreachable(), {"tierline/lm-edge": policy}, lambda served: None)  # type: ignore[arg-type]
-
-    async def ask_all() -> list[bool]:
-        out = []
-        for item in items:
-            req = CompletionRequest.model_validate(
-                {"model": INT8, "prompt": item.prompt, "max_tokens": NEXT_TOKENS, "temperature": 0, "ignore_eos": True}
-            )
-            out.append((await tiering.handle("completions", req, None)).reason == "low-confidence")
-        return out
-
-    assert asyncio.run(ask_all()) == bench_escalates.tolist()
+    prompts = [item.prompt for item in items]
+    assert _agent_escalations(tiny_zoo, tiny_zoo_public_key, policy, prompts) == bench_escalates.tolist()
