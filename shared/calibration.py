@@ -32,7 +32,6 @@ from shared.escalation import (
     LinearProbe,
     SignalChoice,
     fit_router,
-    fit_router_cv,
     fold_hidden_probe,
     no_loss_target,
     quality_curve,
@@ -181,11 +180,11 @@ def fit_gain_router(data: ValidationSet) -> LearnedRouter:
     nothing against the cloud). It ranks where the cloud does better rather than where the tiers agree, which is
     what the quality curve rewards when the edge is confidently wrong on requests the cloud gets right (the demo
     LM pair on long prompts, ``docs/routing.md``). Competes with the agreement router; ships as signal ``router``.
-    Its L2 strength is chosen by cross-validation within these items (``fit_router_cv``), as ``bench cascade``
-    chooses it."""
+    Its L2 strength stays fixed: ``bench cascade`` cross-validates it (``fit_router_cv``), but on the digits pair
+    that choice made the calibrated policy promise more agreement than the test items give, and the quality
+    monitor then raised false alerts on a correct policy (``bench monitor``: 22 % of streams against at most 10 %)."""
     table = router_inputs(data)
-    target = no_loss_target(data.edge_good, data.cloud_good)
-    return fit_router_cv(table, target, list(table), data.edge_good, data.cloud_good)[0]
+    return fit_router(table, no_loss_target(data.edge_good, data.cloud_good), list(table))
 
 
 def curve_points(
