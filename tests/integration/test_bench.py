@@ -44,8 +44,12 @@ def test_spec_and_prefix_benches_report_their_keys(tiny_zoo: Path) -> None:
     assert 0 <= spec["acceptance_rate"] <= 1 and spec["spec_speedup_at_16"] > 0
     # The cost of a speculation round in forwards: the verification's and the draft's, each against a plain one.
     assert spec["target_verify_5_tokens_ms"] > 0 and spec["draft_forward_ms"] > 0
-    ratio = spec["target_verify_5_tokens_ms"] / spec["target_forward_ms"]
-    assert abs(spec["verify_cost_ratio"] - ratio) < 0.01
+    plain_ms = spec["target_forward_ms"]
+    ratio = spec["target_verify_5_tokens_ms"] / plain_ms
+    # The report rounds the times to 3 decimals and the ratio (of the unrounded times) to 2: recomputed from the
+    # rounded times it can differ by that rounding, which is large when a forward takes a tenth of a millisecond.
+    slack = 0.005 + 0.0005 * (1 + ratio) / plain_ms
+    assert abs(spec["verify_cost_ratio"] - ratio) <= slack
     assert spec["plain_step_ms"] > 0
     prefix = bench_prefix(tiny_zoo, num_requests=2, system_tokens=64)
     assert prefix["prefix_cache_hit_rate"] > 0.5 and prefix["ttft_speedup"] > 0
