@@ -51,7 +51,6 @@ for i, key in ipairs(KEYS) do
 end
 return 0
 """
-_SHAS = (redis_pipe.PipelinedScripts.sha(_ACQUIRE), redis_pipe.PipelinedScripts.sha(_RELEASE))
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,19 +106,17 @@ class RateLimiter:
         # limits' Redis bridge (key prefix, client): the hot path's counters go through two scripts of ours.
         bridge = getattr(storage, "bridge", None)
         self._bridge: Any = bridge if redis_url and hasattr(bridge, "get_connection") else None
-        self._scripts: tuple[Any, Any] | None = None
+        self._scripts: dict[str, Any] = {}  # redis-py's registered scripts, by their text
         self._pipe = redis_pipe.PipelinedScripts(redis_url) if redis_url and redis_pipe.supports(redis_url) else None
 
-    async def _run_script(self, which: int, keys: list[str], args: list[int]) -> Any:
-        """Script ``which`` (0: ``_ACQUIRE``, 1: ``_RELEASE``) on Redis, over the pipelined client when it can."""
+    async def _run_script(self, script: str, keys: list[str], args: list[int]) -> Any:
+        """``script`` (``_ACQUIRE`` or ``_RELEASE``) on Redis, over the pipelined client when it can."""
         keys = [self._bridge.prefixed_key(k) for k in keys]
         if self._pipe is not None:
-            script = (_ACQUIRE, _RELEASE)[which]
-            return await self._pipe.run(script, _SHAS[which], keys, args)
-        if self._scripts is None:
-            client = self._bridge.get_connection()
-            self._scripts = (client.register_script(_ACQUIRE), client.register_script(_RELEASE))
-        return await self._scripts[which](keys=keys, args=args)
+            return await self._pipe.run(script, keys, args)
+        if script not in self._scripts:
+            self._scripts[script] = self._bridge.get_connection().register_script(script)
+        return await self._scripts[script](keys=keys, args=args)
 
     def _scopes(self, tenant: Tenant, key: ApiKey | None) -> list[_Scope]:
         s = self.settings
@@ -215,7 +212,7 @@ class RateLimiter:
             args: list[int] = []
             for _, amount, limit, expiry, _, _ in counters:
                 args += (amount, limit, expiry)
-            index = int(await self._run_script(0, [c[0] for c in counters], args))
+            index = int(await self._run_script(_ACQUIRE, [c[0] for c in counters], args))
             over = counters[index - 1] if index else None
         else:
             taken: list[tuple[str, int, int]] = []
@@ -246,7 +243,7 @@ class RateLimiter:
             args: list[int] = []
             for _, amount, expiry in back:
                 args += (amount, expiry)
-            await self._run_script(1, [k for k, _, _ in back], args)
+            await self._run_script(_RELEASE, [k for k, _, _ in back], args)
             return
         for k, amount, expiry in back:
             await self.storage.incr(k, expiry, amount=amount)

@@ -152,6 +152,7 @@ class PipelinedScripts:
         self.password = unquote(parts.password) if parts.password is not None else None
         self._connections: dict[asyncio.AbstractEventLoop, _Connection] = {}
         self._connecting: dict[asyncio.AbstractEventLoop, asyncio.Future[_Connection]] = {}
+        self._shas: dict[str, str] = {}  # script -> its SHA-1, the name EVALSHA takes
 
     @staticmethod
     def sha(script: str) -> str:
@@ -210,8 +211,11 @@ class PipelinedScripts:
             raise answer
         return answer
 
-    async def run(self, script: str, sha: str, keys: list[str], args: list[int]) -> Any:
+    async def run(self, script: str, keys: list[str], args: list[int]) -> Any:
         """The script's answer (``EVALSHA``, then ``EVAL`` when Redis does not hold it)."""
+        sha = self._shas.get(script)
+        if sha is None:
+            sha = self._shas[script] = self.sha(script)
         try:
             return await self._ask(_command("EVALSHA", sha, len(keys), *keys, *args))
         except ResponseError as exc:

@@ -60,7 +60,7 @@ def test_concurrent_calls_each_get_their_own_answer_on_one_connection(admin: red
     pipe = PipelinedScripts(REDIS_URL, name=name)
 
     async def main() -> list[int]:
-        answers = await asyncio.gather(*(pipe.run(ECHO, pipe.sha(ECHO), ["a", "b"][: i % 3], [i]) for i in range(300)))
+        answers = await asyncio.gather(*(pipe.run(ECHO, ["a", "b"][: i % 3], [i]) for i in range(300)))
         connections = _connection_ids(admin, name)
         await pipe.close()
         assert len(connections) == 1, "every call shares one connection"
@@ -76,8 +76,8 @@ def test_an_unknown_script_is_loaded_and_then_run_by_its_sha(admin: redis.Redis)
     assert admin.script_exists(pipe.sha(script)) == [False]
 
     async def main() -> tuple[int, int]:
-        first = await pipe.run(script, pipe.sha(script), [key], [5])  # NOSCRIPT, then EVAL
-        second = await pipe.run(script, pipe.sha(script), [key], [2])
+        first = await pipe.run(script, [key], [5])  # NOSCRIPT, then EVAL
+        second = await pipe.run(script, [key], [2])
         await pipe.close()
         return first, second
 
@@ -92,9 +92,9 @@ def test_an_error_answer_is_raised_and_the_calls_after_it_keep_their_order() -> 
 
     async def main() -> list[object]:
         calls = [
-            pipe.run(ECHO, pipe.sha(ECHO), [], [1]),
-            pipe.run(failing, pipe.sha(failing), [], []),
-            pipe.run(ECHO, pipe.sha(ECHO), [], [3]),
+            pipe.run(ECHO, [], [1]),
+            pipe.run(failing, [], []),
+            pipe.run(ECHO, [], [3]),
         ]
         out = await asyncio.gather(*calls, return_exceptions=True)
         await pipe.close()
@@ -114,10 +114,10 @@ def test_a_cancelled_call_does_not_shift_the_answers_of_later_calls() -> None:
     pipe = PipelinedScripts(REDIS_URL)
 
     async def main() -> int:
-        await pipe.run(slow, pipe.sha(slow), [], [])  # loaded, so the next run is one EVALSHA
+        await pipe.run(slow, [], [])  # loaded, so the next run is one EVALSHA
         with pytest.raises(TimeoutError):
-            await asyncio.wait_for(pipe.run(slow, pipe.sha(slow), [], []), 0.01)
-        answer = await pipe.run(ECHO, pipe.sha(ECHO), [], [4])
+            await asyncio.wait_for(pipe.run(slow, [], []), 0.01)
+        answer = await pipe.run(ECHO, [], [4])
         await pipe.close()
         return int(answer)
 
@@ -129,11 +129,11 @@ def test_a_killed_connection_is_replaced_by_the_next_call(admin: redis.Redis) ->
     pipe = PipelinedScripts(REDIS_URL, name=name)
 
     async def main() -> int:
-        await pipe.run(ECHO, pipe.sha(ECHO), [], [1])
+        await pipe.run(ECHO, [], [1])
         (conn_id,) = _connection_ids(admin, name)
         admin.client_kill_filter(_id=str(conn_id))
         await asyncio.sleep(0.05)  # the close reaches the client
-        answer = await pipe.run(ECHO, pipe.sha(ECHO), [], [6])
+        answer = await pipe.run(ECHO, [], [6])
         (new_id,) = _connection_ids(admin, name)
         assert new_id != conn_id
         await pipe.close()
@@ -156,7 +156,7 @@ def test_calls_waiting_on_a_connection_that_drops_fail_with_a_connection_error()
         server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         pipe = PipelinedScripts(f"redis://127.0.0.1:{port}/0")
-        out = await asyncio.gather(*(pipe.run(ECHO, pipe.sha(ECHO), [], [i]) for i in range(3)), return_exceptions=True)
+        out = await asyncio.gather(*(pipe.run(ECHO, [], [i]) for i in range(3)), return_exceptions=True)
         server.close()
         return out
 
@@ -170,7 +170,7 @@ def test_the_url_selects_the_database(admin: redis.Redis) -> None:
     pipe = PipelinedScripts("redis://127.0.0.1:6379/5")
 
     async def main() -> None:
-        await pipe.run(script, pipe.sha(script), [key], [42])
+        await pipe.run(script, [key], [42])
         await pipe.close()
 
     asyncio.run(main())
@@ -190,7 +190,7 @@ def test_the_url_credentials_authenticate_and_wrong_ones_are_refused(admin: redi
         async def run(url: str) -> int:
             pipe = PipelinedScripts(url)
             try:
-                return int(await pipe.run(ECHO, pipe.sha(ECHO), [], [7]))
+                return int(await pipe.run(ECHO, [], [7]))
             finally:
                 await pipe.close()
 
@@ -212,4 +212,4 @@ def test_an_unreachable_redis_is_a_connection_error_that_names_it() -> None:
         port = s.getsockname()[1]
     pipe = PipelinedScripts(f"redis://127.0.0.1:{port}/0")
     with pytest.raises(RedisConnectionError, match=f"127.0.0.1:{port}"):
-        asyncio.run(pipe.run(ECHO, pipe.sha(ECHO), [], [1]))
+        asyncio.run(pipe.run(ECHO, [], [1]))
