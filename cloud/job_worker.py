@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -22,12 +23,22 @@ from sqlmodel import Session
 
 from cloud.completions import Caller, CompletionService
 from cloud.engine_pool import EngineRestartingError
-from cloud.jobs import CHAT, COMPLETIONS, INFERENCE, JobSettings, JobStore
+from cloud.jobs import (
+    CHAT,
+    COMPLETIONS,
+    DUE_SLACK_S,
+    INFERENCE,
+    MIN_POLL_S,
+    JobSettings,
+    JobStore,
+    listen_for_jobs,
+)
 from cloud.metering import UsageWriter
+from cloud.pg_async import conninfo_of
 from cloud.tensor_models import TensorPool, unknown_model
 from cloud.webhook_dispatcher import WebhookDispatcher
 from cloud.webhooks import WebhookStore, new_delivery_id
-from controlplane.storage.tables import ApiKey, Job, Tenant, UsageRecord
+from controlplane.storage.tables import ApiKey, Job, Tenant, UsageRecord, utcnow
 from shared.errors import ApplicationError, PermissionDeniedError, RateLimitError, ValidationError
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
 
@@ -98,25 +109,51 @@ class JobWorker:
         self.lease_s = settings.job_lease_s
         self.max_attempts = settings.job_max_attempts
         self.drain_s = settings.job_drain_s
-        self._wake = asyncio.Event()
         self._is_stopping = False
         self._loops: list[asyncio.Task[None]] = []
         self._heartbeat: asyncio.Task[None] | None = None
+        self._listener: asyncio.Task[None] | None = None
         self._running: dict[str, int] = {}  # job id -> attempt
-        self._poller: asyncio.Task[None] | None = None  # the one idle worker that polls the store on a timer
+        # Idle workers: one (the poller) waits until the next job the store knows of falls due, at most
+        # ``poll_s``; the others until notified.
+        self._poller: asyncio.Future[None] | None = None
+        self._sleepers: deque[asyncio.Future[None]] = deque()
+        self._missed = False  # a notify found no idle worker: the next worker to go idle looks first
 
     async def start(self) -> None:
         self._loops = [asyncio.create_task(self._loop(), name=f"job-worker-{i}") for i in range(self.num_workers)]
         self._heartbeat = asyncio.create_task(self._renew_leases(), name="job-leases")
+        if self.engine.dialect.name == "postgresql":  # other replicas' queued jobs wake this one's workers
+            conninfo = conninfo_of(self.engine)
+            self._listener = asyncio.create_task(listen_for_jobs(conninfo, self.notify), name="job-listener")
 
     def notify(self) -> None:
-        """A job was queued: an idle worker takes it now rather than at its next poll."""
-        self._wake.set()
+        """A job may be due (queued here or by another replica, given back, or a retry rescheduled): one idle
+        worker looks now. The poller first, which also waits anew for the store's next due time."""
+        if self._poller is not None and not self._poller.done():
+            self._poller.set_result(None)
+            return
+        while self._sleepers:
+            waiter = self._sleepers.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self._missed = True
+
+    def _wake_all(self) -> None:
+        for waiter in (self._poller, *self._sleepers):
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+        self._sleepers.clear()
 
     async def stop(self) -> None:
         """Take no new jobs; let running ones finish for up to ``drain_s``, then give the rest back."""
         self._is_stopping = True
-        self._wake.set()
+        self._wake_all()
+        if self._listener is not None:
+            self._listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._listener
         if self._loops:
             _, pending = await asyncio.wait(self._loops, timeout=self.drain_s)
             for task in pending:
@@ -135,7 +172,7 @@ class JobWorker:
                 logger.exception("claiming a job failed; trying again")
                 job = None
             if job is not None:
-                self._wake.set()  # more may be queued: the other idle workers look too (and one polls again)
+                self.notify()  # more may be queued: another idle worker looks too
                 try:
                     await self._run(job)
                 except Exception:
@@ -144,18 +181,45 @@ class JobWorker:
             await self._idle()
 
     async def _idle(self) -> None:
-        """Wait for a ``notify`` or, for one idle worker at a time, ``poll_s``: the store is polled once per
-        ``poll_s`` by the process, not once per worker (each poll is a query)."""
-        me = asyncio.current_task()
-        if self._poller is None or self._poller.done():
-            self._poller = me
+        """Wait for a ``notify``; the poller (one idle worker at a time) also for the next due time it finds in the
+        store, or ``poll_s`` at most: an idle process queries the store about once per ``poll_s``, not per worker."""
+        if self._missed or self._is_stopping:
+            self._missed = False
+            return
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+        if self._poller is not None and not self._poller.done():
+            self._sleepers.append(waiter)
+            try:
+                await waiter
+            finally:
+                with contextlib.suppress(ValueError):
+                    self._sleepers.remove(waiter)
+            return
+        self._poller = waiter
         try:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.poll_s if self._poller is me else None)
+            wait_s = await self._until_due()
+            if not waiter.done():
+                timer = loop.call_later(wait_s, _release, waiter)
+                try:
+                    await waiter
+                finally:
+                    timer.cancel()
         finally:
-            if self._poller is me:
+            if self._poller is waiter:
                 self._poller = None
-        self._wake.clear()
+
+    async def _until_due(self) -> float:
+        """Seconds until the earliest job the store knows of falls due (a retry, another worker's lease), within
+        ``MIN_POLL_S``..``poll_s``."""
+        try:
+            due = await asyncio.to_thread(self.store.next_due)
+        except Exception:
+            logger.exception("looking for the next due job failed")
+            return self.poll_s
+        if due is None:
+            return self.poll_s
+        return min(self.poll_s, max(MIN_POLL_S, (due - utcnow()).total_seconds() + DUE_SLACK_S))
 
     async def _renew_leases(self) -> None:
         while True:
@@ -193,6 +257,7 @@ class JobWorker:
                 if job.attempts < self.max_attempts:
                     delay = max(exc.retry_after, 1.0) * 2 ** (job.attempts - 1)
                     await asyncio.to_thread(self.store.requeue, job.id, job.attempts, delay)
+                    self.notify()  # the poller waits for the retry's due time
                     return
                 error = exc.to_openai()["error"]
             except ApplicationError as exc:
@@ -228,6 +293,11 @@ class JobWorker:
     def _is_metered(self, job_id: str) -> bool:
         with Session(self.engine) as session:
             return session.get(UsageRecord, job_id) is not None
+
+
+def _release(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 @asynccontextmanager

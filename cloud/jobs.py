@@ -7,6 +7,11 @@ conditional UPDATE, so two replicas never run it at once, and hold it under a le
 that dies lets its lease lapse and the job is taken again. The attempt number fences a finish: a worker
 whose lease was taken over cannot overwrite the newer attempt's outcome.
 
+Idle workers are woken rather than polling: by the process that queued a job, on PostgreSQL by a ``NOTIFY`` on
+``JOBS_CHANNEL`` that every replica ``LISTEN``s to (``listen_for_jobs``; a job queued on one replica whose
+workers are busy is taken by another at once), and when the earliest job known to the store falls due (a
+retry's delay, a lapsed lease). ``job_poll_s`` only bounds how long an idle process goes without looking.
+
 A job's usage record has the job's id, so a re-run is billed once. A job cut off by a crash is billed only by
 its re-run; one still running when a graceful stop's drain time ends is billed for what that attempt
 generated (the usage record of an abandoned request), and its re-run's record is then a duplicate.
@@ -14,17 +19,22 @@ generated (the usage record of an abandoned request), and its re-run's record is
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
+import psycopg
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
-from sqlalchemy import update
+from sqlalchemy import func, text, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
 from controlplane.storage.tables import Job, WebhookDelivery, utcnow
+from controlplane.storage.types import as_utc
 from shared.errors import NotFoundError
 
 CHAT = "/v1/chat/completions"
@@ -32,8 +42,14 @@ COMPLETIONS = "/v1/completions"
 INFERENCE = "/v1/inference"
 ENDPOINTS = (CHAT, COMPLETIONS, INFERENCE)
 
+logger = logging.getLogger(__name__)
+
 QUEUED, RUNNING, SUCCEEDED, FAILED = "queued", "running", "succeeded", "failed"
 MAX_LIST_LIMIT = 100
+JOBS_CHANNEL = "tierline_jobs"  # PostgreSQL: notified when a job is queued or given back, to every replica
+LISTEN_RETRY_S = 5.0  # a lost listening connection is opened again after this
+MIN_POLL_S = 0.25  # an idle process's shortest wait, however soon the next job or delivery falls due
+DUE_SLACK_S = 0.01  # looked for this long after a due time, so that what fell due is due when looked for
 
 
 class JobSettings(BaseSettings):
@@ -42,7 +58,12 @@ class JobSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TIERLINE_CLOUD_", extra="ignore")
 
     job_workers: int = Field(4, ge=1, le=256, description="jobs run at once by each cloud process")
-    job_poll_s: float = Field(1.0, gt=0, description="how often idle workers look for jobs (other replicas', retries)")
+    job_poll_s: float = Field(
+        15.0,
+        gt=0,
+        description="the longest an idle process goes without looking for jobs and webhook deliveries it was not "
+        "told of (a crashed replica's leftovers); new jobs, due retries and lapsed leases wake it sooner",
+    )
     job_lease_s: float = Field(60.0, gt=0, description="a running job whose worker went silent is retaken after this")
     job_max_attempts: int = Field(5, ge=1, description="runs of one job (restarts, retried overloads) before it fails")
     job_drain_s: float = Field(30.0, ge=0, description="on shutdown, how long running jobs may finish before release")
@@ -86,6 +107,7 @@ class JobStore:
         """Insert ``job``; when its id exists (an ``Idempotency-Key`` retry) return the stored one instead."""
         with Session(self.engine, expire_on_commit=False) as session:
             session.add(job)
+            self._notify(session)
             try:
                 session.commit()
                 return job, True
@@ -118,6 +140,18 @@ class JobStore:
             jobs = list(session.exec(stmt))
             session.expunge_all()
             return jobs
+
+    def _notify(self, session: Session) -> None:
+        """Tell every replica's idle workers (on PostgreSQL: delivered when the transaction commits, not at all
+        when it rolls back)."""
+        if self.engine.dialect.name == "postgresql":
+            session.execute(text("SELECT pg_notify(:channel, '')"), {"channel": JOBS_CHANNEL})
+
+    def next_due(self) -> datetime | None:
+        """When the earliest job not finished falls due (queued: its retry delay; running: its lease's end)."""
+        with Session(self.engine) as session:
+            due = session.exec(select(func.min(Job.available_at)).where(col(Job.status).in_((QUEUED, RUNNING)))).one()
+            return as_utc(due) if due is not None else None
 
     def claim(self, lease_s: float, max_candidates: int = 8) -> Job | None:
         """Take the oldest job that is due (queued, or running under a lapsed lease); None when there is none."""
@@ -175,6 +209,8 @@ class JobStore:
                 .where(col(Job.id) == job_id, col(Job.attempts) == attempt, col(Job.status) == RUNNING)
                 .values(status=QUEUED, available_at=utcnow() + timedelta(seconds=delay_s))
             )
+            if delay_s <= 0:
+                self._notify(session)  # given back (a stopping replica): another takes it now
             session.commit()
             return done.rowcount == 1
 
@@ -211,3 +247,22 @@ class JobStore:
                 )
             session.commit()
             return True
+
+
+async def listen_for_jobs(conninfo: str, wake: Callable[[], None]) -> None:
+    """Call ``wake`` for each ``NOTIFY`` on ``JOBS_CHANNEL`` (a job queued or given back by any replica), and
+    once on each (re)connection: what was queued while not listening is looked for then. Runs until cancelled;
+    a lost connection is opened again after ``LISTEN_RETRY_S`` (the poll covers the gap)."""
+    while True:
+        try:
+            connection = await psycopg.AsyncConnection.connect(conninfo, autocommit=True)
+            async with connection:
+                await connection.execute(f"LISTEN {JOBS_CHANNEL}")
+                wake()
+                async for _ in connection.notifies():
+                    wake()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.warning("listening for queued jobs failed (%s); trying again in %gs", exc, LISTEN_RETRY_S)
+        await asyncio.sleep(LISTEN_RETRY_S)

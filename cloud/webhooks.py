@@ -21,15 +21,16 @@ import secrets
 import socket
 import uuid
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
-from sqlalchemy import update
+from sqlalchemy import func, update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from controlplane.storage.tables import Job, Tenant, WebhookAttempt, WebhookDelivery, WebhookSecret, utcnow
+from controlplane.storage.types import as_utc
 from shared.errors import ValidationError
 
 SIGNATURE_HEADER = "x-tierline-signature"
@@ -231,6 +232,14 @@ class WebhookStore:
                 .limit(limit)
             )
             return [(d, n) for d, n in session.exec(stmt).all()]
+
+    def next_due(self) -> datetime | None:
+        """When the earliest pending delivery's next attempt falls due (now or past included)."""
+        with Session(self.engine) as session:
+            due = session.exec(
+                select(func.min(WebhookDelivery.available_at)).where(WebhookDelivery.status == PENDING)
+            ).one()
+            return as_utc(due) if due is not None else None
 
     def claim(self, delivery_id: str, attempts: int, hold_s: float) -> ClaimedDelivery | None:
         """Take the delivery for its next attempt: its due time moves ``hold_s`` ahead, so no other worker

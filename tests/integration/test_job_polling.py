@@ -1,28 +1,54 @@
-"""Idle job workers poll the shared job store once per ``job_poll_s`` per process, not once per worker."""
+"""Idle job workers poll the shared job store once per ``job_poll_s`` per process, not once per worker; a
+notify wakes one of them; a job that falls due later (a retry's delay, a lapsed lease) is taken then, not at
+the next poll; on PostgreSQL, a job queued by another replica wakes this one's workers at once."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, cast
 
+import pytest
 from sqlalchemy import create_engine
+from sqlalchemy.engine import Engine
+from sqlmodel import Session
 
 from cloud.job_worker import JobWorker
-from cloud.jobs import JobSettings, JobStore
-from controlplane.storage.tables import Job
-from tests.conftest import migrated_sqlite
+from cloud.jobs import CHAT, JobSettings, JobStore
+from controlplane.storage.migrate import upgrade
+from controlplane.storage.tables import Job, Tenant, utcnow
+from tests.conftest import PG_URL, _postgres_schema, migrated_sqlite
 
 
 class CountingStore(JobStore):
-    """The real store (SQLite), counting its polls."""
+    """The real store, counting its polls and noting when each job was taken."""
 
-    claims = 0
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(engine)
+        self.claims = 0
+        self.taken: dict[str, float] = {}
 
     def claim(self, lease_s: float, max_candidates: int = 8) -> Job | None:
         self.claims += 1
-        return super().claim(lease_s, max_candidates)
+        job = super().claim(lease_s, max_candidates)
+        if job is not None:
+            self.taken[job.id] = time.monotonic()
+        return job
+
+
+def _job(engine: Engine, job_id: str, available_at: datetime) -> Job:
+    """A job of a new tenant. Taken, it fails at once: these workers have no executor (nothing is run, billed or
+    called back)."""
+    with Session(engine) as session:
+        tenant = Tenant(name=f"t-{job_id}")
+        session.add(tenant)
+        session.commit()
+        assert tenant.id is not None
+        tenant_id = tenant.id
+    return Job(id=job_id, tenant_id=tenant_id, endpoint=CHAT, model="m", request={}, available_at=available_at)
 
 
 def _polls(tmp_path: Path, workers: int, poll_s: float, seconds: float, notifies: int = 0) -> int:
@@ -53,7 +79,62 @@ def test_idle_workers_share_one_poll_timer(tmp_path: Path) -> None:
     assert 8 + 10 <= claims <= 8 + 30, claims
 
 
-def test_a_notify_wakes_every_idle_worker(tmp_path: Path) -> None:
-    # A long poll interval: only the first looks and the three notifies make claims (8 workers each).
+def test_a_notify_wakes_one_idle_worker(tmp_path: Path) -> None:
+    # A long poll interval: each worker's first look, then one claim per notify (not one per idle worker).
     claims = _polls(tmp_path, workers=8, poll_s=60.0, seconds=0.6, notifies=3)
-    assert claims == 8 + 3 * 8, claims
+    assert claims == 8 + 3, claims
+
+
+def test_a_job_that_falls_due_later_is_taken_then_not_at_the_next_poll(tmp_path: Path) -> None:
+    engine = create_engine(migrated_sqlite(tmp_path))
+    store = CountingStore(engine)
+    worker = JobWorker(store, cast(Any, None), engine, cast(Any, None), cast(Any, None), JobSettings(job_poll_s=60))
+
+    async def main() -> float:
+        started = time.monotonic()
+        store.create(_job(engine, "job-later", utcnow() + timedelta(seconds=0.5)))  # as a retry's delay leaves it
+        await worker.start()
+        while "job-later" not in store.taken and time.monotonic() - started < 5:
+            await asyncio.sleep(0.02)
+        await worker.stop()
+        return store.taken.get("job-later", float("inf")) - started
+
+    after = asyncio.run(main())
+    engine.dispose()
+    assert 0.45 <= after < 1.5, after  # when due; a poll would have come after 60 s
+    assert store.claims <= 4 + 3, store.claims  # each worker's first look, then about one when due
+
+
+@pytest.fixture
+def postgres_url() -> Iterator[str]:
+    if not PG_URL:
+        pytest.skip("PostgreSQL not configured: set TIERLINE_TEST_DATABASE_URL (CI sets it when :5432 answers)")
+    with _postgres_schema() as url:
+        upgrade(url)
+        yield url
+
+
+@pytest.mark.postgres
+def test_a_job_queued_by_another_replica_wakes_this_ones_workers(postgres_url: str) -> None:
+    # Two engines: this replica's, and another's that only queues (LISTEN/NOTIFY is PostgreSQL's; on SQLite
+    # one process queues and runs its jobs).
+    here, there = create_engine(postgres_url), create_engine(postgres_url)
+    store = CountingStore(here)
+    worker = JobWorker(store, cast(Any, None), here, cast(Any, None), cast(Any, None), JobSettings(job_poll_s=60))
+
+    async def main() -> float:
+        await worker.start()
+        await asyncio.sleep(1.0)  # its workers idle, listening
+        looks = store.claims
+        queued = time.monotonic()
+        await asyncio.to_thread(JobStore(there).create, _job(there, "job-elsewhere", utcnow()))
+        while "job-elsewhere" not in store.taken and time.monotonic() - queued < 5:
+            await asyncio.sleep(0.02)
+        await worker.stop()
+        assert store.claims - looks <= 3, (looks, store.claims)  # one woken worker, not all four
+        return store.taken.get("job-elsewhere", float("inf")) - queued
+
+    after = asyncio.run(main())
+    here.dispose()
+    there.dispose()
+    assert after < 1.0, after  # the poll would have come after 60 s

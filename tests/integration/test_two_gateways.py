@@ -126,8 +126,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_data_
                     TIERLINE_CLOUD_ZOO_PRESET="none",
                     TIERLINE_CLOUD_BACKENDS=str(backends),
                     TIERLINE_CLOUD_USAGE_FLUSH_MS="50",
-                    TIERLINE_CLOUD_JOB_LEASE_S="3",
-                    TIERLINE_CLOUD_JOB_POLL_S="0.5",
+                    TIERLINE_CLOUD_JOB_LEASE_S="3",  # the poll is the default's: a lapsed lease wakes the survivor
                 )
             )
         # The price book is read at start-up (and every 30 s): priced before the gateways start.

@@ -1,0 +1,84 @@
+"""An idle webhook dispatcher looks at the store when a delivery falls due, not only at its next poll: a
+delivery whose attempt a dispatcher claimed and then died on (its process killed) is retried once the claim
+lapses. A real database, a real HTTP receiver on 127.0.0.1, the dispatcher in this process."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlmodel import Session
+
+from cloud.jobs import JobSettings
+from cloud.webhook_dispatcher import WebhookDispatcher
+from cloud.webhooks import WebhookStore, new_delivery_id
+from controlplane.storage.database import create_db
+from controlplane.storage.tables import WebhookDelivery
+from controlplane.tenancy.service import create_tenant
+from tests.conftest import migrated_sqlite
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def posts() -> Iterator[tuple[int, list[float]]]:
+    """A receiver on 127.0.0.1 answering 204, and when each POST arrived."""
+    times: list[float] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            times.append(time.monotonic())
+            self.send_response(204)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield int(server.server_address[1]), times
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_claim_left_by_a_dead_dispatcher_is_retried_when_it_lapses(
+    tmp_path: Path, posts: tuple[int, list[float]]
+) -> None:
+    port, times = posts
+    engine = create_db(migrated_sqlite(tmp_path))
+    store = WebhookStore(engine)
+    with Session(engine) as s:
+        tenant = create_tenant(s, "acme")
+        s.commit()
+        tenant_id = int(tenant.id or 0)
+    store.rotate_secret(tenant_id)
+    delivery_id = new_delivery_id()
+    with Session(engine) as s:
+        url = f"http://127.0.0.1:{port}/hook"
+        s.add(WebhookDelivery(id=delivery_id, tenant_id=tenant_id, event="budget.threshold", payload={}, url=url))
+        s.commit()
+    # Another process's dispatcher took the attempt for 0.6 s and died: nothing is due before then.
+    assert store.claim(delivery_id, 0, hold_s=0.6) is not None
+    claimed_at = time.monotonic()
+    settings = JobSettings(job_poll_s=60, webhook_allow_private_networks=True, webhook_timeout_s=2.0)
+
+    async def main() -> None:
+        dispatcher = WebhookDispatcher(store, settings)
+        await dispatcher.start()
+        while not times and time.monotonic() - claimed_at < 5:
+            await asyncio.sleep(0.02)
+        await dispatcher.close()
+
+    asyncio.run(main())
+    engine.dispose()
+    assert len(times) == 1, times
+    assert 0.55 <= times[0] - claimed_at < 2.0, times[0] - claimed_at  # when the claim lapsed, not after 60 s
