@@ -94,8 +94,11 @@ class WebhookDispatcher:
                             task.add_done_callback(self._done)
             except Exception:
                 logger.exception("looking for due webhook deliveries failed; trying again")
+            # All slots busy: an attempt that ends wakes it (the due time would only make it look in vain).
+            is_full = len(self._inflight) >= MAX_CONCURRENT_DELIVERIES
+            wait_s = self.poll_s if is_full else await self._until_due()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), await self._until_due())
+                await asyncio.wait_for(self._wake.wait(), wait_s)
             self._wake.clear()
 
     async def _until_due(self) -> float:
