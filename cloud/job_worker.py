@@ -26,19 +26,18 @@ from cloud.engine_pool import EngineRestartingError
 from cloud.jobs import (
     CHAT,
     COMPLETIONS,
-    DUE_SLACK_S,
     INFERENCE,
-    MIN_POLL_S,
     JobSettings,
     JobStore,
     listen_for_jobs,
+    seconds_until_due,
 )
 from cloud.metering import UsageWriter
 from cloud.pg_async import conninfo_of
 from cloud.tensor_models import TensorPool, unknown_model
 from cloud.webhook_dispatcher import WebhookDispatcher
 from cloud.webhooks import WebhookStore, new_delivery_id
-from controlplane.storage.tables import ApiKey, Job, Tenant, UsageRecord, utcnow
+from controlplane.storage.tables import ApiKey, Job, Tenant, UsageRecord
 from shared.errors import ApplicationError, PermissionDeniedError, RateLimitError, ValidationError
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
 
@@ -198,7 +197,8 @@ class JobWorker:
             return
         self._poller = waiter
         try:
-            wait_s = await self._until_due()
+            # The earliest job the store knows of: a retry's delay, another worker's lease.
+            wait_s = await seconds_until_due(self.store.next_due, self.poll_s, "job")
             if not waiter.done():
                 timer = loop.call_later(wait_s, _release, waiter)
                 try:
@@ -208,18 +208,6 @@ class JobWorker:
         finally:
             if self._poller is waiter:
                 self._poller = None
-
-    async def _until_due(self) -> float:
-        """Seconds until the earliest job the store knows of falls due (a retry, another worker's lease), within
-        ``MIN_POLL_S``..``poll_s``."""
-        try:
-            due = await asyncio.to_thread(self.store.next_due)
-        except Exception:
-            logger.exception("looking for the next due job failed")
-            return self.poll_s
-        if due is None:
-            return self.poll_s
-        return min(self.poll_s, max(MIN_POLL_S, (due - utcnow()).total_seconds() + DUE_SLACK_S))
 
     async def _renew_leases(self) -> None:
         while True:

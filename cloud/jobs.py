@@ -249,6 +249,19 @@ class JobStore:
             return True
 
 
+async def seconds_until_due(next_due: Callable[[], datetime | None], poll_s: float, what: str) -> float:
+    """How long an idle process waits before looking again: until the earliest due time ``next_due`` (run in a
+    thread) reads from the store, within ``MIN_POLL_S``..``poll_s`` (``poll_s`` when there is none)."""
+    try:
+        due = await asyncio.to_thread(next_due)
+    except Exception:
+        logger.exception("looking for the next due %s failed", what)
+        return poll_s
+    if due is None:
+        return poll_s
+    return min(poll_s, max(MIN_POLL_S, (due - utcnow()).total_seconds() + DUE_SLACK_S))
+
+
 async def listen_for_jobs(conninfo: str, wake: Callable[[], None]) -> None:
     """Call ``wake`` for each ``NOTIFY`` on ``JOBS_CHANNEL`` (a job queued or given back by any replica), and
     once on each (re)connection: what was queued while not listening is looked for then. Runs until cancelled;

@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from cloud.jobs import DUE_SLACK_S, MIN_POLL_S, JobSettings, job_json
+from cloud.jobs import JobSettings, job_json, seconds_until_due
 from cloud.webhooks import (
     DELIVERY_HEADER,
     EVENT_HEADER,
@@ -32,7 +32,6 @@ from cloud.webhooks import (
     retry_delay,
     sign,
 )
-from controlplane.storage.tables import utcnow
 
 logger = logging.getLogger(__name__)
 
@@ -96,23 +95,13 @@ class WebhookDispatcher:
                 logger.exception("looking for due webhook deliveries failed; trying again")
             # All slots busy: an attempt that ends wakes it (the due time would only make it look in vain).
             is_full = len(self._inflight) >= MAX_CONCURRENT_DELIVERIES
-            wait_s = self.poll_s if is_full else await self._until_due()
+            # Else until the earliest pending delivery falls due (a retry; another process's claim, which lapses
+            # when that process died mid-attempt): deliveries queued here wake it themselves.
+            next_due = self.store.next_due
+            wait_s = self.poll_s if is_full else await seconds_until_due(next_due, self.poll_s, "delivery")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), wait_s)
             self._wake.clear()
-
-    async def _until_due(self) -> float:
-        """Seconds until the earliest pending delivery falls due (a retry; another process's claim that lapses
-        when that process died mid-attempt), within ``MIN_POLL_S``..``poll_s``: deliveries queued here wake the
-        dispatcher themselves, so an idle one looks at the store about once per ``poll_s``."""
-        try:
-            due = await asyncio.to_thread(self.store.next_due)
-        except Exception:
-            logger.exception("looking for the next due webhook delivery failed")
-            return self.poll_s
-        if due is None:
-            return self.poll_s
-        return min(self.poll_s, max(MIN_POLL_S, (due - utcnow()).total_seconds() + DUE_SLACK_S))
 
     def _done(self, task: asyncio.Task[None]) -> None:
         self._inflight.discard(task)

@@ -13,15 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlmodel import Session
 
 from cloud.jobs import JobSettings
 from cloud.webhook_dispatcher import WebhookDispatcher
-from cloud.webhooks import WebhookStore, new_delivery_id
 from controlplane.storage.database import create_db
-from controlplane.storage.tables import WebhookDelivery
-from controlplane.tenancy.service import create_tenant
 from tests.conftest import migrated_sqlite
+from tests.integration.webhook_support import queue_delivery
 
 pytestmark = pytest.mark.integration
 
@@ -55,17 +52,7 @@ def test_a_claim_left_by_a_dead_dispatcher_is_retried_when_it_lapses(
 ) -> None:
     port, times = posts
     engine = create_db(migrated_sqlite(tmp_path))
-    store = WebhookStore(engine)
-    with Session(engine) as s:
-        tenant = create_tenant(s, "acme")
-        s.commit()
-        tenant_id = int(tenant.id or 0)
-    store.rotate_secret(tenant_id)
-    delivery_id = new_delivery_id()
-    with Session(engine) as s:
-        url = f"http://127.0.0.1:{port}/hook"
-        s.add(WebhookDelivery(id=delivery_id, tenant_id=tenant_id, event="budget.threshold", payload={}, url=url))
-        s.commit()
+    store, delivery_id = queue_delivery(engine, f"http://127.0.0.1:{port}/hook")
     # Another process's dispatcher took the attempt for 0.6 s and died: nothing is due before then.
     assert store.claim(delivery_id, 0, hold_s=0.6) is not None
     claimed_at = time.monotonic()

@@ -18,10 +18,10 @@ from sqlmodel import Session, select
 from cloud import webhook_dispatcher
 from cloud.jobs import JobSettings
 from cloud.webhook_dispatcher import WebhookDispatcher
-from cloud.webhooks import WebhookStore, is_valid_signature, new_delivery_id
+from cloud.webhooks import is_valid_signature
 from controlplane.storage.database import create_db
 from controlplane.storage.tables import WebhookAttempt, WebhookDelivery, WebhookSecret
-from controlplane.tenancy.service import create_tenant
+from tests.integration.webhook_support import queue_delivery
 
 pytestmark = pytest.mark.integration
 PUBLIC = "93.184.215.14"  # a global address: from this test machine, unreachable or at least not the receiver
@@ -78,16 +78,7 @@ def _resolver(answers: list[str], lookups: list[str]) -> Any:
 def _deliver(db_url: str, url: str) -> tuple[WebhookDelivery, list[WebhookAttempt]]:
     """Queue one tenant event to ``url``, let a dispatcher (private networks refused) make one attempt."""
     engine = create_db(db_url)
-    store = WebhookStore(engine)
-    with Session(engine) as s:
-        tenant = create_tenant(s, "acme")
-        s.commit()
-        tenant_id = int(tenant.id or 0)
-    store.rotate_secret(tenant_id)
-    delivery_id = new_delivery_id()
-    with Session(engine) as s:
-        s.add(WebhookDelivery(id=delivery_id, tenant_id=tenant_id, event="budget.threshold", payload={"a": 1}, url=url))
-        s.commit()
+    store, delivery_id = queue_delivery(engine, url)
     settings = JobSettings(webhook_allow_private_networks=False, webhook_timeout_s=2.0, webhook_max_attempts=1)
 
     async def one_attempt() -> None:
