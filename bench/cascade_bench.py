@@ -23,7 +23,7 @@ Per task:
   ``router_gain`` the same features fitted on ``no_loss_target`` (that keeping the request local loses nothing
   against the cloud: it ranks by what escalation gains, as PGR does; it ships as signal ``router``).
   ``lm-next8`` adds the prompt-side ``copy_signals`` (``prompt_novelty``, ``copy_kept``, ``prompt_novelty_all``,
-  ``copy_unavailable``, ``copy_first_kept``, ``suffix_novelty``), which the routers also read.
+  ``copy_unavailable``, ``copy_first_kept``, ``suffix_novelty``, ``copy_run_missed``), which the routers also read.
   ``router_gain_probe``: ``router_gain``'s features plus the confidence of a hidden-state probe fitted on
   ``no_loss_target`` (the gain probe; feature ``hidden_probe``), fitted on the gain probe's out-of-fold
   confidences on validation (``fit_gain_probe``; from ``MIN_GAIN_PROBE_ITEMS`` validation items); it ships as

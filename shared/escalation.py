@@ -51,6 +51,7 @@ COPY_SIGNALS = (
     "copy_unavailable",
     "copy_first_kept",
     "suffix_novelty",
+    "copy_run_missed",
 )
 COPY_TAIL_TOKENS = 32
 SUFFIX_CAP_TOKENS = 32
@@ -171,26 +172,33 @@ def copy_hits(ids: np.ndarray | list[int]) -> np.ndarray:
     return copy_lookup(ids)[1]
 
 
-def suffix_repeat(ids: np.ndarray | list[int], cap: int = SUFFIX_CAP_TOKENS) -> int:
-    """The length (up to ``cap``) of the longest suffix of ``ids`` that also occurs earlier in ``ids``: how long a
-    stretch a model that copies from its context can follow. Vectorised over the earlier positions, one step per
-    matched token."""
+def suffix_match(ids: np.ndarray | list[int], cap: int = SUFFIX_CAP_TOKENS) -> tuple[int, int]:
+    """The length (up to ``cap``) of the longest suffix of ``ids`` that also occurs earlier in ``ids``, and where
+    the latest such earlier occurrence ends (-1 when the last token never occurred before). Vectorised over the
+    earlier positions, one step per matched token."""
     t = np.asarray(ids, dtype=np.int64)
     n = len(t)
     if n < 2:
-        return 0
+        return 0, -1
     ends = np.arange(n - 1)  # where an earlier occurrence of the suffix may end
     alive = t[ends] == t[-1]
-    length = 0
+    length, end = 0, -1
     while alive.any() and length < cap:
         length += 1
+        end = int(ends[alive][-1])  # the latest occurrence matching ``length`` tokens
         k = length  # compare the token k before each end with the token k before the suffix's end
         ok = ends >= k
         alive = alive & ok
         if length == cap or not alive.any():
             break
         alive[ok] &= t[ends[ok] - k] == t[n - 1 - k]
-    return length
+    return length, end
+
+
+def suffix_repeat(ids: np.ndarray | list[int], cap: int = SUFFIX_CAP_TOKENS) -> int:
+    """The length (up to ``cap``) of the longest suffix of ``ids`` that also occurs earlier in ``ids``: how long a
+    stretch a model that copies from its context can follow (``suffix_match``)."""
+    return suffix_match(ids, cap)[0]
 
 
 def copy_signals(
@@ -210,6 +218,10 @@ def copy_signals(
       greedy continuation from its first token), else 1.
     - ``suffix_novelty``: -log(1 + ``suffix_repeat(prompt)``): low when the prompt ends in a long stretch it has
       seen before.
+    - ``copy_run_missed``: ``suffix_novelty`` x (the share of the output tokens that differ from the prompt's
+      tokens after the latest earlier occurrence of that stretch, compared position by position over as many as
+      the prompt has; 0 when it has none): low when the prompt ends in a long repeated stretch and the edge did not
+      continue it as it went on before (what a model that copies its context, the cloud, would have answered).
 
     All are oriented as confidences (escalate when low) and need only token ids, no model output."""
     p = np.asarray(prompt, dtype=np.int64)
@@ -222,13 +234,20 @@ def copy_signals(
     whole = hits[2:n_prompt]
     first_has = bool(has[n_prompt]) if len(output) else False
     first_hit = bool(hits[n_prompt]) if len(output) else False
+    repeat, end = suffix_match(p)
+    out = np.asarray(output, dtype=np.int64)
+    continued = p[end + 1 : end + 1 + len(out)] if repeat > 0 else p[:0]
+    m = len(continued)
+    missed = float(np.mean(continued != out[:m])) if m else 0.0
+    suffix_novelty = -math.log1p(repeat)
     return {
         "prompt_novelty": 1.0 - prompt_share,
         "copy_kept": 1.0 - prompt_share * (1.0 - output_share),
         "prompt_novelty_all": 1.0 - float(whole.mean()) if len(whole) else 1.0,
         "copy_unavailable": 0.0 if first_has else 1.0,
         "copy_first_kept": 0.0 if first_has and not first_hit else 1.0,
-        "suffix_novelty": -math.log1p(suffix_repeat(p)),
+        "suffix_novelty": suffix_novelty,
+        "copy_run_missed": suffix_novelty * missed,
     }
 
 

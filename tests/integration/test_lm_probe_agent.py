@@ -161,8 +161,8 @@ def test_the_agent_computes_the_copy_signals_as_the_bench(tiny_zoo: Path, tiny_z
 def test_the_agent_runs_a_router_stacked_on_the_probe_as_the_bench(tiny_zoo: Path, tiny_zoo_public_key: Path) -> None:
     """The policy ``bench cascade`` ships for ``router_gain_probe``: signal ``router`` whose features include the
     probe's confidence (``hidden_probe``, the probe on the mean logits in the policy) and the copy signals of the
-    first generated token and the repeated suffix. The agent builds the mean logits and the copy signals for it and
-    decides on the same prompts exactly as the bench computes them."""
+    first generated token and the repeated suffix (``copy_run_missed`` among them). The agent builds the mean logits
+    and the copy signals for it and decides on the same prompts exactly as the bench computes them."""
     from tokenizers import Tokenizer
 
     from bench.cascade_tasks import NEXT_TOKENS, _EdgeRun, _greedy, token_items
@@ -180,11 +180,17 @@ def test_the_agent_runs_a_router_stacked_on_the_probe_as_the_bench(tiny_zoo: Pat
     for item in items:
         _greedy(runtime, item.prompt, NEXT_TOKENS, run)
     probe = _random_probe(layout, np.stack(run.mean_logits), seed=1)
-    features = ["suffix_novelty", "copy_first_kept", "prompt_novelty_all", "mean_logprob", HIDDEN_PROBE]
+    features = ["suffix_novelty", "copy_first_kept", "prompt_novelty_all", "copy_run_missed", "mean_logprob"]
+    features.append(HIDDEN_PROBE)
     table = {f: np.array([s[f] for s in run.signals]) for f in features[:-1]}
+    assert len(set(table["copy_run_missed"].tolist())) > 1, "no item's answer broke off a repeated stretch"
     table[HIDDEN_PROBE] = probe.confidences(np.stack(run.mean_logits))
     router = LearnedRouter(
-        features, [0.7, 0.5, -0.4, 0.3, 2.0], 0.0, [float(table[f].mean()) for f in features], [1.0] * len(features)
+        features,
+        [0.7, 0.5, -0.4, 0.6, 0.3, 2.0],
+        0.0,
+        [float(table[f].mean()) for f in features],
+        [1.0] * len(features),
     )
     threshold, bench_escalates = _median_split(router.confidences(table))
     policy = EdgePolicy("tierline/lm-edge", signal=ROUTER, threshold=threshold, router=router, probe=probe)

@@ -13,6 +13,7 @@ from shared.escalation import (
     copy_signals,
     fit_router,
     no_loss_target,
+    suffix_match,
     suffix_repeat,
 )
 from shared.routing_eval import apgr, pgr_curves
@@ -102,6 +103,51 @@ def test_copy_lookup_and_suffix_repeat_match_their_definitions() -> None:
         ]
         assert suffix_repeat(seq) == _suffix_repeat_by_search(seq)
         assert suffix_repeat(seq, cap=3) == _suffix_repeat_by_search(seq, cap=3)
+
+
+def _copy_run_missed_by_search(prompt: list[int], output: list[int], cap: int = 32) -> float:
+    """The definition, written out: the longest repeated suffix of the prompt (``_suffix_repeat_by_search``), the
+    tokens after its latest earlier occurrence, and the share of the output that does not follow them."""
+    length = _suffix_repeat_by_search(prompt, cap)
+    if length == 0:
+        return 0.0
+    end = max(
+        e
+        for e in range(len(prompt) - 1)
+        if e - length + 1 >= 0 and prompt[e - length + 1 : e + 1] == prompt[len(prompt) - length :]
+    )
+    continued = prompt[end + 1 : end + 1 + len(output)]
+    if not continued:
+        return 0.0
+    missed = sum(a != b for a, b in zip(continued, output, strict=False)) / len(continued)
+    return -float(np.log1p(length)) * missed
+
+
+def test_copy_run_missed_sees_a_repeated_stretch_the_edge_did_not_continue() -> None:
+    """A prompt ending in a long stretch it has seen before, and an edge answer that does not go on as the stretch
+    went on before: the cloud, which copies its context, gains there; ``copy_run_missed`` drops with the stretch's
+    length and the share of the answer that broke off. An answer that continues it, or a prompt with nothing
+    repeated, keeps it at 0."""
+    head = [40, 41, 42, 43, 44, 45, 46, 47]
+    prompt = [1, 2, 3, *head, 9, 8, 7, 6, 5, 4, *head[:6]]  # ends in a 6-token stretch first followed by 46 47 9 8
+    assert suffix_match(prompt) == (6, 8)  # it ends at the first "45", index 8
+    follows = copy_signals(prompt, [46, 47, 9, 8])
+    broke_late = copy_signals(prompt, [46, 47, 30, 31])
+    broke = copy_signals(prompt, [30, 31, 32, 33])
+    assert follows["copy_run_missed"] == 0.0
+    assert broke_late["copy_run_missed"] == pytest.approx(-np.log(7) * 0.5)
+    assert broke["copy_run_missed"] == pytest.approx(-np.log(7))
+    # The same broken answer after a 1-token repeat weighs less: there was little to copy.
+    short = copy_signals([5, 6, 7, 8, 5], [30, 31])
+    assert short["copy_run_missed"] == pytest.approx(-np.log(2)) and short["copy_run_missed"] > -np.log(7)
+    assert copy_signals(list(range(50)), [30, 31])["copy_run_missed"] == 0.0  # nothing repeated
+    assert copy_signals([1, 2, 3, 1, 2], [])["copy_run_missed"] == 0.0  # nothing generated
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        seq = rng.integers(0, 4, size=int(rng.integers(0, 50))).tolist()
+        out = rng.integers(0, 4, size=int(rng.integers(0, 9))).tolist()
+        assert copy_signals(seq, out)["copy_run_missed"] == pytest.approx(_copy_run_missed_by_search(seq, out))
+        assert copy_signals(seq, out, tail=32)["copy_run_missed"] <= 0.0
 
 
 def test_a_policy_can_ship_a_copy_signal() -> None:
