@@ -97,8 +97,9 @@ class WebhookDispatcher:
             is_full = len(self._inflight) >= MAX_CONCURRENT_DELIVERIES
             # Else until the earliest pending delivery falls due (a retry; another process's claim, which lapses
             # when that process died mid-attempt): deliveries queued here wake it themselves.
-            next_due = self.store.next_due
-            wait_s = self.poll_s if is_full else await seconds_until_due(next_due, self.poll_s, "delivery")
+            wait_s = self.poll_s
+            if not is_full:
+                wait_s = await seconds_until_due(self.store.next_due, self.poll_s, "delivery")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), wait_s)
             self._wake.clear()

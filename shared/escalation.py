@@ -195,12 +195,6 @@ def suffix_match(ids: np.ndarray | list[int], cap: int = SUFFIX_CAP_TOKENS) -> t
     return length, end
 
 
-def suffix_repeat(ids: np.ndarray | list[int], cap: int = SUFFIX_CAP_TOKENS) -> int:
-    """The length (up to ``cap``) of the longest suffix of ``ids`` that also occurs earlier in ``ids``: how long a
-    stretch a model that copies from its context can follow (``suffix_match``)."""
-    return suffix_match(ids, cap)[0]
-
-
 def copy_signals(
     prompt: np.ndarray | list[int], output: np.ndarray | list[int], tail: int = COPY_TAIL_TOKENS
 ) -> dict[str, float]:
@@ -216,7 +210,7 @@ def copy_signals(
       last two tokens never occurred before), else 0.
     - ``copy_first_kept``: 0 when it has one and the edge's first token is not it (a missed copy derails the
       greedy continuation from its first token), else 1.
-    - ``suffix_novelty``: -log(1 + ``suffix_repeat(prompt)``): low when the prompt ends in a long stretch it has
+    - ``suffix_novelty``: -log(1 + ``suffix_match(prompt)``'s length): low when the prompt ends in a long stretch it has
       seen before.
     - ``copy_run_missed``: ``suffix_novelty`` x (the share of the output tokens that differ from the prompt's
       tokens after the latest earlier occurrence of that stretch, compared position by position over as many as

@@ -14,7 +14,6 @@ from shared.escalation import (
     fit_router,
     no_loss_target,
     suffix_match,
-    suffix_repeat,
 )
 from shared.routing_eval import apgr, pgr_curves
 
@@ -72,7 +71,7 @@ def test_the_first_generated_token_and_the_repeated_suffix_say_where_copying_gai
     assert kept["copy_first_kept"] == 1.0 and missed["copy_first_kept"] == 0.0
     assert kept["prompt_novelty_all"] < 0.1  # all but the first cycle is copyable
     # The table repeats its whole 80-token suffix (less one cycle): capped.
-    assert suffix_repeat(table) == 32 and kept["suffix_novelty"] == pytest.approx(-np.log(33))
+    assert suffix_match(table)[0] == 32 and kept["suffix_novelty"] == pytest.approx(-np.log(33))
     fresh_end = [*table, 50, 51]  # the last two tokens never seen: nothing to copy from for the next one
     late = copy_signals(fresh_end, breaks)
     assert late["copy_unavailable"] == 1.0 and late["copy_first_kept"] == 1.0 and late["suffix_novelty"] == 0.0
@@ -90,7 +89,7 @@ def _suffix_repeat_by_search(ids: list[int], cap: int = 32) -> int:
     return best
 
 
-def test_copy_lookup_and_suffix_repeat_match_their_definitions() -> None:
+def test_copy_lookup_and_suffix_match_follow_their_definitions() -> None:
     rng = np.random.default_rng(3)
     for _ in range(300):
         seq = rng.integers(0, 4, size=int(rng.integers(0, 60))).tolist()
@@ -101,8 +100,8 @@ def test_copy_lookup_and_suffix_repeat_match_their_definitions() -> None:
         assert has.tolist() == [
             j >= 2 and any(seq[s : s + 2] == seq[j - 2 : j] for s in range(j - 2)) for j in range(len(seq))
         ]
-        assert suffix_repeat(seq) == _suffix_repeat_by_search(seq)
-        assert suffix_repeat(seq, cap=3) == _suffix_repeat_by_search(seq, cap=3)
+        assert suffix_match(seq)[0] == _suffix_repeat_by_search(seq)
+        assert suffix_match(seq, cap=3)[0] == _suffix_repeat_by_search(seq, cap=3)
 
 
 def _copy_run_missed_by_search(prompt: list[int], output: list[int], cap: int = 32) -> float:
