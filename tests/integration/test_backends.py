@@ -262,7 +262,8 @@ def test_an_upstream_4xx_passes_through_with_its_message_and_bills_nothing(
 def test_a_large_prompt_is_counted_off_the_event_loop_which_keeps_answering_meanwhile(
     gateway: dict[str, Any],
 ) -> None:
-    prompt = "the quick brown fox jumps " * 38_000  # ~1 MB (the limit is 1 MiB): about a second of tokenising
+    # ~1 MB (the limit is 1 MiB): 0.2-0.4 s of tokenising here (`tokenizers` spreads it over the cores)
+    prompt = "the quick brown fox jumps " * 38_000
     answer: dict[str, Any] = {}
 
     def large() -> None:
@@ -287,7 +288,8 @@ def test_a_large_prompt_is_counted_off_the_event_loop_which_keeps_answering_mean
         thread.join()
     # refused after counting (its ~540k tokens are past the context), as before, and only then
     assert answer["status"] == 400 and "context" in answer["body"]["error"]["message"], answer
-    assert answer["took"] > 0.3, answer  # long enough to tell a blocked loop from a busy host
+    # long enough to tell a blocked loop from a busy host (CI's faster host took 0.297 s)
+    assert answer["took"] > 0.1, answer
     # counted on the event loop, a /healthz sent meanwhile waited for the whole count
     assert slowest < answer["took"] / 2, (slowest, answer["took"])
 
