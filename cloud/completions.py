@@ -415,8 +415,9 @@ class CompletionService:
             cost = Decimal(0)  # nothing was served, and no record is written: the hold is given back whole
         now = time.monotonic()
         record = self._record(caller, served, meter, status, price_id, cost, now, usage_source)
-        if meter.checkpoint_write is not None:  # a write the client's leaving interrupted must land first
-            await asyncio.wait([meter.checkpoint_write])
+        write = meter.checkpoint_write
+        if write is not None and not write.done():  # a write the client's leaving interrupted must land first
+            await asyncio.wait([write])  # (on a finished write it would still cost a turn of the loop)
         written = False
         if meter.budget is not None or meter.checkpointed:
             reservation, meter.budget = meter.budget, None

@@ -28,6 +28,7 @@ def _token_text(value: Any) -> str | None:
 
 
 _PIECE_CHARS = 1 << 15
+_SHORT_CHARS = 1 << 12  # encoded on the calling thread, GIL held: well under a millisecond
 
 
 def _pieces(text: str, size: int) -> list[str]:
@@ -87,6 +88,9 @@ class ChatTokenizer:
         each freed on its own, and its ids are only listed when they fit ``max_ids``: building, truncating or
         freeing the encoding of a million tokens holds the GIL too, and the event loop with it.
         """
+        if len(text) <= _SHORT_CHARS:  # one plain encode: the batch call's thread pool costs more than it frees
+            short = self.encode(text)
+            return (short if len(short) <= max_ids else []), len(short)
         encodings = self.tokenizer.encode_batch(_pieces(text, _PIECE_CHARS), add_special_tokens=False)
         first: list[int] = encodings[0].ids[:1]
         count = 0
