@@ -62,6 +62,7 @@ class UsageWriter:
         self.flush_interval_s = flush_interval_s
         self.max_batch = max_batch
         self._queue: asyncio.Queue[NewUsage] = asyncio.Queue()
+        self._queued = asyncio.Event()  # set by enqueue: an idle writer sleeps until there is something to write
         self._task: asyncio.Task[None] | None = None
         self.num_written = 0
         self.num_duplicates = 0
@@ -88,6 +89,7 @@ class UsageWriter:
 
     def enqueue(self, usage: NewUsage) -> None:
         self._queue.put_nowait(usage)
+        self._queued.set()
 
     # -- streamed requests: their usage so far is durable before their tokens are sent -------------------------
     @property
@@ -189,7 +191,10 @@ class UsageWriter:
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self.flush_interval_s)
+            if self._queue.empty():  # nothing to write: no wake-up every interval while idle
+                self._queued.clear()
+                await self._queued.wait()
+            await asyncio.sleep(self.flush_interval_s)  # the interval's records, in one batch
             try:
                 await self._flush()
             except Exception:

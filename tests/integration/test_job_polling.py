@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
-from sqlalchemy import create_engine
+from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from cloud.job_worker import JobWorker
-from cloud.jobs import CHAT, JobSettings, JobStore
+from cloud.jobs import CHAT, JOBS_CHANNEL, LISTEN_RETRY_S, JobSettings, JobStore
 from controlplane.storage.migrate import upgrade
 from controlplane.storage.tables import Job, Tenant, utcnow
 from tests.conftest import PG_URL, _postgres_schema, migrated_sqlite
@@ -138,3 +138,45 @@ def test_a_job_queued_by_another_replica_wakes_this_ones_workers(postgres_url: s
     here.dispose()
     there.dispose()
     assert after < 1.0, after  # the poll would have come after 60 s
+
+
+@pytest.mark.postgres
+def test_a_lost_listening_connection_is_opened_again_and_looked_after(postgres_url: str) -> None:
+    here, there = create_engine(postgres_url), create_engine(postgres_url)
+    store = CountingStore(here)
+    worker = JobWorker(store, cast(Any, None), here, cast(Any, None), cast(Any, None), JobSettings(job_poll_s=60))
+    listening = f"SELECT pid FROM pg_stat_activity WHERE query = 'LISTEN {JOBS_CHANNEL}' AND pid <> pg_backend_pid()"
+
+    def terminate_listeners() -> int:
+        with there.begin() as connection:
+            pids = [row[0] for row in connection.execute(text(listening))]
+            for pid in pids:
+                connection.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        return len(pids)
+
+    async def main() -> tuple[int, float, float]:
+        await worker.start()
+        await asyncio.sleep(1.0)
+        killed = await asyncio.to_thread(terminate_listeners)  # as a PostgreSQL restart or a dropped link would
+        await asyncio.sleep(0.5)
+        # queued while nobody listens: found by the look the listener takes once it is connected again
+        await asyncio.to_thread(JobStore(there).create, _job(there, "job-unheard", utcnow()))
+        queued = time.monotonic()
+        while "job-unheard" not in store.taken and time.monotonic() - queued < 15:
+            await asyncio.sleep(0.05)
+        unheard = store.taken.get("job-unheard", float("inf")) - queued
+        # and the new connection hears the next one at once
+        await asyncio.to_thread(JobStore(there).create, _job(there, "job-heard", utcnow()))
+        queued = time.monotonic()
+        while "job-heard" not in store.taken and time.monotonic() - queued < 5:
+            await asyncio.sleep(0.02)
+        heard = store.taken.get("job-heard", float("inf")) - queued
+        await worker.stop()
+        return killed, unheard, heard
+
+    killed, unheard, heard = asyncio.run(main())
+    here.dispose()
+    there.dispose()
+    assert killed >= 1
+    assert unheard < LISTEN_RETRY_S + 3, unheard  # the reconnection's look, not the 60 s poll
+    assert heard < 1.0, heard

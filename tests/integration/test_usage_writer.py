@@ -67,3 +67,53 @@ def test_a_column_the_table_lacks_is_refused_when_submitted(migrated_db: str) ->
     writer = UsageWriter(create_db(migrated_db))
     with pytest.raises(TypeError, match="no column completion_tokenz"):
         writer.submit("r1", 1, "m", "cloud", completion_tokenz=3)
+
+
+def test_an_idle_writer_sleeps_and_writes_a_new_record_within_its_interval(migrated_db: str) -> None:
+    engine = create_db(migrated_db)
+    with Session(engine) as session:
+        tenant = Tenant(name="acme")
+        session.add(tenant)
+        session.commit()
+        tenant_id = tenant.id or 0
+
+    def stored(record_id: str) -> bool:
+        with Session(engine) as session:
+            return session.get(UsageRecord, record_id) is not None
+
+    async def written_after(writer: UsageWriter, record_id: str) -> float:
+        writer.submit(record_id, tenant_id, "tierline/lm-cloud", "cloud", prompt_tokens=3)
+        queued = asyncio.get_running_loop().time()
+        while not await asyncio.to_thread(stored, record_id):
+            assert asyncio.get_running_loop().time() - queued < 5, f"{record_id} not written"
+            await asyncio.sleep(0.02)
+        return asyncio.get_running_loop().time() - queued
+
+    async def main() -> tuple[float, float, int]:
+        writer = UsageWriter(engine, flush_interval_s=0.3)
+        flushes = 0
+        flush = writer._flush
+
+        async def counted() -> None:
+            nonlocal flushes
+            flushes += 1
+            await flush()
+
+        writer._flush = counted  # type: ignore[method-assign]
+        await writer.start()
+        try:
+            first = await written_after(writer, "idle-1")
+            before = flushes
+            await asyncio.sleep(1.0)  # idle for three intervals
+            idle_flushes = flushes - before
+            second = await written_after(writer, "idle-2")
+            return first, second, idle_flushes
+        finally:
+            await writer.close()
+
+    first, second, idle_flushes = asyncio.run(main())
+    engine.dispose()
+    assert idle_flushes == 0  # asleep while there is nothing to write (it used to look every interval)
+    # batched: each waits out the interval once (not written at once), and no longer than about that
+    assert 0.25 <= first < 1.5, first
+    assert 0.25 <= second < 1.5, second
