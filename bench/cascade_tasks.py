@@ -429,9 +429,9 @@ def run_lm_next(layout: ZooLayout, num_items: int, seed: int) -> TaskResults:
 
 
 def run_lm_micro_next(layout: ZooLayout, num_items: int, seed: int) -> TaskResults:
-    """``lm-next8``'s items (same ``seed``: same positions and references) on the pair with a real gap: the micro
-    LM (INT8) at the edge and the cloud LM, every prompt cut to the trained context minus ``NEXT_TOKENS`` so
-    both run inside their training windows."""
+    """``lm-next8``'s items (same ``seed`` and ``num_items``: same positions and references) on the pair with a
+    real gap: the micro LM (INT8) at the edge and the cloud LM, every prompt cut to the trained context minus
+    ``NEXT_TOKENS`` so both run inside their training windows."""
     from tokenizers import Tokenizer
 
     from edge_agent.runtime.lm import load_causal_lm
