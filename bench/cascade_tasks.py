@@ -187,13 +187,14 @@ class _EdgeRun:
     def add(self, prompt: list[int], out: list[int], rows: list[np.ndarray]) -> None:
         """The evidence for the whole answer in one vectorised pass (what a device pays to decide)."""
         started = time.perf_counter()
-        signals = lm_signals(step_signals(np.stack(rows), out))
+        logits = np.stack(rows)  # [T, V], stacked once for the signals and the probe's input
+        signals = lm_signals(step_signals(logits, out))
         if self.with_copy:
             signals |= copy_signals(prompt, out)
         self.signals.append(signals)
         self.signal_s.append(time.perf_counter() - started)
         started = time.perf_counter()
-        self.mean_logits.append(np.asarray(np.mean(rows, axis=0, dtype=np.float64)))
+        self.mean_logits.append(np.asarray(np.mean(logits, axis=0, dtype=np.float64)))
         self.probe_s.append(time.perf_counter() - started)
         self.outputs.append(out)
 
@@ -428,9 +429,9 @@ def run_lm_next(layout: ZooLayout, num_items: int, seed: int) -> TaskResults:
 
 
 def run_lm_micro_next(layout: ZooLayout, num_items: int, seed: int) -> TaskResults:
-    """``lm-next8``'s items (same ``seed``: same positions and references) on the pair with a real gap: the micro
-    LM (INT8) at the edge and the cloud LM, every prompt cut to the trained context minus ``NEXT_TOKENS`` so
-    both run inside their training windows."""
+    """``lm-next8``'s items (same ``seed`` and ``num_items``: same positions and references) on the pair with a
+    real gap: the micro LM (INT8) at the edge and the cloud LM, every prompt cut to the trained context minus
+    ``NEXT_TOKENS`` so both run inside their training windows."""
     from tokenizers import Tokenizer
 
     from edge_agent.runtime.lm import load_causal_lm

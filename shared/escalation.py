@@ -174,25 +174,21 @@ def copy_hits(ids: np.ndarray | list[int]) -> np.ndarray:
 
 def suffix_match(ids: np.ndarray | list[int], cap: int = SUFFIX_CAP_TOKENS) -> tuple[int, int]:
     """The length (up to ``cap``) of the longest suffix of ``ids`` that also occurs earlier in ``ids``, and where
-    the latest such earlier occurrence ends (-1 when the last token never occurred before). Vectorised over the
-    earlier positions, one step per matched token."""
+    the latest such earlier occurrence ends (-1 when the last token never occurred before). One comparison matrix
+    (earlier occurrences of the last token x the ``cap`` tokens back from it), no per-token loop."""
     t = np.asarray(ids, dtype=np.int64)
     n = len(t)
-    if n < 2:
+    if n < 2 or cap < 1:
         return 0, -1
-    ends = np.arange(n - 1)  # where an earlier occurrence of the suffix may end
-    alive = t[ends] == t[-1]
-    length, end = 0, -1
-    while alive.any() and length < cap:
-        length += 1
-        end = int(ends[alive][-1])  # the latest occurrence matching ``length`` tokens
-        k = length  # compare the token k before each end with the token k before the suffix's end
-        ok = ends >= k
-        alive = alive & ok
-        if length == cap or not alive.any():
-            break
-        alive[ok] &= t[ends[ok] - k] == t[n - 1 - k]
-    return length, end
+    ends = np.flatnonzero(t[:-1] == t[-1])  # where an earlier occurrence of the suffix may end, ascending
+    if len(ends) == 0:
+        return 0, -1
+    back = np.arange(min(cap, n - 1))  # an occurrence ending at e can match at most e + 1 <= n - 1 tokens
+    before = ends[:, None] - back  # [occurrences, back]: the token ``back`` before each end
+    same = (before >= 0) & (t[np.maximum(before, 0)] == t[n - 1 - back])
+    lengths = np.where(same.all(axis=1), len(back), same.argmin(axis=1))  # matched tokens up to the first miss
+    length = int(lengths.max())
+    return length, int(ends[lengths == length][-1])
 
 
 def copy_signals(

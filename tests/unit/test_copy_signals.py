@@ -79,14 +79,17 @@ def test_the_first_generated_token_and_the_repeated_suffix_say_where_copying_gai
     assert short["suffix_novelty"] == pytest.approx(-np.log(4)) and short["copy_first_kept"] == 0.0
 
 
-def _suffix_repeat_by_search(ids: list[int], cap: int = 32) -> int:
-    best = 0
+def _suffix_match_by_search(ids: list[int], cap: int = 32) -> tuple[int, int]:
+    """The definition, written out: every earlier position the suffix may end at, the tokens matched going back
+    from it (up to ``cap``), the longest, and the latest position matching that many (-1 when none matches)."""
+    best, best_end = 0, -1
     for end in range(len(ids) - 1):  # an earlier occurrence ending at ``end``
         k = 0
         while k < cap and end - k >= 0 and ids[end - k] == ids[len(ids) - 1 - k]:
             k += 1
-        best = max(best, k)
-    return best
+        if k > 0 and k >= best:
+            best, best_end = k, end
+    return best, best_end
 
 
 def test_copy_lookup_and_suffix_match_follow_their_definitions() -> None:
@@ -100,14 +103,33 @@ def test_copy_lookup_and_suffix_match_follow_their_definitions() -> None:
         assert has.tolist() == [
             j >= 2 and any(seq[s : s + 2] == seq[j - 2 : j] for s in range(j - 2)) for j in range(len(seq))
         ]
-        assert suffix_match(seq)[0] == _suffix_repeat_by_search(seq)
-        assert suffix_match(seq, cap=3)[0] == _suffix_repeat_by_search(seq, cap=3)
+        assert suffix_match(seq) == _suffix_match_by_search(seq)
+        assert suffix_match(seq, cap=3) == _suffix_match_by_search(seq, cap=3)
+
+
+@pytest.mark.parametrize("vocabulary", [1, 2, 5, 50, 4096])
+def test_suffix_match_gives_the_searched_length_and_end_on_long_and_periodic_prompts(vocabulary: int) -> None:
+    """Both numbers ``copy_run_missed`` reads, on prompts as long as the micro LM's (248 tokens) and past them, on
+    random and periodic text (long repeats, one token repeated throughout), at every cap up to past the prompt."""
+    rng = np.random.default_rng(vocabulary)
+    for _ in range(150):
+        n = int(rng.integers(0, 300))
+        seq = rng.integers(0, vocabulary, size=n)
+        if rng.random() < 0.5 and n > 0:  # a periodic stretch with a few tokens changed
+            seq = np.resize(seq[: int(rng.integers(1, 20))], n)
+            seq[rng.integers(0, n, size=int(rng.integers(0, 4)))] = int(rng.integers(0, vocabulary))
+        ids = seq.tolist()
+        for cap in (0, 1, 2, 3, 32, 400):
+            assert suffix_match(ids, cap) == _suffix_match_by_search(ids, cap)
+            assert suffix_match(seq, cap) == _suffix_match_by_search(ids, cap)  # an array as the agent may pass
+    assert suffix_match([7] * 248) == (32, 246) and suffix_match([7] * 248, cap=400) == (247, 246)
+    assert suffix_match([1, 2]) == (0, -1) and suffix_match([3]) == (0, -1) and suffix_match([]) == (0, -1)
 
 
 def _copy_run_missed_by_search(prompt: list[int], output: list[int], cap: int = 32) -> float:
-    """The definition, written out: the longest repeated suffix of the prompt (``_suffix_repeat_by_search``), the
+    """The definition, written out: the longest repeated suffix of the prompt (``_suffix_match_by_search``), the
     tokens after its latest earlier occurrence, and the share of the output that does not follow them."""
-    length = _suffix_repeat_by_search(prompt, cap)
+    length = _suffix_match_by_search(prompt, cap)[0]
     if length == 0:
         return 0.0
     end = max(

@@ -134,3 +134,26 @@ def test_cross_validated_l2_is_chosen_on_the_given_items_only_and_generalises() 
     assert chosen >= max(by_l2.values()) - 0.05 and chosen > 0.6
     _, l2_few = fit_router_cv({f: v[:10] for f, v in part.items()}, target[:10], list(table), edge[:10], cloud[:10])
     assert l2_few == L2_GRID[0]  # too few items to cross-validate: the grid's first strength
+
+
+def test_the_edge_evidence_is_the_per_answer_signals_and_mean_logits_of_the_rows() -> None:
+    """``_EdgeRun.add`` (what ``signal_s``/``probe_s`` time) stacks the rows once for both the signals and the
+    probe input: the values are exactly those computed from the rows as the device hands them over."""
+    from bench.cascade_tasks import _EdgeRun
+    from shared.escalation import copy_signals, lm_signals, step_signals
+
+    rng = np.random.default_rng(2)
+    run = _EdgeRun(with_copy=True)
+    cases = []
+    for _ in range(20):
+        prompt = rng.integers(0, 50, size=int(rng.integers(3, 248))).tolist()
+        steps = int(rng.integers(1, 9))
+        rows = [rng.normal(0, 4, size=V).astype(np.float32) for _ in range(steps)]
+        out = [int(r.argmax()) for r in rows]
+        run.add(prompt, out, rows)
+        cases.append((prompt, out, rows))
+    for k, (prompt, out, rows) in enumerate(cases):
+        signals = lm_signals(step_signals(np.array(rows), out)) | copy_signals(prompt, out)
+        assert run.signals[k] == signals
+        assert np.array_equal(run.mean_logits[k], np.mean(rows, axis=0, dtype=np.float64))
+    assert len(run.signal_s) == len(run.probe_s) == len(cases) and min(run.signal_s) > 0
