@@ -21,13 +21,13 @@ import contextlib
 import json
 import os
 import statistics
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from bench.common import free_port, tierline_server
-from bench.scale_bench import MODEL, _load, _setup, _summary
+from bench.gateway_profile import bench_platform
+from bench.scale_bench import _load, _summary
 
 
 @contextlib.contextmanager
@@ -50,39 +50,25 @@ def run(
     b_tree: Path | None,
     b_env: dict[str, str],
 ) -> dict[str, Any]:
-    from bench.billing_bench import _postgres, _postgres_url
-    from bench.common import zoo_root
-    from shared.settings import CoreSettings
-
-    db_url = _postgres_url()
-    if db_url is None:
-        raise SystemExit("set TIERLINE_BENCH_DATABASE_URL (or TIERLINE_TEST_DATABASE_URL)")
-    redis_url = os.environ.get("TIERLINE_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
-    zoo = zoo_root("tiny", None)
     cpu: dict[str, dict[int, list[float]]] = {"A": {c: [] for c in concurrency}, "B": {c: [] for c in concurrency}}
-    with tempfile.TemporaryDirectory(prefix="tierline-gw-ab-") as tmp_name, _postgres(db_url) as schema_url:
-        tmp = Path(tmp_name)
-        up_port = free_port()
-        platform = _setup(tmp, zoo, CoreSettings().data_dir, schema_url, redis_url, f"http://127.0.0.1:{up_port}")
-        serve = ["engine", "serve", "--model", str(zoo / "artifacts" / MODEL), "--name", MODEL]
-        with tierline_server(serve, platform.env, up_port, "/health"), contextlib.ExitStack() as stack:
-            gateways = {}
-            for name, tree, env in (("A", None, platform.envs[0]), ("B", b_tree, {**platform.envs[0], **b_env})):
-                port = free_port()
-                with _in(tree):
-                    proc = stack.enter_context(tierline_server(["cloud", "serve"], env, port, "/readyz"))
-                gateways[name] = (f"http://127.0.0.1:{port}", proc.pid)
-            for r in range(rounds):
-                for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
-                    url, pid = gateways[name]
-                    for c in concurrency:
-                        outcomes, _, elapsed, _, used = asyncio.run(
-                            _load(url, platform.key, requests, c, max_tokens, cpu_pids=(pid,))
-                        )
-                        served = requests - _summary(outcomes, elapsed)["errors"]
-                        if served <= 0:
-                            raise SystemExit(f"gateway {name}: every request failed at {c} streams")
-                        cpu[name][c].append(round(used / served * 1000, 3))
+    with bench_platform("tierline-gw-ab-") as (_, platform), contextlib.ExitStack() as stack:
+        gateways = {}
+        for name, tree, env in (("A", None, platform.envs[0]), ("B", b_tree, {**platform.envs[0], **b_env})):
+            port = free_port()
+            with _in(tree):
+                proc = stack.enter_context(tierline_server(["cloud", "serve"], env, port, "/readyz"))
+            gateways[name] = (f"http://127.0.0.1:{port}", proc.pid)
+        for r in range(rounds):
+            for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
+                url, pid = gateways[name]
+                for c in concurrency:
+                    outcomes, _, elapsed, _, used = asyncio.run(
+                        _load(url, platform.key, requests, c, max_tokens, cpu_pids=(pid,))
+                    )
+                    served = requests - _summary(outcomes, elapsed)["errors"]
+                    if served <= 0:
+                        raise SystemExit(f"gateway {name}: every request failed at {c} streams")
+                    cpu[name][c].append(round(used / served * 1000, 3))
     points = {}
     for c in concurrency:
         a, b = statistics.median(cpu["A"][c]), statistics.median(cpu["B"][c])

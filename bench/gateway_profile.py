@@ -26,11 +26,12 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from bench.common import free_port, tierline_server
-from bench.scale_bench import MODEL, _load, _setup, _summary, _tree_cpu
+from bench.scale_bench import MODEL, _load, _Platform, _setup, _summary, _tree_cpu
 
 # (stage, substrings of a frame) in priority order: a sample counts for the first stage any of its frames matches.
 STAGES: list[tuple[str, tuple[str, ...]]] = [
@@ -138,15 +139,11 @@ def _point(
     return result
 
 
-def run(
-    requests: int,
-    concurrency: list[int],
-    max_tokens: int,
-    profile: bool,
-    rate: int,
-    gil: bool = False,
-    idle_s: float = 0.0,
-) -> dict[str, Any]:
+@contextlib.contextmanager
+def bench_platform(prefix: str) -> Iterator[tuple[Path, _Platform]]:
+    """``bench scale``'s platform (tenants, a rate limit in Redis, a budget, a price, metering in PostgreSQL: a
+    fresh schema of ``TIERLINE_BENCH_DATABASE_URL``; ``TIERLINE_BENCH_REDIS_URL``) with its model server up, and a
+    temporary directory; the gateways are the caller's."""
     from bench.billing_bench import _postgres, _postgres_url
     from bench.common import zoo_root
     from shared.settings import CoreSettings
@@ -156,28 +153,41 @@ def run(
         raise SystemExit("set TIERLINE_BENCH_DATABASE_URL (or TIERLINE_TEST_DATABASE_URL)")
     redis_url = os.environ.get("TIERLINE_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
     zoo = zoo_root("tiny", None)
-    result: dict[str, Any] = {"requests": requests, "concurrency": concurrency, "max_tokens": max_tokens, "gil": gil}
-    with tempfile.TemporaryDirectory(prefix="tierline-gw-profile-") as tmp_name, _postgres(db_url) as schema_url:
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp_name, _postgres(db_url) as schema_url:
         tmp = Path(tmp_name)
         up_port = free_port()
         platform = _setup(tmp, zoo, CoreSettings().data_dir, schema_url, redis_url, f"http://127.0.0.1:{up_port}")
         serve = ["engine", "serve", "--model", str(zoo / "artifacts" / MODEL), "--name", MODEL]
         with tierline_server(serve, platform.env, up_port, "/health"):
-            port = free_port()
-            with tierline_server(["cloud", "serve"], platform.envs[0], port, "/readyz") as gateway:
-                url = f"http://127.0.0.1:{port}"
-                asyncio.run(_load(url, platform.key, 2 * max(concurrency), max(concurrency), max_tokens))  # warm
-                if idle_s > 0:  # what the gateway burns with no request: its background work, per second
-                    time.sleep(1.0)
-                    cpu0 = _tree_cpu(gateway.pid)
-                    time.sleep(idle_s)
-                    result["idle_cpu_ms_per_s"] = round((_tree_cpu(gateway.pid) - cpu0) / idle_s * 1000, 2)
-                points = {}
-                for c in concurrency:
-                    points[str(c)] = _point(
-                        url, platform.key, gateway.pid, tmp, requests, c, max_tokens, profile, rate, gil
-                    )
-                result["points"] = points
+            yield tmp, platform
+
+
+def run(
+    requests: int,
+    concurrency: list[int],
+    max_tokens: int,
+    profile: bool,
+    rate: int,
+    gil: bool = False,
+    idle_s: float = 0.0,
+) -> dict[str, Any]:
+    result: dict[str, Any] = {"requests": requests, "concurrency": concurrency, "max_tokens": max_tokens, "gil": gil}
+    with bench_platform("tierline-gw-profile-") as (tmp, platform):
+        port = free_port()
+        with tierline_server(["cloud", "serve"], platform.envs[0], port, "/readyz") as gateway:
+            url = f"http://127.0.0.1:{port}"
+            asyncio.run(_load(url, platform.key, 2 * max(concurrency), max(concurrency), max_tokens))  # warm
+            if idle_s > 0:  # what the gateway burns with no request: its background work, per second
+                time.sleep(1.0)
+                cpu0 = _tree_cpu(gateway.pid)
+                time.sleep(idle_s)
+                result["idle_cpu_ms_per_s"] = round((_tree_cpu(gateway.pid) - cpu0) / idle_s * 1000, 2)
+            points = {}
+            for c in concurrency:
+                points[str(c)] = _point(
+                    url, platform.key, gateway.pid, tmp, requests, c, max_tokens, profile, rate, gil
+                )
+            result["points"] = points
     return result
 
 

@@ -7,6 +7,7 @@ import asyncio
 from decimal import Decimal
 
 import pytest
+from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
 from cloud.metering import UsageWriter
@@ -17,13 +18,17 @@ from controlplane.storage.tables import Tenant, UsageRecord
 pytestmark = pytest.mark.integration
 
 
-def test_records_are_written_once_in_batches_and_duplicates_are_skipped(migrated_db: str) -> None:
-    engine = create_db(migrated_db)
+def _tenant(engine: Engine) -> int:
     with Session(engine) as session:
         tenant = Tenant(name="acme")
         session.add(tenant)
         session.commit()
-        tenant_id = tenant.id or 0
+        return tenant.id or 0
+
+
+def test_records_are_written_once_in_batches_and_duplicates_are_skipped(migrated_db: str) -> None:
+    engine = create_db(migrated_db)
+    tenant_id = _tenant(engine)
 
     metrics = Metrics()
 
@@ -71,11 +76,7 @@ def test_a_column_the_table_lacks_is_refused_when_submitted(migrated_db: str) ->
 
 def test_an_idle_writer_sleeps_and_writes_a_new_record_within_its_interval(migrated_db: str) -> None:
     engine = create_db(migrated_db)
-    with Session(engine) as session:
-        tenant = Tenant(name="acme")
-        session.add(tenant)
-        session.commit()
-        tenant_id = tenant.id or 0
+    tenant_id = _tenant(engine)
 
     def stored(record_id: str) -> bool:
         with Session(engine) as session:
