@@ -99,7 +99,9 @@ class CloudSettings(BaseSettings):
         True, description="false: accept the issuer's tokens for any audience (only for an issuer minting for us alone)"
     )
     jwt_tenant_claim: str = Field("tenant", description="claim naming the tenant")
-    usage_flush_ms: int = Field(200, ge=10, description="how often usage records are written, in batches")
+    usage_flush_ms: int = Field(
+        200, ge=10, description="usage records are written this long after the first of a batch is queued"
+    )
     usage_checkpoint_tokens: int = Field(
         32,
         ge=0,
