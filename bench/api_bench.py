@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 import httpx
 import numpy as np
 
+from bench.common import tree_cpu_seconds
 from bench.sse_client import Connection, ProtocolError
 from cloud.engine.async_engine import AsyncLLMEngine
 from cloud.engine.config import EngineConfig
@@ -197,9 +198,9 @@ def run_api_bench(
             gc.collect()
             gc.freeze()
             try:
-                server_cpu, client_cpu = _cpu_seconds(server.pid), time.process_time()
+                server_cpu, client_cpu = tree_cpu_seconds(server.pid), time.process_time()
                 api = _run(_clients(url, key, model, duration_s, concurrency, max_tokens))
-                cpu = [round(_cpu_seconds(server.pid) - server_cpu, 2), round(time.process_time() - client_cpu, 2)]
+                cpu = [round(tree_cpu_seconds(server.pid) - server_cpu, 2), round(time.process_time() - client_cpu, 2)]
                 one_by_one = _run(_clients(url, key, model, min(5.0, duration_s / 3), 1, max_tokens))
             finally:
                 gc.unfreeze()
@@ -234,18 +235,6 @@ def run_api_bench(
     for prefix, run, isolated in (("", api, alone), ("sequential_", one_by_one, alone_one_by_one)):
         result.update({f"{prefix}{k}": v for k, v in _overhead(run["latencies"], engine_ms, isolated).items()})
     return result
-
-
-def _cpu_seconds(pid: int) -> float:
-    """CPU seconds (user + system) of ``pid`` and its children so far, from /proc (0.0 where there is none)."""
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    total = 0.0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(stat.parent.name) == pid or int(fields[1]) == pid:  # fields[1]: the parent's pid
-                total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-    return total
 
 
 def _engine_latencies(db: Path) -> dict[str, float]:

@@ -33,23 +33,12 @@ from typing import Any
 
 import httpx
 
-from bench.common import free_port, tierline_server
-
-TICK = os.sysconf("SC_CLK_TCK")
+from bench.common import free_port, tierline_server, tree_cpu_seconds
 
 
 def _proc_cpu(pid: int, *, children: bool) -> float:
-    """CPU seconds of ``pid`` itself, or of its direct children (from /proc)."""
-    total = 0.0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            mine = int(stat.parent.name) == pid if not children else int(fields[1]) == pid
-            if mine:
-                total += (int(fields[11]) + int(fields[12])) / TICK
-        except (OSError, ValueError, IndexError):
-            continue
-    return total
+    """CPU seconds of ``pid`` itself, or of its descendants (live, to the nanosecond, and reaped)."""
+    return tree_cpu_seconds(pid, root=not children, descendants=children)
 
 
 def engine_cost(zoo: Path, mode: str, num_requests: int = 64) -> dict[str, Any]:

@@ -52,13 +52,12 @@ from typing import Any
 import httpx
 import numpy as np
 
-from bench.common import free_port, tierline_server
+from bench.common import free_port, tierline_server, tree_cpu_seconds
 
 CLI = [sys.executable, "-m", "tierline.cli"]
 MODEL = "lm-cloud"
 _EMPTY = re.compile(r'"content":\s*(""|null)')
 PROMPTS = ("def parse(line):\n", "import os\n\n\nclass ", "    for key, value in ", "# Copyright", "return ")
-TICK = os.sysconf("SC_CLK_TCK")
 REQUEST_TIMEOUT_S = 20.0
 SETTLE_S = 5.0  # the survivor's rate is taken from this long after the kill (the target: within 5 s)
 LITELLM_KEY = "sk-tierline-bench"  # the throwaway master key of a proxy living one run
@@ -245,27 +244,8 @@ def _overhead(path: dict[str, Any], direct: dict[str, Any]) -> dict[str, float |
 
 
 def _tree_cpu(pid: int) -> float:
-    """CPU seconds of ``pid`` and every live descendant (a proxy's workers), with the CPU of descendants that
-    exited and were reaped (``cutime``/``cstime``): a worker the proxy recycles mid-run keeps counting, and the
-    total never goes down (it went negative once when a LiteLLM worker was replaced during a point)."""
-    parents: dict[int, int] = {}
-    cpu: dict[int, float] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            p = int(stat.parent.name)
-            parents[p] = int(fields[1])
-            cpu[p] = sum(int(f) for f in fields[11:15]) / TICK  # utime, stime, cutime, cstime
-        except (OSError, ValueError, IndexError):
-            continue
-    total = 0.0
-    for p, seconds in cpu.items():
-        q = p
-        while q and q != pid:
-            q = parents.get(q, 0)
-        if q == pid:
-            total += seconds
-    return total
+    """CPU seconds of ``pid`` and every descendant, live or reaped (``bench.common.tree_cpu_seconds``)."""
+    return tree_cpu_seconds(pid)
 
 
 def _measured(
