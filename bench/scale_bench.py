@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from decimal import Decimal
@@ -134,6 +135,7 @@ class Outcome:
     ok: bool
     usage_id: str | None
     events: int = 0  # content events received: the same work on every path (a proxy dropping ignore_eos would not)
+    error: str | None = None  # why it failed: "HTTP 503", the error event's message, or the exception's name
 
 
 async def _stream(http: httpx.AsyncClient, i: int, max_tokens: int) -> Outcome:
@@ -150,12 +152,14 @@ async def _stream(http: httpx.AsyncClient, i: int, max_tokens: int) -> Outcome:
     ok = False
     usage_id: str | None = None
     events = 0
+    error: str | None = None
     try:
         async with http.stream("POST", "/v1/chat/completions", json=body) as response:
             usage_id = response.headers.get("x-tierline-usage-id")
             if response.status_code != 200:
-                await response.aread()
-                return Outcome(started, time.monotonic(), None, False, usage_id)
+                said = (await response.aread())[:200].decode(errors="replace")
+                error = f"HTTP {response.status_code}: {said}"
+                return Outcome(started, time.monotonic(), None, False, usage_id, error=error)
             async for line in response.aiter_lines():
                 if '"content":' in line and not _EMPTY.search(line):
                     events += 1
@@ -164,10 +168,13 @@ async def _stream(http: httpx.AsyncClient, i: int, max_tokens: int) -> Outcome:
                 if line == "data: [DONE]":
                     ok = True
                 elif line.startswith('data: {"error"'):
+                    error = line[6:206]
                     break
-    except httpx.HTTPError:
-        ok = False
-    return Outcome(started, time.monotonic(), first, ok, usage_id, events)
+    except httpx.HTTPError as exc:
+        ok, error = False, f"{type(exc).__name__}: {exc}"[:200]
+    if not ok and error is None:
+        error = "the stream ended without [DONE]"
+    return Outcome(started, time.monotonic(), first, ok, usage_id, events, error)
 
 
 async def _load(
@@ -230,6 +237,8 @@ def _summary(outcomes: list[Outcome], elapsed: float) -> dict[str, Any]:
         "ttft_p50_ms": _ms(ttfts, 50),
         "ttft_p99_ms": _ms(ttfts, 99),
         "content_events_p50": float(np.percentile([o.events for o in good], 50)) if good else None,
+        # the failures by reason (the first 200 characters of the status and body, error event or exception)
+        "error_reasons": dict(Counter(o.error or "?" for o in outcomes if not o.ok)),
     }
 
 
@@ -420,6 +429,7 @@ def _kill_phase(
         "failed": len(failed),
         "failed_started_before_kill": sum(o.started < kill_t for o in failed),
         "failed_started_after_kill": sum(o.started >= kill_t for o in failed),
+        "failed_reasons": dict(Counter(o.error or "?" for o in failed)),
         "records_lost": len(served - set(records)),
         "records_of_failed_requests": len(new & (sent - served)),
         "records_of_unknown_requests": len(new - sent),

@@ -65,6 +65,8 @@ def test_a_killed_gateway_loses_and_duplicates_no_record(scale: dict[str, Any]) 
     kill = scale["kill"]
     assert kill["served"] > 0
     assert kill["failed"] <= 4, kill  # at most the streams on the killed gateway's connections (4 clients)
+    # each failure says why (a connection the kill broke: a transport error or a stream cut short)
+    assert sum(kill["failed_reasons"].values()) == kill["failed"] and "?" not in kill["failed_reasons"], kill
     assert kill["records_lost"] == 0 and kill["records_of_unknown_requests"] == 0, kill
     assert kill["reservations_released_s_after_kill"] is not None, kill  # the dead gateway's holds were released
     assert Decimal(kill["spent_minus_records_cost"]) == 0, kill
