@@ -499,7 +499,7 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
         ],
         start=start,
         state_type=CloudState,
-        middleware=[observed.middleware],
+        on_response=observed.count_response,
         signature_namespace={"CompletionService": CompletionService},  # named only for type checking there
         request_max_body_size=settings.max_body_bytes,
         openapi_config=OpenAPIConfig(

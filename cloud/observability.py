@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -107,6 +106,7 @@ class Metrics:
         self.requests = Counter(
             "tierline_requests", "HTTP requests by route and status", ["route", "status"], registry=self.registry
         )
+        self._responses: dict[tuple[str, int], Any] = {}  # (path, status): its labelled counter
         self.latency = Histogram(
             "tierline_request_latency_seconds",
             "End-to-end latency of inference requests",
@@ -188,23 +188,13 @@ class Metrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def middleware(self, app: ASGIApp) -> ASGIApp:
-        """Counts every HTTP response by route and status."""
-
-        async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
-            if scope["type"] != "http":
-                await app(scope, receive, send)
-                return
-            status: dict[str, Any] = {"code": 500}
-
-            async def capture(message: Message) -> None:
-                if message["type"] == "http.response.start":
-                    status["code"] = message["status"]
-                await send(message)
-
-            try:
-                await app(scope, receive, capture)
-            finally:
-                self.requests.labels(route_label(scope["path"]), str(status["code"])).inc()
-
-        return wrapped
+    def count_response(self, path: str, status: int) -> None:
+        """Count one HTTP response by route and status (the app's ``on_response``: every response, the router's
+        404 and 405 included)."""
+        key = (path, status)
+        child = self._responses.get(key)
+        if child is None:
+            child = self.requests.labels(route_label(path), str(status))
+            if len(self._responses) < 4096:  # any path may come: the cache stays bounded (the labels are anyway)
+                self._responses[key] = child
+        child.inc()

@@ -15,6 +15,7 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Callable
 from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import Any
@@ -87,9 +88,10 @@ def configure(level: str, fmt: str) -> None:
             logging.getLogger(chatty).setLevel(logging.WARNING)
 
 
-def request_id_middleware(app: ASGIApp) -> ASGIApp:
+def request_id_middleware(app: ASGIApp, on_response: Callable[[str, int], None] | None = None) -> ASGIApp:
     """Give every HTTP request an id (the client's, if sane), echo it as ``x-request-id`` on the response,
-    make it visible to logging, and write one access line per request."""
+    make it visible to logging, and write one access line per request; ``on_response(path, status)`` after each
+    (a service's response counter: one wrapper of ``send`` for both, on the path of every streamed event)."""
 
     async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -113,6 +115,8 @@ def request_id_middleware(app: ASGIApp) -> ASGIApp:
         try:
             await app(scope, receive, with_id)
         finally:
+            if on_response is not None:
+                on_response(scope.get("path", ""), status["code"])
             access_logger.info(
                 "%s %s %s",
                 scope.get("method", ""),

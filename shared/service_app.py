@@ -54,6 +54,7 @@ def create_service_app(
     start: StartServices,
     state_type: type[Any],
     middleware: Sequence[Middleware] = (),
+    on_response: Callable[[str, int], None] | None = None,
     exception_handlers: ExceptionHandlersMap | None = None,
     **options: Any,
 ) -> Litestar:
@@ -62,7 +63,9 @@ def create_service_app(
     - ``/healthz`` before the service's own routes;
     - the one error tree (``ApplicationError``), Litestar's 4xx and anything unexpected in the OpenAI error shape
       (``exception_handlers`` adds to or overrides that map);
-    - a request id on every request (outermost, so the access line sees every response), then ``middleware``;
+    - a request id on every request, an access line and ``on_response(path, status)`` after each: outermost,
+      around Litestar's router and its error handling, so that they see every response, the router's own 404
+      and 405 included (Litestar runs ``middleware`` around route handlers only, after routing);
     - the process's logging left as configured (text or JSON);
     - ``start()`` entered at start-up: what it yields is the state (a ``state_type`` dataclass) whose fields the
       handlers take by name; it is exited at shutdown after the last request.
@@ -76,12 +79,14 @@ def create_service_app(
             app.state[_STATE_KEY] = services
             yield
 
-    return Litestar(
+    app = Litestar(
         logging_config=None,
         route_handlers=[healthz, *route_handlers],
         dependencies=state_dependencies(state_type),
         exception_handlers={**EXCEPTION_HANDLERS, **(exception_handlers or {})},
-        middleware=[request_id_middleware, *middleware],
+        middleware=list(middleware),
         lifespan=[lifespan],
         **options,
     )
+    app.asgi_handler = request_id_middleware(app.asgi_handler, on_response)
+    return app

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -41,14 +42,15 @@ def missing() -> None:
     raise NotFoundError("no such thing", param="thing")
 
 
-def _app(counter: Counter) -> object:
+def _app(counter: Counter, responses: list[tuple[str, int]] | None = None) -> object:
     @asynccontextmanager
     async def start() -> AsyncIterator[DemoState]:
         counter.events.append("start")
         yield DemoState(counter=counter, greeting="hello")
         counter.events.append("stop")
 
-    return create_service_app(route_handlers=[hit, missing], start=start, state_type=DemoState)
+    on_response = (lambda path, status: responses.append((path, status))) if responses is not None else None
+    return create_service_app(route_handlers=[hit, missing], start=start, state_type=DemoState, on_response=on_response)
 
 
 def test_handlers_take_the_start_up_state_by_field_name() -> None:
@@ -76,6 +78,22 @@ def test_every_service_has_health_request_ids_and_openai_shaped_errors() -> None
         assert error.headers["x-request-id"]
         unknown = client.get("/nowhere")
         assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "invalid_request_error"
+        assert unknown.headers["x-request-id"]  # the router's own answers carry one too
+
+
+def test_every_response_is_logged_and_counted_the_routers_own_included(caplog: pytest.LogCaptureFixture) -> None:
+    """The access line and ``on_response`` (the cloud's response counter) see every response: a route's, its
+    errors, and what Litestar's router answers before any route (404 for an unknown path, 405 for a method the
+    path does not take), which middleware given to Litestar never sees."""
+    responses: list[tuple[str, int]] = []
+    with caplog.at_level(logging.INFO, logger="tierline.access"), TestClient(_app(Counter(), responses)) as client:  # type: ignore[type-var]
+        client.get("/hit")
+        client.get("/missing")
+        client.get("/no-such-route")
+        client.post("/hit")
+    assert responses == [("/hit", 200), ("/missing", 404), ("/no-such-route", 404), ("/hit", 405)]
+    lines = [r.getMessage() for r in caplog.records if r.name == "tierline.access"]
+    assert lines == ["GET /hit 200", "GET /missing 404", "GET /no-such-route 404", "POST /hit 405"]
 
 
 def test_state_read_before_start_up_is_a_503() -> None:
