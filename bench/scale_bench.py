@@ -281,6 +281,7 @@ class _Platform:
     db_url: str
     key: str
     budget: Decimal
+    upstream: str  # the model server's URL
 
 
 def _setup(tmp: Path, zoo: Path, data_dir: Path, db_url: str, redis_url: str, upstream: str) -> _Platform:
@@ -332,7 +333,7 @@ def _setup(tmp: Path, zoo: Path, data_dir: Path, db_url: str, redis_url: str, up
     env = {**base, "TIERLINE_DATA_DIR": str(tmp / "a")}
     price = ["billing", "prices", "set", "--model", MODEL, "--prompt", "100", "--completion", "200"]
     subprocess.run([*CLI, *price], env=env, check=True, capture_output=True)
-    return _Platform(env, envs, db_url, secret, budget)
+    return _Platform(env, envs, db_url, secret, budget, upstream)
 
 
 def _records(db_url: str) -> dict[str, Decimal]:
