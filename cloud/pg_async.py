@@ -13,17 +13,93 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import select
 import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import psycopg
+from psycopg.waiting import READY_R, READY_W, WAIT_R, WAIT_W
 from sqlalchemy.engine import Engine
 
 
 def conninfo_of(engine: Engine) -> str:
     """The libpq URL of a SQLAlchemy engine on PostgreSQL (its driver name dropped, its password kept)."""
     return engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+class _WatchedConnection(psycopg.AsyncConnection[tuple[object, ...]]):
+    """An ``AsyncConnection`` whose socket stays registered with the event loop while it is open.
+
+    psycopg's own wait registers the socket for each statement and removes it after (with uvloop: six system calls
+    and a poll handle a statement, and a timer for its interrupt check). Here one reader callback, added at
+    connect, resolves the waiting statement's future; bytes that arrive while nothing waits (a notice, the server
+    closing) are taken into libpq's buffer there, so that the watch does not fire again, and a connection that
+    fails stops being watched. Waits with a timeout (connecting, cancelling) are psycopg's own.
+    """
+
+    _waiter: asyncio.Future[None] | None = None
+    _watched: int = -1
+    _loop: asyncio.AbstractEventLoop | None = None
+
+    def watch(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._watched = self.pgconn.socket
+        self._loop.add_reader(self._watched, self._readable)
+
+    def unwatch(self) -> None:
+        if self._watched >= 0 and self._loop is not None:
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(self._watched)
+        self._watched = -1
+
+    def _readable(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+            return
+        try:
+            self.pgconn.consume_input()
+        except Exception:
+            self.unwatch()  # the connection failed: its next statement says so
+
+    async def wait(self, gen: Any, interval: float = 0.1, timeout: float | None = None) -> Any:
+        if self._watched < 0 or timeout is not None:
+            return await super().wait(gen, interval, timeout)
+        loop = self._loop
+        assert loop is not None
+        try:
+            state = next(gen)
+            while True:
+                if state & WAIT_W:  # a statement larger than the socket's buffer: wait until it takes more
+                    readable, writable, _ = select.select([self._watched], [self._watched], [], 0)
+                    if not writable:
+                        waiter = loop.create_future()
+                        loop.add_writer(self._watched, waiter.set_result, None)
+                        try:
+                            await waiter
+                        finally:
+                            loop.remove_writer(self._watched)
+                        readable, writable, _ = select.select([self._watched], [self._watched], [], 0)
+                    state = gen.send((READY_R if readable else 0) | (READY_W if writable else 0))
+                    continue
+                if not state & WAIT_R:
+                    raise psycopg.InternalError(f"bad poll status: {state}")
+                waiter = self._waiter = loop.create_future()
+                try:
+                    await waiter
+                finally:
+                    self._waiter = None
+                state = gen.send(READY_R)
+        except StopIteration as done:
+            return done.value
+        except OSError as exc:
+            raise psycopg.OperationalError("connection socket closed") from exc
+
+    async def close(self) -> None:
+        self.unwatch()
+        await super().close()
 
 
 class _LoopPool:
@@ -61,10 +137,11 @@ class _LoopPool:
             return self.idle.pop()
         self.opened += 1
         try:
-            connection = await psycopg.AsyncConnection.connect(self.conninfo, autocommit=True)
+            connection = await _WatchedConnection.connect(self.conninfo, autocommit=True)
         except BaseException:
             self._lost()
             raise
+        connection.watch()
         return _Pooled(connection, connection.cursor())
 
     def put(self, pooled: _Pooled, *, broken: bool) -> None:

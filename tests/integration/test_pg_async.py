@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from typing import Any
 
 import psycopg
 import pytest
@@ -91,3 +93,62 @@ def test_a_waiter_cancelled_after_its_wake_up_passes_it_on() -> None:
             await pg.close()
 
     assert asyncio.run(main())
+
+
+def _run(main: Any, loop: str) -> Any:
+    """``main()`` on the asyncio loop or on uvloop (the gateway's)."""
+    if loop == "uvloop":
+        import uvloop
+
+        return uvloop.run(main())
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_connection_the_server_ends_while_idle_is_dropped_and_replaced(loop: str) -> None:
+    """Each pooled connection's socket stays watched by the loop between statements: the server's goodbye (a
+    terminated backend) arrives while nothing waits, stops the watch, and the next statement on that connection
+    fails cleanly and loses it; the one after runs on a new connection."""
+
+    async def main() -> tuple[int, int]:
+        pg = _pool(1)
+        try:
+            first = await _backend_pid(pg)
+            assert PG_URL
+            with psycopg.connect(PG_URL, autocommit=True) as admin:
+                admin.execute("SELECT pg_terminate_backend(%s)", (first,))
+            spent = time.process_time()
+            await asyncio.sleep(0.5)  # the goodbye and the close arrive, with no statement waiting
+            # ... taken in once, not announced by the loop over and over (the watch is level-triggered)
+            assert time.process_time() - spent < 0.2
+            with pytest.raises(psycopg.OperationalError):
+                await _backend_pid(pg)
+            return first, await asyncio.wait_for(_backend_pid(pg), 10)
+        finally:
+            await pg.close()
+
+    first, replaced = _run(main, loop)
+    assert replaced != first
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_statement_larger_than_the_sockets_buffer_is_sent_whole(loop: str) -> None:
+    """A statement the socket cannot take at once waits for it to drain (the watched connection's write path: 64
+    MiB take several waits for the socket to be writable again here; 8 MiB went in at once)."""
+
+    async def main() -> list[int]:
+        pg = _pool(1)
+        try:
+            sizes: list[int] = []
+            for size in (64 << 20, 10):  # 64 MiB, then a small one on the same connection
+                async with pg.connection() as cursor:
+                    statement = cursor.execute("SELECT length(%s)", ("x" * size,))
+                    row = await (await asyncio.wait_for(statement, 60)).fetchone()
+                    assert row is not None
+                    assert isinstance(row[0], int)
+                    sizes.append(row[0])
+            return sizes
+        finally:
+            await pg.close()
+
+    assert _run(main, loop) == [64 << 20, 10]
