@@ -95,7 +95,12 @@ class _WatchedConnection(psycopg.AsyncConnection[tuple[object, ...]]):
         except StopIteration as done:
             return done.value
         except OSError as exc:
+            self.unwatch()
             raise psycopg.OperationalError("connection socket closed") from exc
+        except BaseException:
+            if self.closed:  # libpq dropped the connection and closed its socket: its number may be reused
+                self.unwatch()
+            raise
 
     async def close(self) -> None:
         self.unwatch()
@@ -147,6 +152,8 @@ class _LoopPool:
     def put(self, pooled: _Pooled, *, broken: bool) -> None:
         if broken or pooled.connection.closed or self.closed:
             self._lost()
+            if isinstance(pooled.connection, _WatchedConnection) and pooled.connection.closed:
+                pooled.connection.unwatch()  # closed by libpq, not by close()
             if not pooled.connection.closed:
                 task = asyncio.get_running_loop().create_task(_close(pooled.connection))
                 self.closing.add(task)

@@ -152,3 +152,31 @@ def test_a_statement_larger_than_the_sockets_buffer_is_sent_whole(loop: str) -> 
             await pg.close()
 
     assert _run(main, loop) == [64 << 20, 10]
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_connection_the_server_ends_mid_statement_fails_it_and_is_no_longer_watched(loop: str) -> None:
+    """libpq closes the socket of a connection it finds dropped: the pool's watch on that socket number ends with
+    the failed statement (a number the system may give the next socket it opens)."""
+
+    async def main() -> tuple[int, int]:
+        pg = _pool(1)
+        try:
+            async with pg.connection() as cursor:
+                connection = cursor.connection
+            first = await _backend_pid(pg)
+            slow = asyncio.ensure_future(_backend_pid(pg, 5.0))
+            await asyncio.sleep(0.3)
+            assert PG_URL
+            with psycopg.connect(PG_URL, autocommit=True) as admin:
+                admin.execute("SELECT pg_terminate_backend(%s)", (first,))
+            with pytest.raises(psycopg.OperationalError):
+                await asyncio.wait_for(slow, 10)
+            assert connection.closed
+            assert getattr(connection, "_watched", None) == -1
+            return first, await asyncio.wait_for(_backend_pid(pg), 10)
+        finally:
+            await pg.close()
+
+    first, replaced = _run(main, loop)
+    assert replaced != first
