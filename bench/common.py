@@ -102,24 +102,20 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def tierline_server(args: list[str], env: dict[str, str], port: int, ready: str) -> Iterator[subprocess.Popen[bytes]]:
-    """``tierline ARGS --host 127.0.0.1 --port PORT`` until ``ready`` answers 200 (5 min at most); SIGTERM after."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tierline.cli", *args, "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+def served(cmd: list[str], env: dict[str, str], ready_url: str, what: str) -> Iterator[subprocess.Popen[bytes]]:
+    """``cmd`` running until ``ready_url`` answers 200 (5 min at most; ``what`` names it in errors), output
+    discarded; SIGTERM after (SIGKILL a minute later)."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 300
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"{' '.join(args)} exited with {proc.returncode} during start-up")
+                raise RuntimeError(f"{what} exited with {proc.returncode} during start-up")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://127.0.0.1:{port}{ready}", timeout=1).status_code == 200:
+                if httpx.get(ready_url, timeout=1).status_code == 200:
                     break
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{' '.join(args)} did not start")
+                raise RuntimeError(f"{what} did not start")
             time.sleep(0.2)
         yield proc
     finally:
@@ -130,3 +126,11 @@ def tierline_server(args: list[str], env: dict[str, str], port: int, ready: str)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def tierline_server(
+    args: list[str], env: dict[str, str], port: int, ready: str
+) -> contextlib.AbstractContextManager[subprocess.Popen[bytes]]:
+    """``tierline ARGS --host 127.0.0.1 --port PORT`` until ``ready`` answers 200 (5 min at most); SIGTERM after."""
+    cmd = [sys.executable, "-m", "tierline.cli", *args, "--host", "127.0.0.1", "--port", str(port)]
+    return served(cmd, env, f"http://127.0.0.1:{port}{ready}", " ".join(args))

@@ -25,13 +25,9 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator
 from typing import Any
-
-import httpx
 
 PATHS = ("gateway", "litestar", "json", "raw")
 
@@ -115,30 +111,8 @@ def _serve_floor(mode: str, upstream: str, port: int) -> None:
 # --- the measurement ------------------------------------------------------------------------------------------------
 
 
-def _started(proc: subprocess.Popen[bytes], url: str) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"a floor relay exited with {proc.returncode} during start-up")
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    raise SystemExit("a floor relay did not start")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 def run(rounds: int, requests: int, tokens: tuple[int, int], paths: list[str]) -> dict[str, Any]:
-    from bench.common import free_port, tierline_server
+    from bench.common import free_port, served, tierline_server
     from bench.gateway_profile import bench_platform
     from bench.scale_bench import _load, _summary
 
@@ -152,9 +126,8 @@ def run(rounds: int, requests: int, tokens: tuple[int, int], paths: list[str]) -
                 proc = stack.enter_context(tierline_server(["cloud", "serve"], platform.envs[0], port, "/readyz"))
             else:
                 cmd = [sys.executable, "-m", "bench.relay_floor", "--serve", path, "--upstream", platform.upstream]
-                proc = subprocess.Popen([*cmd, "--port", str(port)], env=os.environ.copy())
-                stack.callback(_stop, proc)
-                _started(proc, url)
+                floor = served([*cmd, "--port", str(port)], os.environ.copy(), f"{url}/healthz", f"the {path} relay")
+                proc = stack.enter_context(floor)
             servers[path] = (url, proc.pid)
         for url, _ in servers.values():  # warm: connections, prepared statements, caches
             asyncio.run(_load(url, platform.key, 32, 4, tokens[0]))
