@@ -8,7 +8,6 @@ engines at scrape time.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -106,7 +105,6 @@ class Metrics:
         self.requests = Counter(
             "tierline_requests", "HTTP requests by route and status", ["route", "status"], registry=self.registry
         )
-        self._responses: dict[tuple[str, int], Any] = {}  # (path, status): its labelled counter
         self.latency = Histogram(
             "tierline_request_latency_seconds",
             "End-to-end latency of inference requests",
@@ -191,10 +189,4 @@ class Metrics:
     def count_response(self, path: str, status: int) -> None:
         """Count one HTTP response by route and status (the app's ``on_response``: every response, the router's
         404 and 405 included)."""
-        key = (path, status)
-        child = self._responses.get(key)
-        if child is None:
-            child = self.requests.labels(route_label(path), str(status))
-            if len(self._responses) < 4096:  # any path may come: the cache stays bounded (the labels are anyway)
-                self._responses[key] = child
-        child.inc()
+        self.requests.labels(route_label(path), str(status)).inc()

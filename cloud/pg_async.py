@@ -152,7 +152,7 @@ class _LoopPool:
     def put(self, pooled: _Pooled, *, broken: bool) -> None:
         if broken or pooled.connection.closed or self.closed:
             self._lost()
-            if isinstance(pooled.connection, _WatchedConnection) and pooled.connection.closed:
+            if pooled.connection.closed:
                 pooled.connection.unwatch()  # closed by libpq, not by close()
             if not pooled.connection.closed:
                 task = asyncio.get_running_loop().create_task(_close(pooled.connection))
@@ -185,7 +185,7 @@ class _LoopPool:
 
 @dataclass(slots=True)
 class _Pooled:
-    connection: psycopg.AsyncConnection[tuple[object, ...]]
+    connection: _WatchedConnection
     cursor: psycopg.AsyncCursor[tuple[object, ...]]  # reused: a cursor per statement costs a third of one
 
 
