@@ -207,19 +207,34 @@ async def _sse_batches(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[bytes
     lines may end in LF, CRLF or CR; an event ends at an empty line (and at the end of the stream).
     """
     pending = b""
-    async for chunk in chunks:
-        buffer = pending + chunk
-        if b"\r" in buffer:
-            held = buffer.endswith(b"\r")  # maybe the first half of a CRLF: decided by the next read
-            buffer = buffer[:-1] if held else buffer
-            buffer = buffer.replace(b"\r\n", b"\n").replace(b"\r", b"\n") + (b"\r" if held else b"")
-        *blocks, pending = buffer.split(b"\n\n")
-        batch = [d for d in map(_event_data, blocks) if d is not None]
-        if batch:
-            yield batch
-    last = _event_data(pending.replace(b"\r", b"\n").strip(b"\n")) if pending.strip() else None
-    if last is not None:
-        yield [last]
+    try:
+        async for chunk in chunks:
+            buffer = pending + chunk
+            if b"\r" in buffer:
+                held = buffer.endswith(b"\r")  # maybe the first half of a CRLF: decided by the next read
+                buffer = buffer[:-1] if held else buffer
+                buffer = buffer.replace(b"\r\n", b"\n").replace(b"\r", b"\n") + (b"\r" if held else b"")
+            *blocks, pending = buffer.split(b"\n\n")
+            batch = [d for d in map(_event_data, blocks) if d is not None]
+            if batch:
+                yield batch
+        last = _event_data(pending.replace(b"\r", b"\n").strip(b"\n")) if pending.strip() else None
+        if last is not None:
+            yield [last]
+    finally:
+        await _aclose(chunks)
+
+
+async def _aclose(iterator: AsyncIterator[Any]) -> None:
+    """Close an async generator the relay stops reading (at ``[DONE]``, or when the client leaves) here and now.
+
+    One left to the garbage collector is closed by the event loop's finalizer hook: a ``call_soon_threadsafe``
+    (with uvloop, an eventfd write and a wake-up of the loop) and a task running its ``aclose()``, for each of the
+    two generators of every relayed stream.
+    """
+    aclose = getattr(iterator, "aclose", None)
+    if aclose is not None:
+        await aclose()
 
 
 class Backends:
@@ -554,9 +569,12 @@ class Backends:
         finally:
 
             async def finish() -> None:
-                await response.aclose()  # a client that left: closing the connection aborts the upstream request
-                remote.pool.release(endpoint, ok)
-                await bill(status)  # once: a stream that ended well was billed before its [DONE]
+                try:
+                    await _aclose(batches)  # stopped at [DONE] (or the client left): closed now, not by the GC
+                finally:
+                    await response.aclose()  # a client that left: closing the connection aborts the upstream request
+                    remote.pool.release(endpoint, ok)
+                    await bill(status)  # once: a stream that ended well was billed before its [DONE]
 
             await run_to_end(finish())
 

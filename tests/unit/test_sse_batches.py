@@ -4,11 +4,13 @@ the upstream frames its events and however the network splits them into reads.""
 from __future__ import annotations
 
 import asyncio
+import gc
+import sys
 from collections.abc import AsyncIterator
 
 import pytest
 
-from cloud.backends.upstream import _sse_batches
+from cloud.backends.upstream import _aclose, _sse_batches
 
 
 def _batches(*reads: bytes) -> list[list[bytes]]:
@@ -48,3 +50,37 @@ def test_multi_line_data_comments_and_other_fields() -> None:
 def test_a_last_event_without_its_empty_line_still_counts() -> None:
     assert _batches(b"data: 1\n\ndata: [DONE]") == [[b"1"], [b"[DONE]"]]
     assert _batches(b"data: 1\n\n", b"\n\n") == [[b"1"]]
+
+
+def test_a_relay_stopping_at_done_closes_both_generators_leaving_none_to_the_loops_finalizer() -> None:
+    """The relay stops reading at ``[DONE]``; what it leaves open the event loop's finalizer hook would close later,
+    at the cost of a thread-safe wake-up of the loop and a task each (two per relayed stream)."""
+    closed: list[str] = []
+    finalized: list[str] = []
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            yield b'data: {"a":1}\n\ndata: [DONE]\n\n'
+            yield b"data: never read\n\n"
+        finally:
+            closed.append("body")
+
+    async def relay() -> None:
+        firstiter, finalizer = sys.get_asyncgen_hooks()
+
+        def counted(agen: object) -> None:
+            finalized.append(getattr(agen, "__qualname__", "?"))
+            if finalizer is not None:
+                finalizer(agen)  # type: ignore[arg-type]
+
+        sys.set_asyncgen_hooks(firstiter, counted)
+        batches = _sse_batches(body())
+        assert await anext(batches) == [b'{"a":1}', b"[DONE]"]
+        await _aclose(batches)
+        del batches
+        gc.collect()
+        await asyncio.sleep(0)
+
+    asyncio.run(relay())
+    assert closed == ["body"]
+    assert finalized == []
