@@ -250,6 +250,16 @@ def bench_backends(
     show_default=True,
     help="--vs litellm: alternate upstream alone, tierline and LiteLLM this many times per point",
 )
+@click.option(
+    "--upstream",
+    type=click.Choice(["engine", "paced"]),
+    default="engine",
+    show_default=True,
+    help="the model server: the zoo's LM on `tierline engine serve` (it shares this host's cores), or one that "
+    "streams at --ttft-ms / --token-ms and spends almost no CPU (as a GPU host of its own would)",
+)
+@click.option("--ttft-ms", type=click.FloatRange(min=0), default=20.0, show_default=True, help="--upstream paced")
+@click.option("--token-ms", type=click.FloatRange(min=0), default=10.0, show_default=True, help="--upstream paced")
 @click.option("--redis-url", default=None, help="default $TIERLINE_BENCH_REDIS_URL or redis://127.0.0.1:6379/0")
 def bench_scale(
     preset: str,
@@ -263,10 +273,14 @@ def bench_scale(
     litellm_exe: str | None,
     peer_requests: str,
     rounds: int,
+    upstream: str,
+    ttft_ms: float,
+    token_ms: float,
     redis_url: str | None,
 ) -> None:
     """Two gateways on PostgreSQL + Redis behind a round-robin front: 1 vs 2 gateways, a kill -9 of one mid-load
     (failed requests, records lost or duplicated, spend); --vs litellm: overhead and CPU beside the LiteLLM proxy.
+    --upstream paced: in front of a model server that streams at a set pace without taking the host's CPU.
 
     PostgreSQL comes from TIERLINE_BENCH_DATABASE_URL (or TIERLINE_TEST_DATABASE_URL): a fresh schema, dropped after.
     """
@@ -299,5 +313,6 @@ def bench_scale(
         litellm=litellm_exe,
         peer_requests=points,
         rounds=rounds,
+        pace=(ttft_ms, token_ms) if upstream == "paced" else None,
     )
     emit(result, as_json)

@@ -25,6 +25,11 @@ that cannot be downloaded here; ``--num_workers 2`` with ``--run_gunicorn``, a m
 model server, and runs ``direct``, ``tierline`` (one gateway) and ``litellm`` at 1, 8 and 64 concurrent streams:
 overhead p50/p99 over ``direct``, requests/s, gateway CPU-seconds per 1,000 requests (the proxy's process tree,
 from /proc) and spend records written per request served.
+
+``--upstream paced`` puts ``bench.paced_upstream`` in the model server's place: it streams at a set pace (first
+token after ``ttft_ms``, then one every ``token_ms``) and spends almost no CPU, as a model server on a GPU host of
+its own would. Over the zoo's LM the model server takes the two cores the gateways, the databases and the
+clients share, so a gateway's overhead there is mostly the CPU it takes from the model server.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from bench.common import free_port, tierline_server, tree_cpu_seconds
+from bench.common import free_port, served, tierline_server, tree_cpu_seconds
 
 CLI = [sys.executable, "-m", "tierline.cli"]
 MODEL = "lm-cloud"
@@ -572,7 +577,10 @@ def run_scale_bench(
     litellm: str | None = None,
     peer_requests: dict[int, int] | None = None,
     rounds: int = 1,
+    pace: tuple[float, float] | None = None,
 ) -> dict[str, Any]:
+    """``pace``: (ttft ms, ms a token) of a paced upstream (``bench.paced_upstream``) instead of the zoo's LM on
+    ``tierline engine serve``."""
     from bench.billing_bench import _postgres
 
     peer_requests = peer_requests or {1: 40, 8: 160, 64: 320}
@@ -589,8 +597,7 @@ def run_scale_bench(
         up_port = free_port()
         upstream = f"http://127.0.0.1:{up_port}"
         platform = _setup(tmp, zoo, data_dir, schema_url, redis_url, upstream)
-        serve = ["engine", "serve", "--model", str(zoo / "artifacts" / MODEL), "--name", MODEL]
-        with tierline_server(serve, platform.env, up_port, "/health"):
+        with _upstream(zoo, platform, up_port, pace) as result["upstream"]:
             ports = [free_port(), free_port()]
             with contextlib.ExitStack() as stack:
                 procs = [
@@ -622,6 +629,21 @@ def run_scale_bench(
                 result["kill"] = kill
     _drop_ids(result)
     return result
+
+
+@contextlib.contextmanager
+def _upstream(zoo: Path, platform: _Platform, port: int, pace: tuple[float, float] | None) -> Iterator[dict[str, Any]]:
+    """The model server on ``port`` until the block ends; what it is, for the report."""
+    if pace is None:
+        serve = ["engine", "serve", "--model", str(zoo / "artifacts" / MODEL), "--name", MODEL]
+        with tierline_server(serve, platform.env, port, "/health"):
+            yield {"kind": "tierline engine serve", "model": MODEL}
+        return
+    ttft_ms, token_ms = pace
+    cmd = [sys.executable, "-m", "bench.paced_upstream", "--port", str(port)]
+    cmd += ["--ttft-ms", str(ttft_ms), "--token-ms", str(token_ms)]
+    with served(cmd, platform.env, f"http://127.0.0.1:{port}/health", "the paced upstream"):
+        yield {"kind": "paced (bench.paced_upstream)", "ttft_ms": ttft_ms, "token_ms": token_ms}
 
 
 def _drop_ids(value: Any) -> None:

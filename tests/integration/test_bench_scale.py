@@ -90,3 +90,31 @@ def test_litellm_side_by_side(scale: dict[str, Any]) -> None:
         assert point["tierline"]["gateway_cpu_s_per_1000"] == pytest.approx(sum(cpu) / 2, abs=0.01)
         ratio = point["tierline"]["gateway_cpu_s_per_1000"] / point["litellm"]["gateway_cpu_s_per_1000"]
         assert point["cpu_ratio_tierline_to_litellm"] == pytest.approx(ratio, abs=1e-3)
+
+
+def test_a_paced_upstream_takes_the_model_servers_place(tiny_zoo: Path, session_data_dir: Path) -> None:
+    """``--upstream paced``: the same bench in front of a model server that streams at a set pace (the gateway's
+    overhead without a model server taking its cores); nothing else changes, the ledger checks included."""
+    if not PG_URL:
+        pytest.skip("PostgreSQL not configured: set TIERLINE_TEST_DATABASE_URL (the bench's gateways share it)")
+    if not _redis_answers():
+        pytest.skip(f"no Redis at {REDIS_URL}: the bench's gateways share rate limits through it")
+    result = run_scale_bench(
+        tiny_zoo,
+        session_data_dir,
+        db_url=PG_URL,
+        redis_url=REDIS_URL,
+        requests=8,
+        concurrency=4,
+        max_tokens=6,
+        duration=6.0,
+        pace=(20.0, 10.0),
+    )
+    assert result["upstream"] == {"kind": "paced (bench.paced_upstream)", "ttft_ms": 20.0, "token_ms": 10.0}
+    for path in ("direct", "one_gateway", "two_gateways"):
+        point = result["paths"][path]
+        assert point["errors"] == 0 and point["content_events_p50"] == 6, (path, point)
+        assert point["p50_ms"] >= 20 + 5 * 10 * 0.9, "the stream takes the upstream's pace"
+    kill = result["kill"]
+    assert kill["records_lost"] == 0 and kill["records_of_unknown_requests"] == 0, kill
+    assert Decimal(kill["spent_minus_records_cost"]) == 0, kill
