@@ -183,6 +183,7 @@ class _Meter:
     budget: BudgetHold | None = None
     rollout_arm: str | None = None
     checkpointed: bool = False  # a checkpoint was written (or tried): the end settles it through the ledger
+    checkpointed_in_stream: bool = False  # ... by the stream itself (not only with its reservation)
     checkpoint_at: float | None = None  # when the last one was written (None: never)
     checkpointed_tokens: int = 0  # completion tokens it held
     checkpoint_write: asyncio.Future[None] | None = None  # the last write, awaited before settling
@@ -248,8 +249,10 @@ class CompletionService:
         served: ServedLM,
         prompts: list[str | list[int]],
         params: SamplingParams,
+        stream: bool = False,
     ) -> tuple[list[str | list[int]], _Meter]:
-        """Tokenize, reserve prompt + max_tokens against the rate limits and the budget, and start the meter."""
+        """Tokenize, reserve prompt + max_tokens against the rate limits and the budget, and start the meter (a
+        ``stream``'s with its first checkpoint)."""
         size = self._checked_size(p for p in prompts if isinstance(p, str))
         if size > MAX_INLINE_PROMPT_BYTES:  # seconds of work for a large prompt: off the event loop
             ids = await asyncio.to_thread(self._checked_prompts, served, prompts, params.max_tokens)
@@ -262,37 +265,56 @@ class CompletionService:
             reserved += len(p) + max_new * params.n
             prompt_worst += len(p) * params.n
             completion_worst += max_new * params.n
-        return ids, await self.reserve(caller, served, reserved, Tokens(prompt_worst, completion_worst))
+        opening = prompt_worst if stream else None
+        return ids, await self.reserve(caller, served, reserved, Tokens(prompt_worst, completion_worst), opening)
 
-    async def reserve(self, caller: Caller, served: Metered, reserved: int, worst_case: Tokens) -> _Meter:
+    async def reserve(
+        self, caller: Caller, served: Metered, reserved: int, worst_case: Tokens, opening: int | None = None
+    ) -> _Meter:
         """Reserve ``reserved`` tokens against the rate limits and ``worst_case``'s cost against the budget (429 or
-        402-type errors before any engine work); the meter that ``_settle`` gives back and bills."""
+        402-type errors before any engine work); the meter that ``_settle`` gives back and bills.
+
+        ``opening``: the request streams, and this many prompt tokens are its first checkpoint, written with the
+        budget hold when checkpoints are on (one statement on PostgreSQL): the stream's first bytes then need
+        none of their own. A gateway that dies after this bills the prompt (``interrupted``), as one that dies
+        after the first bytes does.
+        """
         meter = _Meter(rollout_arm=caller.rollout_arm)
         meter.rate_limit = await self.limiter.acquire(caller.tenant, caller.key, reserved, is_counted=caller.is_job)
         _, worst = self.prices.cost(served.model_id, served.version, "cloud", worst_case, tenant_id=caller.tenant.id)
         if worst is not None:
             try:
-                meter.budget = await self._reserve(caller, worst)
+                if opening is not None and self.usage.checkpoints:
+                    opened_at = time.monotonic()
+                    record = self._record(
+                        caller, served, replace(meter, prompt_tokens=opening), "ok", None, None, opened_at
+                    )
+                    meter.budget, opened = await self._reserve(caller, worst, record)
+                    if opened:
+                        meter.checkpointed, meter.checkpoint_at = True, opened_at
+                else:
+                    meter.budget, _ = await self._reserve(caller, worst)
             except BaseException:
                 await self.limiter.release(meter.rate_limit, 0)
                 meter.rate_limit = None
                 raise
         return meter
 
-    async def _reserve(self, caller: Caller, worst: Decimal) -> BudgetHold | None:
+    async def _reserve(
+        self, caller: Caller, worst: Decimal, opening: NewUsage | None = None
+    ) -> tuple[BudgetHold | None, bool]:
         """Hold ``worst`` on the tenant's monthly budget and on every scoped budget that applies to the caller's
         key, its project and its end user (an escalating device's: those of its attribution, its ``billing.user``
         label unless the request names a user), all at once, in one transaction; None when no budget applies
-        (nothing to hold): one statement awaited on the event loop on PostgreSQL (``UsageWriter.reserve_request``)."""
+        (nothing to hold): one statement awaited on the event loop on PostgreSQL (``UsageWriter.reserve_request``).
+        With ``opening``, the stream's first checkpoint is written with it; whether it was."""
         key = caller.key
         who = Attribution(key.id, key.project_id) if key is not None else caller.attribution or Attribution()
-        return await self.usage.reserve_request(
-            caller.tenant.id or 0,
-            caller.tenant.monthly_budget,
-            worst,
-            replace(who, subject=caller.end_user),
-            lease_s=self.budget_lease_s,
-        )
+        who = replace(who, subject=caller.end_user)
+        tenant_id, budget = caller.tenant.id or 0, caller.tenant.monthly_budget
+        if opening is not None:
+            return await self.usage.reserve_and_open(tenant_id, budget, worst, who, opening, self.budget_lease_s)
+        return await self.usage.reserve_request(tenant_id, budget, worst, who, lease_s=self.budget_lease_s), False
 
     def _checked_size(self, texts: Iterable[str]) -> int:
         """The prompt's size in UTF-8 bytes, refused (413) above ``max_prompt_bytes`` before any tokenising."""
@@ -435,7 +457,7 @@ class CompletionService:
             ):
                 await self.alerts.after_settle(reservation.tenant_id, reservation.period, spent, reservation.budget)
         if meter.served_nothing:
-            if server_failure and meter.rollout_arm is not None and not meter.checkpointed:
+            if server_failure and meter.rollout_arm is not None and not meter.checkpointed_in_stream:
                 self.usage.enqueue(record)
             return
         ttft_s = (meter.first_token_at - caller.started) if meter.first_token_at else None
@@ -500,7 +522,7 @@ class CompletionService:
         if not due:
             return
         record = self._record(caller, served, meter, "ok", None, None, time.monotonic())
-        meter.checkpointed = True
+        meter.checkpointed = meter.checkpointed_in_stream = True
         write = asyncio.ensure_future(self.usage.checkpoint(record, meter.budget, self.budget_lease_s))
         meter.checkpoint_write = write
         try:
@@ -571,7 +593,7 @@ class CompletionService:
         if not isinstance(served, ServedLM):  # a registry version that upstream servers answer
             return await self._upstream().chat(caller, req, served)
         params = self._params(req, req.max_new_tokens, req.num_logprobs)
-        (prompt,), meter = await self._admit(caller, served, [self._chat_prompt(served, req)], params)
+        (prompt,), meter = await self._admit(caller, served, [self._chat_prompt(served, req)], params, req.stream)
         if req.stream:
             return await self._chat_stream(served, caller, prompt, params, req, meter)
         final = (await self._collect(served, caller, [prompt], params, meter))[0]
@@ -740,7 +762,7 @@ class CompletionService:
         if not isinstance(served, ServedLM):
             return await self._upstream().completions(caller, req, served)
         params = self._params(req, req.max_tokens, req.logprobs)
-        prompts, meter = await self._admit(caller, served, req.prompts(), params)
+        prompts, meter = await self._admit(caller, served, req.prompts(), params, req.stream)
         if req.stream:
             return await self._completion_stream(served, caller, prompts, params, req, meter)
         final = await self._collect(served, caller, prompts, params, meter)

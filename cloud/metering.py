@@ -41,9 +41,10 @@ class UsageWriter:
     ``close()`` writes everything still queued (graceful shutdown loses nothing).
 
     A request's billing phases (``reserve_request``, ``checkpoint``, ``settle_checkpointed``) are awaited by the
-    request itself. On PostgreSQL each is one statement (``controlplane.billing.hotpath``) awaited on the event
-    loop through a pool of at most ``pool_size`` connections of its own (``cloud.pg_async``); a phase the fast
-    statement does not cover runs the general path in a worker thread, as SQLite always does.
+    request itself; a stream's reservation also writes its first checkpoint (``reserve_and_open``). On PostgreSQL
+    each is one statement (``controlplane.billing.hotpath``) awaited on the event loop through a pool of at most
+    ``pool_size`` connections of its own (``cloud.pg_async``); a phase the fast statement does not cover runs the
+    general path in a worker thread, as SQLite always does.
     """
 
     def __init__(
@@ -126,6 +127,46 @@ class UsageWriter:
                 self.num_fast += 1
                 return held
         return await asyncio.to_thread(reserve_request, self.engine, tenant_id, budget, amount, who, lease_s=lease_s)
+
+    async def reserve_and_open(
+        self,
+        tenant_id: int,
+        budget: Decimal | None,
+        amount: Decimal,
+        who: Attribution,
+        opening: NewUsage,
+        lease_s: float = DEFAULT_LEASE_S,
+    ) -> tuple[BudgetHold | None, bool]:
+        """``reserve_request`` for a stream, whose first checkpoint (``opening``: its prompt, no completion yet) is
+        written with the hold: by the same statement on PostgreSQL's fast path, in the same worker-thread call
+        otherwise. Also whether that checkpoint was written (if not, the stream writes its first before its first
+        bytes, as without one)."""
+        if self.postgres is not None:
+            prepared = hotpath.reservation(tenant_id, budget, amount, who, lease_s=lease_s, opening=opening)
+            async with self.postgres.connection() as connection:
+                held, opened = await hotpath.reserve_and_open_async(connection, prepared)
+            if held is not hotpath.FALLBACK:
+                self.num_fast += 1
+                self.num_checkpoints += opened
+                return held, opened
+        return await asyncio.to_thread(self._reserve_and_open, tenant_id, budget, amount, who, opening, lease_s)
+
+    def _reserve_and_open(
+        self,
+        tenant_id: int,
+        budget: Decimal | None,
+        amount: Decimal,
+        who: Attribution,
+        opening: NewUsage,
+        lease_s: float,
+    ) -> tuple[BudgetHold | None, bool]:
+        hold = reserve_request(self.engine, tenant_id, budget, amount, who, lease_s=lease_s)
+        try:
+            self._checkpoint(opening, hold, lease_s)
+        except Exception:  # the hold stands: the stream writes its first checkpoint before its first bytes instead
+            logger.exception("writing the opening checkpoint of request %s failed", opening.id)
+            return hold, False
+        return hold, True
 
     async def checkpoint(self, usage: NewUsage, hold: BudgetHold | None, lease_s: float) -> None:
         """Write a stream's counts so far (``controlplane.billing.ledger.checkpoint``), committed on return."""

@@ -105,7 +105,8 @@ class CloudSettings(BaseSettings):
     usage_checkpoint_tokens: int = Field(
         32,
         ge=0,
-        description="a stream's usage so far is written durably before its first bytes and then before it sends "
+        description="a stream's usage so far is written durably before its first bytes (with its budget "
+        "reservation when it has one) and then before it sends "
         "more once this many completion tokens were generated since the last write: a crash (kill -9) bills all "
         "but this tail; 0: no checkpoints (a crash mid-stream bills nothing)",
     )

@@ -400,7 +400,8 @@ class Backends:
             prompt_worst += num * req.n
             completion_worst += max_new * req.n
         caller.model_version = str(remote.version) if remote.version is not None else None
-        meter = await self.service.reserve(caller, remote, reserved, Tokens(prompt_worst, completion_worst))
+        opening = sum(counts) if req.stream else None  # a stream's first checkpoint: what its checkpoints count
+        meter = await self.service.reserve(caller, remote, reserved, Tokens(prompt_worst, completion_worst), opening)
         body = req.model_dump(mode="json", exclude_unset=True, by_alias=True)  # json_schema.schema, not schema_
         for name in GATEWAY_FIELDS:
             body.pop(name, None)

@@ -11,7 +11,8 @@ the event loop through ``cloud.pg_async``, or blocking), with the same effects:
   prepaid and no scoped budget applies to the request (the same match as ``scopes.applicable``). When it does
   not apply, or the month row is missing, or the budget cannot cover the amount, nothing is written and the
   caller runs the general path (``FALLBACK``), which creates rows, reclaims expired reservations and raises
-  the precise ``BudgetExceededError``.
+  the precise ``BudgetExceededError``. A stream's reservation also inserts its first checkpoint (its prompt, no
+  completion yet) when the reservation applies (``reserve_and_open_async``): its first bytes need no statement.
 - **checkpoint**: the upsert of ``ledger.checkpoint``, as is.
 - **settle**: the reservation deleted (by whoever comes first: this settle or the sweeper), the month's hold
   released only when this statement deleted it, the usage record inserted ``ON CONFLICT (id) DO NOTHING`` and the
@@ -37,6 +38,7 @@ from controlplane.billing.budgets import BudgetHold
 from controlplane.billing.ledger import _IDENTITY, CHECKPOINT_COUNTS, NewUsage, _identity, _row, checkpoint_row
 from controlplane.billing.pricing import period_of
 from controlplane.billing.scopes import EVERY_USER, Attribution
+from controlplane.storage.tables import UsageCheckpoint
 from controlplane.storage.types import as_utc, to_micros
 
 logger = logging.getLogger(__name__)
@@ -51,7 +53,7 @@ class Fallback(enum.Enum):
 FALLBACK: Final = Fallback.FALLBACK
 
 
-_RESERVE = """
+_RESERVE_CTES = """
 WITH eligible AS (
     SELECT NOT EXISTS (SELECT 1 FROM credit_account WHERE tenant_id = %(tenant_id)s)
        AND NOT EXISTS (
@@ -73,9 +75,8 @@ WITH eligible AS (
     INSERT INTO budget_reservation (id, tenant_id, period, amount, created_at, expires_at, windows, on_credit)
     SELECT %(id)s, tenant_id, %(period)s, %(amount)s::numeric, %(now)s, %(expires_at)s, NULL, false FROM held
     RETURNING id
-)
-SELECT (SELECT ok FROM eligible), EXISTS (SELECT 1 FROM inserted)
-"""
+)"""
+_RESERVE = _RESERVE_CTES + "\nSELECT (SELECT ok FROM eligible), EXISTS (SELECT 1 FROM inserted)\n"
 
 # ``ledger.checkpoint``'s upsert: the row of ``ledger.checkpoint_row``, a later write moving only its counts.
 _CHECKPOINT_COLUMNS = tuple(checkpoint_row(NewUsage("", 0, "", "", datetime.now(UTC)), None, 0.0))
@@ -84,6 +85,32 @@ INSERT INTO usage_checkpoint ({", ".join(_CHECKPOINT_COLUMNS)})
 VALUES ({", ".join(f"%({c})s" for c in _CHECKPOINT_COLUMNS)})
 ON CONFLICT (id) DO UPDATE SET {", ".join(f"{c} = EXCLUDED.{c}" for c in CHECKPOINT_COUNTS)}
 """
+
+
+def _column_types() -> dict[str, str]:
+    """``usage_checkpoint``'s columns and the PostgreSQL type a parameter is cast to before it is stored in one
+    (without lengths: a cast to ``varchar(n)`` would cut a long value where the column's assignment refuses it)."""
+    kinds = {datetime: "timestamptz", int: "integer", Decimal: "numeric", str: "text"}
+    table = UsageCheckpoint.__table__  # type: ignore[attr-defined]
+    return {c.name: kinds[getattr(c.type, "impl_instance", c.type).python_type] for c in table.columns}
+
+
+# A stream's first checkpoint, written by its reservation's statement (``reservation(opening=...)``): inserted only
+# when the reservation applies (the fast path's conditions, and the hold taken when the month has a budget). Each
+# parameter is cast: in a SELECT list it is not typed by the INSERT's target columns as in VALUES.
+_TYPES = _column_types()
+_OPENED = f"""
+, opened AS (
+    INSERT INTO usage_checkpoint ({", ".join(_CHECKPOINT_COLUMNS)})
+    SELECT {", ".join(f"%(c_{c})s::{_TYPES[c]}" for c in _CHECKPOINT_COLUMNS)}
+    WHERE (SELECT ok FROM eligible) AND (%(budget)s::numeric IS NULL OR EXISTS (SELECT 1 FROM held))
+    ON CONFLICT (id) DO NOTHING
+    RETURNING id
+)
+SELECT (SELECT ok FROM eligible), EXISTS (SELECT 1 FROM inserted), EXISTS (SELECT 1 FROM opened)
+"""
+_RESERVE_OPENING = _RESERVE_CTES + _OPENED
+
 
 # The columns of a usage record (``ledger._row``'s) and those that make two records with one id the same record.
 _RECORD_COLUMNS = tuple(_row(NewUsage("", 0, "", "", datetime.now(UTC)), (None, None), datetime.now(UTC)))
@@ -135,6 +162,7 @@ class Reservation:
 
     params: dict[str, Any]
     hold: BudgetHold | None  # None: nothing to hold (no monthly budget, and nothing else applies)
+    opens: bool = False  # the statement also writes the stream's first checkpoint
 
 
 def reservation(
@@ -144,8 +172,10 @@ def reservation(
     who: Attribution,
     at: datetime | None = None,
     lease_s: float = 600.0,
+    opening: NewUsage | None = None,
 ) -> Reservation:
-    """``budgets.reserve_request``'s arguments as the fast statement's parameters."""
+    """``budgets.reserve_request``'s arguments as the fast statement's parameters; ``opening``: a stream's usage
+    so far (its prompt), stored as its first checkpoint by the same statement (``reserve_and_open_async``)."""
     now = datetime.now(UTC)
     period = period_of(at or now)
     reservation_id = uuid.uuid4().hex
@@ -163,7 +193,9 @@ def reservation(
         "expires_at": now + timedelta(seconds=lease_s),
     }
     hold = BudgetHold(reservation_id, tenant_id, period, amount, budget) if budget is not None else None
-    return Reservation(params, hold)
+    if opening is not None:
+        params.update({f"c_{k}": v for k, v in checkpoint_row(opening, hold, lease_s).items()})
+    return Reservation(params, hold, opens=opening is not None)
 
 
 def reserved(prepared: Reservation, row: tuple[Any, ...] | None) -> BudgetHold | Fallback | None:
@@ -180,6 +212,16 @@ async def reserve_async(connection: Any, prepared: Reservation) -> BudgetHold | 
     """Run a fast reservation on a psycopg ``AsyncConnection`` in autocommit mode."""
     cursor = await connection.execute(_RESERVE, prepared.params)
     return reserved(prepared, await cursor.fetchone())
+
+
+async def reserve_and_open_async(connection: Any, prepared: Reservation) -> tuple[BudgetHold | Fallback | None, bool]:
+    """``reserve_async`` for a prepared reservation with an ``opening``: also whether the stream's first
+    checkpoint was written (only when the reservation applied; never over a checkpoint of the same id)."""
+    if not prepared.opens:
+        raise ValueError("this reservation has no opening checkpoint: use reserve_async")
+    cursor = await connection.execute(_RESERVE_OPENING, prepared.params)
+    row = await cursor.fetchone()
+    return reserved(prepared, row[:2] if row is not None else None), bool(row is not None and row[2])
 
 
 def reserve_blocking(connection: Any, prepared: Reservation) -> BudgetHold | Fallback | None:

@@ -290,3 +290,69 @@ def test_a_stale_reservation_is_released_when_its_lease_runs_out(engine: Engine)
 
     assert _run(writer, settle_late) == Decimal("0.2")
     assert _state(engine, tenant_id)["month"] == (Decimal("0.2"), Decimal(0))
+
+
+def test_a_streams_reservation_writes_its_first_checkpoint_in_the_same_statement(engine: Engine) -> None:
+    """A stream's reservation carries its opening checkpoint (its prompt): the first bytes need no statement of their
+    own, and a gateway that dies after the reservation leaves that checkpoint for the reconciler to bill."""
+    monthly, unlimited, scoped, full = (
+        _tenant(engine, "monthly"),
+        _tenant(engine, "no-budget", budget=None),
+        _tenant(engine, "scoped-open"),
+        _tenant(engine, "full-open", Decimal(1)),
+    )
+    _month_row(engine, monthly)
+    _month_row(engine, full)
+    with Session(engine) as s:
+        tenant = s.get_one(Tenant, scoped)
+        set_budget(s, tenant, scope="tenant", ref=None, period="day", amount=Decimal(3), is_hard=True, actor="test")
+        s.commit()
+    writer = UsageWriter(engine)
+    opened: dict[str, tuple[BudgetHold | None, bool]] = {}
+    seen: dict[str, Any] = {}
+    errors: list[str] = []
+
+    def opening(request_id: str, tenant_id: int) -> NewUsage:
+        return _usage(request_id, tenant_id, 0, None)
+
+    async def requests() -> None:
+        for name, tenant_id, budget in (
+            ("m", monthly, Decimal(10)),
+            ("u", unlimited, None),
+            ("s", scoped, Decimal(10)),
+        ):
+            args = (tenant_id, budget, Decimal("0.5"), Attribution(), opening(f"open-{name}", tenant_id), LEASE_S)
+            opened[name] = await writer.reserve_and_open(*args)
+        seen["fast"] = writer.num_fast
+        with Session(engine) as s:
+            seen["rows"] = {cp.id: cp for cp in s.exec(select(UsageCheckpoint))}
+        try:
+            await writer.reserve_and_open(full, Decimal(1), Decimal(2), Attribution(), opening("open-f", full), LEASE_S)
+        except BudgetExceededError as exc:
+            errors.append(str(exc))
+        again = await writer.reserve_and_open(
+            monthly, Decimal(10), Decimal("0.5"), Attribution(), opening("open-m", monthly), LEASE_S
+        )
+        opened["m again"] = again
+        for name, tenant_id in (("m", monthly), ("u", unlimited), ("s", scoped)):
+            await writer.settle_checkpointed(_usage(f"open-{name}", tenant_id, 5, Decimal("0.1")), opened[name][0])
+        await writer.settle_checkpointed(_usage("open-m2", monthly, 0, Decimal(0)), again[0], checkpointed=False)
+
+    _run(writer, requests)
+    month_hold, written = opened["m"]
+    assert written and month_hold is not None and not month_hold.windows
+    assert opened["u"] == (None, True), "no budget: nothing held, the checkpoint written all the same"
+    scoped_hold, scoped_written = opened["s"]
+    assert scoped_written and scoped_hold is not None and len(scoped_hold.windows) == 1, "the general path's"
+    assert seen["fast"] == 2, "the month-only hold and the unbudgeted one took one statement each"
+    rows = seen["rows"]
+    assert set(rows) == {"open-m", "open-u", "open-s"}
+    first = rows["open-m"]
+    assert (first.prompt_tokens, first.completion_tokens, first.model) == (7, 0, "m")
+    assert (first.reservation_id, first.reserved) == (month_hold.id, Decimal("0.5"))
+    assert rows["open-u"].reservation_id is None and rows["open-s"].reservation_id == scoped_hold.id
+    assert errors and "cannot cover" in errors[0], "a refused reservation writes no checkpoint"
+    assert opened["m again"][1] is False, "an id already open is not overwritten: that stream checkpoints itself"
+    for tenant_id in (monthly, unlimited, scoped, full):
+        assert _state(engine, tenant_id)["checkpoints"] == 0, "each settle dropped its checkpoint"
+    assert sorted(r["completion_tokens"] for r in _state(engine, monthly)["records"]) == [0, 5]

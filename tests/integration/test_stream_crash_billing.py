@@ -9,6 +9,8 @@ import json
 import os
 import signal
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,6 +24,7 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
+from bench.common import served
 from controlplane.billing.budgets import reserve
 from controlplane.billing.ledger import NewUsage, checkpoint, reconcile_checkpoints, settle_checkpointed
 from controlplane.storage.database import create_db
@@ -286,6 +289,67 @@ def test_tokens_relayed_from_an_upstream_before_a_gateway_kill_are_billed(
                 "the reservation released", lambda: (b := _budget(engine, tenant_id)).reserved == 0 and b, 10
             )
             assert billed.cost is not None and period.spent == billed.cost
+            assert _checkpoints(engine) == []
+    engine.dispose()
+
+
+def test_a_gateway_killed_before_the_first_byte_bills_the_prompt_it_sent_upstream(
+    migrated_db: str, tiny_zoo: Path, session_data_dir: Path, tmp_path: Path
+) -> None:
+    """A stream's reservation writes its first checkpoint (its prompt): a gateway killed while its upstream is still
+    before the first token (here one that answers a minute later) is billed for the prompt it sent, as
+    ``interrupted``, with its hold released; the stream needed no checkpoint statement of its own before then."""
+    engine, tenant_id, key = _setup(migrated_db)
+    data = seed_data_dir(tmp_path / "data", tiny_zoo, session_data_dir)
+    lm_dir = ZooLayout(tiny_zoo).artifact_dir("lm-cloud")
+    upstream_port = free_port()
+    backends = data / "backends.json"
+    spec = {"type": "openai", "endpoints": [f"http://127.0.0.1:{upstream_port}"], "upstream_model": "lm-cloud"}
+    backends.write_text(json.dumps({"models": {MODEL: {**spec, "tokenizer": str(lm_dir)}}}))
+    env = base_env(
+        data,
+        TIERLINE_DATABASE_URL=migrated_db,
+        TIERLINE_CLOUD_ZOO_PRESET="none",
+        TIERLINE_CLOUD_BACKENDS=str(backends),
+        TIERLINE_CLOUD_USAGE_CHECKPOINT_TOKENS=str(EVERY_TOKENS),
+        TIERLINE_CLOUD_REQUEST_TIMEOUT_S=str(REQUEST_TIMEOUT_S),
+        TIERLINE_CLOUD_BUDGET_LEASE_MARGIN_S=str(LEASE_MARGIN_S),
+        TIERLINE_CLOUD_BUDGET_SWEEP_INTERVAL_S="0.5",
+    )
+    slow = [sys.executable, "-m", "bench.paced_upstream", "--port", str(upstream_port), "--ttft-ms", "60000"]
+    client_error: list[BaseException] = []
+
+    def stream(url: str) -> None:
+        try:
+            body = {**BODY, "max_tokens": 16}
+            with httpx.stream("POST", url, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=90) as r:
+                r.read()
+        except httpx.HTTPError as exc:
+            client_error.append(exc)
+
+    log = tmp_path / "gateway.log"
+    with served(slow, {**os.environ}, f"http://127.0.0.1:{upstream_port}/health", "the slow upstream"):
+        port = free_port()
+        with _cloud(env, port, log) as proc:
+            client = threading.Thread(target=stream, args=(f"http://127.0.0.1:{port}/v1/completions",))
+            client.start()
+            (opening,) = _wait_for("the stream's opening checkpoint", lambda: _checkpoints(engine), 30)
+            assert (opening.completion_tokens, opening.reservation_id is not None) == (0, True)
+            assert opening.prompt_tokens > 0
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            killed_at = time.monotonic()
+            client.join(timeout=30)
+            assert client_error, "the client saw its stream cut before any byte"
+        with _cloud(env, free_port(), log):
+            wait_s = max(0.0, REQUEST_TIMEOUT_S + LEASE_MARGIN_S - (time.monotonic() - killed_at)) + 30
+            (billed,) = _wait_for("the killed stream's record", lambda: _records(engine, opening.id), wait_s)
+            assert billed.status == "interrupted"
+            assert (billed.prompt_tokens, billed.completion_tokens) == (opening.prompt_tokens, 0)
+            period = _wait_for(
+                "the reservation released", lambda: (b := _budget(engine, tenant_id)).reserved == 0 and b, 10
+            )
+            assert billed.cost is not None and billed.cost > 0 and period.spent == billed.cost
             assert _checkpoints(engine) == []
     engine.dispose()
 
