@@ -9,6 +9,7 @@ time, as ``bench scale`` does.
 
     python -m bench.gateway_ab --b-tree /work/base --rounds 4 --concurrency 1,64
     python -m bench.gateway_ab --b-env TIERLINE_CLOUD_USAGE_CHECKPOINT_TOKENS=0      # what a setting costs
+    python -m bench.gateway_ab --b-tree /work/base --paced 20,10     # before a model server at a set pace
 
 Needs ``TIERLINE_BENCH_DATABASE_URL`` (PostgreSQL) and Redis (``TIERLINE_BENCH_REDIS_URL``, default local).
 """
@@ -49,9 +50,10 @@ def run(
     max_tokens: int,
     b_tree: Path | None,
     b_env: dict[str, str],
+    pace: tuple[float, float] | None = None,
 ) -> dict[str, Any]:
     cpu: dict[str, dict[int, list[float]]] = {"A": {c: [] for c in concurrency}, "B": {c: [] for c in concurrency}}
-    with bench_platform("tierline-gw-ab-") as (_, platform), contextlib.ExitStack() as stack:
+    with bench_platform("tierline-gw-ab-", pace) as (_, platform), contextlib.ExitStack() as stack:
         gateways = {}
         for name, tree, env in (("A", None, platform.envs[0]), ("B", b_tree, {**platform.envs[0], **b_env})):
             port = free_port()
@@ -80,6 +82,7 @@ def run(
             "b_over_a": round(b / a, 3),
         }
     return {
+        "upstream": {"ttft_ms": pace[0], "token_ms": pace[1]} if pace else "tierline engine serve",
         "b_tree": str(b_tree) if b_tree else None,
         "b_env": b_env,
         "rounds": rounds,
@@ -97,6 +100,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--b-tree", type=Path, help="B runs the code of this checkout (default: this one)")
     parser.add_argument("--b-env", action="append", default=[], metavar="NAME=VALUE", help="B's extra environment")
+    parser.add_argument("--paced", metavar="TTFT_MS,TOKEN_MS", help="bench.paced_upstream as the model server")
     args = parser.parse_args()
     b_env = {}
     for item in args.b_env:
@@ -107,7 +111,14 @@ def main() -> None:
     if args.b_tree is not None and not (args.b_tree / "tierline" / "cli.py").is_file():
         parser.error(f"--b-tree {args.b_tree}: not a tierline checkout (no tierline/cli.py)")
     concurrency = [int(c) for c in args.concurrency.split(",")]
-    result = run(args.rounds, args.requests, concurrency, args.max_tokens, args.b_tree, b_env)
+    pace = None
+    if args.paced:
+        try:
+            ttft_ms, token_ms = (float(v) for v in args.paced.split(","))
+        except ValueError:
+            parser.error(f"--paced {args.paced!r}: expected TTFT_MS,TOKEN_MS, e.g. 20,10")
+        pace = (ttft_ms, token_ms)
+    result = run(args.rounds, args.requests, concurrency, args.max_tokens, args.b_tree, b_env, pace)
     print(json.dumps(result, indent=2))
 
 

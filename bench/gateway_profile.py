@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import free_port, tierline_server
-from bench.scale_bench import MODEL, _load, _Platform, _setup, _summary, _tree_cpu
+from bench.scale_bench import _load, _Platform, _setup, _summary, _tree_cpu, _upstream
 
 # (stage, substrings of a frame) in priority order: a sample counts for the first stage any of its frames matches.
 STAGES: list[tuple[str, tuple[str, ...]]] = [
@@ -140,10 +140,10 @@ def _point(
 
 
 @contextlib.contextmanager
-def bench_platform(prefix: str) -> Iterator[tuple[Path, _Platform]]:
+def bench_platform(prefix: str, pace: tuple[float, float] | None = None) -> Iterator[tuple[Path, _Platform]]:
     """``bench scale``'s platform (tenants, a rate limit in Redis, a budget, a price, metering in PostgreSQL: a
-    fresh schema of ``TIERLINE_BENCH_DATABASE_URL``; ``TIERLINE_BENCH_REDIS_URL``) with its model server up, and a
-    temporary directory; the gateways are the caller's."""
+    fresh schema of ``TIERLINE_BENCH_DATABASE_URL``; ``TIERLINE_BENCH_REDIS_URL``) with its model server up (the
+    paced one for ``pace``: ttft and token ms), and a temporary directory; the gateways are the caller's."""
     from bench.billing_bench import _postgres, _postgres_url
     from bench.common import zoo_root
     from shared.settings import CoreSettings
@@ -157,8 +157,7 @@ def bench_platform(prefix: str) -> Iterator[tuple[Path, _Platform]]:
         tmp = Path(tmp_name)
         up_port = free_port()
         platform = _setup(tmp, zoo, CoreSettings().data_dir, schema_url, redis_url, f"http://127.0.0.1:{up_port}")
-        serve = ["engine", "serve", "--model", str(zoo / "artifacts" / MODEL), "--name", MODEL]
-        with tierline_server(serve, platform.env, up_port, "/health"):
+        with _upstream(zoo, platform, up_port, pace):
             yield tmp, platform
 
 
