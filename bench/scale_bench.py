@@ -15,10 +15,12 @@ Streamed chat completions (greedy, ``ignore_eos``) from ``concurrency`` clients:
 - ``kill``: ``duration`` seconds of load through the front to A and B; after a third of it gateway A is
   SIGKILLed. Reported: requests failed (and how many of those had started before the kill: only requests on
   A's connections may fail), records lost (served requests without a usage record) and unaccounted (records of
-  no request a client sent: a duplicate), the budget's spend against the sum of the records' costs (drift) and
-  what A still held reserved when it died (released by a survivor's sweeper when the lease ends), and the
-  survivor's requests/s from 5 s after the kill to the end of the load (requests that ended in that window)
-  against B's alone under the same load over the same window, measured right before (``one_gateway_same_window``).
+  no request a client sent: a duplicate; a prompt-only ``interrupted`` record counts as a failed request's, up to
+  one per request cut before its response's headers, whose id its client never saw), the budget's spend against
+  the sum of the records' costs (drift) and what A still held reserved when it died (released by a survivor's
+  sweeper when the lease ends), and the survivor's requests/s from 5 s after the kill to the end of the load
+  (requests that ended in that window) against B's alone under the same load over the same window, measured
+  right before (``one_gateway_same_window``).
 
 ``--vs litellm`` adds the LiteLLM proxy (no-database mode: its spend tracking needs Prisma engine binaries
 that cannot be downloaded here; ``--num_workers 2`` with ``--run_gunicorn``, a master key) in front of the same
@@ -356,6 +358,24 @@ def _records(db_url: str) -> dict[str, Decimal]:
     return costs
 
 
+def _prompt_only(db_url: str, ids: set[str]) -> set[str]:
+    """Those of ``ids`` whose record bills a prompt and nothing else, ``interrupted``: a stream whose gateway died
+    after its reservation wrote its opening checkpoint and before it sent a byte."""
+    from sqlmodel import Session, col, select
+
+    from controlplane.storage.database import create_db
+    from controlplane.storage.tables import UsageRecord
+
+    if not ids:
+        return set()
+    engine = create_db(db_url)
+    with Session(engine) as s:
+        rows = s.exec(select(UsageRecord).where(col(UsageRecord.id).in_(ids))).all()
+        found = {str(r.id) for r in rows if r.status == "interrupted" and r.completion_tokens == 0}
+    engine.dispose()
+    return found
+
+
 def _budget(db_url: str) -> tuple[Decimal, Decimal]:
     """The tenant's spend and what is still reserved, this month."""
     from sqlmodel import Session, select
@@ -425,6 +445,11 @@ def _kill_phase(
     else:
         print(f"bench scale: still reserved {reserved}, {len(served - set(records))} records missing", file=sys.stderr)
     new = set(records) - known
+    # A stream cut before its response's headers never told its client its id, but its reservation's opening
+    # checkpoint bills its prompt: such records are those failed requests', up to one each. Any other record of
+    # no id a client saw, or more of those than requests cut that early, would be a duplicate.
+    unheard = sum(1 for o in failed if not o.usage_id)
+    cut_early = min(len(_prompt_only(platform.db_url, new - sent)), unheard)
     load_end = began + duration  # no client starts a request after it: the rest is the drain
     return {
         "duration_s": duration,
@@ -437,8 +462,9 @@ def _kill_phase(
         "failed_started_after_kill": sum(o.started >= kill_t for o in failed),
         "failed_reasons": dict(Counter(o.error or "?" for o in failed)),
         "records_lost": len(served - set(records)),
-        "records_of_failed_requests": len(new & (sent - served)),
-        "records_of_unknown_requests": len(new - sent),
+        "records_of_failed_requests": len(new & (sent - served)) + cut_early,
+        "records_of_failed_requests_cut_before_headers": cut_early,
+        "records_of_unknown_requests": len(new - sent) - cut_early,
         "reservations_released_s_after_kill": released_in,
         "spent_minus_records_cost": str(spent - sum(records.values(), Decimal(0))),
         "budget_overspend": str(max(Decimal(0), spent - platform.budget)),

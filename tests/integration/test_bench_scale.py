@@ -30,27 +30,23 @@ def _redis_answers() -> bool:
         return False
 
 
-@pytest.fixture(scope="module")
-def scale(tiny_zoo: Path, session_data_dir: Path) -> dict[str, Any]:
-    """One tiny run of the bench (with LiteLLM when it is installed), shared by the tests below."""
+def _run(tiny_zoo: Path, session_data_dir: Path, **options: Any) -> dict[str, Any]:
+    """A tiny run of the bench: 8 requests from 4 clients per path, on PostgreSQL and Redis (skipped without)."""
     if not PG_URL:
         pytest.skip("PostgreSQL not configured: set TIERLINE_TEST_DATABASE_URL (the bench's gateways share it)")
     if not _redis_answers():
         pytest.skip(f"no Redis at {REDIS_URL}: the bench's gateways share rate limits through it")
-    litellm = find_litellm()
     return run_scale_bench(
-        tiny_zoo,
-        session_data_dir,
-        db_url=PG_URL,
-        redis_url=REDIS_URL,
-        requests=8,
-        concurrency=4,
-        max_tokens=8,
-        duration=10.0,
-        vs_litellm=litellm is not None,
-        peer_requests={1: 3, 8: 8},
-        rounds=2,
+        tiny_zoo, session_data_dir, db_url=PG_URL, redis_url=REDIS_URL, requests=8, concurrency=4, **options
     )
+
+
+@pytest.fixture(scope="module")
+def scale(tiny_zoo: Path, session_data_dir: Path) -> dict[str, Any]:
+    """One tiny run of the bench (with LiteLLM when it is installed), shared by the tests below."""
+    litellm = find_litellm()
+    options = {"vs_litellm": litellm is not None, "peer_requests": {1: 3, 8: 8}, "rounds": 2}
+    return _run(tiny_zoo, session_data_dir, max_tokens=8, duration=10.0, **options)
 
 
 def test_one_and_two_gateways_serve_every_request(scale: dict[str, Any]) -> None:
@@ -68,6 +64,8 @@ def test_a_killed_gateway_loses_and_duplicates_no_record(scale: dict[str, Any]) 
     # each failure says why (a connection the kill broke: a transport error or a stream cut short)
     assert sum(kill["failed_reasons"].values()) == kill["failed"] and "?" not in kill["failed_reasons"], kill
     assert kill["records_lost"] == 0 and kill["records_of_unknown_requests"] == 0, kill
+    # a prompt billed for a stream cut before its headers is a failed request's record, one at most each
+    assert kill["records_of_failed_requests_cut_before_headers"] <= kill["failed"], kill
     assert kill["reservations_released_s_after_kill"] is not None, kill  # the dead gateway's holds were released
     assert Decimal(kill["spent_minus_records_cost"]) == 0, kill
     assert Decimal(kill["budget_overspend"]) == 0
@@ -95,21 +93,7 @@ def test_litellm_side_by_side(scale: dict[str, Any]) -> None:
 def test_a_paced_upstream_takes_the_model_servers_place(tiny_zoo: Path, session_data_dir: Path) -> None:
     """``--upstream paced``: the same bench in front of a model server that streams at a set pace (the gateway's
     overhead without a model server taking its cores); nothing else changes, the ledger checks included."""
-    if not PG_URL:
-        pytest.skip("PostgreSQL not configured: set TIERLINE_TEST_DATABASE_URL (the bench's gateways share it)")
-    if not _redis_answers():
-        pytest.skip(f"no Redis at {REDIS_URL}: the bench's gateways share rate limits through it")
-    result = run_scale_bench(
-        tiny_zoo,
-        session_data_dir,
-        db_url=PG_URL,
-        redis_url=REDIS_URL,
-        requests=8,
-        concurrency=4,
-        max_tokens=6,
-        duration=6.0,
-        pace=(20.0, 10.0),
-    )
+    result = _run(tiny_zoo, session_data_dir, max_tokens=6, duration=6.0, pace=(20.0, 10.0))
     assert result["upstream"] == {"kind": "paced (bench.paced_upstream)", "ttft_ms": 20.0, "token_ms": 10.0}
     for path in ("direct", "one_gateway", "two_gateways"):
         point = result["paths"][path]

@@ -243,6 +243,26 @@ def test_tokens_streamed_before_a_kill_are_billed_after_the_restart(
     engine.dispose()
 
 
+def _relay_env(data: Path, db_url: str, lm_dir: Path, upstream_port: int) -> dict[str, str]:
+    """A gateway only, relaying ``MODEL`` to an ``openai`` backend on ``upstream_port``, checkpointing every
+    ``EVERY_TOKENS`` tokens (by tokens only), its dead streams reconciled soon after their lease."""
+    backends = data / "backends.json"
+    spec = {"type": "openai", "endpoints": [f"http://127.0.0.1:{upstream_port}"], "upstream_model": "lm-cloud"}
+    backends.write_text(json.dumps({"models": {MODEL: {**spec, "tokenizer": str(lm_dir)}}}))
+    return base_env(
+        data,
+        TIERLINE_DATABASE_URL=db_url,
+        TIERLINE_CLOUD_ZOO_PRESET="none",
+        TIERLINE_CLOUD_BACKENDS=str(backends),
+        TIERLINE_CLOUD_USAGE_FLUSH_MS="50",
+        TIERLINE_CLOUD_USAGE_CHECKPOINT_TOKENS=str(EVERY_TOKENS),
+        TIERLINE_CLOUD_USAGE_CHECKPOINT_MS="0",
+        TIERLINE_CLOUD_REQUEST_TIMEOUT_S=str(REQUEST_TIMEOUT_S),
+        TIERLINE_CLOUD_BUDGET_LEASE_MARGIN_S=str(LEASE_MARGIN_S),
+        TIERLINE_CLOUD_BUDGET_SWEEP_INTERVAL_S="0.5",
+    )
+
+
 def test_tokens_relayed_from_an_upstream_before_a_gateway_kill_are_billed(
     migrated_db: str, tiny_zoo: Path, session_data_dir: Path, tmp_path: Path
 ) -> None:
@@ -253,21 +273,7 @@ def test_tokens_relayed_from_an_upstream_before_a_gateway_kill_are_billed(
     data = seed_data_dir(tmp_path / "data", tiny_zoo, session_data_dir)
     lm_dir = ZooLayout(tiny_zoo).artifact_dir("lm-cloud")
     upstream_port = free_port()
-    backends = data / "backends.json"
-    spec = {"type": "openai", "endpoints": [f"http://127.0.0.1:{upstream_port}"], "upstream_model": "lm-cloud"}
-    backends.write_text(json.dumps({"models": {MODEL: {**spec, "tokenizer": str(lm_dir)}}}))
-    env = base_env(
-        data,
-        TIERLINE_DATABASE_URL=migrated_db,
-        TIERLINE_CLOUD_ZOO_PRESET="none",  # a gateway only
-        TIERLINE_CLOUD_BACKENDS=str(backends),
-        TIERLINE_CLOUD_USAGE_FLUSH_MS="50",
-        TIERLINE_CLOUD_USAGE_CHECKPOINT_TOKENS=str(EVERY_TOKENS),
-        TIERLINE_CLOUD_USAGE_CHECKPOINT_MS="0",
-        TIERLINE_CLOUD_REQUEST_TIMEOUT_S=str(REQUEST_TIMEOUT_S),
-        TIERLINE_CLOUD_BUDGET_LEASE_MARGIN_S=str(LEASE_MARGIN_S),
-        TIERLINE_CLOUD_BUDGET_SWEEP_INTERVAL_S="0.5",
-    )
+    env = _relay_env(data, migrated_db, lm_dir, upstream_port)
     upstream_env = base_env(data, TIERLINE_CLOUD_KV_CACHE_MB="16", TIERLINE_CLOUD_SPECULATION="off")
     headers = {"Authorization": f"Bearer {key}"}
     log = tmp_path / "gateway.log"
@@ -301,21 +307,8 @@ def test_a_gateway_killed_before_the_first_byte_bills_the_prompt_it_sent_upstrea
     ``interrupted``, with its hold released; the stream needed no checkpoint statement of its own before then."""
     engine, tenant_id, key = _setup(migrated_db)
     data = seed_data_dir(tmp_path / "data", tiny_zoo, session_data_dir)
-    lm_dir = ZooLayout(tiny_zoo).artifact_dir("lm-cloud")
     upstream_port = free_port()
-    backends = data / "backends.json"
-    spec = {"type": "openai", "endpoints": [f"http://127.0.0.1:{upstream_port}"], "upstream_model": "lm-cloud"}
-    backends.write_text(json.dumps({"models": {MODEL: {**spec, "tokenizer": str(lm_dir)}}}))
-    env = base_env(
-        data,
-        TIERLINE_DATABASE_URL=migrated_db,
-        TIERLINE_CLOUD_ZOO_PRESET="none",
-        TIERLINE_CLOUD_BACKENDS=str(backends),
-        TIERLINE_CLOUD_USAGE_CHECKPOINT_TOKENS=str(EVERY_TOKENS),
-        TIERLINE_CLOUD_REQUEST_TIMEOUT_S=str(REQUEST_TIMEOUT_S),
-        TIERLINE_CLOUD_BUDGET_LEASE_MARGIN_S=str(LEASE_MARGIN_S),
-        TIERLINE_CLOUD_BUDGET_SWEEP_INTERVAL_S="0.5",
-    )
+    env = _relay_env(data, migrated_db, ZooLayout(tiny_zoo).artifact_dir("lm-cloud"), upstream_port)
     slow = [sys.executable, "-m", "bench.paced_upstream", "--port", str(upstream_port), "--ttft-ms", "60000"]
     client_error: list[BaseException] = []
 

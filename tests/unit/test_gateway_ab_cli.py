@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
         ),
         (["--b-env", "=0"], "--b-env '=0': expected NAME=VALUE"),
         (["--b-tree", "/nonexistent/checkout"], "--b-tree /nonexistent/checkout: not a tierline checkout"),
+        (["--paced", "20"], "--paced '20': expected TTFT_MS,TOKEN_MS, e.g. 20,10"),
     ],
 )
 def test_bad_arguments_are_named(args: list[str], message: str, tmp_path: Path) -> None:
