@@ -149,24 +149,17 @@ class UsageWriter:
                 self.num_fast += 1
                 self.num_checkpoints += opened
                 return held, opened
-        return await asyncio.to_thread(self._reserve_and_open, tenant_id, budget, amount, who, opening, lease_s)
 
-    def _reserve_and_open(
-        self,
-        tenant_id: int,
-        budget: Decimal | None,
-        amount: Decimal,
-        who: Attribution,
-        opening: NewUsage,
-        lease_s: float,
-    ) -> tuple[BudgetHold | None, bool]:
-        hold = reserve_request(self.engine, tenant_id, budget, amount, who, lease_s=lease_s)
-        try:
-            self._checkpoint(opening, hold, lease_s)
-        except Exception:  # the hold stands: the stream writes its first checkpoint before its first bytes instead
-            logger.exception("writing the opening checkpoint of request %s failed", opening.id)
-            return hold, False
-        return hold, True
+        def reserve_then_open() -> tuple[BudgetHold | None, bool]:
+            hold = reserve_request(self.engine, tenant_id, budget, amount, who, lease_s=lease_s)
+            try:
+                self._checkpoint(opening, hold, lease_s)
+            except Exception:  # the hold stands: the stream writes its first checkpoint before its first bytes
+                logger.exception("writing the opening checkpoint of request %s failed", opening.id)
+                return hold, False
+            return hold, True
+
+        return await asyncio.to_thread(reserve_then_open)
 
     async def checkpoint(self, usage: NewUsage, hold: BudgetHold | None, lease_s: float) -> None:
         """Write a stream's counts so far (``controlplane.billing.ledger.checkpoint``), committed on return."""
