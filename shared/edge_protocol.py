@@ -107,6 +107,21 @@ class DesiredPolicy(_Answer):
     signature: str = Field(description="base64 Ed25519 over shared.policy_signing.canonical_bytes")
 
 
+class ModelPairing(_Answer):
+    """Which cloud model an edge model escalates to, from the registry (``tierline models pair``), sent at sync.
+
+    An edge model with no pairing (or ``cloud_model`` null) never escalates: it answers locally and says so
+    (``x-tierline-escalation: unpaired``)."""
+
+    model: str = Field(max_length=128, description="the edge model, by the name the device serves it under")
+    cloud_model: str | None = Field(description="the cloud model its escalations go to; null: it answers locally")
+    resend: Literal["as-sent", "text"] = Field(
+        "as-sent",
+        description="as-sent: the request body goes up unchanged (the two tokenizers share a vocabulary); text: "
+        "a prompt given as token ids is decoded with the edge model's tokenizer and sent as text (they do not)",
+    )
+
+
 class Allowance(_Answer):
     """What the device may still spend, as of the sync (records just synced included): what is left of the
     tightest hard budget its traffic counts against (its tenant's, and its key's, project's, end user's)."""
@@ -132,6 +147,9 @@ class SyncResponse(_Answer):
     clamped: int = Field(0, description="usage records dated outside the accepted window, booked at its edge")
     desired: list[DesiredModel] = Field(default_factory=list)
     policies: list[DesiredPolicy] = Field(default_factory=list, description="escalation policies for this device")
+    pairings: list[ModelPairing] = Field(
+        default_factory=list, description="edge model -> cloud model, for every model this device is sent"
+    )
     config: dict[str, Any] = Field(default_factory=dict)
     server_time: float
     allowance: Allowance | None = Field(None, description="the tenant's remaining allowance (absent: unknown)")
