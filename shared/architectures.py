@@ -25,7 +25,7 @@ RUNTIMES = ("engine", "onnx", "tflite", "gguf")
 # model_type -> the runtimes that serve it. Each column is kept true by its runtime's oracle tests against
 # transformers on a small random-initialised config of that architecture (tests/*/test_*architectures*).
 ENGINE_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt2"})
-ONNX_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"})
+ONNX_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt2"})
 TFLITE_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"})
 GGUF_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt2"})
 
