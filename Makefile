@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.install-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install peers chromium demo test lint bench bench-peers zoo clean help
+.PHONY: install peers gguf-converter chromium demo test lint bench bench-peers zoo clean help
 
 help:
 	@echo "make demo    run the platform on localhost (cloud API, console, edge agent)"
@@ -44,7 +44,18 @@ $(PEERS_STAMP): $(STAMP)
 	$(BIN)/python -m pip install --quiet -c constraints.txt --find-links $(WHEEL_CACHE) -e '.[dev,peers]'
 	touch $(PEERS_STAMP)
 
-peers: $(PEERS_STAMP)
+# llama.cpp's own HF -> GGUF converter (convert_hf_to_gguf.py with its gguf-py), which derive runs for GGUF
+# exports: taken from the llama-cpp-python sdist of the pinned version (it vendors llama.cpp), unpacked once.
+GGUF_CONVERTER := $(HOME)/.cache/tierline/llama-cpp-python-$(shell sed -n 's/^llama-cpp-python==//p' constraints.txt)-convert
+$(GGUF_CONVERTER)/convert_hf_to_gguf.py: constraints.txt
+	rm -rf $(GGUF_CONVERTER).tmp && mkdir -p $(GGUF_CONVERTER).tmp/sdist
+	$(BIN)/python -m pip download --quiet --no-deps --no-binary :all: -c constraints.txt -d $(GGUF_CONVERTER).tmp/sdist llama-cpp-python
+	tar -xzf $(GGUF_CONVERTER).tmp/sdist/llama_cpp_python-*.tar.gz -C $(GGUF_CONVERTER).tmp --strip-components=3 --wildcards '*/vendor/llama.cpp/convert_hf_to_gguf.py' '*/vendor/llama.cpp/conversion/*' '*/vendor/llama.cpp/gguf-py/*'
+	rm -rf $(GGUF_CONVERTER).tmp/sdist $(GGUF_CONVERTER) && mv $(GGUF_CONVERTER).tmp $(GGUF_CONVERTER)
+
+gguf-converter: $(STAMP) $(GGUF_CONVERTER)/convert_hf_to_gguf.py
+
+peers: $(PEERS_STAMP) gguf-converter
 
 demo: install
 	$(BIN)/tierline up

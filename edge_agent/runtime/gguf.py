@@ -112,6 +112,14 @@ class GgufCausalLM(CausalLMRuntime):
         params.n_seq_max = 1
         params.n_threads = params.n_threads_batch = num_threads
         params.no_perf = True
+        # Flash attention off ("auto" turns it on for the CPU): llama.cpp casts K and V to float16 for it, even
+        # from an f32 cache (llama-graph.cpp), and its CPU kernel sums softmax * V over the whole context in a
+        # float16 accumulator (ggml-cpu ops.cpp, VKQ16), an error that grows with the context. An f32 file left
+        # transformers' greedy output at token 26 of a 2,000-token prompt with it on, and was exact with it off.
+        # An f32 file also gets an f32 KV cache, so it computes what the checkpoint does; Q8_0 keeps float16.
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        if variant == "f32":
+            params.type_k = params.type_v = llama_cpp.GGML_TYPE_F32
         with _quiet_stderr():
             self._ctx = LlamaContext(model=self._model, params=params, verbose=False)
         self._batch = llama_cpp.llama_batch_init(self.max_context, 0, 1)

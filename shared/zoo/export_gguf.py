@@ -1,25 +1,38 @@
-"""Export of the zoo's Hugging Face Llama checkpoints to GGUF, the format llama.cpp runs.
+"""Export of a Hugging Face causal-LM checkpoint to GGUF, the format llama.cpp runs.
 
-Written with the ``gguf`` package's writer (the one llama.cpp's own converter uses), for the zoo's layout only:
-a Llama with tied embeddings, grouped-query attention, RoPE and a byte-level BPE tokenizer (GPT-2
-pre-tokenization). Two files per LM:
+Preferred: llama.cpp's own converter, ``convert_hf_to_gguf.py`` with its ``gguf-py``, as vendored in
+llama-cpp-python's source distribution (the version ``constraints.txt`` pins, so the files match the llama.cpp
+that runs them). ``make gguf-converter`` extracts them into :func:`default_converter_dir`; a setting may point
+elsewhere. It converts every family llama.cpp knows (Llama, Mistral, Qwen2 with its biases, Qwen3 with its q/k
+norms, Gemma 3...), in a subprocess of its own. Its BPE pre-tokenizer check knows published tokenizers by the
+hash of their output; a byte-level BPE tokenizer with GPT-2's plain pre-tokenization (the zoo's) is not among
+them, so it is declared ``gpt-2`` here, which is what it is; any other unknown tokenizer is still refused.
 
-- ``model-f32.gguf``: every tensor in float32, so llama.cpp's greedy outputs match this project's engine
-  token for token;
+Fallback when the converter is absent: a writer of this module for the Llama layout only (tied embeddings,
+grouped-query attention, RoPE, a byte-level BPE tokenizer), written with the ``gguf`` package's writer. llama.cpp's
+Llama applies RoPE to interleaved pairs of a head's dimensions, where Hugging Face rotates its two halves; the
+query and key projections are permuted here, as llama.cpp's converter does, so both compute the same.
+
+Two files per LM:
+
+- ``model-f32.gguf``: every tensor in float32, so llama.cpp's greedy outputs match the checkpoint's;
 - ``model-q8_0.gguf``: the 2-D weights in Q8_0 (blocks of 32 int8 with a float16 scale, llama.cpp's usual
-  8-bit format); 1-D norm weights, and a matrix whose rows are not a multiple of 32 long, stay float32.
-
-llama.cpp's Llama applies RoPE to interleaved pairs of a head's dimensions, where Hugging Face rotates its two
-halves; the query and key projections are permuted here, as llama.cpp's converter does, so both compute the same.
+  8-bit format); 1-D weights, and a matrix whose rows are not a multiple of 32 long, stay float32.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 GGUF_F32 = "model-f32.gguf"
 GGUF_Q8_0 = "model-q8_0.gguf"
@@ -27,6 +40,91 @@ GGUF_FILES = {"f32": GGUF_F32, "q8_0": GGUF_Q8_0}
 # llama.cpp's token types (llama_token_type): a normal vocabulary token, a special one, unused padding.
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_UNUSED = 1, 3, 5
 Q8_0_BLOCK = 32  # values per Q8_0 block: a row must be a multiple of it
+CONVERTER_SCRIPT = "convert_hf_to_gguf.py"
+CONVERTER_VERSION = "llama-cpp-python-0.3.36"  # the sdist the converter comes from (constraints.txt's pin)
+CONVERT_TIMEOUT_S = 1800.0
+
+# Runs llama.cpp's converter with its own gguf-py first on the path, declaring a GPT-2-style byte-level BPE
+# tokenizer (the only kind declared here) as ``gpt-2`` where the converter's table of known hashes has no entry.
+_BOOTSTRAP = """
+import json, runpy, sys
+from pathlib import Path
+conv, model = Path(sys.argv[1]), Path(sys.argv[2])
+sys.path[:0] = [str(conv), str(conv / "gguf-py")]
+from conversion import base
+known = base.TextModel.get_vocab_base_pre
+pre = {}
+if (model / "tokenizer.json").is_file():
+    pre = json.loads((model / "tokenizer.json").read_text()).get("pre_tokenizer") or {}
+def declared(self, tokenizer):
+    try:
+        return known(self, tokenizer)
+    except NotImplementedError:
+        if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
+            return "gpt-2"
+        raise
+base.TextModel.get_vocab_base_pre = declared
+sys.argv = [str(conv / "convert_hf_to_gguf.py"), *sys.argv[2:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+class GgufExportError(RuntimeError):
+    """The GGUF export failed; the message is one line saying why."""
+
+
+def default_converter_dir() -> Path:
+    """Where ``make gguf-converter`` extracts llama.cpp's converter."""
+    return Path.home() / ".cache" / "tierline" / f"{CONVERTER_VERSION}-convert"
+
+
+def find_converter(configured: Path | None = None) -> Path | None:
+    """The directory holding ``convert_hf_to_gguf.py`` (``configured``, else the default), or None."""
+    folder = configured or default_converter_dir()
+    return folder if (folder / CONVERTER_SCRIPT).is_file() else None
+
+
+def export_gguf(model_dir: Path, out_path: Path, kind: str = "f32", converter: Path | None = None) -> dict[str, Any]:
+    """Write ``model_dir`` to one GGUF file; ``kind`` is ``f32`` or ``q8_0``. With ``converter`` (a directory
+    from :func:`find_converter`) llama.cpp's converter writes it, else this module's Llama writer. Returns what
+    was written: the file's name and size and what wrote it. Raises :class:`GgufExportError` (one line)."""
+    if kind not in GGUF_FILES:
+        raise ValueError(f"GGUF kind {kind!r}: choose one of {', '.join(GGUF_FILES)}")
+    if converter is not None:
+        return convert_with_llama_cpp(converter, model_dir, out_path, kind)
+    model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
+    if model_type != "llama":
+        raise GgufExportError(
+            f"GGUF of a {model_type} checkpoint needs llama.cpp's converter ({CONVERTER_SCRIPT}), not found: "
+            "run `make gguf-converter` or set TIERLINE_REGISTRY_GGUF_CONVERTER"
+        )
+    return write_llama_gguf(model_dir, out_path, kind)
+
+
+def convert_with_llama_cpp(converter: Path, model_dir: Path, out_path: Path, kind: str) -> dict[str, Any]:
+    """Run llama.cpp's ``convert_hf_to_gguf.py`` (in ``converter``) on ``model_dir``, writing ``out_path``."""
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-c", _BOOTSTRAP, str(converter), str(model_dir), "--outtype", kind]
+    cmd += ["--outfile", str(out_path)]
+    # Its own gguf-py, the one the script was written against (NO_LOCAL_GGUF would pick the installed one).
+    env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=CONVERT_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        raise GgufExportError(f"llama.cpp's converter ran past {CONVERT_TIMEOUT_S:.0f} s") from None
+    if done.returncode != 0 or not out_path.is_file():
+        logger.warning("llama.cpp's converter failed on %s:\n%s", model_dir, done.stderr[-4000:])
+        raise GgufExportError(f"llama.cpp's converter: {_last_error(done.stderr)}")
+    return {"file": out_path.name, "size_bytes": out_path.stat().st_size, "converter": CONVERTER_VERSION}
+
+
+def _last_error(stderr: str) -> str:
+    """The exception line a Python traceback ends with (or the last line)."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if not line.startswith(("File ", "^", "~", "INFO:", "WARNING:", "DEBUG:")) and ":" in line:
+            return line[:300]
+    return lines[-1][:300] if lines else "no output"
 
 
 def _permute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -101,9 +199,9 @@ def _token_id(model_dir: Path, content: str | None) -> int | None:
     return None
 
 
-def export_gguf(model_dir: Path, out_path: Path, kind: str = "f32") -> dict[str, Any]:
-    """Write ``model_dir`` (the zoo's HF Llama layout) to one GGUF file; ``kind`` is ``f32`` or ``q8_0``.
-    Returns what was written: the tensor types used and the file's size."""
+def write_llama_gguf(model_dir: Path, out_path: Path, kind: str = "f32") -> dict[str, Any]:
+    """Write ``model_dir`` (the zoo's HF Llama layout) to one GGUF file with this module's writer; ``kind`` is
+    ``f32`` or ``q8_0``. Returns what was written: the tensor types used and the file's size."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -172,4 +270,9 @@ def export_gguf(model_dir: Path, out_path: Path, kind: str = "f32") -> dict[str,
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return {"file": out_path.name, "tensor_types": qtypes, "size_bytes": out_path.stat().st_size}
+    return {
+        "file": out_path.name,
+        "tensor_types": qtypes,
+        "size_bytes": out_path.stat().st_size,
+        "converter": "tierline llama writer",
+    }
