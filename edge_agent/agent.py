@@ -24,6 +24,7 @@ from shared.edge_protocol import (
     DesiredModel,
     DesiredPolicy,
     EventItem,
+    ModelPairing,
     SyncRequest,
     SyncResponse,
     UsageItem,
@@ -173,6 +174,7 @@ class Agent:
         self.on_outcome: Callable[[str, str | None, bool], None] | None = None  # model id, version, ok
         self.on_allowance: Callable[[Allowance | None], None] | None = None
         self.on_policies: Callable[[list[DesiredPolicy]], None] | None = None
+        self.on_pairings: Callable[[list[ModelPairing]], None] | None = None
         self.policy_sources: Callable[[], dict[str, str]] = dict  # model -> policy in use, for the sync report
         # model -> the runtime guard's choice and numbers, reported as runtime["serving"] (edge_agent.runtime_guard)
         self.serving: Callable[[], dict[str, Any]] = dict
@@ -242,6 +244,8 @@ class Agent:
             self.on_allowance(answer.allowance)
         if self.on_policies is not None:
             self.on_policies(answer.policies)
+        if self.on_pairings is not None:
+            self.on_pairings(answer.pairings)
         if answer.desired and self.on_desired is not None:
             self.on_desired(answer.desired)
         if "sync_interval_s" in answer.config:

@@ -23,10 +23,9 @@ from edge_agent.agent import Agent, AgentStats
 from edge_agent.allowance import AllowanceGuard
 from edge_agent.cloud_link import CREDENTIALS_FILE, CircuitBreaker, CloudLink, Credentials
 from edge_agent.model_store import ModelStore
-from edge_agent.models import EDGE_ARTIFACTS, EDGE_LM_GGUF, PREFIX, ServedModels
+from edge_agent.models import PREFIX, ServedModels
 from edge_agent.outbox import Outbox
-from edge_agent.policies import PolicyBook
-from edge_agent.runtime.gguf import missing_reason as gguf_missing
+from edge_agent.policies import PAIRINGS_FILE, PairingBook, PolicyBook
 from edge_agent.settings import EdgeSettings, policy_dir, state_dir
 from edge_agent.shadow_sampler import ShadowSampler
 from edge_agent.tiering import Answer, Tiering, family
@@ -85,6 +84,7 @@ def list_models(served: ServedModels, _auth: None) -> dict[str, Any]:
                 "version": m.version,
             }
             for m in served.models.values()
+            if served.lms.has(m.id) or m.id in served.classifiers
         ]
         + [
             {
@@ -97,6 +97,7 @@ def list_models(served: ServedModels, _auth: None) -> dict[str, Any]:
             }
             for alias, model_id in served.aliases.items()
         ],
+        "not_served": served.not_served(),
     }
 
 
@@ -142,7 +143,7 @@ def metrics(agent: Agent) -> Response[str]:
 
 
 @get("/v1/agent", dependencies=LOCAL_AUTH, sync_to_thread=True)
-def agent_status(agent: Agent, tiering: TieringDependency, _auth: None) -> dict[str, Any]:
+def agent_status(agent: Agent, tiering: TieringDependency, served: ServedModels, _auth: None) -> dict[str, Any]:
     """The agent's own state: enrollment, cloud link, outbox, per-version stats."""
     link = agent.link
     return {
@@ -156,6 +157,8 @@ def agent_status(agent: Agent, tiering: TieringDependency, _auth: None) -> dict[
         "shadow": tiering.shadow.as_json() if tiering.shadow is not None else None,
         "allowance": tiering.allowance.allowance.model_dump(mode="json") if tiering.allowance.allowance else None,
         "models": agent.stats.snapshot(),
+        "not_served": served.not_served(),
+        "pairings": {model: p.model_dump(exclude={"model"}) for model, p in sorted(tiering.pairings.items())},
     }
 
 
@@ -189,7 +192,18 @@ def create_app(settings: EdgeSettings) -> Litestar:
         guard = AllowanceGuard(settings.on_quota_exhausted)
         agent.on_allowance = guard.update
         agent.serving = served.serving
-        tiering = Tiering(served.lms, None, {}, agent.record, served.classifiers, allowance=guard)
+        tiering = Tiering(
+            served.lms,
+            None,
+            {},
+            agent.record,
+            served.classifiers,
+            families=served.families,
+            aliases=served.aliases,
+            allowance=guard,
+        )
+        pairings = PairingBook(home / PAIRINGS_FILE, tiering, settings.cloud_pairs)
+        agent.on_pairings = pairings.apply
         book = PolicyBook(policy_dir(settings), [*served.ids(), *served.aliases], keys, tiering, agent.event)
         agent.on_policies = book.apply
         agent.policy_sources = book.sources
@@ -365,17 +379,19 @@ class Updates:
         agent.on_outcome = self.outcome
 
     def desired(self, desired: list[DesiredModel]) -> None:
+        """Every model the cloud desires is installed (the updater refuses an unsafe name, and does not download
+        an artifact whose runtime this device lacks: ``not_served`` says why)."""
         if self.task is not None and not self.task.done():
             return  # one pass at a time; the next sync brings the list again
-        # GGUF needs llama.cpp on the device: without it the download would only fail its smoke test.
-        runnable = [d for d in desired if PREFIX + d.name != EDGE_LM_GGUF or gguf_missing() is None]
-        wanted = [d for d in runnable if d.name in EDGE_ARTIFACTS]
-        self.task = asyncio.create_task(self._apply(wanted), name="edge-updates")
+        self.task = asyncio.create_task(self._apply(desired), name="edge-updates")
 
     async def _apply(self, desired: list[DesiredModel]) -> None:
         for d in desired:
-            if await asyncio.to_thread(self.updater.apply, d) == "installed":
+            outcome = await asyncio.to_thread(self.updater.apply, d)
+            if outcome == "installed":
                 await self._swap(d.name)
+            elif outcome in ("rejected", "unrunnable") and d.name in self.updater.reasons:
+                self.served.reject(d.name, self.updater.reasons[d.name])
 
     async def _swap(self, name: str) -> None:
         model = await asyncio.to_thread(self.served.swap, name)

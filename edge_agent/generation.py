@@ -3,7 +3,6 @@ numpy, one sequence at a time per model (the runtime holds one KV cache; a lock 
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -68,10 +67,7 @@ class LocalLM:
     def __init__(self, model_dir: Path, num_threads: int = 1, variant: str | None = None) -> None:
         self.runtime: CausalLMRuntime = load_runtime(model_dir, num_threads, variant)
         self.tokenizer = ChatTokenizer(model_dir)
-        gen_path = model_dir / "generation_config.json"
-        generation = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-        eos = generation.get("eos_token_id", [])
-        self.eos_token_ids = set(eos if isinstance(eos, list) else [eos])
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids)  # generation_config.json's, else the tokenizer's
         self.max_context = self.runtime.max_context
         self.vocab_size = self.runtime.vocab_size or self.tokenizer.vocab_size
         self._lock = threading.Lock()

@@ -10,25 +10,35 @@ has its own.
 - A model the cloud stops sending (its version no longer targets the device) falls back to the default.
 
 Every sync reports, per model, what runs: the version number, ``override`` or nothing (the default).
+
+The *pairings* (which cloud model each edge model escalates to, ``shared.edge_protocol.ModelPairing``) come with
+the same sync; :class:`PairingBook` keeps the latest in ``<state_dir>/pairings.json``, beside the policies, so an
+agent restarted while the cloud is unreachable still escalates where it did. Pairings in the device's settings
+(``TIERLINE_EDGE_CLOUD_PAIRS``) win over the cloud's.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from pydantic import TypeAdapter, ValidationError
 
 from edge_agent.tiering import Tiering, family
-from shared.edge_protocol import DesiredPolicy
+from shared.atomic import write_atomic
+from shared.edge_protocol import DesiredPolicy, ModelPairing
 from shared.errors import ApplicationError, ConfigurationError
 from shared.escalation import EdgePolicy, load_policy
 from shared.policy_signing import verify_policy
 
 logger = logging.getLogger(__name__)
 OVERRIDE = "override"
+PAIRINGS_FILE = "pairings.json"
+_PAIRINGS = TypeAdapter(list[ModelPairing])
 
 
 def local_policies(directory: Path, model_ids: list[str]) -> dict[str, EdgePolicy]:
@@ -120,3 +130,44 @@ class PolicyBook:
         out = {model: str(version) for model, (version, _) in self.delivered.items()}
         out.update({model: OVERRIDE for model in self.overrides})
         return dict(sorted(out.items()))
+
+
+class PairingBook:
+    """Keeps ``tiering.pairings`` = the cloud's latest pairings (persisted in ``path``) overlaid with the device's
+    own (``local``: edge model -> cloud model, None: answer locally)."""
+
+    def __init__(self, path: Path, tiering: Tiering, local: dict[str, str | None] | None = None) -> None:
+        self.path = path
+        self.tiering = tiering
+        self.local = [ModelPairing(model=m, cloud_model=c) for m, c in sorted((local or {}).items())]
+        self.delivered = self._load()
+        self._publish()
+
+    def _load(self) -> list[ModelPairing]:
+        try:
+            return _PAIRINGS.validate_json(self.path.read_bytes())
+        except FileNotFoundError:
+            return []
+        except (OSError, ValidationError) as exc:
+            logger.warning("ignoring the saved model pairings in %s: %s", self.path, exc)
+            return []
+
+    def _publish(self) -> None:
+        self.tiering.pairings = {p.model: p for p in [*self.delivered, *self.local]}
+
+    def apply(self, pairings: list[ModelPairing]) -> None:
+        """The pairings of one sync answer: they replace the previous ones, and are saved when they changed."""
+        if pairings == self.delivered:
+            return
+        self.delivered = list(pairings)
+        self._publish()
+        data = json.dumps([p.model_dump(mode="json") for p in pairings], indent=1, sort_keys=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(self.path, data.encode() + b"\n")
+        except OSError as exc:  # the pairings apply anyway; only a restart while offline would miss them
+            logger.warning("could not save the model pairings to %s: %s", self.path, exc)
+        logger.info(
+            "model pairings: %s",
+            ", ".join(f"{p.model} -> {p.cloud_model or 'local only'}" for p in pairings) or "none",
+        )

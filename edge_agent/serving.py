@@ -63,6 +63,12 @@ class LocalModels:
             self.paths[model_id], self.manifests[model_id] = path, manifest
             self._loaded[model_id] = runtime
 
+    def withdraw(self, model_id: str) -> None:
+        """Stop serving ``model_id`` (requests already holding its runtime finish on it)."""
+        with self._lock:
+            self.paths.pop(model_id, None)
+            self._loaded.pop(model_id, None)
+
     def has(self, model_id: str) -> bool:
         return model_id in self.paths
 
@@ -112,7 +118,12 @@ def _request(
         )
     grammar = chat_grammar(req) if isinstance(req, ChatCompletionRequest) else grammar_of(req.response_format)
     local = LocalRequest(
-        prompt_ids=prompt_ids, max_tokens=max_tokens, logprobs=logprobs, grammar=grammar, **req.token_choice()
+        prompt_ids=prompt_ids,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        grammar=grammar,
+        # a field the request leaves unset takes the checkpoint's generation_config.json default, as on the cloud
+        **lm.tokenizer.generation.apply(req.token_choice(), req.model_fields_set),
     )
     lm.check(local)
     if grammar is not None:

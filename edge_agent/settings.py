@@ -26,11 +26,17 @@ class EdgeSettings(BaseSettings):
         1.0,
         ge=0,
         le=1,
-        description="least greedy agreement with the fp32 ONNX reference for a runtime/format to be served "
-        "(edge_agent.runtime_guard; 1.0: the same greedy outputs on the check prompts)",
+        description="least greedy agreement with the reference answers (the source checkpoint's reference.json, "
+        "else the fp32 ONNX export's) for a runtime/format to be served (edge_agent.runtime_guard; 1.0: the same "
+        "greedy outputs on the check prompts)",
     )
     api_key: SecretStr | None = Field(None, description="optional bearer key for the local API")
     cloud_url: str | None = Field(None, description="the cloud tier's base URL")
+    cloud_pairs: dict[str, str | None] = Field(
+        default_factory=dict,
+        description="edge model -> the cloud model it escalates to (null: it answers locally), over the pairings "
+        "the cloud sends at sync; an edge model paired by neither never escalates",
+    )
     cloud_deadline_s: float = Field(
         30.0, gt=0, description="longest wait for the cloud on an escalation before answering locally"
     )

@@ -16,6 +16,13 @@ them and relays the cloud's stream. The trade-off: time to first token grows by 
 time, and the decision sees only the window (a confident start can still end badly), in exchange for never
 showing the client tokens that are later replaced.
 
+Which cloud model an edge model escalates to is its *pairing*, sent by the cloud at sync
+(:class:`shared.edge_protocol.ModelPairing`, by the model's id or its plain id): an edge model with no pairing
+never escalates. On an enrolled device it answers locally with ``x-tierline-escalation: unpaired``, and a
+``cloud-only`` request to it is refused (400 ``no_cloud_pair``). A pairing with ``resend: "text"`` (the two
+models' tokenizers differ) sends a completions prompt given as token ids up as the text the edge model's
+tokenizer decodes it to.
+
 When the cloud cannot be reached in time (or the breaker is open), a request that can be answered locally
 is, with ``x-tierline-degraded: cloud-unreachable``. Every request answered on the device becomes a usage
 record in the outbox; an escalated one is metered by the cloud under the same request id.
@@ -23,6 +30,7 @@ record in the outbox; an escalated one is metered by the cloud under the same re
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -38,7 +46,7 @@ from edge_agent.cloud_link import CloudLink, CloudUnavailableError
 from edge_agent.generation import LocalStep, ModelFaultError
 from edge_agent.shadow_sampler import ShadowSampler
 from edge_agent.tensors import LocalClassifier, row_confidences
-from shared.edge_protocol import MAX_USAGE_SUBJECT
+from shared.edge_protocol import MAX_USAGE_SUBJECT, ModelPairing
 from shared.errors import ApplicationError, NotFoundError, ServiceUnavailableError, ValidationError
 from shared.escalation import COPY_SIGNALS, HIDDEN_PROBE, MODES, EdgePolicy, copy_signals
 from shared.logs import server_request_id
@@ -48,11 +56,8 @@ logger = logging.getLogger(__name__)
 
 TIER_ALIASES = {"edge": "local-only", "cloud": "cloud-only"}
 LOCAL_SUFFIXES = ("-onnx-int8", "-onnx", "-tflite", "-gguf")
-DEFAULT_CLOUD_MODELS = {
-    "tierline/lm-edge": "tierline/lm-cloud",
-    "tierline/digits-small": "tierline/digits-large",
-    "tierline/digits-micro": "tierline/digits-large",
-}
+ZOO_NAMESPACE = "tierline/"
+UNPAIRED = "unpaired"  # x-tierline-escalation on an answer of an edge model that has no cloud pair
 STRIP_FIELDS = ("tier", "quality")
 DEFAULT_MARGIN = 0.5  # uncalibrated classifiers: a top-1 minus top-2 probability below this escalates
 
@@ -65,10 +70,13 @@ class Answer:
     degraded: str | None = None
     status_code: int = 200
     request_id: str = ""  # the usage id: the outbox record's for edge answers, the cloud's for escalations
+    escalation: str | None = None  # "unpaired": the model has no cloud pair, so it never escalates
 
     @property
     def headers(self) -> dict[str, str]:
         h = {"x-tierline-tier": self.tier}
+        if self.escalation:
+            h["x-tierline-escalation"] = self.escalation
         if self.request_id:
             h["x-tierline-usage-id"] = self.request_id
         if self.reason:
@@ -109,15 +117,37 @@ class Tiering:
     policies: dict[str, EdgePolicy]
     on_served: Callable[[Served], None]
     classifiers: dict[str, LocalClassifier] = field(default_factory=dict)
-    cloud_models: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_CLOUD_MODELS))
+    pairings: dict[str, ModelPairing] = field(default_factory=dict)  # edge model -> its cloud pair (the sync's)
+    families: dict[str, str] = field(default_factory=dict)  # an export's id -> its plain model id
+    aliases: dict[str, str] = field(default_factory=dict)  # a plain model id -> the export's id it serves
     allowance: AllowanceGuard = field(default_factory=AllowanceGuard)
     shadow: ShadowSampler | None = None  # the quality monitor's: told the rows answered on the edge
 
     def policy(self, model: str) -> EdgePolicy:
         return self.policies.get(model) or self.policies.get(family(model)) or EdgePolicy(model=family(model))
 
-    def cloud_model(self, model: str) -> str:
-        return self.cloud_models.get(model) or self.cloud_models.get(family(model)) or model
+    def pairing(self, model: str) -> ModelPairing | None:
+        """The pairing of ``model``: its own, else (a plain model id) the export's it serves, else its plain model
+        id's (the group's). The cloud names a zoo release as it was published (``lm-edge-onnx``), the device in
+        the ``tierline/`` namespace: either matches."""
+        for name in (model, self.aliases.get(model), self.families.get(model), family(model)):
+            if name is None:
+                continue
+            for key in (name, name.removeprefix(ZOO_NAMESPACE)):
+                if key in self.pairings:
+                    return self.pairings[key]
+        return None
+
+    def cloud_model(self, model: str) -> str | None:
+        """The cloud model ``model`` escalates to; None for an edge model with no pairing (it never escalates).
+        A model this device does not have goes up under its own name."""
+        pairing = self.pairing(model)
+        if pairing is not None:
+            return pairing.cloud_model
+        return None if self._is_local(model) else model
+
+    def _is_local(self, model: str) -> bool:
+        return (self.local is not None and self.local.has(model)) or model in self.classifiers
 
     def mode(self, model: str, header: str | None, req: ChatCompletionRequest | CompletionRequest) -> str:
         wanted = header or req.tier
@@ -144,6 +174,8 @@ class Tiering:
         if subject:
             req = req.model_copy(update={"user": subject[:MAX_USAGE_SUBJECT]})
         try:
+            if self.link is not None and self.cloud_model(req.model) is None:
+                return await self._unpaired(endpoint, req, header, request_id, started)
             return await self._handle(endpoint, req, header, request_id, started)
         except ModelFaultError:
             # The runtime failed on a valid request: counted against the model version (the health watch rolls
@@ -165,6 +197,27 @@ class Tiering:
                 )
             )
             raise
+
+    async def _unpaired(
+        self,
+        endpoint: serving.Endpoint,
+        req: ChatCompletionRequest | CompletionRequest,
+        header: str | None,
+        request_id: str,
+        started: float,
+    ) -> Answer:
+        """An edge model with no cloud pair: answered here, whatever its policy says."""
+        if self.mode(req.model, header, req) == "cloud-only":
+            raise ValidationError(
+                f"the model '{req.model}' has no cloud pair: it is answered on this device only "
+                "(drop x-tierline-tier: cloud-only)",
+                param="tier",
+                code="no_cloud_pair",
+            )
+        self.allowance.must_escalate(can_escalate=False)  # refuses when the allowance is used up
+        answer = await self._handle(endpoint, req, "local-only", request_id, started)
+        answer.escalation = UNPAIRED
+        return answer
 
     async def _handle(
         self,
@@ -233,6 +286,22 @@ class Tiering:
         mode = TIER_ALIASES.get(wanted, wanted) if wanted else self.policy(req.model_id).mode
         if mode not in MODES:
             raise ValidationError(f"x-tierline-tier: {wanted!r} is not one of {', '.join(MODES)}", param="tier")
+        if self.link is not None and self.cloud_model(req.model_id) is None:
+            if mode == "cloud-only":
+                raise ValidationError(
+                    f"the model '{req.model_id}' has no cloud pair: it is answered on this device only",
+                    param="tier",
+                    code="no_cloud_pair",
+                )
+            self.allowance.must_escalate(can_escalate=False)
+            unpaired = self.classifiers.get(req.model_id)
+            if unpaired is None:
+                raise NotFoundError(f"The model '{req.model_id}' is not a tensor model", param="model_id")
+            rows = unpaired.rows(req.inputs)
+            logits, _ = await unpaired.infer(rows)
+            answer = self._infer_edge(req, unpaired.result(logits), len(rows), request_id, started, None)
+            answer.escalation = UNPAIRED
+            return answer
         if self.link is None:
             if mode == "cloud-only":
                 raise ServiceUnavailableError("this device is not enrolled with a cloud (tierline edge enroll)")
@@ -261,11 +330,10 @@ class Tiering:
         confidence, threshold = row_confidences(policy, signals, rows, DEFAULT_MARGIN)
         low = np.flatnonzero(confidence < threshold) if mode == "local-first" else np.array([], dtype=np.int64)
         result["tiers"] = ["edge"] * len(rows)
-        if mode == "local-first" and self.shadow is not None:
+        cloud_model = self.cloud_model(req.model_id)
+        if mode == "local-first" and self.shadow is not None and cloud_model is not None:
             kept = np.flatnonzero(confidence >= threshold)
-            self.shadow.offer(
-                req.model_id, self.cloud_model(req.model_id), rows[kept], logits[kept], confidence[kept], time.time()
-            )
+            self.shadow.offer(req.model_id, cloud_model, rows[kept], logits[kept], confidence[kept], time.time())
         if low.size == 0:
             return self._infer_edge(req, result, len(rows), request_id, started, None)
         try:
@@ -325,7 +393,7 @@ class Tiering:
 
     async def _infer_cloud(self, req: InferenceRequest, inputs: list[Any], request_id: str, reason: str) -> Answer:
         assert self.link is not None
-        body = {"model_id": self.cloud_model(req.model_id), "inputs": inputs}
+        body = {"model_id": self.cloud_model(req.model_id) or req.model_id, "inputs": inputs}
         try:
             r = await self.link.escalate("inference", body, reason, request_id)
         except CloudUnavailableError as exc:
@@ -370,12 +438,13 @@ class Tiering:
         """Hand an answer the policy kept on the device to the quality monitor's sampler: greedy, unconstrained
         generations only (what the calibration's promise is about). Never raises: the answer is the client's."""
         local = prepared.local
-        if self.shadow is None or local.temperature != 0.0 or local.grammar is not None:
+        cloud_model = self.cloud_model(prepared.req.model)
+        if self.shadow is None or local.temperature != 0.0 or local.grammar is not None or cloud_model is None:
             return
         try:
             self.shadow.offer_lm(
                 policy.model,
-                self.cloud_model(prepared.req.model),
+                cloud_model,
                 local.prompt_ids,
                 [s.token_id for s in prepared.steps_seen],
                 confidence,
@@ -523,7 +592,10 @@ class Tiering:
         body = req.model_dump(mode="json", by_alias=True, exclude_unset=True)
         for name in STRIP_FIELDS:
             body.pop(name, None)
-        body["model"] = self.cloud_model(req.model)
+        body["model"] = self.cloud_model(req.model) or req.model
+        pairing = self.pairing(req.model)
+        if pairing is not None and pairing.resend == "text" and isinstance(req, CompletionRequest):
+            body["prompt"] = await self._as_text(req, prepared)
         assert self.link is not None
         started = time.monotonic()
         try:
@@ -558,6 +630,17 @@ class Tiering:
                 )
             answer = await serving.run(prepared)
             return self._edge(prepared, answer, request_id, fallback, "cloud-unreachable", reason)
+
+    async def _as_text(self, req: CompletionRequest, prepared: serving.Prepared | None) -> str | list[str]:
+        """The prompt as text: token ids decoded with the edge model's tokenizer (its cloud pair reads another
+        vocabulary)."""
+        texts: list[str] = []
+        for p in req.prompts():
+            if not isinstance(p, str):
+                lm = prepared.lm if prepared is not None else await asyncio.to_thread(self.local.get, req.model)
+                p = lm.tokenizer.decode(p)
+            texts.append(p)
+        return texts[0] if len(texts) == 1 else texts
 
     def _cloud_served(
         self,

@@ -3,7 +3,8 @@
 ``Updater.apply(desired)`` is blocking (run it off the event loop) and goes:
 
 1. manifest: fetched from the cloud, signed by a pinned key, naming the desired model, version and sha256,
-   with safe relative file paths and a total size within ``max_artifact_bytes``;
+   with safe relative file paths and a total size within ``max_artifact_bytes``; an artifact whose runtime is
+   not installed on this device (GGUF without llama.cpp) is not downloaded ("unrunnable", said once);
 2. files: downloaded into ``<staging>/<name>/<version>/`` as ``.part`` files, resumed with HTTP Range from
    the part's size after any interruption (kill -9 included), each checked against its sha256;
 3. smoke test: an LM loads, greedy-decodes 8 tokens from a fixed prompt with finite logits within a time
@@ -46,7 +47,7 @@ from shared.errors import ApplicationError
 
 logger = logging.getLogger(__name__)
 
-Outcome = Literal["already-current", "installed", "rejected", "failed"]
+Outcome = Literal["already-current", "installed", "rejected", "unrunnable", "failed"]
 Report = Callable[[str, dict[str, Any]], None]
 T = TypeVar("T")
 
@@ -108,6 +109,7 @@ class Updater:
         self.block_s, self.wall_clock = block_s, wall_clock
         self._quiet: set[tuple[str, str]] = set()
         self._desired: dict[str, str] = {}  # model -> the version the cloud desired at the last call
+        self.reasons: dict[str, str] = {}  # model -> why its desired version was last not installed
         self._fetched = 0
 
     def apply(self, desired: DesiredModel) -> Outcome:
@@ -118,8 +120,11 @@ class Updater:
             check_segment(name, "model")
             check_segment(version, "version")
         except ApplicationError as exc:
-            self.report("update.rejected", {**info, "reason": exc.message})
+            if self.reasons.get(name) != exc.message:
+                self.report("update.rejected", {**info, "reason": exc.message})
+            self.reasons[name] = exc.message
             return "rejected"
+        self.reasons.pop(name, None)
         try:
             self._lift_block(name, version)
             state = self.store.state(name)
@@ -138,6 +143,14 @@ class Updater:
                 verify_files(manifest, self.store.version_dir(name, version))
             else:
                 manifest = self._fetch_manifest(desired)
+                missing = _runtime_missing(manifest)
+                if missing is not None:
+                    reason = f"{manifest.format}: {missing}"
+                    if (name, version) not in self._quiet:
+                        self._quiet.add((name, version))
+                        self.report("update.unrunnable", {**info, "reason": reason})
+                    self.reasons[name] = reason
+                    return "unrunnable"
                 staged = self._download(manifest)
                 self._smoke_test(manifest, staged)
                 self.store.install(name, version, staged, manifest)
@@ -147,6 +160,7 @@ class Updater:
             if exc.block:
                 self.store.block(name, version)
             self.report("update.rejected", {**info, "reason": exc.reason})
+            self.reasons[name] = exc.reason
             return "rejected"
         except (ApplicationError, _RetryableError, httpx.HTTPError, OSError) as exc:
             reason = exc.message if isinstance(exc, ApplicationError) else str(exc) or type(exc).__name__
@@ -172,9 +186,8 @@ class Updater:
         self.report("update.unblocked", {"model": name, "version": desired, "reason": reason})
 
     def report(self, kind: str, payload: dict[str, Any]) -> None:
-        logger.log(
-            logging.WARNING if kind in ("update.rejected", "update.failed") else logging.INFO, "%s %s", kind, payload
-        )
+        level = logging.WARNING if kind in ("update.rejected", "update.failed", "update.unrunnable") else logging.INFO
+        logger.log(level, "%s %s", kind, payload)
         try:
             self._report(kind, payload)
         except Exception:
@@ -329,6 +342,17 @@ class Updater:
         self.report(
             "update.smoke_tested", {"model": manifest.name, "version": manifest.version, "seconds": round(seconds, 3)}
         )
+
+
+def _runtime_missing(manifest: Manifest) -> str | None:
+    """Why this device cannot run the artifact (its runtime is not installed), or None."""
+    from edge_agent.models import SERVED_KINDS, runtime_missing
+
+    if manifest.kind not in SERVED_KINDS:
+        return None  # a dataset: nothing to run
+    if manifest.format not in SERVED_KINDS[manifest.kind]:
+        return f"this agent has no runtime for a {manifest.kind} model in {manifest.format}"
+    return runtime_missing(manifest.format)
 
 
 def _check_status(resp: httpx.Response, url: str, ok: tuple[int, ...]) -> None:

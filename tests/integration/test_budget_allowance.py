@@ -24,6 +24,7 @@ from controlplane.fleet.devices import device_usage_id
 from controlplane.storage.tables import BudgetAlert, BudgetPeriod, Tenant, UsageRecord
 from shared.escalation import EdgePolicy, save_policy
 from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, seed_data_dir, tierline_cmd
+from tests.integration.edge_support import ZOO_PAIRS_ENV
 
 pytestmark = pytest.mark.integration
 INT8 = "tierline/lm-edge-onnx-int8"
@@ -71,6 +72,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_data
         TIERLINE_EDGE_ZOO_DIR=str(data / "zoo" / "tiny"),
         TIERLINE_EDGE_STATE_DIR=str(state),
         TIERLINE_EDGE_CLOUD_DEADLINE_S="20",
+        **ZOO_PAIRS_ENV,
     )
     _cli(cloud_env, "tenants", "create", "frugal", "--budget", str(BUDGET))
     for model, tier in ((INT8, "edge"), ("tierline/lm-cloud", "cloud")):

@@ -27,6 +27,7 @@ from controlplane.fleet.devices import device_usage_id
 from controlplane.storage.tables import Device, DeviceEvent, UsageRecord
 from shared.escalation import EdgePolicy, save_policy
 from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, seed_data_dir, tierline_cmd
+from tests.integration.edge_support import ZOO_PAIRS_ENV
 
 pytestmark = pytest.mark.integration
 INT8 = "tierline/lm-edge-onnx-int8"  # family policy: never escalates on confidence
@@ -94,6 +95,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_data
         TIERLINE_EDGE_STATE_DIR=str(state),
         TIERLINE_EDGE_BREAKER_RESET_S="0.5",
         TIERLINE_EDGE_CLOUD_DEADLINE_S="20",
+        **ZOO_PAIRS_ENV,
     )
     f = Fleet(data, cloud_env, agent_env)
     f.cli("tenants", "create", "acme")

@@ -197,7 +197,7 @@ def test_v1_models_shows_the_runtime_choice_and_the_plain_id_answers_as_the_refe
     models = {m["id"]: m for m in httpx.get(f"{edge}/v1/models").json()["data"]}
     guard = models[EDGE_LM]["runtime_guard"]
     candidates = {c["format"]: c for c in guard["candidates"]}
-    assert guard["reference"] == "onnx" and guard["min_agreement"] == 1.0
+    assert guard["reference"] == "onnx-fp32 (no reference.json)" and guard["min_agreement"] == 1.0
     for fmt, runtime in (("onnx", "onnxruntime"), ("gguf-q8_0", "llama.cpp"), ("gguf-f32", "llama.cpp")):
         c = candidates[fmt]
         assert c["runtime"] == runtime and c["ms_per_token"] > 0 and 0 <= c["agreement"] <= 1

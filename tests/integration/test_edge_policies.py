@@ -31,6 +31,7 @@ from controlplane.storage.tables import Device, DeviceEvent, EscalationPolicy
 from shared.escalation import EdgePolicy, classifier_signals, save_policy
 from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, seed_data_dir, tierline_cmd
 from tests.integration.console_support import PASSWORD, login, post_form
+from tests.integration.edge_support import ZOO_PAIRS_ENV
 from tests.integration.test_policies import digits_validation
 
 pytestmark = pytest.mark.integration
@@ -100,6 +101,7 @@ def platform(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_d
         TIERLINE_EDGE_ZOO_DIR=str(data / "zoo" / "tiny"),
         TIERLINE_EDGE_STATE_DIR=str(data / "agent-state"),
         TIERLINE_EDGE_CLOUD_DEADLINE_S="20",
+        **ZOO_PAIRS_ENV,
     )
     validation = digits_validation(tiny_zoo, data / "digits-validation.jsonl")
     p = Platform(data, env, agent_env, "", "", "", db, validation)

@@ -25,6 +25,7 @@ from controlplane.tenancy.service import create_tenant
 from shared.edge_protocol import UsageItem
 from shared.escalation import EdgePolicy, save_policy
 from tests.conftest import REPO, base_env, free_port, run_server, seed_data_dir, tierline_cmd
+from tests.integration.edge_support import ZOO_PAIRS_ENV
 
 pytestmark = pytest.mark.integration
 INT8 = "tierline/lm-edge-onnx-int8"
@@ -64,6 +65,7 @@ def test_each_edge_record_counts_against_its_own_end_users_budget(
         TIERLINE_EDGE_ZOO_DIR=str(data / "zoo" / "tiny"),
         TIERLINE_EDGE_STATE_DIR=str(state),
         TIERLINE_EDGE_CLOUD_DEADLINE_S="20",
+        **ZOO_PAIRS_ENV,
     )
     try:
         expected = {"erin": 2 * EDGE_CALL, "frank": EDGE_CALL + CLOUD_CALL, "dave": EDGE_CALL}

@@ -24,6 +24,7 @@ from controlplane.storage.tables import DeviceEvent
 from edge_agent.app import _local_key_guard
 from shared.errors import AuthenticationError
 from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, seed_data_dir, tierline_cmd
+from tests.integration.edge_support import ZOO_PAIRS_ENV
 
 pytestmark = pytest.mark.integration
 PLAIN, INT8, FP32 = "tierline/lm-edge", "tierline/lm-edge-onnx-int8", "tierline/lm-edge-onnx"
@@ -171,6 +172,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_data
         TIERLINE_EDGE_STATE_DIR=str(state),
         TIERLINE_EDGE_ROLLBACK_MIN_REQUESTS="5",
         TIERLINE_EDGE_ROLLBACK_MAX_ERROR_RATE="0.2",
+        **ZOO_PAIRS_ENV,
     )
 
     def cli(*args: str, env: dict[str, str] = cloud_env) -> str:

@@ -20,6 +20,7 @@ from edge_agent.tiering import Tiering
 from shared.artifacts import load_public_key
 from shared.escalation import HIDDEN_PROBE, EdgePolicy, LearnedRouter, fold_hidden_probe
 from shared.openai_schema import CompletionRequest
+from tests.integration.edge_support import ZOO_PAIRINGS
 
 pytestmark = pytest.mark.integration
 INT8 = "tierline/lm-edge-onnx-int8"
@@ -70,7 +71,7 @@ def _agent_escalations(tiny_zoo: Path, public_key: Path, policy: EdgePolicy, pro
 
     models = zoo_models(tiny_zoo, [load_public_key(public_key)])
     lms = serving.LocalModels({INT8: (models[INT8].path, models[INT8].manifest)}, num_threads=1)
-    tiering = Tiering(lms, _Unreachable(), {"tierline/lm-edge": policy}, lambda served: None)  # type: ignore[arg-type]
+    tiering = Tiering(lms, _Unreachable(), {"tierline/lm-edge": policy}, lambda served: None, pairings=ZOO_PAIRINGS)  # type: ignore[arg-type]
 
     async def ask_all() -> list[bool]:
         out = []
@@ -113,7 +114,7 @@ def test_the_agent_applies_the_lm_probe_and_decides_as_the_bench(tiny_zoo: Path,
     lms = serving.LocalModels({INT8: (models[INT8].path, models[INT8].manifest)}, num_threads=1)
     policy = EdgePolicy("tierline/lm-edge", signal=HIDDEN_PROBE, threshold=threshold, probe=probe)
     link = _Unreachable()
-    tiering = Tiering(lms, link, {"tierline/lm-edge": policy}, lambda served: None)  # type: ignore[arg-type]
+    tiering = Tiering(lms, link, {"tierline/lm-edge": policy}, lambda served: None, pairings=ZOO_PAIRINGS)  # type: ignore[arg-type]
 
     async def ask(prompt: list[int]) -> bool:
         req = CompletionRequest.model_validate(

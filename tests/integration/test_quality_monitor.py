@@ -35,6 +35,7 @@ from edge_agent.cloud_link import Credentials
 from shared.escalation import EdgePolicy
 from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, seed_data_dir, tierline_cmd
 from tests.integration.console_support import PASSWORD, login, post_form
+from tests.integration.edge_support import ZOO_PAIRS_ENV
 
 pytestmark = pytest.mark.integration
 MICRO = "tierline/digits-micro"
@@ -106,6 +107,7 @@ def platform(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_d
         TIERLINE_EDGE_ZOO_DIR=str(data / "zoo" / "tiny"),
         TIERLINE_EDGE_STATE_DIR=str(data / "agent-state"),
         TIERLINE_EDGE_CLOUD_DEADLINE_S="20",
+        **ZOO_PAIRS_ENV,
     )
     p = Platform(data, env, agent_env, "", "", "", db)
     p.cli("tenants", "create", "acme")

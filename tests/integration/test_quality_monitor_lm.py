@@ -39,6 +39,7 @@ from edge_agent.cloud_link import Credentials
 from shared.escalation import EdgePolicy
 from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, seed_data_dir, tierline_cmd
 from tests.integration.console_support import PASSWORD, login
+from tests.integration.edge_support import ZOO_PAIRS_ENV
 from tests.integration.test_quality_monitor import Platform as BasePlatform
 from tests.integration.test_quality_monitor import wait_for
 
@@ -111,6 +112,7 @@ def platform(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_d
         TIERLINE_EDGE_ZOO_DIR=str(data / "zoo" / "tiny"),
         TIERLINE_EDGE_STATE_DIR=str(data / "agent-state"),
         TIERLINE_EDGE_CLOUD_DEADLINE_S="30",
+        **ZOO_PAIRS_ENV,
     )
     validation, traffic = lm_validation(tiny_zoo, data / "lm-validation.jsonl")
     p = Platform(data, env, agent_env, "", "", "", db, traffic)

@@ -19,6 +19,7 @@ from controlplane.policies.monitor import (
 )
 from edge_agent.cloud_link import CloudUnavailableError
 from edge_agent.shadow_sampler import ShadowSampler
+from tests.integration.edge_support import ZOO_PAIRINGS
 
 
 def test_the_wilson_bounds_bracket_the_observed_share_and_narrow_with_samples() -> None:
@@ -240,7 +241,7 @@ def test_the_agent_offers_greedy_unconstrained_lm_answers_only() -> None:
 
     link = _Link([])
     sampler = ShadowSampler(lambda: link, lambda: 1.0, lambda m: 1)  # type: ignore[arg-type,return-value]
-    tiering = Tiering(None, None, {}, lambda served: None, shadow=sampler)  # type: ignore[arg-type]
+    tiering = Tiering(None, None, {}, lambda served: None, shadow=sampler, pairings=ZOO_PAIRINGS)  # type: ignore[arg-type]
     policy = EdgePolicy("tierline/lm-edge")
 
     def prepared(**choice: Any) -> Any:
