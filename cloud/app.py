@@ -33,7 +33,7 @@ from cloud.completions import Caller, CompletionService
 from cloud.edge_gateway import ROUTES as EDGE_ROUTES
 from cloud.edge_gateway import EdgeGateway
 from cloud.edge_releases import ARTIFACT_ROUTES, LEGACY_DIR, ReleaseStore
-from cloud.engine_pool import EnginePool
+from cloud.engine_pool import EnginePool, split_model
 from cloud.idempotency import IdempotencyStore, request_hash
 from cloud.ids import CloudIds
 from cloud.job_routes import JOB_ROUTES, JobIntake
@@ -45,7 +45,7 @@ from cloud.metering import UsageWriter
 from cloud.models_catalog import ServedModel, find, load_catalog, registry_catalog
 from cloud.observability import Metrics
 from cloud.quality_monitor import ShadowIntake
-from cloud.registry_models import CACHE_DIR, RegistryModels, parse_names
+from cloud.registry_models import CACHE_DIR, RegistryModels, is_enabled, parse_names
 from cloud.responses import respond
 from cloud.settings import CloudSettings
 from cloud.tenant_routes import TENANT_ROUTES
@@ -156,7 +156,8 @@ def readyz(db: Engine, pool: EnginePool, completions: CompletionService) -> dict
     """Readiness: the database answers and is migrated, and the engines are loaded (503 naming what is not).
 
     Models that upstream servers answer are reported, not judged: per model its endpoints and how many the pool
-    admits, and under ``degraded`` those with none admitted (their requests get 503 with Retry-After). The gateway
+    admits, and under ``degraded`` those with none admitted (their requests get 503 with Retry-After), then each
+    registry version that failed to load as ``NAME@N: why`` (its requests get 503 ``model_unavailable``). The gateway
     stays ready meanwhile: it still serves every other model, and taking it out of a load balancer would not
     bring the upstream back."""
     try:
@@ -172,7 +173,7 @@ def readyz(db: Engine, pool: EnginePool, completions: CompletionService) -> dict
     if problems:
         raise ServiceUnavailableError("; ".join(problems))
     upstreams = completions.remote.health() if completions.remote is not None else {}
-    degraded = sorted(m for m, u in upstreams.items() if u["admitted"] == 0)
+    degraded = sorted(m for m, u in upstreams.items() if u["admitted"] == 0) + pool.failures()
     return {"status": "ready", "models": sorted(pool.engines), "upstreams": upstreams, "degraded": degraded}
 
 
@@ -316,6 +317,8 @@ async def inference(request: Request[Any, Any, Any], caller: Caller, data: Cloud
         call = partial(state.tensors.inference, caller, data)
         return await _idempotent(request, state.idempotency, caller, body, False, call)
     if data.model_id not in state.pool.engines:
+        if split_model(data.model_id)[0] in state.pool.registry:
+            state.pool.get(data.model_id)  # 503 for a registry version loading or failed to load, 404 for no such
         raise unknown_model(data.model_id)
     return respond(caller, await state.completions.inference(caller, data))
 
@@ -372,7 +375,7 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
             ),
             memory_budget_bytes=settings.tensor_memory_mb << 20,
             cache_dir=core.data_dir / TENSOR_CACHE_DIR,
-            store=store_from_settings() if settings.registry_models.strip() else None,
+            store=store_from_settings() if is_enabled(settings.registry_models) else None,
             trusted_keys=[load_public_key(signing_public)] if signing_public.is_file() else [],
         )
         await tensors.start()
@@ -386,7 +389,7 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
         await sweeper.start()
         canary = CanaryRouter(db, settings.canary_refresh_s)
         registry = None
-        if settings.registry_models.strip():  # loaded in the refresh's worker thread, at start-up and later
+        if is_enabled(settings.registry_models):  # loaded in the refresh's worker thread, at start-up and later
             registry = RegistryModels(db, pool, settings, store_from_settings(), core.data_dir / CACHE_DIR)
             canary.listeners.append(registry.sync)
             tensors.canary = canary

@@ -60,12 +60,14 @@ def engine_serve(model_dir: Path, name: str | None, host: str, port: int, api_ke
     """
     if not (model_dir / "config.json").is_file():
         raise click.BadParameter(f"{model_dir} has no config.json", param_hint="--model")
-    from cloud.engine_server import create_engine_app, read_key_file
+    from cloud.engine_server import create_engine_app, load_engine, read_key_file
     from shared.http import serve as run
     from shared.settings import CoreSettings
 
     key = read_key_file(api_key_file) if api_key_file is not None else None
-    run(create_engine_app(model_dir, name, api_key=key), host, port, log_level=CoreSettings().log_level)
+    # Loaded before the server starts: a checkpoint the engine cannot serve is one line and exit code 1.
+    engine = load_engine(model_dir)
+    run(create_engine_app(model_dir, name, api_key=key, engine=engine), host, port, log_level=CoreSettings().log_level)
 
 
 def _register() -> None:

@@ -42,6 +42,7 @@ from controlplane.billing.pricing import period_of
 from controlplane.billing.scopes import ATTRIBUTION_LABELS, Attribution, attribution_of
 from controlplane.fleet.devices import SyncCounts, UsageWindow, authenticate_device, enroll, ingest
 from controlplane.policies.service import desired_for as desired_policies
+from controlplane.registry.service import paired_models, pairings_for
 from controlplane.storage.tables import BudgetAlert, BudgetPeriod, Device, Tenant
 from shared.artifacts import load_public_key, public_path, public_pem
 from shared.edge_protocol import (
@@ -50,6 +51,7 @@ from shared.edge_protocol import (
     EnrollRequest,
     EnrollResponse,
     EscalateRequest,
+    ModelPairing,
     ShadowRequest,
     ShadowResponse,
     SyncRequest,
@@ -201,13 +203,15 @@ class EdgeGateway:
         if self.on_sync is not None:
             self.on_sync(counts)
         allowance, fired = self._allowance(caller.device.id)
+        desired = self.releases.desired(device)  # as updated now: the facts this sync reported count
         answer = SyncResponse(
             accepted=counts.accepted,
             duplicates=counts.duplicates,
             conflicts=counts.conflicts,
             clamped=counts.clamped,
-            desired=self.releases.desired(device),  # as updated now: the facts this sync reported count
+            desired=desired,
             policies=policies,
+            pairings=self._pairings(desired),
             config={
                 "sync_interval_s": self.sync_interval_s,
                 "shadow_share": self.shadow.share_for(caller.tenant) if self.shadow is not None else 0.0,
@@ -216,6 +220,18 @@ class EdgeGateway:
             allowance=allowance,
         )
         return answer, fired
+
+    def _pairings(self, desired: list[DesiredModel]) -> list[ModelPairing]:
+        """Which cloud model each edge model escalates to, from its registry model (``tierline models pair``):
+        every paired registry model (a device may hold one it was never sent, such as the zoo's), and each release
+        sent, paired or not (an unpaired one answers locally). A release no registry model published gets none."""
+        with Session(self.db) as session:
+            pairs: dict[str, tuple[str | None, str]] = dict(paired_models(session))
+            pairs.update(pairings_for(session, [d.name for d in desired]))
+        return [
+            ModelPairing(model=name, cloud_model=cloud_model, resend="text" if resend == "text" else "as-sent")
+            for name, (cloud_model, resend) in sorted(pairs.items())
+        ]
 
 
 @post("/v1/edge/enroll", status_code=200, sync_to_thread=True, responses=error_responses(400, 401, 413))

@@ -1,6 +1,7 @@
 """The LLM engines this cloud process serves: one engine (``start_engine``) per causal LM of the zoo, and one per loaded
-version of each registry model the cloud is told to serve (``TIERLINE_CLOUD_REGISTRY_MODELS``, see
-``cloud.registry_models``).
+version of each registry model (every one, or those ``TIERLINE_CLOUD_REGISTRY_MODELS`` lists, see
+``cloud.registry_models``). A registry version not loaded yet, or that failed to load, answers 503 saying so
+(``model_loading`` with Retry-After, ``model_unavailable`` with the reason), never 404.
 
 Model ids on the wire: a zoo model by its id (``tierline/lm-cloud``); a registry model by its name (``tiny-lm``:
 whichever version routing picks), or pinned to a version with ``NAME@REF`` where REF is a version number or an
@@ -21,7 +22,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -43,6 +44,22 @@ ZOO_LMS = {"tierline/lm-cloud": ("lm-cloud", "lm-draft"), "tierline/lm-edge": ("
 PIN_SEPARATOR = "@"
 SUPERVISE_INTERVAL_S = 0.5  # how often the supervisor looks at each engine
 LOAD_ESTIMATE_S = 10.0  # Retry-After's guess of a model's load time before one restart has measured it
+
+
+class ModelLoadingError(ServiceUnavailableError):
+    """503 with Retry-After: the registry version is being loaded (at its first request); retry shortly."""
+
+    code = "model_loading"
+
+    def __init__(self, message: str, *, retry_after: float) -> None:
+        super().__init__(message, param="model")
+        self.retry_after = retry_after
+
+
+class ModelUnavailableError(ServiceUnavailableError):
+    """503: the registry version failed to load; the message says why (an operator fixes it, not a retry)."""
+
+    code = "model_unavailable"
 
 
 class EngineRestartingError(ServiceUnavailableError):
@@ -92,6 +109,8 @@ class RegistryEntry:
     created: int = 0
     sha256: str = ""
     remote: Mapping[int, RemoteLM] = field(default_factory=dict)  # versions an ``openai`` backend answers
+    pending: frozenset[int] = frozenset()  # versions loaded at their first request (not yet asked for)
+    failed: Mapping[int, str] = field(default_factory=dict)  # versions that failed to load → the one-line reason
 
     @property
     def loaded(self) -> frozenset[int]:
@@ -201,6 +220,9 @@ class EnginePool:
         self._load_s: dict[str, float] = {}
         self.restart_counts: dict[str, int] = {}  # model id → engines restarted (tierline_engine_restarts_total)
         self._closing = False
+        # Told of a request for a registry version not loaded yet (``cloud.registry_models`` loads it next refresh).
+        self.on_demand: Callable[[str, int], None] | None = None
+        self.load_retry_after_s = LOAD_ESTIMATE_S
 
     @classmethod
     def from_zoo(cls, zoo_root: Path, settings: CloudSettings) -> EnginePool:
@@ -325,7 +347,11 @@ class EnginePool:
         served = self.engines.get(model_id)
         if served is None:
             name, ref = split_model(model_id)
-            if name in self.registry:
+            entry = self.registry.get(name)
+            number = entry.number(ref) if entry is not None else None
+            if entry is not None and number is not None:
+                self._not_loaded(model_id, entry, number)
+            if entry is not None:
                 if ref is None:
                     raise NotFoundError(
                         f"The model '{name}' has no stable or active version loaded",
@@ -345,6 +371,25 @@ class EnginePool:
                 retry_after=max(1.0, eta),
             )
         return served
+
+    def _not_loaded(self, model_id: str, entry: RegistryEntry, number: int) -> None:
+        """503 for a registry version that failed to load (why) or loads at this first request (Retry-After)."""
+        reason = entry.failed.get(number)
+        if reason is not None:
+            raise ModelUnavailableError(
+                f"The model '{model_id}' (version {number} of {entry.name}) failed to load: {reason}", param="model"
+            )
+        if number in entry.pending:
+            if self.on_demand is not None:
+                self.on_demand(entry.name, number)
+            raise ModelLoadingError(
+                f"The model '{model_id}' (version {number} of {entry.name}) is loading; retry shortly",
+                retry_after=self.load_retry_after_s,
+            )
+
+    def failures(self) -> list[str]:
+        """``NAME@N: why`` for each registry version that failed to load (``/readyz`` lists them as degraded)."""
+        return [f"{e.name}@{n}: {why}" for e in self.registry.values() for n, why in sorted(e.failed.items())]
 
     def shutdown(self) -> None:
         for served in self.engines.values():

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import stat
 import time
 import uuid
@@ -41,6 +42,7 @@ from cloud.engine.sampling_params import SamplingParams
 from cloud.engine_pool import engine_config, start_engine
 from cloud.responses import SSE_HEADERS
 from cloud.settings import CloudSettings
+from shared.architectures import support_for, unsupported_message
 from shared.errors import AuthenticationError, ConfigurationError, NotFoundError, ServiceUnavailableError
 from shared.http import EventStream
 from shared.openai_responses import SSE_DONE, chat_logprob, completion_logprobs, sse
@@ -258,7 +260,7 @@ async def chat_completions(
 ) -> Response[Any]:
     state = engine_server
     _check_model(state, data.model)
-    params = CompletionService._params(data, data.max_new_tokens, data.num_logprobs)
+    params = CompletionService._params(engine.tokenizer, data, data.max_new_tokens, data.num_logprobs)
     text = chat_prompt(data, engine.tokenizer)
     prompts = _checked(engine, [text], params.max_tokens)
     tok = engine.tokenizer
@@ -317,7 +319,7 @@ async def completions(
 ) -> Response[Any]:
     state = engine_server
     _check_model(state, data.model)
-    params = CompletionService._params(data, data.max_tokens, data.logprobs)
+    params = CompletionService._params(engine.tokenizer, data, data.max_tokens, data.logprobs)
     prompts = _checked(engine, data.prompts(), params.max_tokens)
     tok = engine.tokenizer
     base: dict[str, Any] = {
@@ -415,17 +417,43 @@ def read_key_file(path: Path) -> str:
     return key
 
 
+def load_engine(model_dir: Path, settings: CloudSettings | None = None) -> EngineClient:
+    """Start the engine for ``model_dir`` and wait until it has loaded: a checkpoint it cannot serve is a
+    ConfigurationError naming why (an architecture outside ``shared.architectures``' engine column first, before
+    anything loads)."""
+    settings = settings or CloudSettings()
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigurationError(f"{model_dir}/config.json is unreadable: {exc}") from None
+    if not isinstance(config, dict) or not support_for(config).engine:
+        raise ConfigurationError(f"{model_dir}: {unsupported_message(config if isinstance(config, dict) else {})}")
+    engine = start_engine(engine_config(model_dir, settings), model_dir.name, settings)
+    try:
+        engine.wait_ready()
+    except BaseException:
+        engine.shutdown()
+        raise
+    return engine
+
+
 def create_engine_app(
-    model_dir: Path, model_name: str | None = None, settings: CloudSettings | None = None, api_key: str | None = None
+    model_dir: Path,
+    model_name: str | None = None,
+    settings: CloudSettings | None = None,
+    api_key: str | None = None,
+    engine: EngineClient | None = None,
 ) -> Litestar:
-    """The server's app; the engine starts (and loads) in the app's start-up, and stops at its shutdown."""
+    """The server's app; the engine starts (and loads) in the app's start-up, unless ``engine`` (loaded already,
+    e.g. by :func:`load_engine`) is given, and stops at its shutdown."""
     settings = settings or CloudSettings()
     name = model_name or model_dir.name
     config = engine_config(model_dir, settings)
+    loaded = engine
 
     @asynccontextmanager
     async def start() -> AsyncIterator[_State]:
-        engine = start_engine(config, model_dir.name, settings)
+        engine = loaded or start_engine(config, model_dir.name, settings)
         try:
             await asyncio.to_thread(engine.wait_ready)
             metrics = ServerMetrics(name)

@@ -60,7 +60,9 @@ class JobIntake:
         """Refuse now what the job would fail on at once: an unknown model, or one the key may not use."""
         if endpoint == INFERENCE:
             if not self.tensors.serves(model) and model not in self.pool.engines:
-                raise unknown_model(model)
+                if self.pool.registry.get(split_model(model)[0]) is None:
+                    raise unknown_model(model)
+                self.pool.get(model)  # a registry model still loading, or failed: 503 saying why
         elif self.pool.remote_version(model) is None and (self.remote_serves is None or not self.remote_serves(model)):
             with contextlib.suppress(EngineRestartingError):  # the worker waits for the restart (Retry-After)
                 self.pool.get(model)

@@ -1,12 +1,21 @@
-"""Registry models on the cloud (``TIERLINE_CLOUD_REGISTRY_MODELS``): the versions routing needs, materialised
-from the artifact store into a cache under the data dir and served by one engine each.
+"""Registry models on the cloud: the versions routing needs, materialised from the artifact store into a cache
+under the data dir and served by one engine each.
 
-Which versions: the one ``stable`` points at (else the highest ``active`` one), served for the bare model name,
-and every version a cloud-scope rollout of the model may route to (``cloud.canary.routed_versions``). ``sync``
-runs at start-up and after every plan refresh, in a worker thread: a version a new rollout (or a moved ``stable``)
-needs is loaded there, and the pool's registry snapshot is replaced once it is ready. A version no longer needed
-(a finished rollout's other arm, a former ``stable``) leaves the snapshot at once and its engine is shut down once
-it is idle and two refresh intervals have passed, so a request that picked it just before still finishes.
+Which models: every ``causal-lm`` model of the registry (``TIERLINE_CLOUD_REGISTRY_MODELS`` unset, ``*`` or
+``all``), or only those it lists. Which versions: the one ``stable`` points at (else the highest ``active`` one),
+served for the bare model name, and every version a cloud-scope rollout of the model may route to
+(``cloud.canary.routed_versions``). ``sync`` runs at start-up and after every plan refresh, in a worker thread: a
+version a new rollout (or a moved ``stable``) needs is loaded there, and the pool's registry snapshot is replaced
+once it is ready. A version no longer needed (a finished rollout's other arm, a former ``stable``) leaves the
+snapshot at once and its engine is shut down once it is idle and two refresh intervals have passed, so a request
+that picked it just before still finishes.
+
+When every model is served (no list), a version is loaded at its first request, not at start-up
+(``RegistryEntry.pending``): the request gets 503 ``model_loading`` with Retry-After and the next refresh loads it,
+so a registry of many models costs no memory or start-up time until they are used. Models the list names, and
+rollout arms, load at start-up as before. A version that fails to load is kept with its one-line reason
+(``RegistryEntry.failed``): ``/readyz`` lists it as degraded and its requests get 503 ``model_unavailable``
+saying why; it is tried again when its artifact changes.
 
 A version with a serving spec (``ModelVersion.serving``: an ``openai`` backend) is not loaded into an engine: its
 tokenizer artifact (``hf-tokenizer``, or a checkpoint) is materialised and a replica pool of its upstream servers
@@ -51,22 +60,40 @@ from controlplane.rollouts.service import RolloutPlan
 from controlplane.storage.tables import ModelArtifact
 from shared.artifacts import Manifest, verify_files
 from shared.backend_spec import ServingSpec
-from shared.errors import ArtifactVerificationError
+from shared.errors import ApplicationError, ArtifactVerificationError
 
 if TYPE_CHECKING:
     from cloud.backends.upstream import Backends, RemoteLM
 
 logger = logging.getLogger(__name__)
 
-ALL: Final = "all"
+ALL: Final = frozenset({"all", "*"})
 CACHE_DIR: Final = "cloud-models"
 REMOTE_RETRY_S: Final = 30.0  # a version whose backend failed to start is tried again at most this often
 
 
-def parse_names(value: str) -> frozenset[str] | None:
-    """``TIERLINE_CLOUD_REGISTRY_MODELS``: None for ``all``, else the listed names (empty: the feature is off)."""
+def parse_names(value: str | None) -> frozenset[str] | None:
+    """``TIERLINE_CLOUD_REGISTRY_MODELS``: None (every registry model) when unset, ``*`` or ``all``, else the
+    listed names (an empty value: none)."""
+    if value is None:
+        return None
     names = frozenset(n.strip() for n in value.split(",") if n.strip())
-    return None if ALL in names else names
+    return None if names & ALL else names
+
+
+def is_enabled(value: str | None) -> bool:
+    """Whether the cloud serves any registry model (``TIERLINE_CLOUD_REGISTRY_MODELS`` is not set empty)."""
+    return parse_names(value) != frozenset()
+
+
+def one_line(exc: BaseException) -> str:
+    """An error as one line: an application error's message, else its type and first line."""
+    if isinstance(exc, ApplicationError):
+        text = exc.message
+    else:
+        first = str(exc).strip().splitlines()
+        text = f"{type(exc).__name__}: {first[0]}" if first else type(exc).__name__
+    return " ".join(text.split())[:500]
 
 
 @dataclass(slots=True)
@@ -93,6 +120,7 @@ class RegistryModels:
         self.store = store
         self.cache_dir = cache_dir
         self.names = parse_names(settings.registry_models)
+        self.is_lazy = self.names is None  # every model: default versions load at their first request
         self._lock = threading.Lock()  # start-up and refreshes never load the same version twice
         self._sha256: dict[tuple[str, int], str] = {}
         self._failed: dict[tuple[str, int], str] = {}  # version → artifact sha256 that failed to load
@@ -102,6 +130,14 @@ class RegistryModels:
         # version → (not tried again before (monotonic), unless its spec is not this one)
         self._remote_retry_at: dict[tuple[str, int], tuple[float, ServingSpec | None]] = {}
         self.backends: Backends | None = None  # answers versions with a serving spec (set once it runs)
+        self._errors: dict[tuple[str, int], str] = {}  # version → why it failed to load (one line)
+        self._demanded: set[tuple[str, int]] = set()  # versions requested while pending: loaded from now on
+        pool.on_demand = self.demand
+        pool.load_retry_after_s = settings.canary_refresh_s + 5.0
+
+    def demand(self, name: str, number: int) -> None:
+        """A request asked for version ``number`` of ``name``, not loaded yet: the next refresh loads it."""
+        self._demanded.add((name, number))
 
     def sync(self, plans: list[RolloutPlan]) -> None:
         """Read the registry, load the versions now needed, then publish the new snapshot to the pool."""
@@ -111,8 +147,10 @@ class RegistryModels:
             for state in states:
                 entry = entries.get(state.name) or RegistryEntry(state.name)
                 needed = routed_versions(plans, RegistryEntry(state.name, stable_moved_at=state.stable_moved_at))
+                live = {n for n, status in state.statuses.items() if status != "retired"}
+                needed |= {n for m, n in self._demanded.copy() if m == state.name and n in live}
                 wanted = self._default(state, state.statuses)
-                if wanted is not None:
+                if wanted is not None and (not self.is_lazy or wanted in state.serving):
                     needed.add(wanted)
                 versions = dict(entry.versions)
                 remotes = self._sync_remote(state, dict(entry.remote), needed)
@@ -123,7 +161,15 @@ class RegistryModels:
                         served = self._revive(state.name, number) or self._load(state.name, number)
                         if served is not None:
                             versions[number] = served
-                default = self._default(state, set(versions) | set(remotes))
+                failed = {
+                    n: why
+                    for (m, n), why in {**self._errors, **self._remote_failed}.items()
+                    if m == state.name and n in needed and n not in versions and n not in remotes
+                }
+                # Every live version not loaded yet loads at its first request (by name, alias or NAME@N).
+                pending = frozenset(live - needed - set(versions) - set(remotes)) if self.is_lazy else frozenset()
+                known = set(versions) | set(remotes) | set(failed) | pending
+                default = self._default(state, known)
                 for number in sorted(set(versions) - needed - {default}):
                     logger.info("%s version %s is no longer needed; it is unloaded once idle", state.name, number)
                     self._retired[(state.name, number)] = (time.monotonic(), versions.pop(number))
@@ -133,12 +179,14 @@ class RegistryModels:
                 entries[state.name] = RegistryEntry(
                     name=state.name,
                     versions=versions,
-                    aliases={a: n for a, n in state.aliases.items() if n in versions or n in remotes},
+                    aliases={a: n for a, n in state.aliases.items() if n in known},
                     default=default,
                     stable_moved_at=state.stable_moved_at,
                     created=state.created.get(default, 0) if default is not None else 0,
                     sha256=self._sha256.get((state.name, default), "") if default is not None else "",
                     remote=remotes,
+                    pending=pending,
+                    failed=failed,
                 )
             self.pool.set_registry(entries)
             self._shut_down_idle()
@@ -275,23 +323,35 @@ class RegistryModels:
 
     def _load(self, name: str, number: int) -> ServedLM | None:
         """Materialise and start version ``number`` of ``name``; None (logged) when it cannot be served."""
+        key = (name, number)
         artifact = self.cloud_artifact(name, number)
         if artifact is None:
-            if (name, number) not in self._failed:
+            if key not in self._failed:
                 logger.error("%s version %s has no ready cloud hf-safetensors artifact; not served", name, number)
-                self._failed[(name, number)] = ""
+                self._failed[key] = ""
+                self._errors[key] = "it has no ready cloud hf-safetensors artifact"
             return None
-        if self._failed.get((name, number)) == artifact.sha256:  # tried already: not again every refresh
+        if self._failed.get(key) == artifact.sha256:  # tried already: not again every refresh
             return None
         try:
             model_dir = self.materialize(name, number, artifact)
             engine = start_engine(engine_config(model_dir, self.settings), f"{name}@{number}", self.settings)
-            engine.wait_ready()
-        except Exception:
-            logger.exception("loading %s version %s failed; it is not served", name, number)
-            self._failed[(name, number)] = artifact.sha256
+            try:
+                engine.wait_ready()
+            except BaseException:
+                engine.shutdown()
+                raise
+        except Exception as exc:
+            why = one_line(exc)
+            if isinstance(exc, ApplicationError):  # a checkpoint the engine refuses: its message says it all
+                logger.error("loading %s version %s failed: %s; it is not served", name, number, why)
+            else:
+                logger.exception("loading %s version %s failed; it is not served", name, number)
+            self._failed[key] = artifact.sha256
+            self._errors[key] = why
             return None
-        self._sha256[(name, number)] = artifact.sha256
+        self._errors.pop(key, None)
+        self._sha256[key] = artifact.sha256
         logger.info("serving %s version %s from %s", name, number, model_dir)
         return ServedLM(name, number, engine, engine.max_model_len)
 

@@ -57,9 +57,10 @@ class CloudSettings(BaseSettings):
         None,
         description="a JSON file of served models backed by OpenAI-compatible servers (docs/cloud-api.md#backends)",
     )
-    registry_models: str = Field(
-        "",
-        description="registry models to serve (causal-lm and tensor), comma-separated, or 'all'; empty: none",
+    registry_models: str | None = Field(
+        None,
+        description="registry models to serve (causal-lm and tensor): unset, '*' or 'all': every one (a causal-lm "
+        "version loads at its first request); a comma-separated list: only those (loaded at start-up); empty: none",
     )
     tensor_memory_mb: int = Field(
         2048,

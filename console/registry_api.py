@@ -10,10 +10,11 @@ and :mod:`controlplane.registry.edge_derive`, which also write the audit rows.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Literal
 
 import anyio.to_thread
 from litestar import Request, get, post, put
@@ -28,11 +29,11 @@ from controlplane.registry import service as registry
 from controlplane.registry.edge_derive import DeriveRunner, DeriveSettings, fail_stale_jobs, start_derive
 from controlplane.registry.store import ArtifactStore
 from controlplane.storage.session import session_scope
-from shared.errors import NotFoundError
+from shared.errors import NotFoundError, ValidationError
 
 logger = logging.getLogger(__name__)
 
-UPLOAD_FIELDS = ("kind", "label", "tag", "alias", "sha256", "target", "format", "description")
+UPLOAD_FIELDS = ("kind", "label", "tag", "alias", "sha256", "target", "format", "description", "serving")
 
 
 @post("/models/{name:str}/versions", status_code=201, request_max_body_size=None)
@@ -43,8 +44,12 @@ async def push_version(
 
     Form: one or more ``file`` parts (the file name is the path inside the artifact, e.g. ``config.json``),
     and optionally ``kind`` (for a new model), ``target`` and ``format`` (inferred from the file names when
-    absent), ``label``, ``tag`` (repeatable), ``alias``, ``description`` and ``sha256``: the expected hash of the
-    file (one file) or of the artifact's manifest digest (several).
+    absent), ``label``, ``tag`` (repeatable), ``alias``, ``description``, ``sha256``: the expected hash of the
+    file (one file) or of the artifact's manifest digest (several), and ``serving``: a JSON serving spec (an
+    ``openai`` backend answers the version).
+
+    A checkpoint's ``config.json`` decides what serves it (``servable_by``, and ``served_by`` in words): an
+    architecture tierline's engine does not run is a 400 naming the supported ones, unless ``serving`` is sent.
     """
     operator.require_admin()
     registry.check_name(name)
@@ -61,6 +66,7 @@ async def push_version(
             format=upload.one("format"),
             description=upload.one("description") or "",
             sha256=upload.one("sha256"),
+            serving=_serving_field(upload.one("serving")),
         )
         body: dict[str, Any] = await anyio.to_thread.run_sync(
             register_upload, db, artifacts, upload, form, operator.actor
@@ -68,6 +74,18 @@ async def push_version(
         return body
     finally:
         upload.discard()  # what was committed is in the store; the rest goes
+
+
+def _serving_field(value: str | None) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    try:
+        spec = json.loads(value)
+    except ValueError as exc:
+        raise ValidationError(f"serving: not JSON ({exc})", param="serving") from None
+    if not isinstance(spec, dict):
+        raise ValidationError("serving: a JSON object, please", param="serving")
+    return spec
 
 
 # --- reading and changing --------------------------------------------------------------------------------------
@@ -95,6 +113,16 @@ class ServingChange(_Body):
     serving: dict[str, Any] | None = Field(
         description='a serving spec ({"backend": "openai", "endpoints": [...], "upstream_model": ...}); '
         "null: the built-in engine serves the version"
+    )
+
+
+class PairingChange(_Body):
+    cloud_model: str | None = Field(
+        description="the cloud model the edge model escalates to (a registry model, or a zoo id tierline/NAME); "
+        "null: it answers locally"
+    )
+    resend: Literal["as-sent", "text"] | None = Field(
+        None, description="default: as-sent when both tokenizers share a vocabulary, else text"
     )
 
 
@@ -176,6 +204,21 @@ def change_serving(db: Engine, operator: Operator, name: str, number: int, data:
         return _version_body(session, name, number)
 
 
+@put("/models/{name:str}/pairing", status_code=200, sync_to_thread=True)
+def change_pairing(
+    db: Engine, artifacts: ArtifactStore, operator: Operator, name: str, data: PairingChange
+) -> dict[str, Any]:
+    """Set (or clear) which cloud model this edge model escalates to; devices are told at their next sync."""
+    operator.require_admin()
+    with session_scope(db) as session:
+        model = registry.get_model(session, name)
+        resend: str = data.resend or "as-sent"
+        if data.cloud_model is not None and data.resend is None:
+            resend = registry_artifacts.default_resend(session, artifacts, model, data.cloud_model)
+        registry.set_pairing(session, model, data.cloud_model, resend=resend, actor=operator.actor)
+        return {"model": name, "pairing": registry.pairing_json(model), "summary": registry.pairing_line(model)}
+
+
 @post("/models/{name:str}/versions/{number:int}/derive", status_code=202, sync_to_thread=True)
 def derive(
     db: Engine,
@@ -230,6 +273,7 @@ REGISTRY_ROUTER = management_router(
         change_status,
         change_tags,
         change_serving,
+        change_pairing,
         derive,
     ],
     "registry",

@@ -160,6 +160,7 @@ class VersionUpload:
     format: str | None = None
     description: str = ""
     sha256: str | None = None
+    serving: dict[str, Any] | None = None  # a serving spec: an ``openai`` backend answers the version
 
 
 def register_upload(
@@ -184,7 +185,13 @@ def register_upload(
     elif target is None:  # a format names its target unless it is onnx, which both have (cloud, then)
         target = "cloud" if format in registry.FORMATS["cloud"] else "edge"
     registry.check_target_format(target, format)
+    if form.serving is not None:
+        registry.check_serving(form.serving)
     entries = [FileEntry(path, w.size, w.finish()) for path, w in upload.files]
+    config = next((w for path, w in upload.files if path == "config.json"), None) if target == "cloud" else None
+    servability = registry_artifacts.servability_of(
+        format, config.path.read_bytes() if config is not None else None, has_serving=form.serving is not None
+    )
     if form.sha256 is not None:
         expected = form.sha256.strip().lower()
         digest = entries[0].sha256 if len(entries) == 1 else Manifest("", "", "", "", entries).sha256
@@ -200,8 +207,24 @@ def register_upload(
             session, model, label=label, source=f"upload by {actor}", tags=tags, actor=actor
         )
         artifact = registry_artifacts.add_artifact(
-            session, store, model, version, target=target, format=format, files=entries, signing_key=key, actor=actor
+            session,
+            store,
+            model,
+            version,
+            target=target,
+            format=format,
+            files=entries,
+            signing_key=key,
+            actor=actor,
+            metadata=servability.metadata() if servability is not None else None,
         )
+        if form.serving is not None:
+            version = registry.set_serving(session, model, version.number, form.serving, actor=actor)
         if form.alias is not None:
             registry.move_alias(session, model, form.alias, version.number, actor=actor)
-        return {"model": model.name, **registry.version_json(version, [artifact], [form.alias] if form.alias else [])}
+        body = registry.version_json(version, [artifact], [form.alias] if form.alias else [])
+        return {
+            "model": model.name,
+            **body,
+            "served_by": servability.summary() if servability is not None else None,
+        }

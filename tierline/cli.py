@@ -28,6 +28,8 @@ LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("tierline.demo_traffic", "demo", "Demo traffic through the local edge agent (tierline demo traffic)."),
     "policies": ("controlplane.policies.cli", "policies", "Escalation policies: calibrate, operating point, list."),
 }
+# Commands that read and write the database directly: it is migrated (SQLite) or checked (PostgreSQL) first.
+DATABASE_COMMANDS = frozenset({"tenants", "keys", "devices", "models", "rollouts", "billing", "policies"})
 
 
 class LazyGroup(click.Group):
@@ -70,13 +72,29 @@ def _missing_extra_command(name: str, help_text: str, missing: str) -> click.Com
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="tierline")
 @click.option("--log-level", default=None, help="Logging level (default: $TIERLINE_LOG_LEVEL or INFO).")
-def cli(log_level: str | None) -> None:
+@click.pass_context
+def cli(ctx: click.Context, log_level: str | None) -> None:
     """tierline: an edge-cloud tiered inference platform behind one OpenAI-compatible API."""
     from shared.logs import configure
     from shared.settings import CoreSettings
 
     core = CoreSettings()
     configure(log_level or core.log_level, core.effective_log_format)
+    if (
+        ctx.invoked_subcommand in DATABASE_COMMANDS
+        and not ctx.resilient_parsing
+        and not {"--help", "-h"} & set(ctx.args)
+    ):
+        _check_database()
+
+
+def _check_database() -> None:
+    from controlplane.storage.migrate import ensure_migrated
+    from controlplane.storage.session import database_url, get_db
+
+    migrated = ensure_migrated(database_url(), get_db())
+    if migrated is not None:
+        click.echo(migrated, err=True)
 
 
 def main() -> None:

@@ -42,7 +42,18 @@ CLOUD_MODELS = ("tierline/lm-cloud", "tierline/digits-large")
 # Registry: (registry name, zoo artifact dir) per cloud checkpoint or classifier; a model's edge exports become
 # one version derived from its checkpoint's version.
 REGISTRY_MODELS = (("lm-cloud", "lm-cloud"), ("lm-edge", "lm-edge"))
-REGISTRY_CLASSIFIERS = (("digits-large", "digits-large"), ("digits-small", "digits-small"))
+REGISTRY_CLASSIFIERS = (
+    ("digits-large", "digits-large"),
+    ("digits-small", "digits-small"),
+    ("digits-micro", "digits-micro"),
+)
+# Edge registry model -> the cloud model its escalations go to (sent to devices at sync): the zoo's engines, as the
+# agent's built-in table had it.
+ZOO_PAIRS = {
+    "lm-edge": "tierline/lm-cloud",
+    "digits-small": "tierline/digits-large",
+    "digits-micro": "tierline/digits-large",
+}
 EDGE_EXPORTS = {"lm-edge": ("lm-edge-onnx", "lm-edge-onnx-int8", "lm-edge-tflite")}
 EDGE_ALIAS = "edge"
 MAX_QUALITY_LOSS = 0.01  # the demo policies' bound: one point below cloud-only quality
@@ -108,7 +119,8 @@ def seed_tenant(previous_key: str | None, seeded: Seeded, *, budget: bool) -> st
 
 def seed_registry(zoo_root: Path, seeded: Seeded) -> None:
     """The zoo's models, each with a ``stable`` alias; a model's edge exports are a version derived from its
-    checkpoint's (alias ``edge``). A model that already has ``stable`` is left as it is."""
+    checkpoint's (alias ``edge``). A model that already has ``stable`` is left as it is. Then the edge models'
+    cloud pairs (``seed_pairings``)."""
     from controlplane.registry import artifacts as reg_artifacts
     from controlplane.registry import service as registry
     from controlplane.registry.store import store_from_settings
@@ -173,6 +185,34 @@ def seed_registry(zoo_root: Path, seeded: Seeded) -> None:
                 )
             registry.move_alias(session, pushed.model, EDGE_ALIAS, derived.number, actor=actor)
             seeded.add(f"registry {name} v{derived.number} ({len(exports)} edge artifacts, from v{source.number})")
+    seed_pairings(seeded)
+
+
+def seed_pairings(seeded: Seeded) -> None:
+    """Pair the zoo's edge models with their cloud models (``ZOO_PAIRS``), unless a model was ever paired (or
+    unpaired) by someone: what an operator chose stays."""
+    from sqlmodel import col, select
+
+    from controlplane.registry import artifacts as reg_artifacts
+    from controlplane.registry import service as registry
+    from controlplane.registry.store import store_from_settings
+    from controlplane.storage.session import session_scope
+    from controlplane.storage.tables import AuditLog
+
+    store = store_from_settings()
+    with session_scope() as session:
+        for name, cloud_model in ZOO_PAIRS.items():
+            model = next((m for m in registry.list_models(session) if m.name == name), None)
+            if model is None:
+                continue
+            ever = session.exec(
+                select(AuditLog.id).where(col(AuditLog.target) == f"model/{name}", col(AuditLog.action) == "model.pair")
+            ).first()
+            if ever is not None:
+                continue
+            resend = reg_artifacts.default_resend(session, store, model, cloud_model)
+            registry.set_pairing(session, model, cloud_model, resend=resend, actor=_actor())
+            seeded.add(f"pair {name} -> {cloud_model} ({resend})")
 
 
 def seed_prices(seeded: Seeded) -> None:

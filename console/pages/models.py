@@ -196,6 +196,8 @@ def detail_page(request: Request[Any, Any, Any], db: Engine, name: str, **extra:
         next_statuses={v.id: [s for s in registry.STATUSES if registry.can_move_status(v.status, s)] for v in versions},
         derivable=derivable,
         is_pending=is_pending,
+        pairing=registry.pairing_line(model),
+        servable_by={v.id: registry.servable_by(artifacts.get(v.id or 0, [])) for v in versions},
         policy=policy or escalation.policy_for(escalation.policy_dir(), model.name),
         quality=quality,
         **extra,

@@ -9,6 +9,7 @@ its sha256 and size, and is signed with the platform key; it is stored as a blob
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,10 +22,15 @@ from controlplane.registry.service import (
     ARTIFACT_STATUSES,
     EDGE_MODEL_FILE,
     MANIFEST_FILE,
+    STABLE,
     TOKENIZER_FILES,
+    UPSTREAM,
+    Servability,
     _audit,
+    aliases_of,
     artifacts_of,
     check_alias,
+    check_checkpoint,
     check_kind,
     check_label,
     check_name,
@@ -34,13 +40,17 @@ from controlplane.registry.service import (
     ensure_model,
     infer_format,
     is_safe_relpath,
+    list_versions,
     move_alias,
+    pair_target,
+    read_checkpoint_config,
     register_version,
     resolve,
     set_serving,
 )
 from controlplane.registry.store import ArtifactStore, PayloadTooLargeError
 from controlplane.storage.tables import Model, ModelArtifact, ModelVersion
+from shared.architectures import model_type_of
 from shared.artifacts import FileEntry, Manifest, load_or_create_signing_key, read_manifest, sign_manifest
 from shared.errors import ArtifactVerificationError, ConflictError, NotFoundError, ValidationError
 from shared.settings import CoreSettings
@@ -278,11 +288,29 @@ def _check_against_manifest(root: Path, files: list[tuple[str, Path]]) -> None:
             raise ArtifactVerificationError(f"{p}: sha256 differs from its manifest.json")
 
 
+def servability_of(format: str, config_json: bytes | None, *, has_serving: bool) -> Servability | None:
+    """What serves a cloud artifact of ``format`` whose ``config.json`` holds ``config_json``: decided for a
+    checkpoint (refused when nothing here serves it and no serving spec names an upstream), and for a tokenizer
+    pushed with a serving spec; None for anything else."""
+    if format == "hf-safetensors":
+        if config_json is None:
+            raise ValidationError("a checkpoint needs a config.json", param="config.json")
+        return check_checkpoint(read_checkpoint_config(config_json), has_serving=has_serving)
+    if format == "hf-tokenizer" and has_serving and config_json is not None:
+        try:
+            model_type = model_type_of(read_checkpoint_config(config_json))
+        except ValidationError:
+            model_type = ""
+        return Servability(model_type, (UPSTREAM,))
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class Pushed:
     model: Model
     version: ModelVersion
     artifact: ModelArtifact
+    servability: Servability | None = None
 
 
 def push_path(
@@ -310,6 +338,63 @@ def push_path(
     if alias is not None:
         check_alias(alias)
     local = inspect_path(path)
+    with tempfile.TemporaryDirectory(prefix="tierline-push-") as staging:
+        _add_converted_tokenizer(local, Path(staging))
+        return _push_local(
+            session,
+            store,
+            path,
+            local,
+            name=name,
+            kind=kind,
+            label=label,
+            tags=tag_list,
+            alias=alias,
+            actor=actor,
+            signing_key=signing_key,
+            serving=serving,
+        )
+
+
+def _add_converted_tokenizer(local: LocalArtifact, staging: Path) -> None:
+    """A checkpoint with only a SentencePiece ``tokenizer.model`` gets the ``tokenizer.json`` transformers would
+    convert it to (every tier reads tokenizer.json); without the packages to convert, the push is refused."""
+    names = {rel for rel, _ in local.files}
+    if local.format != "hf-safetensors" or "tokenizer.json" in names or "tokenizer.model" not in names:
+        return
+    from shared.errors import ConfigurationError
+    from shared.zoo.tokenizer_convert import ensure_tokenizer_json
+
+    source = dict(local.files)["tokenizer.model"].parent
+    try:
+        converted = ensure_tokenizer_json(source, out_dir=staging)
+    except ConfigurationError as exc:
+        raise ValidationError(exc.message, param="tokenizer.model") from None
+    local.files.append(("tokenizer.json", converted))
+
+
+def _push_local(
+    session: Session,
+    store: ArtifactStore,
+    path: Path,
+    local: LocalArtifact,
+    *,
+    name: str,
+    kind: str | None,
+    label: str | None,
+    tags: list[str],
+    alias: str | None,
+    actor: str,
+    signing_key: Ed25519PrivateKey,
+    serving: dict[str, Any] | None,
+) -> Pushed:
+    tag_list = tags
+    config = dict(local.files).get("config.json") if local.target == "cloud" else None
+    servability = servability_of(
+        local.format, config.read_bytes() if config is not None else None, has_serving=serving is not None
+    )
+    if servability is not None:
+        local.metadata.update(servability.metadata())
     total = 0
     entries: list[FileEntry] = []
     for rel, p in local.files:
@@ -338,13 +423,53 @@ def push_path(
         version = set_serving(session, model, version.number, serving, actor=actor)
     if alias is not None:
         move_alias(session, model, alias, version.number, actor=actor)
-    return Pushed(model, version, artifact)
+    return Pushed(model, version, artifact, servability)
 
 
 def _default_kind(session: Session, name: str, guessed: str) -> str | None:
     """An existing model keeps its kind; a new one takes what its files suggest."""
     exists = session.exec(select(Model.id).where(Model.name == name)).first() is not None
     return None if exists else guessed
+
+
+# --- pairing --------------------------------------------------------------------------------------------------
+
+
+def tokenizer_vocabulary(session: Session, store: ArtifactStore, model: Model) -> str | None:
+    """The vocabulary sha256 (``shared.edge_protocol.vocabulary_sha256``) of the ``tokenizer.json`` of ``model``'s
+    ``stable`` version (else its newest version that has one); None when it has none."""
+    from tokenizers import Tokenizer
+
+    from shared.edge_protocol import vocabulary_sha256
+
+    versions = list_versions(session, model)
+    stable = aliases_of(session, model).get(STABLE)
+    ordered = sorted(versions, key=lambda v: (v.number != stable, -v.number))
+    arts = artifacts_of(session, [v.id for v in ordered if v.id is not None])
+    for version in ordered:
+        for artifact in arts.get(version.id or 0, []):
+            if artifact.status != "ready":
+                continue
+            files = (artifact.manifest or {}).get("files") or []
+            entry = next((f for f in files if isinstance(f, dict) and f.get("path") == "tokenizer.json"), None)
+            if entry is None:
+                continue
+            try:
+                return vocabulary_sha256(Tokenizer.from_str(store.read_bytes(str(entry["sha256"])).decode()))
+            except Exception:  # an unreadable tokenizer compares as different
+                return None
+    return None
+
+
+def default_resend(session: Session, store: ArtifactStore, edge: Model, cloud_model: str) -> str:
+    """``as-sent`` when both models are in the registry and their tokenizers share a vocabulary, else ``text``."""
+    target = pair_target(session, edge, cloud_model)
+    if edge.kind != "causal-lm":
+        return "as-sent"  # rows of numbers: nothing to re-tokenise
+    if target is None:
+        return "text"
+    mine, theirs = tokenizer_vocabulary(session, store, edge), tokenizer_vocabulary(session, store, target)
+    return "as-sent" if mine is not None and mine == theirs else "text"
 
 
 # --- export for the fleet -------------------------------------------------------------------------------------

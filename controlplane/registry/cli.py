@@ -99,6 +99,41 @@ def models_push(
         f"registered {name} version {pushed.version.number}: {a.target} {a.format}, {a.size} bytes, sha256 {a.sha256}"
         + (f"; alias {alias} -> {pushed.version.number}" if alias else "")
     )
+    if pushed.servability is not None:
+        click.echo(pushed.servability.summary())
+
+
+@models.command("pair")
+@click.argument("edge_model")
+@click.argument("cloud_model", required=False)
+@click.option(
+    "--resend",
+    type=click.Choice(["as-sent", "text"]),
+    default=None,
+    help="as-sent: requests go up unchanged; text: token-id prompts are decoded first "
+    "[default: as-sent when both tokenizers share a vocabulary, else text]",
+)
+@click.option("--none", "unpair", is_flag=True, help="no cloud pair: EDGE_MODEL answers locally")
+def models_pair(edge_model: str, cloud_model: str | None, resend: str | None, unpair: bool) -> None:
+    """Make registry model EDGE_MODEL escalate to CLOUD_MODEL (a registry model, or a zoo id tierline/NAME).
+
+    Devices serving a release of EDGE_MODEL (EDGE_MODEL, or EDGE_MODEL-FORMAT such as acme-edge-onnx-int8) are told
+    at their next sync.
+    """
+    from controlplane.registry import artifacts as registry_artifacts
+    from controlplane.registry import service as registry
+    from controlplane.registry.store import store_from_settings
+    from controlplane.storage.session import session_scope
+
+    if unpair == (cloud_model is not None):
+        raise click.UsageError("give CLOUD_MODEL or --none")
+    with session_scope() as session:
+        model = registry.get_model(session, edge_model)
+        if cloud_model is not None and resend is None:
+            resend = registry_artifacts.default_resend(session, store_from_settings(), model, cloud_model)
+        registry.set_pairing(session, model, cloud_model, resend=resend or "as-sent", actor=_actor())
+        line = registry.pairing_line(model)
+    click.echo(f"{edge_model}: {line}")
 
 
 def _read_spec(path: Path) -> dict[str, Any]:
@@ -152,6 +187,7 @@ def models_versions(name: str) -> None:
         extra += [f"aliases {','.join(v['aliases'])}"] if v["aliases"] else []
         extra += [f"tags {','.join(v['tags'])}"] if v["tags"] else []
         extra += [f"serving openai {','.join(v['serving']['endpoints'])}"] if v.get("serving") else []
+        extra += [f"servable by {','.join(v['servable_by'])}"] if v["servable_by"] else []
         click.echo(f"{v['number']}\t{v['status']}\t{arts}\t{'; '.join(extra)}")
 
 
@@ -284,6 +320,8 @@ def models_derive(
     if result.error:
         raise click.ClickException(f"derive failed: {result.error}")
     click.echo(f"{name} version {job.number}: " + ", ".join(f"{f} {s}" for f, s in result.statuses.items()))
+    for fmt, reason in sorted(result.reasons.items()):
+        click.echo("  " + (reason if reason.startswith(f"{fmt}:") else f"{fmt}: {reason}"))
 
 
 @click.group()

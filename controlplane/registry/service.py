@@ -14,8 +14,10 @@ take a session and leave the commit to the caller.
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final
 
@@ -26,6 +28,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
 from controlplane.storage.tables import AuditLog, Model, ModelAlias, ModelArtifact, ModelVersion, utcnow
+from shared.architectures import model_type_of, support_for, supported_list, unsupported_message
 from shared.backend_spec import ServingSpec
 from shared.errors import ConflictError, NotFoundError, ValidationError
 
@@ -138,6 +141,85 @@ def infer_format(paths: Sequence[str]) -> tuple[str, str]:
     raise ValidationError("cannot tell the artifact's format from its files; send target and format", param="format")
 
 
+# --- what serves a checkpoint (pure) ---------------------------------------------------------------------------
+
+UPSTREAM: Final = "upstream"  # in ``servable_by``: the version's serving spec (an ``openai`` backend) answers it
+# A runtime of shared.architectures -> the registry's edge formats it makes.
+_RUNTIME_FORMATS: Final[dict[str, tuple[str, ...]]] = {
+    "onnx": ("onnx", "onnx-int8"),
+    "tflite": ("tflite",),
+    "gguf": ("gguf",),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Servability:
+    """What can serve a pushed checkpoint, decided from its ``config.json`` before anything loads.
+
+    ``servable_by`` lists ``engine`` (tierline's engine), ``upstream`` (its serving spec) and the edge formats
+    derive can export (``onnx``, ``onnx-int8``, ``tflite``, ``gguf``)."""
+
+    model_type: str
+    servable_by: tuple[str, ...]
+
+    @property
+    def edge_formats(self) -> tuple[str, ...]:
+        return tuple(f for f in self.servable_by if f not in ("engine", UPSTREAM))
+
+    def summary(self) -> str:
+        """``qwen3: served by the engine; edge formats onnx, onnx-int8, tflite, gguf``."""
+        by = "the engine" if "engine" in self.servable_by else "its upstream only"
+        if "engine" in self.servable_by and UPSTREAM in self.servable_by:
+            by = "its upstream (the engine could too)"
+        edge = ", ".join(self.edge_formats) or "none"
+        return f"{self.model_type or 'unknown architecture'}: served by {by}; edge formats {edge}"
+
+    def metadata(self) -> dict[str, Any]:
+        """What the artifact's manifest records of it."""
+        return {"model_type": self.model_type, "servable_by": list(self.servable_by)}
+
+
+def read_checkpoint_config(text: bytes | str) -> dict[str, Any]:
+    """A checkpoint's ``config.json``, parsed; ValidationError when it is not a JSON object."""
+    try:
+        config = json.loads(text)
+    except ValueError as exc:
+        raise ValidationError(f"config.json is not JSON ({exc})", param="config.json") from None
+    if not isinstance(config, dict):
+        raise ValidationError("config.json is not a JSON object", param="config.json")
+    return config
+
+
+def check_checkpoint(config: dict[str, Any], *, has_serving: bool) -> Servability:
+    """What serves a causal-LM checkpoint whose ``config.json`` is ``config``.
+
+    An architecture tierline's engine does not run (or no ``model_type`` at all) is refused with the list of those
+    it does, unless ``has_serving``: an upstream server named by the version's serving spec answers it then."""
+    support = support_for(config)
+    edge = tuple(f for r in support.edge_formats for f in _RUNTIME_FORMATS.get(r, ()))
+    if support.engine:
+        return Servability(support.model_type, ("engine", *((UPSTREAM,) if has_serving else ()), *edge))
+    if has_serving:
+        return Servability(support.model_type, (UPSTREAM, *edge))
+    if not model_type_of(config):
+        message = f"config.json has no model_type; the tierline engine serves: {supported_list('engine')}"
+    else:
+        message = unsupported_message(config, "engine")
+    raise ValidationError(
+        f"{message}. To have an upstream OpenAI-compatible server answer it, push it with a serving spec",
+        param="config.json",
+    )
+
+
+def servable_by(artifacts: Sequence[ModelArtifact]) -> list[str]:
+    """What a version can be served by, as recorded at push on its checkpoint artifact (empty: not recorded)."""
+    for a in artifacts:
+        recorded = ((a.manifest or {}).get("metadata") or {}).get("servable_by")
+        if isinstance(recorded, list):
+            return [str(r) for r in recorded]
+    return []
+
+
 # --- audit ---------------------------------------------------------------------------------------------------------
 
 
@@ -188,6 +270,108 @@ def ensure_model(session: Session, name: str, kind: str | None, *, description: 
     if kind is not None and kind != existing.kind:
         raise ValidationError(f"model {name!r} is a {existing.kind} model, not {kind}", param="kind")
     return existing
+
+
+# --- pairing: which cloud model an edge model escalates to -----------------------------------------------------
+
+RESEND_MODES: Final = ("as-sent", "text")
+ZOO_PREFIX: Final = "tierline/"  # a cloud model id of the built zoo (the cloud serves it without the registry)
+
+
+def check_resend(resend: str) -> str:
+    if resend not in RESEND_MODES:
+        raise ValidationError(f"resend must be one of {', '.join(RESEND_MODES)}, not {resend!r}", param="resend")
+    return resend
+
+
+def pair_target(session: Session, edge: Model, cloud_model: str) -> Model | None:
+    """The registry model ``cloud_model`` names (a zoo id ``tierline/NAME`` names registry model NAME when there
+    is one); None for a zoo id without one. A name that is neither is a 404; another kind a 400."""
+    is_zoo = cloud_model.startswith(ZOO_PREFIX)
+    name = cloud_model.removeprefix(ZOO_PREFIX) if is_zoo else cloud_model
+    target = session.exec(select(Model).where(Model.name == name)).first()
+    if target is None:
+        if is_zoo and _NAME_RE.fullmatch(name):
+            return None
+        raise NotFoundError(
+            f"no registry model named {cloud_model!r} (a model of the built zoo is named {ZOO_PREFIX}NAME)",
+            param="cloud_model",
+        )
+    if target.id == edge.id:
+        raise ValidationError(f"model {edge.name!r} cannot escalate to itself", param="cloud_model")
+    if target.kind != edge.kind:
+        raise ValidationError(
+            f"model {edge.name!r} is a {edge.kind} model; it cannot escalate to {cloud_model!r}, a {target.kind} model",
+            param="cloud_model",
+        )
+    return target
+
+
+def set_pairing(session: Session, edge: Model, cloud_model: str | None, *, resend: str, actor: str) -> Model:
+    """Record that ``edge`` escalates to ``cloud_model`` (a registry model's name, or a zoo id), resending requests
+    ``resend``; with None it answers locally. Devices are told at their next sync."""
+    if cloud_model is not None:
+        pair_target(session, edge, cloud_model)
+        check_resend(resend)
+    before = pairing_json(edge)
+    values: dict[str, Any] = {"cloud_model": cloud_model, "resend": resend if cloud_model is not None else None}
+    if {"cloud_model": edge.cloud_model, "resend": edge.resend} != values:
+        session.execute(
+            update(Model).where(col(Model.id) == edge.id).values(**values).execution_options(synchronize_session=False)
+        )
+        session.refresh(edge)
+        _audit(session, actor, "model.pair", f"model/{edge.name}", before, pairing_json(edge))
+    return edge
+
+
+def pairing_json(model: Model) -> dict[str, Any]:
+    return {"cloud_model": model.cloud_model, "resend": model.resend if model.cloud_model else None}
+
+
+def pairing_line(model: Model) -> str:
+    """``Escalates to: lm-cloud (resend: text)`` or ``Answers locally (no cloud pair)``."""
+    if model.cloud_model is None:
+        return "Answers locally (no cloud pair)"
+    return f"Escalates to: {model.cloud_model} (resend: {model.resend or 'as-sent'})"
+
+
+def release_model(release: str, names: Collection[str]) -> str | None:
+    """The registry model an edge release was published from: its name (``tierline models export`` names the
+    release after the model), or the name with a format suffix (``acme-edge-onnx-int8``, as the zoo names its
+    exports); None when no registry model matches."""
+    if release in names:
+        return release
+    for format in sorted(FORMATS["edge"], key=len, reverse=True):  # -onnx-int8 before -onnx
+        base = release.removesuffix(f"-{format}")
+        if base != release and base in names:
+            return base
+    return None
+
+
+def pairings_for(session: Session, releases: Iterable[str]) -> dict[str, tuple[str | None, str]]:
+    """Release name -> (cloud model, resend) for each release published from a registry model; an unpaired
+    model's releases map to ``(None, "as-sent")`` (it answers locally)."""
+    wanted = list(releases)
+    if not wanted:
+        return {}
+    models = {m.name: m for m in session.exec(select(Model))}
+    out: dict[str, tuple[str | None, str]] = {}
+    for release in wanted:
+        name = release_model(release, models)
+        if name is not None:
+            model = models[name]
+            out[release] = (model.cloud_model, (model.resend or "as-sent") if model.cloud_model else "as-sent")
+    return out
+
+
+def paired_models(session: Session) -> dict[str, tuple[str, str]]:
+    """Registry model -> (cloud model, resend) for every model that has a pair: devices get them all at sync, so
+    a model a device holds without a release (the zoo's, built into its data dir) is paired too."""
+    return {
+        m.name: (m.cloud_model, m.resend or "as-sent")
+        for m in session.exec(select(Model).where(col(Model.cloud_model).is_not(None)))
+        if m.cloud_model
+    }
 
 
 # --- versions ------------------------------------------------------------------------------------------------------
@@ -527,6 +711,7 @@ def version_json(
         "aliases": list(aliases),
         "artifacts": [artifact_json(a) for a in artifacts],
         "serving": v.serving,
+        "servable_by": servable_by(artifacts),
         "created_at": v.created_at.isoformat() if v.created_at else None,
     }
 
@@ -538,6 +723,7 @@ def model_json(session: Session, model: Model, *, with_versions: bool = True) ->
         "kind": model.kind,
         "description": model.description,
         "aliases": aliases,
+        "pairing": pairing_json(model),
         "created_at": model.created_at.isoformat(),
     }
     versions = list_versions(session, model)

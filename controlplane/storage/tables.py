@@ -103,6 +103,9 @@ class Model(SQLModel, table=True):
     kind: str = Field(max_length=16, description="causal-lm | tensor")
     description: str = Field(default="", max_length=2000)
     created_at: datetime = _ts()
+    # The cloud model this (edge) model escalates to (``tierline models pair``); None: it answers locally.
+    cloud_model: str | None = Field(default=None, max_length=128)
+    resend: str | None = Field(default=None, max_length=16, description="as-sent | text (with cloud_model)")
 
 
 class ModelVersion(SQLModel, table=True):
