@@ -24,6 +24,7 @@ from cloud.engine.async_engine import generate_all
 from cloud.engine.outputs import RequestOutput
 from cloud.engine.prompts import check_context_length
 from cloud.engine.sampling_params import SamplingParams
+from cloud.engine.tokenizer import ChatTokenizer
 from cloud.engine_pool import EnginePool, ServedLM, split_model
 from cloud.limits import RateLimiter, RateLimitGrant
 from cloud.metering import UsageWriter
@@ -397,18 +398,24 @@ class CompletionService:
 
     @staticmethod
     def _params(
-        req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None, logprobs: int | None
+        tokenizer: ChatTokenizer,
+        req: ChatCompletionRequest | CompletionRequest,
+        max_tokens: int | None,
+        logprobs: int | None,
     ) -> SamplingParams:
+        """The request's sampling; a field it does not set takes the checkpoint's generation_config.json default
+        where it has one (as vLLM's ``--generation-config auto``), else the API's."""
+        choice = {**req.token_choice(), "repetition_penalty": req.repetition_penalty}
+        choice = tokenizer.generation.apply(choice, req.model_fields_set)
         return SamplingParams(
             n=req.n,
             max_tokens=max_tokens,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty,
             logprobs=logprobs,
             speculation=req.speculation,
             grammar=chat_grammar(req) if isinstance(req, ChatCompletionRequest) else grammar_of(req.response_format),
-            **req.token_choice(),
+            **choice,
         )
 
     async def _settle(
@@ -592,7 +599,7 @@ class CompletionService:
         served = self._resolve(caller, req.model, req.user)
         if not isinstance(served, ServedLM):  # a registry version that upstream servers answer
             return await self._upstream().chat(caller, req, served)
-        params = self._params(req, req.max_new_tokens, req.num_logprobs)
+        params = self._params(served.engine.tokenizer, req, req.max_new_tokens, req.num_logprobs)
         (prompt,), meter = await self._admit(caller, served, [self._chat_prompt(served, req)], params, req.stream)
         if req.stream:
             return await self._chat_stream(served, caller, prompt, params, req, meter)
@@ -761,7 +768,7 @@ class CompletionService:
         served = self._resolve(caller, req.model, req.user)
         if not isinstance(served, ServedLM):
             return await self._upstream().completions(caller, req, served)
-        params = self._params(req, req.max_tokens, req.logprobs)
+        params = self._params(served.engine.tokenizer, req, req.max_tokens, req.logprobs)
         prompts, meter = await self._admit(caller, served, req.prompts(), params, req.stream)
         if req.stream:
             return await self._completion_stream(served, caller, prompts, params, req, meter)

@@ -125,7 +125,7 @@ def grammar(req: ChatCompletionRequest) -> str | None:
 # -- prompts -----------------------------------------------------------------------------------------------------
 def template_messages(req: ChatCompletionRequest, tokenizer: ChatTokenizer) -> list[dict[str, Any]]:
     """The request's messages as the model's chat template takes them (see the module's docstring)."""
-    native = "tool_calls" in tokenizer.chat_template
+    native = "tool_calls" in tokenizer.template_for(has_tools=bool(req.tools))
     messages: list[dict[str, Any]] = []
     for m in req.messages:
         message: dict[str, Any] = {"role": m.role, "content": m.text()}

@@ -14,7 +14,9 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [BOS_EOS_TOKEN, PAD_TOKEN, IM_START, IM_END]
 
-# ChatML, the template most small open models use. Ends the assistant turn with <|im_end|>.
+# ChatML, the zoo models' own chat template: written into their tokenizer_config.json, so a chat with them is
+# rendered with the model's template (a checkpoint without one refuses chat: ``shared.chat_tokenizer``). Ends the
+# assistant turn with <|im_end|>.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
