@@ -33,7 +33,11 @@ probe              optional: {{"input": "pixels" or "mean_logits", "values": [..
 \b
 Every signal, and a learned router over all of them (plus prompt_tokens), is tried, and the hidden-state probe
 (hidden_probe) when every row has a probe; the one that answers
-the most items locally within the bound wins. At least {MIN_ITEMS} items of the model are needed."""
+the most items locally within the bound wins. At least {MIN_ITEMS} items of the model are needed.
+\b
+A team's own prompts (with reference answers, or graded by the cloud model's answers) are turned into such items
+where both models run: `tierline policies calibrate --model EDGE --data PROMPTS.jsonl --cloud-model CLOUD`
+(`tierline policies calibrate --help`), which ships the policy to devices at sync."""
 
 
 def _merge(existing: EdgePolicy | None, calibrated: EdgePolicy) -> EdgePolicy:
@@ -70,8 +74,9 @@ def _merge(existing: EdgePolicy | None, calibrated: EdgePolicy) -> EdgePolicy:
     "--model-dir",
     type=click.Path(path_type=Path, exists=True, file_okay=False),
     default=None,
-    help="the LM's checkpoint (model.safetensors with a tied embedding E, e.g. the zoo's artifacts/lm-edge): the "
-    "hidden-state probe on mean_logits is fitted on the hidden state pinv(E) @ logits, as bench cascade fits it",
+    help="the LM's checkpoint (*.safetensors with its output embedding E: lm_head, else the tied embedding; e.g. the "
+    "zoo's artifacts/lm-edge): the hidden-state probe on mean_logits is fitted on the hidden state pinv(E) @ logits, "
+    "as bench cascade fits it",
 )
 @click.option(
     "--out-dir",

@@ -97,6 +97,11 @@ def _parse_row(line: str, where: str) -> dict[str, Any]:
         raise ConfigurationError(f"{where}: not JSON ({exc.msg})") from exc
     if not isinstance(row, dict):
         raise ConfigurationError(f"{where}: expected a JSON object")
+    if "signals" not in row and ("prompt" in row or "messages" in row):
+        raise ConfigurationError(
+            f"{where}: a prompt, not a validation item; prompts are run on both tiers where they are: "
+            "tierline policies calibrate --model EDGE --data FILE --cloud-model CLOUD"
+        )
     if not isinstance(row.get("model"), str):
         raise ConfigurationError(f"{where}: 'model' must be a string")
     signals = row.get("signals")
@@ -202,22 +207,31 @@ def curve_points(
     return points
 
 
-def tied_embedding_projection(model_dir: Path) -> np.ndarray:
-    """``pinv(E)`` (``[d, V]``) of the tied embedding in ``model_dir/model.safetensors`` (a zoo LM checkpoint,
-    such as ``artifacts/lm-edge``): what takes an LM's mean logits back to its final normalised hidden state."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
+# The output embedding (logits = W h) under the names the supported layouts give it: an untied head first, then the
+# tied input embedding of Llama/Qwen/Mistral/Gemma/Phi-3 and of GPT-2.
+UNEMBEDDING_KEYS = ("lm_head.weight", "model.embed_tokens.weight", "transformer.wte.weight")
 
+
+def tied_embedding_projection(model_dir: Path) -> np.ndarray:
+    """``pinv(W)`` (``[d, V]``) of the output embedding ``W`` in ``model_dir``'s safetensors (a zoo LM such as
+    ``artifacts/lm-edge``, or any Hugging Face checkpoint: its ``lm_head``, else its tied embedding): what takes an
+    LM's mean logits back to its final normalised hidden state."""
+    from safetensors import SafetensorError, safe_open
+
+    paths = sorted(model_dir.glob("*.safetensors"))
+    if not paths:
+        raise ConfigurationError(f"--model-dir: no *.safetensors in {model_dir}")
     from shared.escalation import hidden_from_logits
 
-    path = model_dir / "model.safetensors"
     try:
-        weights = load_file(str(path))
-    except (OSError, SafetensorError) as exc:
-        raise ConfigurationError(f"--model-dir: cannot read {path}: {exc}") from exc
-    if "model.embed_tokens.weight" not in weights:
-        raise ConfigurationError(f"--model-dir: {path} has no tied embedding (model.embed_tokens.weight)")
-    return hidden_from_logits(weights["model.embed_tokens.weight"].astype(np.float64))
+        for key in UNEMBEDDING_KEYS:
+            for path in paths:
+                with safe_open(str(path), framework="numpy") as f:
+                    if key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                        return hidden_from_logits(f.get_tensor(key).astype(np.float64))
+    except (OSError, SafetensorError, TypeError, ValueError) as exc:  # bfloat16 has no numpy type: save it as float32
+        raise ConfigurationError(f"--model-dir: cannot read {model_dir}: {exc}") from exc
+    raise ConfigurationError(f"--model-dir: {model_dir} has no output embedding ({', '.join(UNEMBEDDING_KEYS)})")
 
 
 def fit_validation_probe(

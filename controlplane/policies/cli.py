@@ -32,7 +32,11 @@ def policies() -> None:
 
 
 @policies.command("calibrate")
-@click.option("--model", required=True, help="the edge model, e.g. tierline/digits-small (or digits-small)")
+@click.option(
+    "--model",
+    required=True,
+    help="the edge model, e.g. tierline/digits-small (or digits-small), or a registry model such as acme-edge",
+)
 @click.option(
     "--max-quality-loss",
     type=click.FloatRange(0.0, 1.0),
@@ -45,13 +49,43 @@ def policies() -> None:
     "data_file",
     type=click.Path(path_type=Path, exists=True, dir_okay=False),
     default=None,
-    help="validation items (JSON Lines, `tierline edge calibrate --help`); kept as the model's set. "
+    help="validation items or prompts (JSON Lines, below); the items are kept as the model's set. "
     "Default: the set given before",
 )
 @click.option("--target", "target", multiple=True, help=TARGET_HELP)
-def calibrate_command(model: str, max_quality_loss: float, data_file: Path | None, target: tuple[str, ...]) -> None:
-    """Calibrate MODEL's policy in the control plane on its validation set; store it as a new signed version."""
+@click.option(
+    "--cloud-model",
+    default=None,
+    help="with a prompts file: the registry cloud model the edge is graded against [default: MODEL's pairing, "
+    "tierline models pair]",
+)
+@click.option(
+    "--max-new-tokens",
+    type=click.IntRange(1, 512),
+    default=32,
+    show_default=True,
+    help="with a prompts file: the longest answer either tier gives",
+)
+def calibrate_command(
+    model: str,
+    max_quality_loss: float,
+    data_file: Path | None,
+    target: tuple[str, ...],
+    cloud_model: str | None,
+    max_new_tokens: int,
+) -> None:
+    """Calibrate MODEL's policy in the control plane on its validation set; store it as a new signed version.
+
+    \b
+    --data is either validation items (`tierline edge calibrate --help`) or a team's own prompts, JSON Lines:
+      {"prompt": "The capital of France is", "reference": "Paris"}
+      {"messages": [{"role": "user", "content": "2 + 2 = ?"}], "reference": "4"}
+      {"prompt": "def add(a, b):"}
+    With prompts, MODEL and its cloud model (--cloud-model, else the pairing) are registry models: both answer
+    every prompt greedily here (up to --max-new-tokens), an answer is right when it gives the reference (without
+    one: the cloud's answer), and the rows become MODEL's validation set. At least 10 prompts."""
     from controlplane.policies import service
+    from controlplane.policies.prompt_validation import is_prompts_file
     from controlplane.registry.artifacts import platform_signing_key
     from controlplane.storage.audit import cli_actor
     from controlplane.storage.session import session_scope
@@ -59,15 +93,31 @@ def calibrate_command(model: str, max_quality_loss: float, data_file: Path | Non
 
     try:
         with session_scope() as session:
-            row = service.calibrate(
-                session,
-                model,
-                max_quality_loss=max_quality_loss,
-                data=data_file,
-                target=list(target) if target else None,
-                actor=cli_actor(),
-                key=platform_signing_key(),
-            )
+            terms = list(target) if target else None
+            if data_file is not None and is_prompts_file(data_file):
+                row = service.calibrate_from_prompts(
+                    session,
+                    model,
+                    prompts=data_file,
+                    cloud_model=cloud_model,
+                    max_new_tokens=max_new_tokens,
+                    max_quality_loss=max_quality_loss,
+                    target=terms,
+                    actor=cli_actor(),
+                    key=platform_signing_key(),
+                )
+            else:
+                if cloud_model is not None:
+                    raise click.UsageError("--cloud-model goes with a prompts file (--data); the rows name no prompts")
+                row = service.calibrate(
+                    session,
+                    model,
+                    max_quality_loss=max_quality_loss,
+                    data=data_file,
+                    target=terms,
+                    actor=cli_actor(),
+                    key=platform_signing_key(),
+                )
             _echo(row)
     except ConfigurationError as exc:
         raise click.ClickException(exc.message) from exc

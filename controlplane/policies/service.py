@@ -9,6 +9,8 @@ verifies the signature before using it.
 Two ways to make a version:
 - ``calibrate``: run the calibration (``shared.calibration``) on the model's validation set, kept by the
   control plane under ``$TIERLINE_DATA_DIR/validation/`` (a set given with ``--data`` is stored there first);
+  ``calibrate_from_prompts`` makes that set first, for any edge/cloud pair of registry models, from a team's own
+  prompts (``controlplane.policies.prompt_validation``);
 - ``move_operating_point``: a new max quality loss read off the latest version's stored curve, no recalibration.
 """
 
@@ -26,6 +28,12 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlmodel import Session, col, select
 
+from controlplane.policies.prompt_validation import (
+    DEFAULT_MAX_NEW_TOKENS,
+    pair_rows,
+    read_prompts,
+    write_rows,
+)
 from controlplane.rollouts.plans import edge_version, load_policy_plans, plans_for
 from controlplane.storage.audit import audit
 from controlplane.storage.tables import Device, EscalationPolicy
@@ -40,6 +48,7 @@ from shared.targeting import check_target, describe, matches
 FINAL = ("promoted", "rolled_back", "aborted")  # a finished rollout (controlplane.rollouts.service.FINAL)
 VALIDATION_DIR = "validation"
 QUALITY_EPS = 1e-12
+MAX_NEW_TOKENS_LIMIT = 512
 
 
 def validation_path(model: str, data_dir: Path | None = None) -> Path:
@@ -212,6 +221,37 @@ def calibrate(
         key=key,
         action="escalation_policy.calibrate",
     )
+
+
+def calibrate_from_prompts(
+    session: Session,
+    model: str,
+    *,
+    prompts: Path,
+    max_quality_loss: float,
+    actor: str,
+    key: Ed25519PrivateKey,
+    cloud_model: str | None = None,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    target: Iterable[Any] | None = None,
+) -> EscalationPolicy:
+    """Calibrate registry edge model ``model`` on a team's own prompts: both tiers (``cloud_model``, else the
+    model's pairing) answer them here, their answers graded against each prompt's reference (or the cloud's
+    answer), and the rows become the model's validation set; then as ``calibrate``."""
+    from shared.calibration import MIN_ITEMS
+
+    loss = check_loss(max_quality_loss)
+    if not 1 <= max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
+        raise ValidationError(f"max_new_tokens: from 1 to {MAX_NEW_TOKENS_LIMIT}", param="max_new_tokens")
+    items = read_prompts(prompts)
+    if len(items) < MIN_ITEMS:
+        raise ValidationError(f"{prompts}: only {len(items)} prompts; calibration needs {MIN_ITEMS}", param="data")
+    rows = pair_rows(session, model, cloud_model, items, max_new_tokens)
+    staged = write_rows(rows, validation_path(model).with_suffix(".rows.tmp"))
+    try:
+        return calibrate(session, model, max_quality_loss=loss, actor=actor, key=key, data=staged, target=target)
+    finally:
+        staged.unlink(missing_ok=True)
 
 
 def operating_point(calibration: dict[str, Any], max_quality_loss: float) -> tuple[float, float, float]:
