@@ -73,6 +73,13 @@ def bench_monitor(preset: str, zoo_dir: Path | None, trials: int, horizon: int) 
     show_default=True,
     help="the peer: transformers, or llama.cpp on the zoo's GGUF exports (needs tierline[peers]: make peers)",
 )
+@click.option(
+    "--shape",
+    type=click.Choice(["qwen2.5-0.5b", "smollm2-360m", "test-qwen2"]),
+    default=None,
+    help="with --vs llamacpp: a random-initialised checkpoint in this published configuration instead of the zoo's "
+    "lm-cloud (cached under $TIERLINE_DATA_DIR/bench-shapes), 16 concurrent and batch 1, peak RSS of each",
+)
 def bench_engine(
     preset: str,
     zoo_dir: Path | None,
@@ -82,14 +89,23 @@ def bench_engine(
     skip_hf: bool,
     rounds: int,
     vs: str,
+    shape: str | None,
 ) -> None:
     """Continuous batching on mixed requests beside transformers (sequential and static batches) or llama.cpp."""
+    if shape is not None and vs != "llamacpp":
+        raise click.UsageError("--shape runs beside llama.cpp: add --vs llamacpp")
     if vs == "llamacpp":
         from bench.engine_bench import bench_engine_vs_llamacpp
         from bench.llamacpp import missing_reason
 
         if (reason := missing_reason()) is not None:
             raise click.UsageError(f"--vs llamacpp: {reason}")
+        if shape is not None:
+            from bench.shape_bench import bench_shape
+            from shared.settings import CoreSettings
+
+            emit(bench_shape(shape, CoreSettings().data_dir / "bench-shapes", rounds=rounds), as_json)
+            return
         root = zoo_root(preset, zoo_dir)
         emit(bench_engine_vs_llamacpp(root, num_requests, max_num_seqs, rounds=rounds), as_json)
         return
