@@ -9,11 +9,15 @@ A batched group is padded to its longest context, so sequences of very different
 groups of similar lengths (``split_by_context``) when the padding saved outweighs a group's fixed cost. On CPU in
 fp32 a batched group is instead computed by ``cpu_kernels``' kernel, which reads each sequence's blocks in place:
 no gather, no padding (and so no split).
+
+A layer may attend only the last ``window`` positions (sliding-window attention; 0: the whole context) and
+soft-cap its attention logits (``cap * tanh(s / cap)``, Gemma 2; 0: off). SDPA has no soft-capping, so a capped
+layer's scores are computed explicitly, as transformers' eager attention does.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
@@ -30,6 +34,19 @@ class AttentionGroup:
     mask: torch.Tensor | None  # [B, 1, Q, L] bool: True = attend (None when is_fresh or for the kernel)
     is_fresh: bool
     context_lens: torch.Tensor | None = None  # [B] (for the kernel)
+    query_pos: torch.Tensor | None = None  # [B, Q] each query's position (for windowed masks)
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> mask, built once a step
+
+    def windowed_mask(self, window: int) -> torch.Tensor | None:
+        """``mask`` narrowed to each query's last ``window`` positions (itself included)."""
+        if window <= 0 or self.mask is None:
+            return self.mask
+        if window not in self.window_masks:
+            assert self.query_pos is not None
+            key_pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            recent = key_pos[None, None, :] > self.query_pos[:, :, None] - window  # [B, Q, L]
+            self.window_masks[window] = self.mask & recent[:, None]
+        return self.window_masks[window]
 
     @property
     def end(self) -> int:
@@ -67,7 +84,9 @@ def build_group(
     key_pos = torch.arange(max_blocks * block_size)  # [L]
     query_pos = ctx[:, None] - q_len + torch.arange(q_len)[None, :]  # [B, Q]
     mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, Q, L]
-    return AttentionGroup(start, len(context_lens), q_len, tables.to(device), mask[:, None].to(device), False)
+    return AttentionGroup(
+        start, len(context_lens), q_len, tables.to(device), mask[:, None].to(device), False, None, query_pos.to(device)
+    )
 
 
 def split_by_context(num_blocks: list[int], group_cost_blocks: float, max_points: int = 48) -> list[list[int]]:
@@ -112,8 +131,11 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D]. Returns [T, H, D]."""
+    """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D]. Returns [T, H, D]. ``window``:
+    each query attends its last ``window`` positions only (0: all); ``softcap``: attention logits soft-capped."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     flat_k = k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
     flat_v = v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
@@ -121,7 +143,9 @@ def paged_attention(
     flat_v.index_copy_(0, meta.slot_mapping, v)
     num_heads = q.shape[1]
     if len(meta.groups) == 1 and meta.groups[0].end == q.shape[0]:
-        return _group_attention(q, k, v, k_cache, v_cache, meta.groups[0], scale, num_heads, meta.kernel)
+        return _group_attention(
+            q, k, v, k_cache, v_cache, meta.groups[0], scale, num_heads, meta.kernel, window, softcap
+        )
     out = torch.empty_like(q)
     for g in meta.groups:
         out[g.start : g.end] = _group_attention(
@@ -134,6 +158,8 @@ def paged_attention(
             scale,
             num_heads,
             meta.kernel,
+            window,
+            softcap,
         )
     return out
 
@@ -148,8 +174,17 @@ def _group_attention(
     scale: float,
     num_heads: int,
     kernel: PagedAttention | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     head_dim = q.shape[-1]
+    if g.is_fresh and ((window and window < g.q_len) or softcap):
+        positions = torch.arange(g.q_len, device=q.device)
+        mask = positions[None, :] <= positions[:, None]  # [Q, L]
+        if window:
+            mask &= positions[None, :] > positions[:, None] - window
+        o = _attend(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, scale, softcap)
+        return o[0].transpose(0, 1)
     if g.is_fresh:
         # One sequence, whole context new: [1, H, Q, D] against its own K/V.
         o = F.scaled_dot_product_attention(
@@ -163,7 +198,7 @@ def _group_attention(
         return o[0].transpose(0, 1)
     assert g.block_tables is not None
     if g.context_lens is not None and kernel is not None:
-        return kernel(q, k_cache, v_cache, g.block_tables, g.context_lens, g.q_len, scale)
+        return kernel(q, k_cache, v_cache, g.block_tables, g.context_lens, g.q_len, scale, window, softcap)
     b, nb = g.block_tables.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     # index_select on the flat table is ~2x faster on CPU than advanced indexing with the 2-D table.
@@ -173,5 +208,21 @@ def _group_attention(
     )  # [B, KVH, L, D]
     values = v_cache.index_select(0, flat).view(b, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
     queries = q.view(b, g.q_len, num_heads, head_dim).transpose(1, 2)  # [B, H, Q, D]
-    o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask, scale=scale, enable_gqa=True)
+    o = _attend(queries, keys, values, g.windowed_mask(window), scale, softcap)
     return o.transpose(1, 2).reshape(b * g.q_len, num_heads, head_dim)
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float
+) -> torch.Tensor:
+    """q: [B, H, Q, D]; k, v: [B, KVH, L, D]; mask broadcastable to [B, H, Q, L], True = attend. SDPA, or with
+    ``softcap`` the scores written out: scaled, capped, masked, softmax in fp32 (transformers' eager order)."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v

@@ -21,9 +21,8 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
@@ -51,11 +50,13 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
 
 /* q, out: [num_seqs * q_len, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
    block_tables: [num_seqs, max_blocks]; context_lens: [num_seqs], each sequence's context with its q_len new
-   tokens last. Query i of a sequence attends keys 0 .. context - q_len + i. Returns 0, or -1 when out of memory. */
+   tokens last. Query i of a sequence attends keys 0 .. context - q_len + i, only its last `window` of them when
+   window > 0; scores are soft-capped to softcap * tanh(s / softcap) when softcap > 0. Returns 0, or -1 when out of
+   memory. */
 int tl_paged_attention(const float *q, const float *k_cache, const float *v_cache, float *out,
                        const int64_t *block_tables, const int64_t *context_lens, int64_t num_seqs, int64_t q_len,
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                       int64_t max_blocks, float scale, int num_threads) {
+                       int64_t max_blocks, float scale, int num_threads, int64_t window, float softcap) {
     const int64_t group = num_heads / num_kv_heads, rows = q_len * group;
     const int64_t token_stride = num_kv_heads * head_dim;
     int failed = 0;
@@ -71,33 +72,39 @@ int tl_paged_attention(const float *q, const float *k_cache, const float *v_cach
         }
         const float *qrow[rows];
         float *orow[rows];
-        int64_t last[rows];
+        int64_t first[rows], last[rows], start = ctx;
         for (int64_t r = 0; r < rows; ++r) {
             const int64_t i = r / group, h = kvh * group + r % group, at = ((b * q_len + i) * num_heads + h) * head_dim;
             qrow[r] = q + at;
             orow[r] = out + at;
             last[r] = ctx - q_len + i;
+            first[r] = window > 0 && last[r] - window + 1 > 0 ? last[r] - window + 1 : 0;
+            start = first[r] < start ? first[r] : start;
         }
-        for (int64_t t = 0; t < ctx; ++t) {
+        for (int64_t t = start; t < ctx; ++t) {
             const float *k = k_cache + token_at(table, t, block_size) * token_stride + kvh * head_dim;
-            for (int64_t r = 0; r < rows; ++r) p[r * ctx + t] = t <= last[r] ? dot(qrow[r], k, head_dim) * scale : 0.f;
+            for (int64_t r = 0; r < rows; ++r) {
+                float s = t <= last[r] && t >= first[r] ? dot(qrow[r], k, head_dim) * scale : 0.f;
+                if (softcap > 0.f) s = softcap * tanhf(s / softcap);
+                p[r * ctx + t] = s;
+            }
         }
         for (int64_t r = 0; r < rows; ++r) {
             float *pr = p + r * ctx, m = -INFINITY, sum = 0.f;
             const int64_t n = last[r] + 1;
-            for (int64_t t = 0; t < n; ++t) m = pr[t] > m ? pr[t] : m;
-            for (int64_t t = 0; t < n; ++t) {
+            for (int64_t t = first[r]; t < n; ++t) m = pr[t] > m ? pr[t] : m;
+            for (int64_t t = first[r]; t < n; ++t) {
                 pr[t] = expf(pr[t] - m);
                 sum += pr[t];
             }
             const float inv = 1.f / sum;
-            for (int64_t t = 0; t < n; ++t) pr[t] *= inv;
+            for (int64_t t = first[r]; t < n; ++t) pr[t] *= inv;
             memset(orow[r], 0, sizeof(float) * (size_t)head_dim);
         }
-        for (int64_t t = 0; t < ctx; ++t) {
+        for (int64_t t = start; t < ctx; ++t) {
             const float *v = v_cache + token_at(table, t, block_size) * token_stride + kvh * head_dim;
             for (int64_t r = 0; r < rows; ++r) {
-                if (t > last[r]) continue;
+                if (t > last[r] || t < first[r]) continue;
                 const float w = p[r * ctx + t];
                 float *o = orow[r];
 #pragma omp simd
@@ -269,10 +276,23 @@ int tl_decode_step(const int64_t *dims, const float *const *weights, float *kv, 
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
-# (q, k_cache, v_cache, block_tables, context_lens, q_len, scale) -> attention output
-PagedAttention = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor
-]
+
+class PagedAttention(Protocol):
+    """The compiled kernel bound by ``_wrap``: see its ``paged_attention``."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        q_len: int,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
+    ) -> torch.Tensor: ...
+
 
 _lock = threading.Lock()
 _loaded: dict[str, PagedAttention | None] = {}
@@ -369,6 +389,7 @@ def decode_step_function() -> ctypes._NamedFuncPointer | None:
 def _wrap(fn: ctypes._NamedFuncPointer) -> PagedAttention:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int]
+    fn.argtypes += [ctypes.c_int64, ctypes.c_float]
 
     def paged_attention(
         q: torch.Tensor,
@@ -378,9 +399,12 @@ def _wrap(fn: ctypes._NamedFuncPointer) -> PagedAttention:
         context_lens: torch.Tensor,
         q_len: int,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """q: [B * q_len, H, D] float32; caches [num_blocks, block_size, KVH, D]; block_tables [B, max_blocks] and
-        context_lens [B] int64, every context at least ``q_len``. Returns [B * q_len, H, D]."""
+        context_lens [B] int64, every context at least ``q_len``; ``window`` (0: none): each query attends its last
+        ``window`` positions; ``softcap`` (0: none) caps the scores. Returns [B * q_len, H, D]."""
         q = q.contiguous()  # (the model hands a slice of q and k rotated together)
         num_rows, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
@@ -404,6 +428,8 @@ def _wrap(fn: ctypes._NamedFuncPointer) -> PagedAttention:
             max_blocks,
             scale,
             torch.get_num_threads(),
+            window,
+            softcap,
         )
         if rc != 0:
             raise MemoryError("paged attention: out of memory for the attention scores")
@@ -417,8 +443,10 @@ class FusedDecoder:
     whole forward (embedding, every layer with its cache write and attention, the final norm and the LM head)
     without a torch op. At batch 1 the torch forward is ~30 ops a layer, each a few microseconds of dispatch
     around less work than that; this is the same arithmetic with none of it (the sums ordered differently, so
-    logits agree to float rounding, not bitwise). For the CPU in fp32, with the CPU layout (``TransposedLinear``)
-    and RoPE from the model's tables (not ``dynamic``); ``supports`` says whether a model qualifies."""
+    logits agree to float rounding, not bitwise). For the CPU in fp32, with the CPU layout (``TransposedLinear``),
+    for models that are exactly the Llama computation (``CausalLM.is_llama_layout``: no soft-caps, sliding windows
+    that matter, q/k norms, GELU, learned positions or partial rotary), with RoPE from the model's tables (not
+    ``dynamic``); ``supports`` says whether a model qualifies."""
 
     DIMS = 12  # the D_ fields of DECODE_SOURCE
     MAX_BLOCKS = 9
@@ -429,13 +457,14 @@ class FusedDecoder:
         self.vocab_size = cfg.vocab_size
         self.kv_cache = kv_cache
         self.num_blocks = kv_cache.shape[2]  # [layers, 2 (k, v), blocks, block size, kv heads, head dim]
+        assert model.rotary is not None
         self.max_positions = model.rotary.cos_table.shape[0]
         self.eps = cfg.rms_norm_eps
         self.scale = cfg.head_dim**-0.5
         embed = model.embed_tokens.weight
         tensors: list[torch.Tensor | None] = [
             embed,
-            model.norm.weight,
+            _norm_weight(model.norm),
             _weight_t(model.lm_head),
             model.rotary.cos_table,
             model.rotary.sin_table,
@@ -444,11 +473,11 @@ class FusedDecoder:
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             tensors += [
-                layer.input_layernorm.weight,
+                _norm_weight(layer.input_layernorm),
                 _weight_t(attn.qkv_proj),
                 _bias(attn.qkv_proj),
                 _weight_t(attn.o_proj),
-                layer.post_attention_layernorm.weight,
+                _norm_weight(layer.post_attention_layernorm),
                 _weight_t(mlp.gate_up_proj),
                 _bias(mlp.gate_up_proj),
                 _weight_t(mlp.down_proj),
@@ -483,6 +512,8 @@ class FusedDecoder:
         return (
             kv_cache.device.type == "cpu"
             and kv_cache.dtype == torch.float32
+            and model.is_llama_layout
+            and model.rotary is not None
             and cfg.rope_type != "dynamic"
             and cfg.head_dim % 2 == 0
             and cfg.num_heads % cfg.num_kv_heads == 0
@@ -533,6 +564,13 @@ def _weight_t(module: torch.nn.Module) -> torch.Tensor:
     weight = getattr(module, "weight_t", None)
     if not isinstance(weight, torch.Tensor):
         raise ValueError(f"FusedDecoder needs the CPU layout (TransposedLinear), got {type(module).__name__}")
+    return weight
+
+
+def _norm_weight(module: torch.nn.Module) -> torch.Tensor:
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        raise ValueError(f"FusedDecoder needs an RMSNorm weight, got {type(module).__name__}")
     return weight
 
 

@@ -1,118 +1,35 @@
-"""A Llama-family decoder (Llama, Qwen2, Mistral) over a paged KV cache.
+"""A decoder-only transformer over a paged KV cache: Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3 and GPT-2.
 
-Projections are fused (q/k/v into one matmul, gate/up into another) because on small batches the
-number of kernel launches, not FLOPs, bounds a step. Numerics follow transformers: RMSNorm in fp32,
-rotate-half RoPE computed in fp32.
+One decoder with options read from ``ModelConfig`` (q/k norms, sandwich norms, LayerNorm, learned positions,
+soft-capping, sliding windows, per-layer RoPE); with none of them it is exactly the Llama computation, which
+``is_llama_layout`` tells the fused C decode step. Projections are fused (q/k/v into one matmul, gate/up into
+another) because on small batches the number of kernel launches, not FLOPs, bounds a step.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F  # noqa: N812 (the torch convention)
 from torch import nn
 
 from cloud.engine.attention import AttentionMetadata, paged_attention
 from cloud.engine.model_config import ModelConfig
+from cloud.engine.model_layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    TransposedLinear,
+    activation,
+    apply_rotary,
+    make_norm,
+    rotary_factors,
+)
 
+__all__ = ["CausalLM", "RotaryEmbedding", "TransposedLinear", "apply_rotary", "rotary_factors"]
 
-class TransposedLinear(nn.Module):
-    """A linear layer whose weight is kept as [in, out], contiguous: ``x @ weight_t``.
-
-    On CPU, BLAS multiplies a few rows by a wide weight streamed from memory two to three times faster in this
-    layout than in nn.Linear's [out, in] (measured on AMD EPYC, twelve distinct weights: 256x1536 at one row 50 µs
-    vs 170 µs, the 256x4096 LM head 178 µs vs 518 µs; 768x256 at one row 29 µs vs 20 µs; at 16 to 256 rows
-    within 15 % either way), and decoding, a few rows per sequence, is exactly that: the whole forward of the
-    demo cloud LM at one to five tokens is 13-21 % faster.
-    """
-
-    def __init__(self, weight_t: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.weight_t = nn.Parameter(weight_t, requires_grad=False)
-        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear) -> TransposedLinear:
-        return cls(linear.weight.detach().t().contiguous(), linear.bias.detach() if linear.bias is not None else None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is None:
-            return x @ self.weight_t
-        return torch.addmm(self.bias, x, self.weight_t)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        if dtype == torch.float32:  # no conversions to dispatch (each costs a step about as much as a small op)
-            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin per position; ``dynamic`` NTK scaling recomputes the base from each sequence's length."""
-
-    inv_freq: torch.Tensor
-    cos_table: torch.Tensor
-    sin_table: torch.Tensor
-
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
-        super().__init__()
-        self.config = config
-        dim = config.head_dim
-        self.exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-        inv_freq = 1.0 / (config.rope_theta**self.exponents)
-        if config.rope_type == "linear":
-            inv_freq = inv_freq / config.rope_factor
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        positions = torch.arange(max(max_positions, 1), dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]
-        self.register_buffer("cos_table", freqs.cos(), persistent=False)
-        self.register_buffer("sin_table", freqs.sin(), persistent=False)
-
-    def forward(
-        self, positions: torch.Tensor, seq_lens: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions, seq_lens: [T]. Returns cos, sin: [T, D/2] in fp32."""
-        cfg = self.config
-        if cfg.rope_type == "dynamic" and seq_lens is not None and bool((seq_lens > cfg.max_position_embeddings).any()):
-            # transformers' dynamic NTK: base grows with the current length once past the trained context.
-            length = seq_lens.clamp(min=cfg.max_position_embeddings).float()
-            factor, dim = cfg.rope_factor, cfg.head_dim
-            base = cfg.rope_theta * ((factor * length / cfg.max_position_embeddings) - (factor - 1)) ** (
-                dim / (dim - 2)
-            )
-            inv_freq = 1.0 / (base[:, None] ** self.exponents.to(base.device)[None, :])
-            freqs = positions.float()[:, None] * inv_freq
-            return freqs.cos(), freqs.sin()
-        return self.cos_table[positions], self.sin_table[positions]
-
-
-def rotary_factors(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, D/2] → the factors ``apply_rotary`` takes, [T, 1, D]: (cos, cos) and (-sin, sin). Built once a
-    step rather than once a layer."""
-    return torch.cat((cos, cos), dim=-1)[:, None, :], torch.cat((-sin, sin), dim=-1)[:, None, :]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos, sin: from ``rotary_factors``. Rotate-half RoPE, (x1 c - x2 s, x2 c + x1 s), as
-    x * (c, c) + (x2, x1) * (-s, s): four ops instead of seven, and the same numbers (a - b is a + (-b) in IEEE)."""
-    dtype = x.dtype
-    if dtype != torch.float32:
-        x = x.float()
-    half = x.shape[-1] // 2
-    out = x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
-    return out if dtype == torch.float32 else out.to(dtype)
+Rotary = tuple[torch.Tensor, torch.Tensor] | None  # rotary_factors' (cos, sin), or None without RoPE
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -120,59 +37,84 @@ class Attention(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        self.scale = self.head_dim**-0.5
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.scale = config.layer_attention_scale(layer)
+        self.window = config.layer_windows[layer]
+        self.softcap = config.attn_logit_softcap or 0.0
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, offset=config.norm_offset)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, offset=config.norm_offset)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
+        self, x: torch.Tensor, rotary: Rotary, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        # q and k rotated as one [T, H + KVH, D] tensor: half the ops of rotating each (the same numbers).
-        qk = apply_rotary(
-            qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin
-        )
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        qk_end = self.q_size + self.kv_size
+        v = qkv[:, qk_end:].view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None and self.k_norm is None:
+            # q and k as one [T, H + KVH, D] tensor: half the ops of rotating each (the same numbers).
+            qk = qkv[:, :qk_end].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+            if rotary is not None:
+                qk = apply_rotary(qk, *rotary)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        else:
+            assert self.q_norm is not None and self.k_norm is not None
+            q = self.q_norm(qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size : qk_end].view(t, self.num_kv_heads, self.head_dim))
+            if rotary is not None:
+                q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window, self.softcap)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
+    """down(act(gate) * up), gate and up as one matmul; or, not gated (GPT-2), down(act(up))."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.act = activation(config.activation)
+        self.is_gated = config.is_gated_mlp
+        width = 2 * config.intermediate_size if self.is_gated else config.intermediate_size
+        if self.is_gated:
+            self.gate_up_proj = nn.Linear(config.hidden_size, width, bias=config.mlp_bias)
+        else:
+            self.up_proj = nn.Linear(config.hidden_size, width, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.is_gated:
+            return self.down_proj(self.act(self.up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = make_norm(config, config.hidden_size)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)
         self.mlp = MLP(config)
+        self.is_sandwich = config.sandwich_norms
+        if self.is_sandwich:  # Gemma: post_attention_layernorm normalises the attention output instead
+            self.pre_feedforward_layernorm = make_norm(config, config.hidden_size)
+            self.post_feedforward_layernorm = make_norm(config, config.hidden_size)
+        is_sliding = bool(config.layer_types) and config.layer_types[layer] == "sliding_attention"
+        self.is_local = is_sliding and config.rope_local_theta is not None
 
     def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
+        self, x: torch.Tensor, rotary: Rotary, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), rotary, kv_cache, meta)
+        if not self.is_sandwich:
+            x = x + h
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(h)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class CausalLM(nn.Module):
@@ -182,12 +124,59 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embed_positions: nn.Embedding | None = None
+        if config.position_embedding == "learned":
+            self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = make_norm(config, config.hidden_size)
         self.lm_head: nn.Module = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = RotaryEmbedding(config, max_positions)
+        self.max_positions = max_positions
+        self.rotary: RotaryEmbedding | None = None
+        self.rotary_local: RotaryEmbedding | None = None
+        self.build_rotary()
+
+    def build_rotary(self) -> None:
+        """(Re)compute the RoPE tables (buffers computed, not loaded) on the embedding's device."""
+        cfg, device = self.config, self.embed_tokens.weight.device
+        if cfg.position_embedding != "rope":
+            return
+        if device.type == "meta":  # (built for real once the loader has materialised the model)
+            return
+        self.rotary = RotaryEmbedding(cfg, self.max_positions).to(device)
+        if cfg.rope_local_theta is not None:
+            self.rotary_local = RotaryEmbedding(cfg, self.max_positions, local=True).to(device)
+
+    @property
+    def needs_seq_lens(self) -> bool:
+        """Whether ``forward`` needs each token's sequence length (RoPE that depends on it)."""
+        return self.rotary is not None and self.rotary.needs_seq_lens
+
+    @property
+    def is_llama_layout(self) -> bool:
+        """Exactly the Llama computation (what the fused C decode step does): none of the other families'
+        options, and no sliding window that can matter within ``max_positions``."""
+        cfg = self.config
+        return (
+            cfg.position_embedding == "rope"
+            and cfg.norm == "rms"
+            and not cfg.norm_offset
+            and cfg.activation == "silu"
+            and cfg.is_gated_mlp
+            and not cfg.qk_norm
+            and not cfg.sandwich_norms
+            and cfg.embedding_scale is None
+            and cfg.attention_scale is None
+            and not cfg.scale_attn_by_inverse_layer_idx
+            and cfg.attn_logit_softcap is None
+            and cfg.final_logit_softcap is None
+            and cfg.rope_type in ("default", "linear", "llama3", "yarn")  # (the same tables at every length)
+            and cfg.rotary_dim == cfg.head_dim
+            and cfg.rope_local_theta is None
+            and not cfg.o_proj_bias
+            and all(w == 0 or w >= self.max_positions for w in cfg.layer_windows)
+        )
 
     def forward(
         self,
@@ -198,14 +187,23 @@ class CausalLM(nn.Module):
         seq_lens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: [T] → hidden states [T, hidden]."""
-        cos, sin = rotary_factors(*self.rotary(positions, seq_lens))
+        rotary: Rotary = rotary_factors(*self.rotary(positions, seq_lens)) if self.rotary is not None else None
+        local: Rotary = rotary_factors(*self.rotary_local(positions)) if self.rotary_local is not None else None
         x = self.embed_tokens(input_ids)
+        if self.config.embedding_scale is not None:  # (rounded to the model dtype first, as transformers does)
+            x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype, device=x.device)
+        if self.embed_positions is not None:
+            x = x + self.embed_positions(positions)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv, meta)
+            x = layer(x, local if layer.is_local else rotary, kv, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def transpose_linear_weights(self) -> None:
         """Keep every projection's weight as [in, out] (see ``TransposedLinear``: faster on CPU). A tied

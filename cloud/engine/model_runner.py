@@ -82,7 +82,8 @@ class ModelRunner:
         self.max_threads = torch.get_num_threads()
         self.adapt_threads = device.type == "cpu"
         h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.macs_per_token = cfg.num_layers * (h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size)
+        mlp_matrices = 3 if cfg.is_gated_mlp else 2
+        self.macs_per_token = cfg.num_layers * (h * (q + 2 * kv) + q * h + mlp_matrices * h * cfg.intermediate_size)
         self.macs_per_token += h * cfg.vocab_size
         self.attention_macs_per_pair = cfg.num_layers * 2 * q  # per (query token, context token) pair
 
@@ -181,9 +182,7 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.long, device=self.device),
             self.kv_caches,
             meta,
-            torch.tensor(seq_lens, dtype=torch.long, device=self.device)
-            if self.config.rope_type == "dynamic"
-            else None,
+            torch.tensor(seq_lens, dtype=torch.long, device=self.device) if self.model.needs_seq_lens else None,
         )
         rows: list[int] = []
         for i, f in enumerate(feeds):
