@@ -71,6 +71,19 @@ def _check_files(files: Sequence[FileEntry]) -> None:
         raise ValidationError("two files of the artifact have the same path", param="file")
 
 
+EDGE_LM_FORMATS = ("onnx", "onnx-int8", "tflite", "gguf")
+
+
+def release_name(model: Model, target: str, format: str) -> str:
+    """The name an artifact is signed (and published to devices) under: the model's, and for an LM's edge formats
+    the model's with the format after it (``acme-edge-onnx-int8``), so a device can hold every format of one
+    version side by side and its runtime guard serves the best under the model's name (``acme-edge``)."""
+    if target != "edge" or model.kind != "causal-lm" or format not in EDGE_LM_FORMATS:
+        return model.name
+    suffix = f"-{format}"
+    return model.name if model.name.endswith(suffix) else model.name + suffix
+
+
 def _signed_manifest(
     store: ArtifactStore,
     model: Model,
@@ -87,7 +100,7 @@ def _signed_manifest(
     check_target_format(target, format)
     _check_files(files)
     manifest = Manifest(
-        name=model.name,
+        name=release_name(model, target, format),
         version=str(version.number),
         kind=model.kind,
         format=format,
@@ -478,10 +491,11 @@ def default_resend(session: Session, store: ArtifactStore, edge: Model, cloud_mo
 def export_artifact(
     session: Session, store: ArtifactStore, name: str, ref: str, format: str, out: Path
 ) -> tuple[Path, Path]:
-    """Write a ready artifact of version ``ref`` (a number or an alias) laid out like a built zoo:
-    ``out/artifacts/<name>/`` (its files, hashes checked) and ``out/manifests/<name>.json`` (its signed
-    manifest), so ``tierline cloud publish out/artifacts/<name>`` offers it to devices as ``<name>`` version
-    ``<number>``. A rejected or failed artifact is refused."""
+    """Write a ready artifact of version ``ref`` (a number or an alias) laid out like a built zoo, under the name
+    it is signed with (``release_name``: ``<name>-<format>`` for an LM's edge formats): ``out/artifacts/<release>/``
+    (its files, hashes checked) and ``out/manifests/<release>.json`` (its signed manifest), so ``tierline cloud
+    publish out/artifacts/<release>`` offers it to devices as ``<release>`` version ``<number>``. A rejected or
+    failed artifact is refused."""
     version = resolve(session, name, ref)
     found = [a for a in artifacts_of(session, [version.id or 0])[version.id or 0] if a.format == format]
     if not found:
@@ -493,10 +507,11 @@ def export_artifact(
             "is exported",
             param="format",
         )
-    files_dir, manifest_path = out / "artifacts" / name, out / "manifests" / f"{name}.json"
+    manifest = Manifest.from_json(json.dumps(artifact.manifest))
+    files_dir, manifest_path = out / "artifacts" / manifest.name, out / "manifests" / f"{manifest.name}.json"
     if files_dir.exists() or manifest_path.exists():
         raise ConflictError(f"{files_dir} or {manifest_path} exists; export somewhere new", param="out")
     materialize(store, artifact, files_dir)
     manifest_path.parent.mkdir(parents=True, exist_ok=True)
-    manifest_path.write_text(Manifest.from_json(json.dumps(artifact.manifest)).to_json())
+    manifest_path.write_text(manifest.to_json())
     return files_dir, manifest_path

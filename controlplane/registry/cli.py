@@ -264,9 +264,10 @@ def models_tag(name: str, version: int, add: tuple[str, ...], remove: tuple[str,
 def models_export(name: str, version: str, format: str, out: Path) -> None:
     """Write an artifact of VERSION (a number or an alias) of NAME to OUT, laid out like a built zoo.
 
-    OUT/artifacts/NAME/ holds its files (each checked against its hash) and OUT/manifests/NAME.json its signed
-    manifest, so `tierline cloud publish OUT/artifacts/NAME` offers it to devices as NAME version NUMBER.
-    A rejected or failed artifact is refused.
+    OUT/artifacts/RELEASE/ holds its files (each checked against its hash) and OUT/manifests/RELEASE.json its
+    signed manifest, so `tierline cloud publish OUT/artifacts/RELEASE` offers it to devices as RELEASE version
+    NUMBER. RELEASE is NAME, or NAME-FORMAT for an LM's edge formats (each format of a version is its own release;
+    a device serves the best of them as NAME). A rejected or failed artifact is refused.
     """
     from controlplane.registry import artifacts as registry_artifacts
     from controlplane.registry.store import store_from_settings
@@ -286,7 +287,8 @@ def models_export(name: str, version: str, format: str, out: Path) -> None:
     "--min-int8-agreement",
     type=click.FloatRange(0.0, 1.0),
     default=None,
-    help="reject INT8 below this next-token agreement with fp32 [default: TIERLINE_REGISTRY_MIN_INT8_AGREEMENT, 0.9]",
+    help="reject INT8 below this next-token agreement with the source checkpoint's greedy answers "
+    "[default: TIERLINE_REGISTRY_MIN_INT8_AGREEMENT, 0.9]",
 )
 @click.option(
     "--tflite/--no-tflite", default=None, help="also convert to TFLite [default: when litert-torch is installed]"

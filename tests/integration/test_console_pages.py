@@ -811,7 +811,7 @@ def test_derive_edge_artifacts_from_an_uploaded_checkpoint(
     # The polled section (htmx asks for the page and keeps #versions) now stops polling.
     page = admin.get(f"/models/{name}", headers={"HX-Request": "true"}).text
     assert 'hx-trigger="every' not in page and "derived from <strong>v1</strong>" in page
-    assert "agreement with fp32" in page
+    assert "agrees with its source checkpoint on" in page
 
     # Only a cloud checkpoint derives: the derived version refuses, inline.
     resp = admin.post(f"/models/{name}/versions/2/derive", data={"_csrf": token})
