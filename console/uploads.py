@@ -9,8 +9,11 @@ drops whatever was not committed.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio.to_thread
@@ -23,7 +26,7 @@ from controlplane.registry import service as registry
 from controlplane.registry.store import ArtifactStore, BlobWriter, PayloadTooLargeError
 from controlplane.storage.session import session_scope
 from shared.artifacts import FileEntry, Manifest
-from shared.errors import ValidationError
+from shared.errors import ConfigurationError, ValidationError
 
 MAX_FIELD_BYTES = 4096
 MAX_PARTS = 1000
@@ -198,8 +201,11 @@ def register_upload(
         if expected != digest:
             what = "the file" if len(entries) == 1 else "the artifact (its manifest digest)"
             raise ValidationError(f"sha256 of {what} is {digest}, not the expected {expected}", param="sha256")
+    converted = _converted_tokenizer(store, upload, format) if target == "cloud" else None
     for _, w in upload.files:
         w.commit()
+    if converted is not None:
+        entries.append(converted)
     key = registry_artifacts.platform_signing_key()
     with session_scope(engine) as session:
         model = registry.ensure_model(session, name, form.kind, description=form.description, actor=actor)
@@ -228,3 +234,23 @@ def register_upload(
             **body,
             "served_by": servability.summary() if servability is not None else None,
         }
+
+
+def _converted_tokenizer(store: ArtifactStore, upload: StagedUpload, format: str) -> FileEntry | None:
+    """A checkpoint uploaded with only a SentencePiece ``tokenizer.model`` gets the ``tokenizer.json`` transformers
+    converts it to (every tier reads that file), stored, as ``tierline models push`` adds it; None when there is
+    nothing to convert. A conversion that fails refuses the upload, naming the fix."""
+    from shared.zoo.tokenizer_convert import ensure_tokenizer_json
+
+    staged = {path: w.path for path, w in upload.files}
+    if format != "hf-safetensors" or "tokenizer.json" in staged or "tokenizer.model" not in staged:
+        return None
+    with tempfile.TemporaryDirectory(prefix="tierline-tokenizer-") as tmp:
+        for name in ("tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "config.json"):
+            if name in staged:  # under their own names: the converter reads them by name
+                shutil.copyfile(staged[name], Path(tmp) / name)
+        try:
+            blob = store.put_file(ensure_tokenizer_json(Path(tmp)))
+        except ConfigurationError as exc:
+            raise ValidationError(exc.message, param="tokenizer.model") from None
+    return FileEntry("tokenizer.json", blob.size, blob.sha256)

@@ -289,8 +289,9 @@ _FORMAT_ORDER = {f: i for i, f in enumerate((*EDGE_FORMATS, CHECKPOINT_FORMAT))}
 
 
 def find_artifact(session: Session, name: str, *, edge: bool) -> ModelArtifact:
-    """The artifact of registry model ``name``'s ``stable`` version (else its newest with one) that a tier runs:
-    for the edge an edge LM artifact where there is one, else the checkpoint; for the cloud the checkpoint."""
+    """The artifact of registry model ``name`` that a tier runs, from its ``stable`` version else its newest with
+    one: for the edge an edge LM export (what devices run; the stable version is often the checkpoint it was
+    derived from) wherever one is ready, else the checkpoint; for the cloud the checkpoint."""
     from controlplane.registry import service as registry
     from controlplane.storage.tables import Model
 
@@ -301,10 +302,11 @@ def find_artifact(session: Session, name: str, *, edge: bool) -> ModelArtifact:
     stable = registry.aliases_of(session, model).get(registry.STABLE)
     versions = sorted(registry.list_versions(session, model), key=lambda v: (v.number != stable, -v.number))
     artifacts = registry.artifacts_of(session, [v.id for v in versions if v.id is not None])
-    for version in versions:
-        ready = [a for a in artifacts.get(version.id or 0, []) if a.status == "ready" and a.format in formats]
-        if ready:
-            return min(ready, key=lambda a: _FORMAT_ORDER[a.format])
+    for wanted in ((EDGE_FORMATS, (CHECKPOINT_FORMAT,)) if edge else ((CHECKPOINT_FORMAT,),)):
+        for version in versions:
+            ready = [a for a in artifacts.get(version.id or 0, []) if a.status == "ready" and a.format in wanted]
+            if ready:
+                return min(ready, key=lambda a: _FORMAT_ORDER[a.format])
     raise ValidationError(f"registry model {name!r} has no ready {' or '.join(formats)} artifact to run", param="model")
 
 

@@ -24,7 +24,7 @@ from controlplane.fleet.devices import create_enrollment_token
 from controlplane.registry.artifacts import push_path
 from controlplane.registry.store import LocalArtifactStore
 from controlplane.storage.database import create_db
-from controlplane.storage.tables import AuditLog
+from controlplane.storage.tables import AuditLog, ModelArtifact
 from controlplane.tenancy.service import create_api_key, create_tenant
 from shared.architectures import supported_list
 from shared.artifacts import FileEntry, Manifest, load_or_create_signing_key, sha256_file, sign_manifest
@@ -400,3 +400,50 @@ def test_seeding_pairs_the_zoos_edge_models_once(
     assert again.created == []
     with session_scope() as s:
         assert registry.get_model(s, "lm-edge").cloud_model is None
+
+
+def sentencepiece_only(llama: Path, out: Path) -> Path:
+    """``llama`` with a SentencePiece ``tokenizer.model`` in place of its tokenizer.json (as many Llama, Mistral and
+    Gemma checkpoints ship), trained here."""
+    sentencepiece = pytest.importorskip("sentencepiece", reason="sentencepiece converts tokenizer.model here")
+    shutil.copytree(llama, out)
+    (out / "tokenizer.json").unlink()
+    corpus = out.parent / f"{out.name}-corpus.txt"
+    corpus.write_text("\n".join(f"line {i}: the quick brown fox jumps over {i * 7} lazy dogs" for i in range(400)))
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(out / "tokenizer"), vocab_size=320, model_type="bpe",
+        byte_fallback=True, bos_id=1, eos_id=2, unk_id=0, minloglevel=2,
+    )  # fmt: skip
+    (out / "tokenizer.vocab").unlink()
+    config = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_a_sentencepiece_only_checkpoint_gets_the_tokenizer_json_transformers_converts(
+    checkpoints: Checkpoints, console: tuple[Console, str], tmp_path: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    from shared.chat_tokenizer import ChatTokenizer
+
+    source = sentencepiece_only(checkpoints.llama, tmp_path / "sp-llama")
+    pushed = push(console, "api-sp-llama", source)
+    assert pushed.status_code == 201, pushed.text
+    running, _ = console
+    with Session(running.engine) as s:
+        row = s.get(ModelArtifact, pushed.json()["artifacts"][0]["id"])
+        assert row is not None and row.manifest is not None
+        files = {f["path"]: f["sha256"] for f in row.manifest["files"]}
+    assert {"tokenizer.model", "tokenizer.json"} <= set(files)
+    assert not (source / "tokenizer.json").exists()  # converted beside the upload, the source left as it was
+    sha = files["tokenizer.json"]
+    blob = next(p for p in running.data_dir.rglob(sha) if p.is_file())  # the content-addressed store holds it
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    shutil.copy(blob, probe / "tokenizer.json")
+    shutil.copy(source / "tokenizer_config.json", probe / "tokenizer_config.json")
+    expected = AutoTokenizer.from_pretrained(str(source))  # transformers on the SentencePiece files alone
+    tok = ChatTokenizer(probe)
+    for text in ("the quick brown fox", "line 12: lazy dogs", "Zürich"):
+        assert tok.encode(text) == expected(text)["input_ids"], text
