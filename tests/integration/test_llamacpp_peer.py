@@ -319,3 +319,26 @@ def test_bench_edge_puts_llamacpp_in_the_same_rounds(tiny_zoo: Path) -> None:
     assert report["llamacpp_f32_outputs_identical_to_fp32"] is True
     assert report["llamacpp_f32_tokens_per_s"] > 0 and report["llamacpp_q8_0_tokens_per_s"] > 0
     assert report["int8_vs_llamacpp_q8_0"] > 0
+
+
+def test_bench_engine_shape_runs_each_contender_apart_with_identical_f32_outputs(tmp_path: Path) -> None:
+    """``tierline bench engine --vs llamacpp --shape``: a random checkpoint in a published configuration (here the
+    few-MB Qwen2 stand-in), converted by llama.cpp's converter, each contender in its own process."""
+    from shared.zoo.export_gguf import find_converter
+
+    if find_converter() is None:
+        pytest.skip("llama.cpp's converter is not unpacked here: make gguf-converter")
+    env = {**base_env(tmp_path), "TIERLINE_DATA_DIR": str(tmp_path / "data")}
+    args = ("bench", "engine", "--vs", "llamacpp", "--shape", "test-qwen2", "--rounds", "2", "--json")
+    done = subprocess.run(tierline_cmd(*args), env=env, cwd=REPO, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout)
+    assert result["shape"] == "test-qwen2" and result["config"]["model_type"] == "qwen2"
+    for contender in ("tierline", "llamacpp-f32", "llamacpp-q8_0"):
+        numbers = result[contender]
+        assert len(numbers["batch1_runs"]) == len(numbers["concurrent_runs"]) == 2
+        assert numbers["batch1_tokens_per_s"] > 0 and numbers["concurrent_tokens_per_s"] > 0
+        assert numbers["peak_rss_mb"] > 50  # its own process: a loaded model and runtime, not the parent's
+    # llama.cpp f32 through the converter's GGUF is the checkpoint: the same greedy tokens as the engine
+    assert result["llamacpp-f32"]["outputs_identical_batch1"] == "4/4"
+    assert result["llamacpp-f32"]["outputs_identical_concurrent"] == "16/16"
