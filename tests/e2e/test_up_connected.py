@@ -92,15 +92,15 @@ def test_up_is_connected_idempotent_and_quiet(tmp_path: Path, tiny_zoo: Path, se
         first = _counts(db)
         assert first["tenants"] == 1 and first["budget"] == "50.000000"
         assert first["keys"] == 1 and first["admins"] == 1 and first["devices"] == 1
-        # lm-cloud 1, lm-edge 2 (checkpoint + derived edge exports), digits-large 1, digits-small 1
-        assert first["versions"] == 5 and first["prices"] == 7
+        # lm-cloud 1, lm-edge 2 (checkpoint + derived edge exports), digits-large, digits-small, digits-micro 1 each
+        assert first["versions"] == 6 and first["prices"] == 7
         engine = create_engine(db)
         with Session(engine) as s:
             derived = s.exec(select(ModelVersion).where(col(ModelVersion.derived_from_id).is_not(None))).one()
             formats = {a.format for a in s.exec(select(ModelArtifact).where(ModelArtifact.version_id == derived.id))}
             assert {"onnx", "onnx-int8"} <= formats
             stable = s.exec(select(ModelAlias).where(ModelAlias.name == "stable")).all()
-            assert len(stable) == 4
+            assert len(stable) == 5  # lm-cloud, lm-edge and the three digits models
             edge_price = s.exec(select(Price).where(Price.model == INT8)).one()
             cloud_price = s.exec(select(Price).where(Price.model == "tierline/lm-cloud")).one()
             assert edge_price.tier == "edge" and cloud_price.tier == "cloud"
