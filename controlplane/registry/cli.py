@@ -101,6 +101,11 @@ def models_push(
     )
     if pushed.servability is not None:
         click.echo(pushed.servability.summary())
+        if alias is None and "engine" in pushed.servability.servable_by:
+            # the cloud serves a model's stable version (or the arms of a rollout): say how this one gets there
+            click.echo(
+                f"the cloud serves it once it is stable: tierline models alias {name} stable {pushed.version.number}"
+            )
 
 
 @models.command("pair")
