@@ -310,7 +310,7 @@ def cloud(checkpoints: Checkpoints, tmp_path_factory: pytest.TempPathFactory) ->
         yield Cloud(url, env, api_key, enrolled.json()["device_token"])
 
 
-def until_not_loading(cloud: Cloud, model: str, timeout: float = 60.0) -> httpx.Response:
+def until_not_loading(cloud: Cloud, model: str, timeout: float = 180.0) -> httpx.Response:
     """The first answer that is not 503 ``model_loading`` (a version loads at its first request)."""
     deadline = time.monotonic() + timeout
     while True:
