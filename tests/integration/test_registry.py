@@ -287,12 +287,12 @@ def test_an_exported_edge_artifact_publishes_to_the_fleet(tmp_path: Path) -> Non
         models, ["export", "tiny-edge", "stable", "--format", "onnx-int8", "--out", str(out)], env=env
     )
     assert exported.exit_code == 0, exported.output
-    files = out / "artifacts" / "tiny-edge"
+    files = out / "artifacts" / "tiny-edge-onnx-int8"  # an LM's edge format is released as NAME-FORMAT
     assert sorted(p.name for p in files.iterdir()) == ["edge_model.json", "model.onnx", "tokenizer.json"]
     assert (files / "model.onnx").read_bytes() == (edge / "model.onnx").read_bytes()
     published = runner.invoke(publish_command, [str(files)], env=env)  # its signature checks with the platform key
     assert published.exit_code == 0, published.output
-    assert published.stdout.startswith("published tiny-edge 1 (3 files")
+    assert published.stdout.startswith("published tiny-edge-onnx-int8 1 (3 files")
     from controlplane.registry.store import LocalArtifactStore
     from shared.artifacts import sha256_file
 
