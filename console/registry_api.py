@@ -128,7 +128,10 @@ class PairingChange(_Body):
 
 class DeriveRequest(_Body):
     min_int8_agreement: float | None = Field(
-        None, ge=0.0, le=1.0, description="INT8 below this agreement with the source checkpoint is rejected (default: the setting)"
+        None,
+        ge=0.0,
+        le=1.0,
+        description="INT8 below this agreement with the source checkpoint is rejected (default: the setting)",
     )
     tflite: bool | None = Field(None, description="also convert to TFLite (default: when litert-torch is installed)")
 

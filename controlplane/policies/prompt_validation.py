@@ -302,7 +302,7 @@ def find_artifact(session: Session, name: str, *, edge: bool) -> ModelArtifact:
     stable = registry.aliases_of(session, model).get(registry.STABLE)
     versions = sorted(registry.list_versions(session, model), key=lambda v: (v.number != stable, -v.number))
     artifacts = registry.artifacts_of(session, [v.id for v in versions if v.id is not None])
-    for wanted in ((EDGE_FORMATS, (CHECKPOINT_FORMAT,)) if edge else ((CHECKPOINT_FORMAT,),)):
+    for wanted in (EDGE_FORMATS, (CHECKPOINT_FORMAT,)) if edge else ((CHECKPOINT_FORMAT,),):
         for version in versions:
             ready = [a for a in artifacts.get(version.id or 0, []) if a.status == "ready" and a.format in wanted]
             if ready:
