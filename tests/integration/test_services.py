@@ -154,6 +154,9 @@ def test_edge_agent_serves_only_verified_models(data_dir: Path) -> None:
         "tierline/lm-edge-onnx",
         "tierline/lm-edge-onnx-int8",
         "tierline/lm-edge-tflite",
+        "tierline/lm-micro",  # every signed edge artifact of the zoo is served, the micro LM's exports too
+        "tierline/lm-micro-onnx",
+        "tierline/lm-micro-onnx-int8",
         "tierline/digits-small",
         "tierline/digits-micro",
         *gguf,
