@@ -359,7 +359,11 @@ def test_a_pairing_set_by_the_cli_reaches_the_devices_sync(cloud: Cloud) -> None
     paired = run_cli(cloud.env, "models", "pair", "acme-edge", "acme-cloud", "--resend", "text")
     assert paired.returncode == 0, paired.stderr
     assert paired.stdout.strip() == "acme-edge: Escalates to: acme-cloud (resend: text)"
-    assert pairings() == [{"model": "acme-edge-onnx-int8", "cloud_model": "acme-cloud", "resend": "text"}]
+    # the release sent, and every paired registry model (a device may hold one it was never sent)
+    assert pairings() == [
+        {"model": "acme-edge", "cloud_model": "acme-cloud", "resend": "text"},
+        {"model": "acme-edge-onnx-int8", "cloud_model": "acme-cloud", "resend": "text"},
+    ]
     by_default = run_cli(cloud.env, "models", "pair", "acme-edge", "acme-cloud")
     assert by_default.stdout.strip() == "acme-edge: Escalates to: acme-cloud (resend: as-sent)"  # one vocabulary
     assert run_cli(cloud.env, "models", "pair", "acme-edge", "--none").returncode == 0
