@@ -26,6 +26,7 @@ import httpx
 import numpy as np
 
 from shared.errors import ConfigurationError
+from shared.native_output import quiet_stderr
 from shared.zoo.export_gguf import GGUF_FILES
 from shared.zoo.registry import ZooLayout
 
@@ -80,7 +81,7 @@ class LlamaCppBatch:
         # A build with llama.cpp's AMX kernels (``-march=native`` on a CPU with AMX) segfaults in them on the zoo's
         # small Q8_0 matrices: such a build runs without its extra buffer types (AMX, repacked weights).
         model_params.use_extra_bufts = not has_amx()
-        with _quiet_stderr():
+        with quiet_stderr():
             self._model = LlamaModel(path_model=str(model_path), params=model_params, verbose=False)
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = slots * max_len
@@ -89,13 +90,13 @@ class LlamaCppBatch:
         params.kv_unified = False  # a KV stream per slot, as llama-server: attention spans its own sequence only
         params.n_threads = params.n_threads_batch = threads
         params.no_perf = True
-        with _quiet_stderr():
+        with quiet_stderr():
             self._ctx = LlamaContext(model=self._model, params=params, verbose=False)
         self._batch = llama_cpp.llama_batch_init(self.batch_tokens, 0, 1)
         self.n_vocab = self._model.n_vocab()
 
     def close(self) -> None:
-        with _quiet_stderr():
+        with quiet_stderr():
             self._lib.llama_batch_free(self._batch)
             self._ctx.close()
             self._model.close()
@@ -181,19 +182,6 @@ def timed_generate(peer: LlamaCppBatch, work: list[tuple[list[int], int]], one_a
     seconds = time.perf_counter() - started
     tokens = sum(len(o) for o in outputs)
     return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "outputs": outputs}
-
-
-@contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """llama.cpp prints its context set-up on file descriptor 2 whatever ``verbose`` says."""
-    saved = os.dup(2)
-    with Path(os.devnull).open("wb") as null:
-        os.dup2(null.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
 
 
 @contextlib.contextmanager

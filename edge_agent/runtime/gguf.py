@@ -17,8 +17,6 @@ import ctypes
 import importlib.util
 import json
 import logging
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +24,7 @@ import numpy as np
 
 from edge_agent.runtime.lm import CausalLMRuntime
 from shared.errors import ConfigurationError, ValidationError
+from shared.native_output import quiet_stderr
 
 GGUF_FILES = {"q8_0": "model-q8_0.gguf", "f32": "model-f32.gguf"}  # as shared.zoo.export_gguf writes them
 INSTALL_HINT = "pip install 'tierline[edge-gguf]' (llama-cpp-python, compiled on the device)"
@@ -61,20 +60,6 @@ def _meta(model_dir: Path, variant: str) -> dict[str, Any]:
     }
 
 
-@contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """llama.cpp prints its model and context set-up on file descriptor 2 whatever ``verbose`` says. Process-wide
-    for the load's few milliseconds: another thread's log line written meanwhile is lost too."""
-    saved = os.dup(2)
-    with Path(os.devnull).open("wb") as null:
-        os.dup2(null.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-
-
 class GgufCausalLM(CausalLMRuntime):
     """One llama.cpp model and context of one sequence (``max_context`` tokens), logits as numpy arrays."""
 
@@ -101,7 +86,7 @@ class GgufCausalLM(CausalLMRuntime):
         # llama.cpp's AMX kernels (a -march=native build on a CPU with AMX) crash on small Q8_0 matrices: such a
         # build runs without its extra buffer types, as bench/llamacpp.py does.
         model_params.use_extra_bufts = b"AMX_INT8 = 1" not in llama_cpp.llama_print_system_info()
-        with _quiet_stderr():
+        with quiet_stderr():
             path = str(model_dir / GGUF_FILES[variant])
             self._model = LlamaModel(path_model=path, params=model_params, verbose=False)
         n_vocab = int(self._model.n_vocab())
@@ -120,7 +105,7 @@ class GgufCausalLM(CausalLMRuntime):
         params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         if variant == "f32":
             params.type_k = params.type_v = llama_cpp.GGML_TYPE_F32
-        with _quiet_stderr():
+        with quiet_stderr():
             self._ctx = LlamaContext(model=self._model, params=params, verbose=False)
         self._batch = llama_cpp.llama_batch_init(self.max_context, 0, 1)
         for i in range(self.max_context):  # one sequence: every slot of the batch belongs to sequence 0, for good
@@ -138,7 +123,7 @@ class GgufCausalLM(CausalLMRuntime):
 
     def close(self) -> None:
         if getattr(self, "_batch", None) is not None:
-            with _quiet_stderr():  # (llama.cpp reports the freed buffers on file descriptor 2)
+            with quiet_stderr():  # (llama.cpp reports the freed buffers on file descriptor 2)
                 self._lib.llama_batch_free(self._batch)
                 self._batch = None
                 self._ctx.close()

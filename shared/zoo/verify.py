@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from shared.native_output import quiet_stderr
 from shared.reference_answers import ReferenceAnswers, ReferencePrompt, first_divergence, greedy_agreement
 
 NUM_GREEDY = 16
@@ -354,7 +354,7 @@ class GgufRunner:
         params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         if f32_cache:
             params.type_k = params.type_v = llama_cpp.GGML_TYPE_F32
-        with _quiet_fd2():
+        with quiet_stderr():
             self._model = LlamaModel(path_model=str(model_path), params=model_params, verbose=False)
             self._ctx = LlamaContext(model=self._model, params=params, verbose=False)
         self._batch = LlamaBatch(n_tokens=n_ctx, embd=0, n_seq_max=1, verbose=False)
@@ -363,7 +363,7 @@ class GgufRunner:
         self._num = 0
 
     def close(self) -> None:
-        with _quiet_fd2():
+        with quiet_stderr():
             self._batch.close()
             self._ctx.close()
             self._model.close()
@@ -384,16 +384,3 @@ class GgufRunner:
 
     def decode(self, token: int) -> np.ndarray:
         return self._run([token])
-
-
-@contextlib.contextmanager
-def _quiet_fd2() -> Iterator[None]:
-    """llama.cpp prints its set-up on file descriptor 2 whatever ``verbose`` says."""
-    saved = os.dup(2)
-    with Path(os.devnull).open("wb") as null:
-        os.dup2(null.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
