@@ -63,6 +63,8 @@ def active_user(session: Session, session_id: str) -> ConsoleUser | None:
     if _aware(record.last_seen_at) < now - _LAST_SEEN_GRANULARITY:
         session.execute(update(ConsoleSession).where(col(ConsoleSession.id) == record.id).values(last_seen_at=now))
         session.commit()
+        # The commit expired the user; the caller reads it after its session closes (DetachedInstanceError).
+        session.refresh(user)
     return user
 
 

@@ -10,18 +10,19 @@ import subprocess
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
 import pytest
-from sqlalchemy import func
+from sqlalchemy import func, update
 from sqlmodel import Session, col, select
 
 from console.management_api import create_token
 from console.pages import PAGES_ROUTER
 from console.pages.rollouts import ACTIONS
 from controlplane.storage.session import session_scope
-from controlplane.storage.tables import AuditLog, ConsoleUser, Tenant
+from controlplane.storage.tables import AuditLog, ConsoleSession, ConsoleUser, Tenant
 from tests.conftest import DB_BACKENDS, REPO, base_env, free_port, run_server, tierline_cmd
 from tests.integration.console_support import PASSWORD, Console, console_server, csrf_of, login, post_form
 
@@ -491,3 +492,28 @@ def _redis_answers(url: str) -> bool:
         return bool(redis.Redis.from_url(url, socket_timeout=2).ping())
     except redis.RedisError:
         return False
+
+
+def test_a_session_not_seen_for_a_while_still_loads_every_page(console: Console) -> None:
+    """A session whose last use is older than the last-seen granularity has that time written on its next request:
+    the page still answers 200 (it was a 500, ``DetachedInstanceError`` from ``_load_user``, once per session
+    every five minutes under traffic)."""
+    name = console.user("viewer")
+    with console.browser() as browser:
+        assert login(browser, name, PASSWORD).status_code == 303
+        for page in PAGES:
+            with Session(console.engine) as session:
+                session.execute(
+                    update(ConsoleSession)
+                    .where(col(ConsoleSession.user_id) == user_id_of(console, name))
+                    .values(last_seen_at=datetime.now(UTC) - timedelta(hours=1))
+                )
+                session.commit()
+            assert browser.get(page).status_code == 200, page
+        with Session(console.engine) as session:
+            seen = session.exec(
+                select(ConsoleSession.last_seen_at).where(ConsoleSession.user_id == user_id_of(console, name))
+            ).all()
+        assert seen and all(
+            (t if t.tzinfo else t.replace(tzinfo=UTC)) > datetime.now(UTC) - timedelta(minutes=1) for t in seen
+        )
