@@ -29,6 +29,7 @@ from console.pages.common import (
 from controlplane.billing import invoices
 from controlplane.billing import invoicing as billing_service
 from controlplane.billing.ledger import cost_total, utc_format
+from controlplane.billing.pricing import period_bounds
 from controlplane.storage.tables import CreditNote, Invoice, InvoiceLine, Price, Tenant, UsageRecord
 from controlplane.tenancy import service as tenancy
 from shared.errors import ApplicationError, NotFoundError, ValidationError
@@ -164,10 +165,13 @@ def finalize_confirm(request: Request[Any, Any, Any], db: Engine, tenant: str = 
         tenants = changes.tenant_names(session)
         draft: dict[str, Any] | None = None
         errors: dict[str, str] = {}
+        now = datetime.now(UTC)
+        end = now
         if tenant or month:
             try:
                 period = billing_service.month(month)
                 draft = billing_service.month_invoice(session, tenancy.get_tenant(session, tenant), period)
+                end = period_bounds(period)[1]
             except ApplicationError as exc:
                 errors = errors_of(exc)
     return render(
@@ -179,6 +183,9 @@ def finalize_confirm(request: Request[Any, Any, Any], db: Engine, tenant: str = 
         month=month,
         draft=draft,
         errors=errors,
+        taken_at=now,
+        ended=end <= now,  # finalize refuses a month that has not ended: the page does not offer it
+        ends_on=f"{end:%Y-%m-%d}",
     )
 
 

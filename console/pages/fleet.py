@@ -324,6 +324,7 @@ def device_page(request: Request[Any, Any, Any], db: Engine, name: str, device_i
     return render(
         request,
         "fleet_device.html.j2",
+        nav_here="/fleet",  # its address is under the tenant's, but a device belongs to the Fleet section
         device=device,
         tenant=tenant,
         is_online=device.status == "active"

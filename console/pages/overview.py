@@ -32,24 +32,38 @@ class TierTraffic:
     p95_latency_ms: float | None
 
 
+ANSWER_TIERS = ("edge", "cloud")  # the tiers that answer users; "shadow" rows are replays for the quality monitor
+
+
 @dataclass(frozen=True, slots=True)
 class Traffic:
     """What served requests looked like in ``[since, until)``."""
 
     window_s: float
     tiers: list[TierTraffic]
+    # The seconds the rates are measured over: from the window's first request (or its start, when requests came
+    # from before it) to its end. Traffic that began a minute ago is not averaged over the quiet minutes before.
+    measured_s: float = 0.0
 
     @property
     def requests(self) -> int:
-        return sum(t.requests for t in self.tiers)
+        """Requests users sent (edge and cloud answers); shadow replays are the quality monitor's, not traffic."""
+        return sum(t.requests for t in self.tiers if t.tier in ANSWER_TIERS)
 
     @property
     def requests_per_s(self) -> float:
-        return self.requests / self.window_s
+        return self.requests / self.measured_s if self.measured_s > 0 else 0.0
 
     @property
     def tokens_per_s(self) -> float:
-        return sum(t.tokens for t in self.tiers) / self.window_s
+        tokens = sum(t.tokens for t in self.tiers if t.tier in ANSWER_TIERS)
+        return tokens / self.measured_s if self.measured_s > 0 else 0.0
+
+    @property
+    def measured(self) -> str:
+        """The span the rates are over, for a person: "4m 10s"."""
+        minutes, seconds = divmod(round(self.measured_s), 60)
+        return f"{minutes}m {seconds:02d}s" if minutes else f"{seconds}s"
 
     @property
     def edge_share(self) -> float | None:
@@ -58,7 +72,7 @@ class Traffic:
 
     @property
     def error_rate(self) -> float | None:
-        return sum(t.errors for t in self.tiers) / self.requests if self.requests else None
+        return sum(t.errors for t in self.tiers if t.tier in ANSWER_TIERS) / self.requests if self.requests else None
 
 
 def traffic(session: Session, since: datetime, until: datetime, tenant_id: int | None = None) -> Traffic:
@@ -76,13 +90,17 @@ def traffic(session: Session, since: datetime, until: datetime, tenant_id: int |
             func.sum(case((col(UsageRecord.status) == "error", 1), else_=0)),
             func.sum(col(UsageRecord.prompt_tokens) + col(UsageRecord.completion_tokens)),
             func.count(col(UsageRecord.latency_ms)),
+            func.min(col(UsageRecord.occurred_at)),
         )
         .where(*in_window)
         .group_by(UsageRecord.tier)
         .order_by(UsageRecord.tier)
     ).all()
     tiers = []
-    for tier, n, errors, tokens, num_latency in rows:
+    first: datetime | None = None
+    for tier, n, errors, tokens, num_latency, earliest in rows:
+        earliest = _aware(earliest)
+        first = earliest if first is None or (earliest is not None and earliest < first) else first
         p95 = None
         if num_latency:
             rank = math.ceil(0.95 * int(num_latency))
@@ -94,7 +112,19 @@ def traffic(session: Session, since: datetime, until: datetime, tenant_id: int |
                 .limit(1)
             ).first()
         tiers.append(TierTraffic(tier, int(n), int(errors or 0), int(tokens or 0), p95))
-    return Traffic((until - since).total_seconds(), tiers)
+    window_s = (until - since).total_seconds()
+    # A window's first request starts the span; at least a minute, so one request a second ago is not "1/s".
+    measured = window_s if first is None else min(window_s, max(60.0, (until - max(first, since)).total_seconds()))
+    return Traffic(window_s, tiers, measured)
+
+
+def _aware(ts: datetime | str | None) -> datetime | None:
+    """A timestamp as the database returned it (SQLite's aggregate gives text) as an aware UTC datetime."""
+    if ts is None:
+        return None
+    if isinstance(ts, str):
+        ts = datetime.fromisoformat(ts)
+    return ts if ts.tzinfo is not None else ts.replace(tzinfo=UTC)
 
 
 def _bucket_of(session: Session, since: datetime, bucket_s: float) -> ColumnElement[Any]:
@@ -110,13 +140,16 @@ def _bucket_of(session: Session, since: datetime, bucket_s: float) -> ColumnElem
 def requests_over_time(
     session: Session, since: datetime, until: datetime, tenant_id: int | None = None, num_buckets: int = 30
 ) -> tuple[dict[str, dict[str, float]], list[str]]:
-    """Requests per tier in ``num_buckets`` equal slices of the window: ``({tier: {label: n}}, labels)``."""
+    """Users' requests per tier (edge, cloud) in ``num_buckets`` equal slices of the window:
+    ``({tier: {label: n}}, labels)``."""
     bucket_s = (until - since).total_seconds() / num_buckets
     fmt = "%H:%M:%S" if bucket_s < 60 else "%H:%M"
     labels = [(since + timedelta(seconds=i * bucket_s)).strftime(fmt) for i in range(num_buckets)]
     bucket = _bucket_of(session, since, bucket_s)
     query = select(col(UsageRecord.tier), bucket, func.count()).where(
-        col(UsageRecord.occurred_at) >= since, col(UsageRecord.occurred_at) < until
+        col(UsageRecord.occurred_at) >= since,
+        col(UsageRecord.occurred_at) < until,
+        col(UsageRecord.tier).in_(ANSWER_TIERS),  # users' requests, as the tiles count them
     )
     if tenant_id is not None:
         query = query.where(col(UsageRecord.tenant_id) == tenant_id)

@@ -411,6 +411,17 @@ def test_overview_numbers_come_from_recent_usage(console: Console, admin: httpx.
                     occurred_at=now - timedelta(seconds=30),
                 )
             )
+        for _ in range(10):  # shadow replays: the quality monitor's, not users' requests
+            session.add(
+                UsageRecord(
+                    id=uuid.uuid4().hex,
+                    tenant_id=tenant.id or 0,
+                    model="tiny",
+                    tier="shadow",
+                    prompt_tokens=100,
+                    occurred_at=now - timedelta(seconds=30),
+                )
+            )
         # Outside the 5-minute window: not counted.
         session.add(
             UsageRecord(
@@ -425,15 +436,25 @@ def test_overview_numbers_come_from_recent_usage(console: Console, admin: httpx.
     assert f'hx-get="{stats_path.replace("&", "&amp;")}"' in page and 'hx-trigger="every 5s"' in page
     stats = admin.get(stats_path, headers={"HX-Request": "true"}).text
     assert "<html" not in stats
-    tiles = dict(re.findall(r'class="label">([^<]+)</span><span class="value">([^<]+)<', stats))
+    tiles = {
+        label: (value, note)
+        for label, note, value in re.findall(
+            r'class="label">([^<]+?) ?(?:<small class="muted">([^<]*)</small>)?</span><span class="value">([^<]+)<',
+            stats,
+        )
+    }
+    # The rates are over the span the traffic was seen in (it began 30 s ago; a minute at least), not the 5 minutes
+    # of the window: 20 requests in 60 s, not in 300 (0.07/s was shown while 2/s were sent). Shadow replays are
+    # neither requests nor edge answers.
     assert tiles == {
-        "Requests/s": "0.07",  # 20 in 300 s
-        "Tokens/s": "10.0",  # 3000 in 300 s
-        "Answered on the edge": "75.0 %",
-        "Error rate": "5.00 %",
+        "Requests/s": ("0.33", "over 1m 00s"),
+        "Tokens/s": ("50.0", "over 1m 00s"),
+        "Answered on the edge": ("75.0 %", "shadow replays excluded"),
+        "Error rate": ("5.00 %", ""),
     }
     rows = re.findall(r"<tr><td>(\w+)</td>.*?<td class=\"num\">(\d+) ms</td></tr>", stats, re.S)
     assert rows == [("cloud", "200"), ("edge", "150")]  # nearest-rank p95 per tier
+    assert re.search(r"<td>shadow</td><td class=\"num\">10</td>", stats)  # shown as its own row
     # The chart: all 20 fell in one 10-second slice of the window: one column of two colours.
     bars = re.findall(r"<title>[\d:]+ (\w+): (\d+) requests</title>", stats)
     assert sorted(bars) == [("cloud", "5"), ("edge", "15")]
@@ -622,6 +643,10 @@ def test_finalize_a_month_and_download_its_csv(console: Console, admin: httpx.Cl
     assert (
         preview.status_code == 200 and "Draft for" in preview.text and "2.12 USD" in preview.text
     )  # 0.125 rounds to 0.12 per line
+    # The preview lists what it would bill, line by line (it showed only "Lines 2"), and offers the button.
+    lines = re.findall(r'<td data-label="Model">([^<]+)</td><td data-label="Tier">(\w+)</td>', preview.text)
+    assert sorted(lines) == [(model, "cloud"), (model, "edge")]
+    assert "2.00 USD" in preview.text and "0.12 USD" in preview.text and "Finalize 2026-01</button>" in preview.text
     resp = admin.post(
         "/billing/finalize", data={"_csrf": csrf_of(preview.text), "tenant": tenant.name, "month": "2026-01"}
     )
@@ -640,7 +665,11 @@ def test_finalize_a_month_and_download_its_csv(console: Console, admin: httpx.Cl
     )
     assert again.status_code == 409 and "already invoiced" in again.text
     future = admin.get(f"/billing/finalize?tenant={tenant.name}&month=2099-01")
-    assert future.status_code == 200  # a preview of the future is fine...
+    assert future.status_code == 200  # a preview of the future is fine, without a button...
+    assert "Finalize 2099-01</button>" not in future.text and "can be finalized from 2099-02-01" in future.text
+    this_month = f"{datetime.now(UTC):%Y-%m}"
+    current = admin.get(f"/billing/finalize?tenant={tenant.name}&month={this_month}").text
+    assert f"Finalize {this_month}</button>" not in current and "has not ended" in current
     resp = admin.post(
         "/billing/finalize", data={"_csrf": csrf_of(preview.text), "tenant": tenant.name, "month": "2099-01"}
     )

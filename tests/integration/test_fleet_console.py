@@ -145,6 +145,7 @@ def test_a_device_page_shows_its_state_usage_and_runtime_choice(console: Console
     resp = admin.get(f"/tenants/{acme}/devices/{device_id}")
     assert resp.status_code == 200, resp.text
     page = resp.text
+    assert re.findall(r'<a href="([^"]+)" aria-current="page">', page) == ["/fleet"]  # not "Tenants"
     assert f"<code>{device_id}</code>" in page and "kiosk-7" in page and "0.9.1" in page
     assert '<span class="tag">ring=beta</span>' in page and '<span class="tag">site=lab</span>' in page
     # The facts targets select on, the sticky bucket included.
