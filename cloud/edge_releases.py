@@ -48,14 +48,15 @@ from litestar.response import Stream
 from sqlalchemy import func
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from cloud.edge_gateway import DEVICE, DEVICE_BEARER, DeviceCaller
 from controlplane.fleet.releases import Release, desired_releases, published_releases
 from controlplane.fleet.targets import set_release_target
 from controlplane.registry.store import ArtifactStore, store_from_settings
+from controlplane.storage.audit import audit
 from controlplane.storage.session import get_db
-from controlplane.storage.tables import Device, EdgePublish, EdgeRelease
+from controlplane.storage.tables import Device, EdgePublish, EdgeRelease, Rollout
 from shared.artifacts import (
     Manifest,
     load_or_create_signing_key,
@@ -189,6 +190,21 @@ class ReleaseStore:
                 if target is not None:
                     set_release_target(session, manifest.name, manifest.version, target, actor=actor or "publish")
                 session.add(EdgePublish(name=manifest.name, version=manifest.version, published_at=stamp))
+                audit(  # in the publish's transaction: a publish is never without its audit row
+                    session,
+                    actor or "system:publish",
+                    "release.publish",
+                    f"release/{manifest.name}/{manifest.version}",
+                    None,
+                    {
+                        "sha256": manifest.sha256,
+                        "files": len(manifest.files),
+                        "bytes": manifest.size,
+                        "published_at": stamp.isoformat(),
+                        **({"target": target} if target is not None else {}),
+                        **{k: v for k, v in manifest.metadata.items() if k == "published_from_version"},
+                    },
+                )
                 try:
                     session.commit()
                     return manifest
@@ -230,7 +246,7 @@ class ReleaseStore:
             try:
                 manifest = read_manifest(vdir / MANIFEST_FILE)
                 stamp = datetime.fromtimestamp(float(entry["published_at"]), UTC)
-                self.publish_manifest(vdir, manifest, published_at=stamp)
+                self.publish_manifest(vdir, manifest, published_at=stamp, actor="system:import")
             except (OSError, ArtifactVerificationError, ConflictError) as exc:
                 logger.warning("edge release %s %s not imported from %s: %s", name, version, root, exc)
                 continue
@@ -240,6 +256,23 @@ class ReleaseStore:
         return imported
 
     # --- reading ---------------------------------------------------------------------------------------------
+
+    def governing_rollout(self, name: str) -> Rollout | None:
+        """The active rollout (pending, running or paused) of the edge artifact ``name`` on devices, if any: while
+        one runs, it, not the newest publish, decides which version a device installs."""
+        with Session(self.engine) as session:
+            row = session.exec(
+                select(Rollout)
+                .where(
+                    Rollout.model == name,
+                    col(Rollout.scope).in_(("edge", "both")),
+                    col(Rollout.status).in_(("pending", "running", "paused")),
+                )
+                .order_by(col(Rollout.id).desc())
+            ).first()
+            if row is not None:
+                session.expunge(row)
+            return row
 
     def _release(self, name: str, version: str) -> EdgeRelease | None:
         with Session(self.engine) as session:
@@ -450,7 +483,15 @@ def publish_command(
     except ValidationError as exc:
         raise click.BadParameter(exc.message, param_hint="--target") from None
     who = f"the devices {describe(check_target(terms))} selects" if terms else "devices"
+    governing = store.governing_rollout(manifest.name)
+    when = (
+        f"rollout {governing.id} ({governing.status}, {governing.baseline_version} → {governing.candidate_version} "
+        f"at {governing.weight:g} %) decides which devices get which version: see `tierline rollouts show "
+        f"{governing.id}`"
+        if governing is not None
+        else f"{who} install it at their next sync"
+    )
     click.echo(
         f"published {manifest.name} {manifest.version} ({len(manifest.files)} files, {manifest.size} bytes, "
-        f"sha256 {manifest.sha256}); {who} install it at their next sync"
+        f"sha256 {manifest.sha256}); {when}"
     )

@@ -421,7 +421,28 @@ def _transition(
     before = rollout.status
     fresh = get_rollout(session, rollout.id or 0)
     _event(session, fresh, kind, before, reason, metrics, actor, now)
+    # Every transition is audited where it happens, whoever made it: an operator (CLI, console, API) or the
+    # controller (its starts, advances, promotions and rollbacks were missing from the audit log).
+    _audit(
+        session,
+        actor,
+        f"rollout.{_ACTIONS[kind]}",
+        fresh,
+        {"status": before, "step_index": rollout.step_index, "weight": rollout.weight},
+        {"status": fresh.status, "step_index": fresh.step_index, "weight": fresh.weight, "reason": reason[:500]},
+    )
     return fresh
+
+
+_ACTIONS = {
+    "started": "start",
+    "advanced": "advance",
+    "paused": "pause",
+    "resumed": "resume",
+    "promoted": "promote",
+    "rolled_back": "rollback",
+    "aborted": "abort",
+}
 
 
 def _event(
@@ -459,12 +480,8 @@ def _audit(
 
 def _operator(session: Session, rollout_id: int, kind: str, action: str, *, actor: str, reason: str) -> Rollout:
     rollout = get_rollout(session, rollout_id)
-    before = {"status": rollout.status, "step_index": rollout.step_index, "weight": rollout.weight}
     why = f"{action} by {actor}" + (f": {reason}" if reason else "")
-    fresh = _transition(session, rollout, kind, actor=actor, reason=why)
-    after = {"status": fresh.status, "step_index": fresh.step_index, "weight": fresh.weight}
-    _audit(session, actor, f"rollout.{action}", fresh, before, after)
-    return fresh
+    return _transition(session, rollout, kind, actor=actor, reason=why)  # audited there
 
 
 def pause(session: Session, rollout_id: int, *, actor: str, reason: str = "") -> Rollout:

@@ -295,7 +295,12 @@ def test_a_candidate_with_injected_errors_rolls_back_by_itself_and_devices_retur
     beta = {d.id for d in platform.devices if d.ring == "beta"}
     assert {a for _, a in arms} >= {"candidate", "baseline"}  # (None: synced before any rollout existed)
     assert all(device in beta for device, a in arms if a == "candidate")
-    assert audit_rows(platform, rollout_id) == [("console:ops", "rollout.create")]
+    # Every transition is audited, the controller's too (its start and rollback were missing).
+    assert audit_rows(platform, rollout_id) == [
+        ("console:ops", "rollout.create"),
+        ("controller", "rollout.start"),
+        ("controller", "rollout.rollback"),
+    ]
 
 
 def test_a_healthy_candidate_is_promoted_through_every_step(platform: Platform) -> None:
@@ -320,6 +325,12 @@ def test_a_healthy_candidate_is_promoted_through_every_step(platform: Platform) 
     assert kinds == [("created", 0.0), ("started", 25.0), ("advanced", 50.0), ("promoted", 100.0)]
     assert r["events"][-1]["reason"].startswith("every step passed: edge error_rate 0.02 within limit")
     assert all(e["metrics"]["windows"]["edge"]["candidate"]["requests"] >= 100 for e in r["events"][2:])
+    assert audit_rows(platform, rollout_id) == [
+        ("console:ops", "rollout.create"),
+        ("controller", "rollout.start"),
+        ("controller", "rollout.advance"),
+        ("controller", "rollout.promote"),
+    ]
     # Promoted: the candidate for every device, in the selector or not.
     assert set(platform.sync_all().values()) == {"c2"}
 
@@ -358,6 +369,7 @@ def test_too_little_traffic_keeps_a_step_waiting_and_never_promotes(platform: Pl
     assert set(platform.sync_all().values()) == {"c2"}  # back on the baseline
     assert audit_rows(platform, rollout_id) == [
         ("console:ops", "rollout.create"),
+        ("controller", "rollout.start"),
         ("console:ops", "rollout.pause"),
         ("console:ops", "rollout.abort"),
     ]
@@ -368,7 +380,17 @@ def test_too_little_traffic_keeps_a_step_waiting_and_never_promotes(platform: Pl
     artifact = Path(platform.env["TIERLINE_DATA_DIR"]) / "zoo" / "tiny" / "artifacts" / NAME
     out = CliRunner().invoke(publish_command, [str(artifact), "--as-version", "c3"], env={**platform.env})
     assert out.exit_code == 0, out.output
+    assert "install it at their next sync" in out.output  # no rollout governs it any more
     assert set(platform.sync_all().values()) == {"c3"}
+    engine = create_db(platform.db_url)
+    with Session(engine) as s:
+        published = s.exec(
+            select(AuditLog).where(AuditLog.action == "release.publish", AuditLog.target == f"release/{NAME}/c3")
+        ).all()
+    engine.dispose()
+    # Both publishes of c3 (the fixture's and this one) are audited, with who and from which signed version.
+    assert len(published) == 2 and all(row.actor.startswith("cli") for row in published)
+    assert all((row.after or {}).get("published_from_version") for row in published)
 
 
 # --- the controller pass against the database (SQLite and PostgreSQL) ------------------------------------------
