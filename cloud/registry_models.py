@@ -22,6 +22,13 @@ tokenizer artifact (``hf-tokenizer``, or a checkpoint) is materialised and a rep
 answers it (``cloud.backends.upstream.Backends``). Its spec is read again at every refresh: a change of endpoints
 only is applied to the running pool (new endpoints join, removed ones drain); any other change builds a new
 backend and drains the old one, as does a version no longer needed.
+
+A serving spec is a console admin's, not the operator's: before its backend is built or its endpoints applied, its
+key must come from a place the operator designates and its endpoints must pass the egress policy
+(``shared.backend_spec.boundary_problem``, ``TIERLINE_CLOUD_UPSTREAM_*``), and the pool checks its endpoints again
+at every resolution. A spec that fails (one stored before these rules, or written to the database by hand) is not
+served: the reason is logged, ``/readyz`` lists the version as degraded and its requests get 503
+``model_unavailable`` saying why; a running backend of an earlier spec keeps serving.
 """
 
 from __future__ import annotations
@@ -59,7 +66,7 @@ from controlplane.registry.store import ArtifactStore
 from controlplane.rollouts.service import RolloutPlan
 from controlplane.storage.tables import ModelArtifact
 from shared.artifacts import Manifest, verify_files
-from shared.backend_spec import ServingSpec
+from shared.backend_spec import ServingSpec, boundary_problem, load_upstream_settings
 from shared.errors import ApplicationError, ArtifactVerificationError
 
 if TYPE_CHECKING:
@@ -132,6 +139,9 @@ class RegistryModels:
         self.backends: Backends | None = None  # answers versions with a serving spec (set once it runs)
         self._errors: dict[tuple[str, int], str] = {}  # version → why it failed to load (one line)
         self._demanded: set[tuple[str, int]] = set()  # versions requested while pending: loaded from now on
+        upstream = load_upstream_settings()  # what serving specs may reach: the operator's designations
+        self.keys = upstream.key_sources()
+        self.egress = upstream.egress(check_own_sockets=True)
         pool.on_demand = self.demand
         pool.load_retry_after_s = settings.canary_refresh_s + 5.0
 
@@ -206,14 +216,19 @@ class RegistryModels:
             except ValueError as exc:  # written by another release of the registry, or by hand
                 self._report(state.name, number, f"its serving spec is invalid: {exc}")
                 continue
+            if current is not None and current.config == spec:
+                continue
+            refused = boundary_problem(spec, self.keys, self.egress)  # stored before the rules, or by hand
+            if refused is not None:
+                self._report(state.name, number, f"its serving spec is refused: serving.{refused[0]}: {refused[1]}")
+                continue
             if current is not None:
                 old = current.config
-                if old == spec:
-                    continue
                 if isinstance(old, ServingSpec) and old.without_endpoints() == spec.without_endpoints():
                     logger.warning("%s version %s: endpoints now %s", state.name, number, ", ".join(spec.roots()))
                     assert self.backends is not None
                     self.backends.update(current, spec)
+                    self._remote_failed.pop((state.name, number), None)
                     continue
                 logger.warning("%s version %s: serving spec changed; a new backend replaces it", state.name, number)
             remote = self._load_remote(state.name, number, spec)
@@ -252,7 +267,7 @@ class RegistryModels:
 
         try:
             tokenizer_dir = self.materialize(name, number, artifact)
-            remote = make_remote(name, spec, tokenizer_dir, version=number)
+            remote = make_remote(name, spec, tokenizer_dir, version=number, keys=self.keys, egress=self.egress)
         except Exception as exc:  # a key file others can read, a name that does not resolve, a broken tokenizer
             self._report(name, number, f"starting its backend failed ({exc})")
             return None

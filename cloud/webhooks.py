@@ -8,17 +8,17 @@ POSTs the event's JSON (a job's is the job) with ``x-tierline-event`` (the event
 seconds of the attempt). A non-2xx answer, a timeout or a refused connection is retried after an
 exponentially growing, jittered delay, up to a maximum number of
 attempts; every attempt is recorded. The secret is kept readable (signing needs it) and never logged.
+
+The address rules (``is_public_address``, numeric host forms) are ``shared.egress``'s, shared with the checks of
+registry serving specs.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import random
-import re
 import secrets
-import socket
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -31,6 +31,8 @@ from sqlmodel import Session, col, select
 
 from controlplane.storage.tables import Job, Tenant, WebhookAttempt, WebhookDelivery, WebhookSecret, utcnow
 from controlplane.storage.types import as_utc
+from shared.egress import is_private_literal, numeric_host_problem
+from shared.egress import is_public_address as is_public_address  # the dispatcher's check of resolved addresses
 from shared.errors import ValidationError
 
 SIGNATURE_HEADER = "x-tierline-signature"
@@ -42,8 +44,6 @@ SECRET_PREFIX = "whsec_"  # noqa: S105 (a prefix, not a secret)
 MAX_URL_LENGTH = 2048
 MAX_DELAY_S = 3600.0
 PENDING, DELIVERED, FAILED = "pending", "delivered", "failed"
-# WHATWG URL: a host whose last label is a number is an IPv4 address, in whatever form the resolver reads.
-_NUMERIC_LABEL = re.compile(r"(?:0[xX][0-9a-fA-F]*|[0-9]+)")
 
 
 def new_secret() -> str:
@@ -69,40 +69,6 @@ def retry_delay(attempt: int, base_s: float, rng: random.Random | None = None) -
     return min(MAX_DELAY_S, base_s * 2 ** (attempt - 1)) * jitter
 
 
-def is_public_address(address: str) -> bool:
-    """False for loopback, private, link-local (cloud metadata), multicast and reserved addresses."""
-    try:
-        return ipaddress.ip_address(address).is_global
-    except ValueError:
-        return False
-
-
-def _is_private_literal(host: str) -> bool:
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
-    try:
-        return not ipaddress.ip_address(host).is_global
-    except ValueError:
-        return False
-
-
-def _numeric_host_problem(host: str) -> str | None:
-    """Why ``host`` may not name an address: a number the resolver reads as IPv4 (``2130706433``, ``0177.0.0.1``,
-    ``0``, ``0x7f.1``) but not in dotted-decimal form, which this check and the resolver could read apart."""
-    if ":" in host or not _NUMERIC_LABEL.fullmatch(host.rsplit(".", 1)[-1]):
-        return None  # an IPv6 literal, or a name
-    try:
-        ipaddress.IPv4Address(host)
-        return None
-    except ValueError:
-        pass
-    try:
-        read_as = socket.inet_ntoa(socket.inet_aton(host))
-    except OSError:
-        return f"host {host!r} is not a valid IPv4 address"
-    return f"host {host!r} is an IPv4 address ({read_as}) not written as four decimal numbers"
-
-
 def validate_webhook_url(value: Any, *, allow_private: bool) -> str:
     """An http(s) URL with a host; a numeric host must be a dotted-decimal IPv4 address; with ``allow_private``
     off, a literal non-public address is refused here (host names are checked when delivering, after they
@@ -126,9 +92,9 @@ def validate_webhook_url(value: Any, *, allow_private: bool) -> str:
     if "%" in host and ":" not in host:
         raise ValidationError(f"webhook_url: host {host!r} must not be percent-encoded", param="webhook_url")
     host = host.removesuffix(".")
-    if (problem := _numeric_host_problem(host)) is not None:
+    if (problem := numeric_host_problem(host)) is not None:
         raise ValidationError(f"webhook_url: {problem}", param="webhook_url")
-    if not allow_private and _is_private_literal(host):
+    if not allow_private and is_private_literal(host):
         raise ValidationError("webhook_url: must be a public address", param="webhook_url")
     return value
 

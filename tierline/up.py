@@ -4,7 +4,9 @@ Builds the zoo if needed, migrates the SQLite database, seeds a demo tenant with
 and a console admin, the zoo's models in the registry, a price book and a calibrated escalation policy per edge
 model (``tierline.seed``; ``--bare`` seeds only the tenant, key and admin), then runs the cloud API, the console
 and one edge agent as separate processes until Ctrl-C; the agent is enrolled as a device of the demo tenant
-once the cloud answers. What it prints is also written to ``$TIERLINE_DATA_DIR/up.json`` (mode 0600) for
+once the cloud answers. Being one host, it lets registry serving specs name model servers on loopback
+(``TIERLINE_CLOUD_UPSTREAM_ALLOW_LOOPBACK=true``, their keys in ``$TIERLINE_DATA_DIR/upstream-keys/``) unless the
+environment says otherwise. What it prints is also written to ``$TIERLINE_DATA_DIR/up.json`` (mode 0600) for
 scripts. The terminal gets the URLs, the key, the password and the services' access lines (and their errors);
 everything else (migrations, third-party warnings, the services' own logs) goes to
 ``$TIERLINE_DATA_DIR/logs/up.log``.
@@ -250,6 +252,10 @@ def up(zoo_preset: str, bare: bool, new_key: bool) -> None:
     }
     # The demo runs the live quality monitor at a small share (production's default is off).
     env.setdefault("TIERLINE_CLOUD_EDGE_SHADOW_SHARE", DEMO_SHADOW_SHARE)
+    # One host: a serving spec may name a model server on loopback (the cloud's own database, Redis and listeners
+    # stay refused), and its key file by name in the data dir's upstream-keys/ (docs/registry.md#serving-specs).
+    env.setdefault("TIERLINE_CLOUD_UPSTREAM_ALLOW_LOOPBACK", "true")
+    env.setdefault("TIERLINE_CLOUD_UPSTREAM_SECRETS_DIR", str(data_dir / "upstream-keys"))
     seeded = seed.Seeded()
     old_key = previous.get("api_key") if not new_key else None
     api_key = seed.seed_tenant(old_key if isinstance(old_key, str) else None, seeded, budget=not bare)

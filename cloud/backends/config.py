@@ -9,6 +9,10 @@
 Every field is checked at start-up, and a field this file does not know is an error (a typo must not silently
 drop a setting). The upstream key comes from an environment variable or a file readable by its owner only
 (mode 0600 or stricter); it is never logged.
+
+This file is the operator's, who owns the host: it is trusted as written, so its key may come from any variable
+or file and its endpoints may be any address (loopback, a sidecar). A registry version's serving spec, written by
+a console admin, shares its fields but not this trust (``shared.backend_spec.ServingSpec``, ``UpstreamSettings``).
 """
 
 from __future__ import annotations

@@ -15,6 +15,11 @@
   left is *draining*: it takes no new request, its requests in flight finish, then it leaves the pool.
 - **DNS** (``resolve_dns``): the configured host names are resolved again every ``probe_interval_s``; each IPv4
   address is an endpoint (requests carry the host name in ``Host``), and the address list is applied as above.
+- **Egress** (``egress``: a registry version's serving spec, written by a console admin): every configured root is
+  checked against the operator's ``shared.egress.EgressPolicy`` when the pool is built and again every
+  ``probe_interval_s``; a host name is resolved and every address checked each time, and the endpoint is the
+  checked address (the first, or every IPv4 one with ``resolve_dns``) with the name sent as ``Host`` and as the TLS
+  server name: a name that starts resolving to a refused address (DNS rebinding) is dropped, never connected to.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from urllib.parse import urlsplit
 import httpx
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from shared.egress import EgressPolicy
 from shared.errors import ServiceUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -106,6 +112,38 @@ def resolve_roots(sources: list[str]) -> list[tuple[str, str | None]]:
     return out
 
 
+def pinned_roots(
+    sources: list[str], egress: EgressPolicy, every_address: bool
+) -> tuple[list[tuple[str, str | None]], list[str]]:
+    """``(root, Host header)`` per checked address of each source (blocking: ``getaddrinfo``): the first address of
+    a host name, or every IPv4 one with ``every_address``; a source that is an address already is itself. Also the
+    sources refused, each with why (none of their addresses is used). A name that does not resolve now gives
+    nothing (logged)."""
+    out: list[tuple[str, str | None]] = []
+    refused: list[str] = []
+    for source in sources:
+        addresses, why = egress.resolve(source)
+        if why is not None:
+            refused.append(f"{source} is refused: {why}")
+            continue
+        parts = urlsplit(source)
+        host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+        if not addresses:
+            logger.warning("backend endpoint %s: %s does not resolve", source, host)
+            continue
+        try:
+            ipaddress.ip_address(host)
+            out.append((source, None))  # an address already, checked
+            continue
+        except ValueError:
+            pass
+        chosen = [a for a in addresses if a.version == 4] if every_address else addresses[:1]
+        for address in chosen:
+            literal = f"[{address}]" if address.version == 6 else str(address)
+            out.append((f"{parts.scheme}://{literal}:{port}{parts.path}".rstrip("/"), parts.netloc))
+    return out, refused
+
+
 @dataclass(slots=True)
 class ReplicaPool:
     model_id: str
@@ -121,6 +159,8 @@ class ReplicaPool:
     sources: list[str] = field(default_factory=list)  # the configured roots (host names when ``resolve_dns``)
     endpoint_concurrency: int = 32  # an endpoint a DNS answer adds gets this bound
     affinity_misses: int = 0  # requests with a key that went elsewhere than their first-ranked endpoint
+    egress: EgressPolicy | None = None  # set: every root checked (and host names pinned) at each resolution
+    _refused: frozenset[str] = frozenset()  # the refusals last logged
     _freed: asyncio.Event = field(default_factory=asyncio.Event)
     _prober: asyncio.Task[None] | None = None
 
@@ -255,7 +295,7 @@ class ReplicaPool:
     async def _probe_loop(self, client: httpx.AsyncClient) -> None:
         while True:
             await asyncio.sleep(self.probe_interval_s)
-            if self.resolve_dns and self.sources:
+            if (self.resolve_dns or self.egress is not None) and self.sources:
                 await self.resolve()
             now = time.monotonic()
             due = [e for e in self.endpoints if e.ejected_at is not None and now - e.ejected_at >= self.eject_s]
@@ -263,12 +303,20 @@ class ReplicaPool:
                 await asyncio.gather(*(self.probe(client, e) for e in due))
 
     async def resolve(self) -> None:
-        """Resolve the configured host names again and apply the addresses (``resolve_dns``)."""
+        """Resolve the configured host names again and apply the addresses (``resolve_dns``; with ``egress``: every
+        root checked, host names pinned to checked addresses)."""
         sources = list(self.sources)
-        roots = await asyncio.to_thread(resolve_roots, sources)
+        if self.egress is not None:
+            roots, refused = await asyncio.to_thread(pinned_roots, sources, self.egress, self.resolve_dns)
+            if frozenset(refused) != self._refused:
+                for why in refused:
+                    logger.error("backend %s: endpoint %s; not used", self.model_id, why)
+                self._refused = frozenset(refused)
+        else:
+            roots = await asyncio.to_thread(resolve_roots, sources)
         if sources != self.sources:  # the list changed while resolving: the next round applies it
             return
-        if not roots and self.endpoints:
+        if not roots and self.endpoints and not self._refused:
             logger.warning("backend %s: no endpoint resolves now; keeping the last addresses", self.model_id)
             return
         self.set_endpoints(roots, self.endpoint_concurrency)
@@ -276,8 +324,16 @@ class ReplicaPool:
     async def probe(self, client: httpx.AsyncClient, endpoint: Endpoint) -> bool:
         """One active health check; a 200 admits ``endpoint`` again."""
         headers = {"Host": endpoint.host} if endpoint.host else None
+        # a pinned https endpoint: the certificate is checked against the host name, not the address
+        tls = (
+            {"sni_hostname": urlsplit(f"//{endpoint.host}").hostname}
+            if endpoint.host and endpoint.root.startswith("https:")
+            else None
+        )
         try:
-            response = await client.get(f"{endpoint.root}{self.health_path}", timeout=2.0, headers=headers)
+            response = await client.get(
+                f"{endpoint.root}{self.health_path}", timeout=2.0, headers=headers, extensions=tls
+            )
             healthy = response.status_code == 200
         except httpx.HTTPError:
             healthy = False

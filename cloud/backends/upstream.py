@@ -15,6 +15,9 @@ the built-in engine, the generation done by an upstream OpenAI-compatible server
   ends the stream with an error event.
 - **Disconnects**: a client that leaves closes the upstream response, which aborts the upstream request.
 - **Isolation**: ``cache_salt`` (vLLM's per-request prefix-cache salt) is the tenant's, as in the built-in engine.
+- **Trust** (``make_remote``): a backends-file model is the operator's and is taken as written; a registry version's
+  serving spec reads its key only from the operator's designated places and reaches only endpoints the egress
+  policy allows, checked when its backend is built and at every resolution (``cloud.backends.pool``).
 """
 
 from __future__ import annotations
@@ -40,13 +43,15 @@ from cloud.backends.pool import (
     PoolCollector,
     ReplicaPool,
     UpstreamUnavailableError,
+    pinned_roots,
     resolve_roots,
 )
 from cloud.completions import MAX_INLINE_PROMPT_BYTES, Caller, CompletionService, run_to_end
 from cloud.engine.prompts import check_context_length
 from controlplane.billing.pricing import Tokens
-from shared.backend_spec import UpstreamSpec
+from shared.backend_spec import KeySources, UpstreamSpec
 from shared.chat_tokenizer import ChatTokenizer
+from shared.egress import EgressPolicy
 from shared.errors import ApplicationError, ConfigurationError, DeadlineExceededError, PermissionDeniedError
 from shared.openai_responses import SSE_DONE, sse
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest
@@ -95,9 +100,18 @@ class RemoteLM:
         return f"{caller.tenant.id}\x00{head}"
 
 
-def make_pool(model_id: str, spec: UpstreamSpec) -> ReplicaPool:
-    """The replica pool for ``spec`` (its host names resolved now when ``resolve_dns``: blocking)."""
-    roots = resolve_roots(spec.roots()) if spec.resolve_dns else [(r, None) for r in spec.roots()]
+def make_pool(model_id: str, spec: UpstreamSpec, egress: EgressPolicy | None = None) -> ReplicaPool:
+    """The replica pool for ``spec`` (its host names resolved now when ``resolve_dns`` or ``egress``: blocking).
+    ``egress``: a registry serving spec's roots, checked (ConfigurationError naming the refused ones) and pinned;
+    None: the operator's backends file, taken as written."""
+    if egress is not None:
+        roots, refused = pinned_roots(spec.roots(), egress, spec.resolve_dns)
+        if refused:
+            raise ConfigurationError("; ".join(refused))
+    elif spec.resolve_dns:
+        roots = resolve_roots(spec.roots())
+    else:
+        roots = [(r, None) for r in spec.roots()]
     return ReplicaPool(
         model_id,
         [Endpoint(root, spec.max_concurrency, host=host) for root, host in roots],
@@ -110,15 +124,28 @@ def make_pool(model_id: str, spec: UpstreamSpec) -> ReplicaPool:
         resolve_dns=spec.resolve_dns,
         sources=spec.roots(),
         endpoint_concurrency=spec.max_concurrency,
+        egress=egress,
     )
 
 
-def make_remote(model_id: str, spec: UpstreamSpec, tokenizer: Path, version: int | None = None) -> RemoteLM:
-    """A served model answered by ``spec``'s upstream servers (blocking: loads the tokenizer, reads the key)."""
+def make_remote(
+    model_id: str,
+    spec: UpstreamSpec,
+    tokenizer: Path,
+    version: int | None = None,
+    *,
+    keys: KeySources | None = None,
+    egress: EgressPolicy | None = None,
+) -> RemoteLM:
+    """A served model answered by ``spec``'s upstream servers (blocking: loads the tokenizer, reads the key).
+
+    Two levels of trust (``shared.backend_spec``): the operator's backends file (``keys`` and ``egress`` None: any
+    key variable or file, any endpoint), and a registry serving spec (both given: the key only from the designated
+    places, the endpoints checked and pinned)."""
     if not (tokenizer / "tokenizer.json").is_file() and not (tokenizer / "config.json").is_file():
         raise ConfigurationError(f"backend {model_id}: {tokenizer} holds no tokenizer")
-    key = spec.api_key()
-    pool = make_pool(model_id if version is None else f"{model_id}@{version}", spec)
+    key = spec.api_key(keys)
+    pool = make_pool(model_id if version is None else f"{model_id}@{version}", spec, egress)
     return RemoteLM(
         model_id,
         spec,
@@ -318,7 +345,7 @@ class Backends:
         remote.config = spec
         pool = remote.pool
         pool.sources = spec.roots()
-        if spec.resolve_dns:
+        if spec.resolve_dns or pool.egress is not None:  # a registry spec's roots are checked again on the way
             task = asyncio.create_task(pool.resolve(), name=f"resolving {pool.model_id}")
             self._retiring.add(task)
             task.add_done_callback(self._retiring.discard)

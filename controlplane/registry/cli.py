@@ -160,7 +160,10 @@ def models_serving(name: str, version: int, spec_file: Path | None, clear: bool)
     """Set VERSION of NAME's serving spec from SPEC_FILE (JSON), e.g. a new endpoint list.
 
     Running gateways pick it up at their next refresh without a restart: new endpoints take requests, removed
-    ones stop taking new requests and are dropped once their requests in flight are done.
+    ones stop taking new requests and are dropped once their requests in flight are done. Its key must come from
+    where the operator designates (a TIERLINE_UPSTREAM_KEY_* variable, or a file by name in
+    TIERLINE_CLOUD_UPSTREAM_SECRETS_DIR) and its endpoints must pass the operator's egress policy
+    (TIERLINE_CLOUD_UPSTREAM_*): anything else is refused, naming the field and the rule.
     """
     from controlplane.registry import service as registry
     from controlplane.storage.session import session_scope

@@ -29,7 +29,7 @@ from sqlmodel import Session, col, select
 
 from controlplane.storage.tables import AuditLog, Model, ModelAlias, ModelArtifact, ModelVersion, utcnow
 from shared.architectures import model_type_of, support_for, supported_list, unsupported_message
-from shared.backend_spec import ServingSpec
+from shared.backend_spec import ServingSpec, UpstreamSettings, boundary_problem, load_upstream_settings
 from shared.errors import ConflictError, NotFoundError, ValidationError
 
 STABLE: Final = "stable"  # the alias that names the version served when no rollout says otherwise
@@ -489,15 +489,23 @@ def tag_version(
     return version
 
 
-def check_serving(spec: dict[str, Any]) -> ServingSpec:
-    """A serving spec, checked (the same rules as the gateway's backends file); 400 naming the field otherwise."""
+def check_serving(spec: dict[str, Any], upstream: UpstreamSettings | None = None) -> ServingSpec:
+    """A serving spec, checked (the same rules as the gateway's backends file), its key held to the places the
+    operator designates and its endpoints to the operator's egress policy (``upstream``: default from the
+    environment, ``TIERLINE_CLOUD_UPSTREAM_*``); 400 naming the field and the rule otherwise."""
     try:
-        return ServingSpec.model_validate(spec)
+        checked = ServingSpec.model_validate(spec)
     except PydanticValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         param = f"serving.{where}" if where else "serving"
         raise ValidationError(f"{param}: {first['msg']}", param=param) from None
+    upstream = upstream or load_upstream_settings()
+    problem = boundary_problem(checked, upstream.key_sources(), upstream.egress(check_own_sockets=False))
+    if problem is not None:
+        param = f"serving.{problem[0]}"
+        raise ValidationError(f"{param}: {problem[1]}", param=param)
+    return checked
 
 
 def set_serving(
@@ -506,8 +514,9 @@ def set_serving(
     """Declare (or, with None, remove) the ``openai`` backend that answers version ``number``.
 
     Only a ``causal-lm`` version with a ready cloud tokenizer (``hf-tokenizer``, or a checkpoint) may have one: the
-    gateway counts and admits prompts with it. A running gateway picks a change up at its next refresh: endpoints
-    that joined take requests, those that left drain.
+    gateway counts and admits prompts with it. Its key and endpoints are held to the operator's designations
+    (``check_serving``): whoever submits it does not hold the host's environment. A running gateway picks a change
+    up at its next refresh: endpoints that joined take requests, those that left drain.
     """
     version = get_version(session, model, number)
     stored: dict[str, Any] | None = None

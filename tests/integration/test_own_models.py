@@ -35,7 +35,7 @@ from tests.integration.test_registry import make_checkpoint
 pytestmark = pytest.mark.integration
 
 SUPPORTED = supported_list("engine")
-SPEC = {"backend": "openai", "endpoints": ["http://127.0.0.1:9/v1"], "upstream_model": "neox-upstream"}
+SPEC = {"backend": "openai", "endpoints": ["http://10.0.0.9:9/v1"], "upstream_model": "neox-upstream"}
 
 
 def random_checkpoint(out: Path, model_type: str, tokenizer_from: Path) -> Path:

@@ -6,7 +6,8 @@ prefix affinity plus per-interval DNS resolution on a backend.
 
 Real processes: one ``tierline engine serve`` (the tiny LM, key-protected) is the upstream; in front of it, HTTP
 proxies in this test process (real sockets) that count what reaches them, can hold a request, and can start
-answering 500 — the upstream the test controls.
+answering 500 — the upstream the test controls. Being one host, the operator allows serving specs to name loopback
+upstreams and designates the secrets directory their key file is named in (``TIERLINE_CLOUD_UPSTREAM_*``).
 """
 
 from __future__ import annotations
@@ -158,24 +159,30 @@ def until(check: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
 
 
 @pytest.fixture(scope="module")
-def platform(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_data_dir: Path) -> Iterator[Platform]:
+def platform(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_data_dir: Path
+) -> Iterator[Platform]:
     data = seed_data_dir(tmp_path_factory.mktemp("registry-backends"), tiny_zoo, session_data_dir)
     lm_dir = ZooLayout(tiny_zoo).artifact_dir("lm-cloud")
     tokenizer = data / "tokenizer"  # the LM's tokenizer without its weights: what an openai version carries
     tokenizer.mkdir()
     for name in TOKENIZER_FILES:
         shutil.copy(lm_dir / name, tokenizer / name)
-    key_file = data / "upstream.key"
+    secrets = data / "upstream-keys"  # the operator's secrets directory: serving specs name key files in it
+    secrets.mkdir()
+    key_file = secrets / "upstream.key"
     key_file.write_text("sk-upstream-secret\n")
     key_file.chmod(0o600)
     db_url = migrated_sqlite(data)
+    # A one-host setup: the operator lets serving specs name upstreams on loopback, keys from secrets/.
+    operator = {"TIERLINE_CLOUD_UPSTREAM_ALLOW_LOOPBACK": "true", "TIERLINE_CLOUD_UPSTREAM_SECRETS_DIR": str(secrets)}
     upstream_port = free_port()
     upstream = f"http://127.0.0.1:{upstream_port}"
     proxies = {n: Proxy(upstream) for n in ("canary", "a", "b", "affine-1", "affine-2")}
     common = {
         "backend": "openai",
         "upstream_model": "lm-cloud",
-        "api_key_file": str(key_file),
+        "api_key_file": key_file.name,
         "eject_after_failures": 3,
         "eject_s": 60.0,
         "probe_interval_s": 0.3,
@@ -185,6 +192,7 @@ def platform(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_d
         "type": "openai",
         "tokenizer": str(lm_dir),
         **{k: v for k, v in common.items() if k != "backend"},
+        "api_key_file": str(key_file),  # the operator's own file: any path
         # by name: resolved to 127.0.0.1 every probe interval, sent as Host
         "endpoints": [f"http://localhost:{proxies['affine-1'].port}", proxies["affine-2"].url],
         "resolve_dns": True,
@@ -201,10 +209,15 @@ def platform(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_d
         TIERLINE_CLOUD_CANARY_REFRESH_S="0.3",
         TIERLINE_CLOUD_REGISTRY_MODELS=f"{CANARY},{REMOTE}",
         TIERLINE_CLOUD_BACKENDS=str(backends),
+        **operator,
     )
     db = create_engine(db_url)
     store = LocalArtifactStore(data / "artifacts")
     signing = load_or_create_signing_key(data / "keys" / "artifact-signing.ed25519")
+    mp = pytest.MonkeyPatch()  # specs set in this process are checked against the same operator settings
+    request.addfinalizer(mp.undo)
+    for name, value in operator.items():
+        mp.setenv(name, value)
     with Session(db) as s:
         push_path(s, store, lm_dir, name=CANARY, actor=ACTOR, signing_key=signing)
         registry.move_alias(s, registry.get_model(s, CANARY), "stable", 1, actor=ACTOR)
@@ -272,7 +285,7 @@ def test_a_serving_spec_is_checked_like_the_backends_file(platform: Platform) ->
 
 def test_a_spec_the_gateway_cannot_start_leaves_the_running_backend_serving(platform: Platform) -> None:
     a = platform.proxies["a"]
-    open_key = platform.data / "open.key"
+    open_key = platform.data / "upstream-keys" / "open.key"
     open_key.write_text("sk-other\n")
     open_key.chmod(0o644)
     good = {**platform.spec, "endpoints": [a.url]}
@@ -280,7 +293,7 @@ def test_a_spec_the_gateway_cannot_start_leaves_the_running_backend_serving(plat
         assert complete(http, REMOTE).status_code == 200
         with Session(platform.db) as s:
             model = registry.get_model(s, REMOTE)
-            registry.set_serving(s, model, 1, {**good, "api_key_file": str(open_key)}, actor=ACTOR)
+            registry.set_serving(s, model, 1, {**good, "api_key_file": open_key.name}, actor=ACTOR)
             s.commit()
         log = platform.data / "gateway.log"
         until(lambda: "readable by others" in log.read_text(), "the gateway reports the bad key file")
