@@ -58,10 +58,12 @@ next 8 tokens: graded per item, the LM pair's gap on prompts longer than the mod
 ``within_training_window`` measures both tiers again with the prompts cut to the trained context) and
 ``lm-micro-next8`` (the same items at the same ``--next-items``, and the same measure, with the zoo's micro LM
 at the edge and every prompt inside the trained context: the LM pair with a real gap in-window; 4,000 items by
-default, ``DEFAULT_NEXT_ITEMS_BY_TASK``).
+default, ``DEFAULT_NEXT_ITEMS_BY_TASK``) and ``lm-traffic`` (the demo's own LM requests, the items the demo
+policy is calibrated on: ``--lines`` of them, easy ones right or wrong, hard ones graded).
 ``quality_gap``: cloud minus edge quality over all
-the task's items with its 95 % paired bootstrap interval. Graded tasks are not exported for calibration (its
-``--data`` format holds right/wrong answers).
+the task's items with its 95 % paired bootstrap interval. The graded benchmark tasks (``lm-next8``,
+``lm-micro-next8``) are not exported for calibration; ``lm-traffic`` is (``EXPORTED_GRADED``: its rows carry a
+graded ``edge_good``/``cloud_good`` in [0, 1] and the request's ``kind``).
 """
 
 from __future__ import annotations
@@ -76,7 +78,15 @@ from typing import Any
 import click
 import numpy as np
 
-from bench.cascade_tasks import TaskResults, quality_gap, run_digits, run_lm, run_lm_micro_next, run_lm_next
+from bench.cascade_tasks import (
+    TaskResults,
+    quality_gap,
+    run_digits,
+    run_lm,
+    run_lm_micro_next,
+    run_lm_next,
+    run_lm_traffic,
+)
 from bench.common import emit, zoo_root
 from bench.prompt_router import EMBEDDING_MODEL, PROMPT_EMBEDDING, embedding_table, fit_prompt_router
 from shared.calibration import PROMPT_TOKENS, validation_row
@@ -121,7 +131,13 @@ DEFAULT_NEXT_ITEMS_BY_TASK = {"lm-next8": DEFAULT_NEXT_ITEMS, "lm-micro-next8": 
 GAIN_PROBE_FOLDS = 5  # the gain probe's out-of-fold confidences on validation (``fit_gain_probe``)
 MIN_GAIN_PROBE_ITEMS = 4 * GAIN_PROBE_FOLDS  # validation items below which there is no router_gain_probe
 # Every task, in the order they run (``--tasks`` picks some).
-TASKS = ("digits", "digits-micro", "lm", "lm-next8", "lm-micro-next8")
+TASKS = ("digits", "digits-micro", "lm", "lm-next8", "lm-micro-next8", "lm-traffic")
+# What runs without ``--tasks``: the benchmarks. ``lm-traffic`` (the demo policy's calibration items; it exports
+# rows for ``tierline/lm-edge`` as ``lm`` does) runs when named, as ``tierline up`` names it.
+DEFAULT_TASKS = ("digits", "digits-micro", "lm", "lm-next8", "lm-micro-next8")
+# Graded tasks whose validation items are exported all the same (the demo policy's calibration data: easy items
+# right or wrong, hard ones graded); the other graded tasks are benchmarks only.
+EXPORTED_GRADED = ("lm-traffic",)
 
 
 @dataclass(slots=True)
@@ -504,6 +520,8 @@ def export_validation(path: Path, tasks: list[tuple[TaskResults, np.ndarray]]) -
                 agrees_with_cloud=results.agrees[i],
                 probe=_exported_probe(results, i),
             )
+            if results.kinds is not None:
+                row["kind"] = results.kinds[i]
             lines.append(json.dumps({**row, "task": results.task, "cloud_model": results.cloud_model}))
     path.write_text("\n".join(lines) + "\n")
     return len(lines)
@@ -608,14 +626,14 @@ def run_cascade_bench(
 
     Args:
         zoo_root: a built preset, ``<zoo dir>/<preset>``.
-        num_lines: LM items (held-out line starts).
+        num_lines: LM items (held-out line starts; ``lm-traffic``: demo requests).
         num_next_items: ``lm-next8`` and ``lm-micro-next8`` items (held-out token positions); None: each task's
             default (``DEFAULT_NEXT_ITEMS_BY_TASK``: 400 and 4,000).
         seed: draws the LM items and both validation/test splits.
         export_path: write the validation items here (``tierline edge calibrate --data``).
         plot_path: draw quality vs edge share and PGR vs cloud calls for every task into this PNG.
         resamples: bootstrap resamples of the test items for the routing intervals.
-        tasks: run only these tasks (``TASKS``); None runs all.
+        tasks: run only these tasks (``TASKS``); None runs ``DEFAULT_TASKS`` (all but ``lm-traffic``).
     """
     started = time.perf_counter()
     layout = ZooLayout(zoo_root)
@@ -630,13 +648,14 @@ def run_cascade_bench(
         "lm": lambda: run_lm(layout, num_lines, seed),
         "lm-next8": lambda: run_lm_next(layout, next_items["lm-next8"], seed),
         "lm-micro-next8": lambda: run_lm_micro_next(layout, next_items["lm-micro-next8"], seed),
+        "lm-traffic": lambda: run_lm_traffic(layout, num_lines, seed),
     }
     unknown = [t for t in tasks or () if t not in runs]
     if unknown:
         raise ValueError(f"unknown cascade task {', '.join(unknown)}: choose from {', '.join(runs)}")
     embedder, no_embedder = _embedder()
     for name, run in runs.items():
-        if tasks is not None and name not in tasks:
+        if name not in (DEFAULT_TASKS if tasks is None else tasks):
             continue
         task_started = time.perf_counter()
         task = run()
@@ -644,7 +663,7 @@ def run_cascade_bench(
         if no_embedder and task.prompt_texts is not None:
             evaluation.report["prompt_router"] = no_embedder
         evaluation.report["seconds"] = round(time.perf_counter() - task_started, 1)
-        if task.edge_good.dtype == bool:
+        if task.edge_good.dtype == bool or task.task in EXPORTED_GRADED:
             exported.append((task, evaluation.validation_rows))
     if export_path is not None:
         export_validation(export_path, exported)
@@ -663,7 +682,7 @@ def run_cascade_bench(
     type=click.IntRange(min=4),
     default=DEFAULT_LINES,
     show_default=True,
-    help="LM items (held-out line starts)",
+    help="LM items (held-out line starts; lm-traffic: demo requests)",
 )
 @click.option(
     "--next-items",
@@ -693,7 +712,8 @@ def run_cascade_bench(
     "task_list",
     default=None,
     metavar="NAMES",
-    help=f"comma-separated tasks to run (default all: {','.join(TASKS)})",
+    help=f"comma-separated tasks to run (default: {','.join(DEFAULT_TASKS)}; also lm-traffic, the demo policy's "
+    "calibration items)",
 )
 @click.option(
     "--export-validation",

@@ -25,6 +25,19 @@ edge's and the cloud's answers were right.
   tier's token is the reference token (top-1 agreement with the reference over the next 8 tokens). The edge's
   signals come from its own generated tokens, as on a device. ``agrees`` is the same share against the
   cloud's tokens (the router's target).
+- ``lm-traffic``: the demo's own LM requests, the ones its calibrated policy decides (what ``tierline up``
+  calibrates ``tierline/lm-edge`` on). Items come from ``tierline.demo_traffic.policy_items``, the generator
+  ``tierline demo traffic`` sends: easy (whole lines of context and half a line, 16 tokens, stop at the newline)
+  and hard (two lines, 48 tokens, no stop) in the default mix's shares, requests with ``quality: "high"`` left
+  out (the request sends those to the cloud, not the policy). The edge runs each request through the agent's own
+  code (``edge_agent.serving``: tokenisation, generation defaults, stop handling on ``LocalLM``) and its signals
+  are the agent's (``edge_agent.tiering._signals``: the generation's signals, the copy signals and
+  ``prompt_tokens``). The cloud LM decodes the same prompt ids greedily for the request's ``max_tokens``. Right:
+  easy, the answer (up to the newline) is exactly the rest of the line (as ``lm``); hard, graded: the share of
+  the first ``NEXT_TOKENS`` positions where the tier's token is the reference's (the file's text after the two
+  lines, tokenised alone), as ``lm-next8``. ``agrees``: the edge's first ``MAX_SHADOW_TOKENS`` generated tokens
+  are the cloud's, every one (what the live quality monitor compares on a shadow sample, so the agreement it
+  checks against the promise is the same measure).
 - ``lm-micro-next8``: the LM pair with a real gap inside the training window. The same items (token positions
   and references) as ``lm-next8``, with ``lm-micro`` (the zoo's smallest LM, ONNX INT8, on the same device
   runtime) at the edge and ``lm-cloud`` in the cloud; every prompt is cut to the trained context minus
@@ -36,6 +49,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +94,7 @@ class TaskResults:
     probe_inputs: np.ndarray | None = None
     probe_projection: np.ndarray | None = None
     probe_s: np.ndarray | None = None
+    kinds: list[str] | None = None  # per item, the kind of request (``lm-traffic``: easy | hard)
 
     def __len__(self) -> int:
         return len(self.edge_good)
@@ -303,6 +318,104 @@ def run_lm(layout: ZooLayout, num_lines: int, seed: int) -> TaskResults:
             "max_line_tokens": MAX_LINE_TOKENS,
         },
         prompt_texts=[str(ends.tokenizer.decode(item.prompt)) for item in items],
+    )
+
+
+TRAFFIC_MODEL = "tierline/lm-edge-onnx-int8"  # the model id ``demo traffic`` sends its LM requests to
+
+
+def _traffic_edge(model_dir: Path, items: list[Any]) -> tuple[list[list[int]], list[str], list[list[int]], Any]:
+    """Each request through the agent's local path: ``serving``'s preparation, ``LocalLM.generate`` and
+    ``tiering._signals`` (the policy's inputs, copy signals included). Returns the prompt ids, the answer texts,
+    the generated ids and an ``_EdgeRun`` holding the signals, mean logits and timings."""
+    from edge_agent import serving
+    from edge_agent.generation import LocalLM
+    from edge_agent.tiering import _signals
+    from shared.escalation import EdgePolicy
+    from shared.openai_schema import CompletionRequest
+
+    lm = LocalLM(model_dir, num_threads=1)
+    reads_copy = EdgePolicy(TRAFFIC_MODEL, signal="copy_kept")  # any policy that reads the copy signals
+    prompts: list[list[int]] = []
+    texts: list[str] = []
+    outputs: list[list[int]] = []
+    run = _EdgeRun()
+    for item in items:
+        req = CompletionRequest(**item.body)
+        ids = lm.tokenizer.encode(item.body["prompt"])
+        prepared = serving.Prepared("completions", req, lm, serving._request(lm, ids, req, req.max_tokens, None))
+        prepared.local.keep_logits = True  # the probe's input (mean logits), as a probing policy asks the agent
+        for step in lm.generate(prepared.local):
+            prepared.record(step)
+        started = time.perf_counter()
+        signals = _signals(prepared, reads_copy)
+        run.signal_s.append(time.perf_counter() - started)
+        signals.pop("prompt_tokens")
+        run.signals.append(signals)
+        mean = prepared.mean_logits()
+        run.mean_logits.append(mean if mean is not None else np.zeros(lm.vocab_size))
+        run.probe_s.append(0.0)
+        prompts.append(prepared.local.prompt_ids)
+        texts.append("".join(s.delta_text for s in prepared.steps_seen))
+        outputs.append([s.token_id for s in prepared.steps_seen])
+    return prompts, texts, outputs, run
+
+
+def run_lm_traffic(layout: ZooLayout, num_items: int, seed: int) -> TaskResults:
+    """The demo's LM requests (``tierline.demo_traffic.policy_items``, seeded) on the edge LM (INT8, through the
+    agent's code) and the cloud LM: what the demo's policy is calibrated on."""
+    import random
+
+    from cloud.engine.llm import LLM
+    from cloud.engine.sampling_params import SamplingParams
+    from shared.edge_protocol import MAX_SHADOW_TOKENS
+    from tierline.demo_traffic import policy_items, prompt_fits
+
+    items = policy_items(TRAFFIC_MODEL, random.Random(seed), num_items, prompt_fits(layout.root, TRAFFIC_MODEL))
+    edge_dir = layout.artifact_dir(EDGE_LM_ARTIFACT)
+    prompts, edge_texts, edge_out, run = _traffic_edge(edge_dir, items)
+    llm = LLM(layout.artifact_dir("lm-cloud"), kv_cache_bytes=KV_CACHE_BYTES)
+    params = [SamplingParams(temperature=0.0, max_tokens=int(item.body["max_tokens"])) for item in items]
+    cloud_out: list[list[int]] = []
+    for start in range(0, len(prompts), CLOUD_CHUNK):
+        done = llm.generate(prompts[start : start + CLOUD_CHUNK], params[start : start + CLOUD_CHUNK])
+        cloud_out.extend(list(out.token_ids) for out in done)
+    tokenizer = llm.tokenizer
+    edge_q, cloud_q, agrees = [], [], []
+    for item, text, mine, theirs in zip(items, edge_texts, edge_out, cloud_out, strict=True):
+        if item.kind == "easy":  # the answer is the line's rest, exactly (the cloud's cut at its newline)
+            edge_q.append(float(text == item.reference))
+            cloud_q.append(float(str(tokenizer.decode(theirs)).split("\n", 1)[0] == item.reference))
+        else:  # graded over the reference's first NEXT_TOKENS tokens
+            reference = list(tokenizer.tokenizer.encode(item.reference, add_special_tokens=False).ids)[:NEXT_TOKENS]
+            edge_q.append(_match_share(mine, reference) if reference else 0.0)
+            cloud_q.append(_match_share(theirs, reference) if reference else 0.0)
+        shadowed = mine[:MAX_SHADOW_TOKENS]  # what a shadow sample carries and the monitor compares
+        agrees.append(bool(shadowed) and list(theirs[: len(shadowed)]) == shadowed)
+    kinds = [item.kind for item in items]
+    edge_good, cloud_good = np.array(edge_q), np.array(cloud_q)
+    by_kind = {
+        kind: _gap(edge_good[np.array(kinds) == kind], cloud_good[np.array(kinds) == kind])
+        for kind in sorted(set(kinds))
+    }
+    return TaskResults(
+        task="lm-traffic",
+        edge_model="tierline/lm-edge",
+        cloud_model="tierline/lm-cloud",
+        prompt_tokens=np.array([len(p) for p in prompts], dtype=np.float64),
+        edge_good=edge_good,
+        cloud_good=cloud_good,
+        agrees=np.array(agrees, dtype=bool),
+        **run.columns(),
+        probe_projection=tied_embedding_projection(layout),
+        extra={
+            "quality_measure": "easy: the rest of the line exactly; hard: top-1 agreement with the reference over "
+            f"its first {NEXT_TOKENS} tokens",
+            "kinds": dict(sorted(Counter(kinds).items())),
+            "by_kind": by_kind,
+        },
+        prompt_texts=[str(item.body["prompt"]) for item in items],
+        kinds=kinds,
     )
 
 

@@ -24,12 +24,13 @@ model              the served model id; --model matches it or its last part (lm-
 signals            the edge's confidence signals: {", ".join(LM_SIGNALS)} (LMs),
                    {", ".join(CLASSIFIER_SIGNALS)} (classifiers)
 prompt_tokens      the prompt's length in tokens, or null (classifiers)
-edge_good          whether the edge model's answer was right
-cloud_good         whether the cloud model's answer was right
+edge_good          whether the edge model's answer was right, or a graded quality from 0.0 to 1.0
+cloud_good         whether the cloud model's answer was right, or a graded quality from 0.0 to 1.0
 agrees_with_cloud  whether the edge's answer was the cloud's (what the learned router predicts)
 probe              optional: {{"input": "pixels" or "mean_logits", "values": [...]}}, the hidden-state
                    probe's input (mean_logits: the mean of the generated tokens' logits; with --model-dir
                    the probe is fitted on the hidden state they come from)
+kind               optional: the kind of request (the policy's promise is also given per kind)
 \b
 Every signal, and a learned router over all of them (plus prompt_tokens), is tried, and the hidden-state probe
 (hidden_probe) when every row has a probe; the one that answers

@@ -57,6 +57,7 @@ class ValidationSet:
     # row carries one.
     probe_inputs: np.ndarray | None = None
     probe_input: str | None = None
+    kinds: np.ndarray | None = None  # per item, the kind of request (rows' optional ``kind``), when every row has one
 
     def __len__(self) -> int:
         return len(self.edge_good)
@@ -67,23 +68,31 @@ def validation_row(
     signals: dict[str, float],
     prompt_tokens: int | None,
     *,
-    edge_good: bool,
-    cloud_good: bool,
+    edge_good: bool | float,
+    cloud_good: bool | float,
     agrees_with_cloud: bool,
     probe: tuple[str, np.ndarray] | None = None,
 ) -> dict[str, Any]:
-    """One line of the ``--data`` format; ``probe``: the hidden-state probe's input kind and values (optional)."""
+    """One line of the ``--data`` format; ``probe``: the hidden-state probe's input kind and values (optional).
+    ``edge_good``/``cloud_good``: right or wrong, or a graded quality in [0, 1] (a float)."""
     row: dict[str, Any] = {
         "model": model,
         "signals": {k: float(v) for k, v in signals.items()},
         PROMPT_TOKENS: prompt_tokens,
-        "edge_good": bool(edge_good),
-        "cloud_good": bool(cloud_good),
+        "edge_good": _good(edge_good),
+        "cloud_good": _good(cloud_good),
         "agrees_with_cloud": bool(agrees_with_cloud),
     }
     if probe is not None:
         row["probe"] = {"input": probe[0], "values": [float(v) for v in np.asarray(probe[1]).reshape(-1)]}
     return row
+
+
+def _good(value: bool | float | np.bool_ | np.floating[Any]) -> bool | float:
+    """A tier's quality on an item as JSON: a bool stays a bool, a graded quality a float."""
+    if isinstance(value, bool | np.bool_):
+        return bool(value)
+    return float(value)
 
 
 def _is_number(value: object) -> bool:
@@ -107,9 +116,16 @@ def _parse_row(line: str, where: str) -> dict[str, Any]:
     signals = row.get("signals")
     if not isinstance(signals, dict) or not all(_is_number(v) for v in signals.values()):
         raise ConfigurationError(f"{where}: 'signals' must be an object of finite numbers")
-    for key in ("edge_good", "cloud_good", "agrees_with_cloud"):
-        if not isinstance(row.get(key), bool):
-            raise ConfigurationError(f"{where}: '{key}' must be true or false")
+    for key in ("edge_good", "cloud_good"):
+        value = row.get(key)
+        if not isinstance(value, bool) and not (isinstance(value, float) and _is_number(value) and 0 <= value <= 1):
+            raise ConfigurationError(
+                f"{where}: '{key}' must be true or false, or a graded quality from 0.0 to 1.0 (a number with a point)"
+            )
+    if not isinstance(row.get("agrees_with_cloud"), bool):
+        raise ConfigurationError(f"{where}: 'agrees_with_cloud' must be true or false")
+    if "kind" in row and not isinstance(row["kind"], str):
+        raise ConfigurationError(f"{where}: 'kind' must be a string")
     tokens = row.get(PROMPT_TOKENS)
     if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0):
         raise ConfigurationError(f"{where}: '{PROMPT_TOKENS}' must be a non-negative integer or null")
@@ -152,15 +168,18 @@ def read_validation(path: Path, model: str) -> ValidationSet:
     tokens = [r.get(PROMPT_TOKENS) for r in mine]
     probes: list[dict[str, Any]] = [r["probe"] for r in mine if r.get("probe") is not None]
     same_probe = len(probes) == len(mine) and len({(p["input"], len(p["values"])) for p in probes}) == 1
+    graded = any(not isinstance(r[k], bool) for r in mine for k in ("edge_good", "cloud_good"))
+    kinds = [r.get("kind") for r in mine]
     return ValidationSet(
         model=ids[0],
         signals={s: np.array([r["signals"][s] for r in mine], dtype=np.float64) for s in known},
         prompt_tokens=np.array(tokens, dtype=np.float64) if all(t is not None for t in tokens) else None,
-        edge_good=np.array([r["edge_good"] for r in mine]),
-        cloud_good=np.array([r["cloud_good"] for r in mine]),
+        edge_good=np.array([r["edge_good"] for r in mine], dtype=np.float64 if graded else bool),
+        cloud_good=np.array([r["cloud_good"] for r in mine], dtype=np.float64 if graded else bool),
         agrees=np.array([r["agrees_with_cloud"] for r in mine]),
         probe_inputs=np.array([p["values"] for p in probes], dtype=np.float64) if same_probe else None,
         probe_input=probes[0]["input"] if same_probe else None,
+        kinds=np.array(kinds, dtype=str) if all(isinstance(k, str) for k in kinds) else None,
     )
 
 
@@ -273,7 +292,8 @@ def calibrate(
     threshold = (
         best.threshold if math.isfinite(best.threshold) else float(np.nextafter(confidences[best.signal].max(), np.inf))
     )
-    calibration = {
+    local = np.asarray(confidences[best.signal], dtype=np.float64) >= threshold
+    calibration: dict[str, Any] = {
         "max_quality_loss": max_quality_loss,
         "num_items": len(data),
         "calibrated_at": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -287,6 +307,14 @@ def calibrate(
             for c in ranking
         },
     }
+    if data.kinds is not None:  # the promise per kind of request: what a live rate per kind is checked against
+        calibration["by_kind"] = {
+            str(kind): {
+                "num_items": int((data.kinds == kind).sum()),
+                "edge_share": float(local[data.kinds == kind].mean()),
+            }
+            for kind in sorted(set(data.kinds.tolist()))
+        }
     policy = EdgePolicy(
         model=data.model,
         signal=ROUTER if best.signal in routers else best.signal,

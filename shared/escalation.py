@@ -256,24 +256,47 @@ def classifier_signals(logits: np.ndarray) -> dict[str, np.ndarray]:
 
 @dataclass(slots=True)
 class LearnedRouter:
-    """Logistic regression over standardised features; ``confidence`` = P(local answer is good)."""
+    """Logistic regression over standardised features; ``confidence`` = P(local answer is good).
+
+    ``low``/``high``: each feature's range on the items it was fitted on. A feature outside it is clipped to it
+    before weighting: a linear model extrapolates without bound, and a request unlike any calibration item (a
+    3-token prompt against prompts of ~125 tokens, 10 standard deviations away) would otherwise drive the
+    confidence to an extreme the calibration never saw. ``None`` (a router stored before the range was kept):
+    no clipping, as it was fitted."""
 
     features: list[str]
     weights: list[float]
     bias: float
     mean: list[float]
     std: list[float]
+    low: list[float] | None = None
+    high: list[float] | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.features)
+        for name in ("weights", "mean", "std", "low", "high"):
+            values = getattr(self, name)
+            if values is not None and len(values) != n:
+                raise ConfigurationError(f"learned router: {len(values)} {name} for {n} features")
+
+    def _clip(self, x: np.ndarray) -> np.ndarray:
+        if self.low is not None:
+            x = np.maximum(x, np.array(self.low, dtype=np.float64))
+        if self.high is not None:
+            x = np.minimum(x, np.array(self.high, dtype=np.float64))
+        return x
 
     def confidence(self, values: dict[str, float]) -> float:
         try:
             x = np.array([values[f] for f in self.features], dtype=np.float64)
         except KeyError as exc:
             raise ConfigurationError(f"learned router needs signal {exc.args[0]!r}") from exc
+        x = self._clip(x)
         z = float(((x - np.array(self.mean)) / np.array(self.std)) @ np.array(self.weights) + self.bias)
         return 1.0 / (1.0 + math.exp(-max(min(z, 60.0), -60.0)))
 
     def confidences(self, table: dict[str, np.ndarray]) -> np.ndarray:
-        x = np.stack([np.asarray(table[f], dtype=np.float64) for f in self.features], axis=1)
+        x = self._clip(np.stack([np.asarray(table[f], dtype=np.float64) for f in self.features], axis=1))
         z = ((x - np.array(self.mean)) / np.array(self.std)) @ np.array(self.weights) + self.bias
         return 1.0 / (1.0 + np.exp(-np.clip(z, -60.0, 60.0)))
 
@@ -281,7 +304,8 @@ class LearnedRouter:
 def fit_router(
     table: dict[str, np.ndarray], good: np.ndarray, features: list[str], l2: float = 1e-2, steps: int = 500
 ) -> LearnedRouter:
-    """Fit the router by full-batch gradient descent with L2 (no scikit-learn on devices)."""
+    """Fit the router by full-batch gradient descent with L2 (no scikit-learn on devices); it keeps each feature's
+    range on these items (``LearnedRouter.low``/``high``) to clip new inputs to."""
     x = np.stack([np.asarray(table[f], dtype=np.float64) for f in features], axis=1)
     y = np.asarray(good, dtype=np.float64)
     mean, std = x.mean(axis=0), x.std(axis=0)
@@ -295,7 +319,9 @@ def fit_router(
         g = p - y
         w -= lr * (xs.T @ g / len(y) + l2 * w)
         b -= lr * float(g.mean())
-    return LearnedRouter(features, w.tolist(), b, mean.tolist(), std.tolist())
+    return LearnedRouter(
+        features, w.tolist(), b, mean.tolist(), std.tolist(), x.min(axis=0).tolist(), x.max(axis=0).tolist()
+    )
 
 
 def fit_router_cv(

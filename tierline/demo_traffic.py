@@ -6,11 +6,15 @@ Requests are built from data no model was trained on: line starts from the held-
 
 - ``easy``: complete a line given the file's preceding lines (a few hundred characters of context) and the
   line's first half, at most 16 tokens, stopping at the newline: what the device is good at;
-- ``hard``: continue a file from two of its lines only, 48 tokens: little to go on, so the policy's confidence
-  signal escalates many of them; one in three carries ``quality: "high"`` (a client marking a request that
-  matters, which goes to the cloud at once);
+- ``hard``: continue a file from two of its lines only, 48 tokens: little to go on; one in three carries
+  ``quality: "high"`` (a client marking a request that matters, which goes to the cloud at once, whatever the
+  policy says);
 - ``digits``: one held-out 8x8 digit to ``tierline/digits-small`` on ``/v1/inference``; a low-confidence
   one is answered by the cloud's larger classifier.
+
+The LM requests come from ``lm_items``, the one generator of demo LM requests: the demo's escalation policy is
+calibrated on the same requests (``policy_items``, the ``lm-traffic`` task of ``tierline bench cascade``), so the
+share it promises on the edge is the share of these requests it keeps there (``tierline policies list`` shows both).
 
 Arrivals are a Poisson process at ``--rate`` per second with at most ``--concurrency`` requests in flight (an
 arrival waits for a free slot, so the achieved rate is reported). The agent decides each request's tier; its
@@ -47,6 +51,8 @@ EASY_CONTEXT_CHARS = 360  # about 120 tokens of the zoo's tokenizer: inside ever
 HARD_CONTEXT_LINES = 2
 MIN_LINE_CHARS = 8
 MAX_LINE_CHARS = 80
+HARD_REFERENCE_CHARS = 400  # of the file after a hard prompt: the reference its first tokens are graded on
+HARD_QUALITY_HIGH_SHARE = 1 / 3  # of hard requests carry ``quality: "high"``
 REQUEST_TIMEOUT_S = 120.0
 DRAIN_S = 60.0  # how long in-flight requests may finish after the duration
 TTY_REFRESH_S = 0.5
@@ -59,6 +65,9 @@ class Item:
     path: str
     body: dict[str, Any]
     label: int | None = None  # a digit's true class
+    # An LM request's reference, what the file holds after the prompt (calibration grades the tiers on it): easy,
+    # the rest of the line; hard, the text that follows the two lines.
+    reference: str | None = None
 
 
 @dataclass(slots=True)
@@ -246,7 +255,10 @@ def prompt_fits(zoo: Path, model: str) -> Callable[[str, int], bool]:
 def lm_items(
     model: str, rng: random.Random, count: int, fits: Callable[[str, int], bool] | None = None
 ) -> tuple[list[Item], list[Item]]:
-    """``count`` easy and ``count`` hard line-completion requests from the held-out standard-library files."""
+    """``count`` easy and ``count`` hard line-completion requests from the held-out standard-library files, each
+    with its reference (``Item.reference``). The one generator of demo LM requests: ``demo traffic`` sends them and
+    the ``lm-traffic`` calibration task (``bench.cascade_tasks.run_lm_traffic``) runs both tiers on them, so the
+    demo's policy is calibrated on the traffic it is promised for."""
     from shared.zoo.corpus import held_out_files
 
     fits = fits or (lambda prompt, max_tokens: True)
@@ -271,7 +283,7 @@ def lm_items(
                 head = line[: len(line) - len(line.lstrip()) + len(line.strip()) // 2]
                 body = {"model": model, "prompt": context + head, "max_tokens": 16, "temperature": 0, "stop": ["\n"]}
                 if fits(context + head, 16):
-                    easy.append(Item("easy", "/v1/completions", body))
+                    easy.append(Item("easy", "/v1/completions", body, reference=line[len(head) :]))
         if len(hard) < count:
             j = rng.randrange(0, max(1, len(lines) - HARD_CONTEXT_LINES))
             start = "".join(lines[j : j + HARD_CONTEXT_LINES])
@@ -279,8 +291,41 @@ def lm_items(
                 body = {"model": model, "prompt": start, "max_tokens": 48, "temperature": 0}
                 if len(hard) % 3 == 2:
                     body["quality"] = "high"
-                hard.append(Item("hard", "/v1/completions", body))
+                following = "".join(lines[j + HARD_CONTEXT_LINES :])[:HARD_REFERENCE_CHARS]
+                hard.append(Item("hard", "/v1/completions", body, reference=following))
     return easy, hard
+
+
+def policy_shares(mix: dict[str, float]) -> dict[str, float]:
+    """The shares of the LM requests the edge's policy decides under ``mix``: easy, and the hard requests without
+    ``quality: "high"`` (one in three hard requests carries it and goes to the cloud whatever the policy says);
+    digits are another model's. Empty when the mix has no LM kind."""
+    weights = {"easy": mix.get("easy", 0.0), "hard": mix.get("hard", 0.0) * (1 - HARD_QUALITY_HIGH_SHARE)}
+    total = sum(weights.values())
+    return {k: round(w / total, 4) for k, w in weights.items() if w > 0} if total > 0 else {}
+
+
+def policy_items(
+    model: str,
+    rng: random.Random,
+    num_items: int,
+    fits: Callable[[str, int], bool] | None = None,
+    mix: dict[str, float] | None = None,
+) -> list[Item]:
+    """``num_items`` requests of ``lm_items`` that the edge's policy decides, in ``mix``'s shares
+    (``policy_shares``; default the traffic's ``DEFAULT_MIX``), shuffled: what the demo policy is calibrated on.
+    Requests with ``quality: "high"`` are left out (the request, not the policy, sends them to the cloud)."""
+    shares = policy_shares(mix if mix is not None else parse_mix(DEFAULT_MIX))
+    want = {kind: round(num_items * share) for kind, share in shares.items()}
+    if want and sum(want.values()) != num_items:  # rounding: the first kind takes the difference
+        first = next(iter(want))
+        want[first] += num_items - sum(want.values())
+    count = max(want.get("easy", 0), math.ceil(want.get("hard", 0) / (1 - HARD_QUALITY_HIGH_SHARE)) + 1)
+    easy, hard = lm_items(model, rng, count, fits)
+    decided = [item for item in hard if item.body.get("quality") != "high"]
+    items = easy[: want.get("easy", 0)] + decided[: want.get("hard", 0)]
+    rng.shuffle(items)
+    return items
 
 
 def digits_items(zoo: Path) -> list[Item]:

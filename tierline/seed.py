@@ -57,11 +57,15 @@ ZOO_PAIRS = {
 EDGE_EXPORTS = {"lm-edge": ("lm-edge-onnx", "lm-edge-onnx-int8", "lm-edge-tflite")}
 EDGE_ALIAS = "edge"
 MAX_QUALITY_LOSS = 0.01  # the demo policies' bound: one point below cloud-only quality
-# Held-out LM line starts for the calibration data, per preset (half of them are the validation half).
-VALIDATION_LINES = {"tiny": 60, "demo": 160}
-# The cascade tasks whose validation items calibrate the policies of EDGE_MODELS (the graded next-token tasks
-# export no rows, and digits-micro's pair is not served here): running only these keeps the first start short.
-VALIDATION_TASKS = ("digits", "lm")
+# Demo LM requests for the calibration data, per preset (half of them are the validation half the policy is
+# calibrated on): 300 demo validation items put two standard errors of the promised edge share at about 0.05, and
+# the first start's calibration at about 4 minutes on a busy 2-core host (docs/routing.md).
+VALIDATION_LINES = {"tiny": 60, "demo": 600}
+# The cascade tasks whose validation items calibrate the policies of EDGE_MODELS: ``lm-traffic`` is the demo's own
+# traffic (``tierline demo traffic``'s generator, run through the agent's code), so ``tierline/lm-edge``'s promise
+# is about the requests it will decide (the graded next-token benchmarks export no rows, and digits-micro's pair is
+# not served here). Running only these keeps the first start short.
+VALIDATION_TASKS = ("digits", "lm-traffic")
 
 
 @dataclass(slots=True)

@@ -17,7 +17,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from sqlmodel import Session
 
 from console.pages.charts import CurveChart, quality_curve_chart
-from controlplane.policies import service
+from controlplane.policies import live, service
 from shared.errors import ConfigurationError
 from shared.escalation import EdgePolicy, load_policy
 from shared.settings import CoreSettings
@@ -49,6 +49,7 @@ class PolicyView:
     version: int | None = None  # the registry's version shown (None: a device-local file)
     target: str = ""  # the devices it goes to
     versions: tuple[dict[str, Any], ...] = ()  # the registry's versions, newest first (policy_json)
+    live: live.LiveRate | None = None  # the newest version's promise beside what the devices did (registry only)
 
     @property
     def calibration(self) -> dict[str, Any]:
@@ -84,6 +85,7 @@ def registry_view(session: Session, model: str) -> PolicyView | None:
         version=latest.version,
         target=describe(latest.target),
         versions=tuple({**service.policy_json(r), "target": describe(r.target)} for r in rows[:MAX_POLICIES]),
+        live=live.live_rate(session, name, policy=latest),
     )
 
 

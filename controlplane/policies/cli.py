@@ -154,20 +154,30 @@ def set_operating_point(model: str, max_quality_loss: float, target: tuple[str, 
 @click.option("--model", default=None, help="only this model's versions")
 @click.option("--json", "as_json", is_flag=True)
 def list_command(model: str | None, as_json: bool) -> None:
-    """Policy versions, newest first per model."""
-    from controlplane.policies import service
+    """Policy versions, newest first per model; under each model's newest version, its promise beside the live
+    rate: the edge share of the requests the policy decided over the last 15 minutes, and every escalation reason
+    (from the usage the devices synced; ``controlplane.policies.live``)."""
+    from controlplane.policies import live, service
     from controlplane.storage.session import session_scope
 
     with session_scope() as session:
         names = [service.resolve_model(session, model)] if model else service.models(session)
-        rows = [r for name in names for r in service.versions_of(session, name)]
+        out = []
+        for name in names:
+            rows = service.versions_of(session, name)
+            rate = live.live_rate(session, name, policy=rows[0]) if rows else None
+            for i, row in enumerate(rows):
+                if as_json:
+                    out.append({**service.policy_json(row), **({"live": rate.to_json()} if i == 0 and rate else {})})
+                    continue
+                _echo(row)
+                if i == 0 and rate is not None:
+                    click.echo(f"  {rate.line()}")
         if as_json:
-            click.echo(json.dumps([service.policy_json(r) for r in rows], indent=2))
+            click.echo(json.dumps(out, indent=2))
             return
-        if not rows:
+        if not names or not any(service.versions_of(session, n) for n in names):
             click.echo("no escalation policies (tierline policies calibrate --model X --data FILE)")
-        for row in rows:
-            _echo(row)
 
 
 @policies.command("show")

@@ -164,6 +164,20 @@ class Agreement:
     def upper_bound(self) -> float:
         return wilson_upper(self.num_agreements, self.num_samples)
 
+    @property
+    def min_samples(self) -> int:
+        return MIN_SAMPLES
+
+    @property
+    def verdict(self) -> str:
+        """``below`` (an alert's condition: below the promise with 99 % confidence), ``consistent`` (not shown to
+        be below), ``too-few`` (under ``MIN_SAMPLES``: no verdict yet, whatever the share) or ``no-promise``."""
+        if self.promised is None:
+            return "no-promise"
+        if self.num_samples < MIN_SAMPLES:
+            return "too-few"
+        return "below" if is_below_promise(self.num_agreements, self.num_samples, self.promised) else "consistent"
+
 
 def agreement_table(session: Session, model: str | None = None) -> list[Agreement]:
     """Every group's counts (newest policy versions first), with the promise of its version."""

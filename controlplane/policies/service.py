@@ -291,7 +291,7 @@ def move_operating_point(
     policy = EdgePolicy.from_json(latest.policy)
     threshold, share, quality = operating_point(policy.calibration, loss)
     calibration = {
-        **policy.calibration,
+        **{k: v for k, v in policy.calibration.items() if k != "by_kind"},  # the per-kind shares were the old point's
         "max_quality_loss": loss,
         "edge_share": share,
         "quality": quality,

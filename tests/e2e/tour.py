@@ -22,6 +22,7 @@ from sqlmodel import Session, col, select
 from controlplane.billing.pricing import Tokens, cost
 from controlplane.storage.tables import Device, Price, UsageRecord
 from tests.conftest import REPO, tierline_cmd
+from tests.e2e.promise import lm_policy_keeps_its_promise
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking"]
@@ -91,6 +92,7 @@ def demo_traffic_reaches_ledger_and_console(env: dict[str, str], info: dict[str,
         tiers = ("shadow", "cloud") if r.tier == "shadow" else (r.tier,)
         assert price.model == r.model and price.tier in tiers, (r.model, r.tier, price.model, price.tier)
         assert r.cost == cost(price, Tokens(r.prompt_tokens, r.completion_tokens, r.cached_prompt_tokens))
+    print("lm policy live:", json.dumps(lm_policy_keeps_its_promise(env, summary)))
     edge_price = next(p for p in prices.values() if p.model == "tierline/lm-edge-onnx-int8")
     cloud_price = next(p for p in prices.values() if p.model == "tierline/lm-cloud")
     assert edge_price.completion_per_mtok < cloud_price.completion_per_mtok
