@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -47,13 +48,14 @@ from cloud.observability import Metrics
 from cloud.quality_monitor import ShadowIntake
 from cloud.registry_models import CACHE_DIR, RegistryModels, is_enabled, parse_names
 from cloud.responses import respond
+from cloud.responses_route import responses_route
 from cloud.settings import CloudSettings
 from cloud.tenant_routes import TENANT_ROUTES
 from cloud.tensor_models import CACHE_DIR as TENSOR_CACHE_DIR
 from cloud.tensor_models import BatchSettings, TensorPool, TensorRegistry, unknown_model
 from cloud.webhooks import WebhookStore
 from controlplane.billing.budgets import PriceBook
-from controlplane.fleet.devices import UsageWindow
+from controlplane.fleet.devices import UsageBounds, UsageWindow
 from controlplane.registry.store import store_from_settings
 from controlplane.storage.migrate import is_up_to_date
 from controlplane.storage.session import get_db
@@ -63,7 +65,15 @@ from shared.artifacts import load_public_key, public_path
 from shared.errors import AuthenticationError, ServiceUnavailableError
 from shared.http import StreamingOperation, error_responses
 from shared.logs import server_request_id
-from shared.openai_schema import JOB_FIELDS, AsyncJobFields, ChatCompletionRequest, CompletionRequest, InferenceRequest
+from shared.openai_schema import (
+    JOB_FIELDS,
+    AsyncJobFields,
+    ChatCompletionRequest,
+    CompletionRequest,
+    InferenceRequest,
+    check_end_user,
+)
+from shared.request_body import BoundedRequest
 from shared.service_app import create_service_app, typed_state
 from shared.settings import CoreSettings, DatabaseSettings
 
@@ -77,7 +87,9 @@ class CloudState:
     pool: EnginePool
     tensors: TensorPool
     catalog: list[ServedModel]
-    metrics: Metrics
+    # Not "metrics": a dependency's name must not be a body field's (the device's sync reports ``metrics``), or
+    # Litestar answers that field's validation error as a server error (a failed dependency), a 500.
+    observed: Metrics
     idempotency: IdempotencyStore
     jwt: JwtVerifier | None
     auth_cache: AuthCache
@@ -102,6 +114,20 @@ def _catalog(
     upstream = [ServedModel(m, "causal-lm", "", 0) for m in remote.model_ids()] if remote is not None else []
     tensor = [ServedModel(name, "tensor", sha, created) for name, sha, created in tensors.catalog()]
     return [*catalog, *registry_catalog(pool.registry), *tensor, *upstream]
+
+
+def _zoo_contexts(root: Path) -> dict[str, int]:
+    """The context length of each of the zoo's LMs by model name (``tierline/<artifact>``), from its config.json:
+    what a device's usage of them may claim (``UsageBounds``) when the registry does not describe them."""
+    contexts: dict[str, int] = {}
+    artifacts = root / "artifacts"
+    for config in sorted(artifacts.glob("*/config.json")) if artifacts.is_dir() else []:
+        try:
+            length = int(json.loads(config.read_text())["max_position_embeddings"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        contexts[f"tierline/{config.parent.name}"] = length
+    return contexts
 
 
 def _lookup(db: Engine, verifier: JwtVerifier | None, secret: str) -> tuple[Tenant, ApiKey | None]:
@@ -135,8 +161,8 @@ async def require_caller(
         tenant, key = await auth_cache.load(digest, partial(asyncio.to_thread, _lookup, db, jwt, secret))
     else:
         tenant, key = await asyncio.to_thread(_lookup, db, jwt, secret)
-    subject = request.headers.get("x-tierline-subject")
-    return Caller(tenant=tenant, key=key, request_id=server_request_id(), subject=subject[:256] if subject else None)
+    subject = check_end_user(request.headers.get("x-tierline-subject"), "x-tierline-subject")
+    return Caller(tenant=tenant, key=key, request_id=server_request_id(), subject=subject)
 
 
 CALLER = {"caller": Provide(require_caller)}
@@ -178,9 +204,9 @@ def readyz(db: Engine, pool: EnginePool, completions: CompletionService) -> dict
 
 
 @get("/metrics", sync_to_thread=False, include_in_schema=False)
-def render_metrics(metrics: Metrics) -> Response[bytes]:
+def render_metrics(observed: Metrics) -> Response[bytes]:
     """Prometheus exposition."""
-    return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    return Response(observed.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 @get("/v1/models", dependencies=CALLER, sync_to_thread=False, security=BEARER, responses=error_responses(401))
@@ -358,6 +384,7 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
             checkpoint_tokens=settings.usage_checkpoint_tokens,
             checkpoint_ms=settings.usage_checkpoint_ms,
             pool_size=DatabaseSettings().database_pool_size,
+            durable=settings.usage_write_through,
         )
         usage.on_conflicts = observed.usage_id_conflicts.labels("cloud").inc
         await usage.start()
@@ -434,7 +461,7 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
                     pool=pool,
                     tensors=tensors,
                     catalog=catalog,
-                    metrics=observed,
+                    observed=observed,
                     idempotency=idempotency,
                     jwt=verifier,
                     auth_cache=auth_cache,
@@ -472,6 +499,15 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
                             settings.edge_shadow_share,
                             settings.edge_shadow_rows_per_minute,
                             settings.edge_shadow_tokens_per_minute,
+                            share_window_s=settings.edge_shadow_share_window_s,
+                            share_floor=settings.edge_shadow_share_floor,
+                        ),
+                        bounds=UsageBounds(
+                            default_context=settings.edge_usage_default_context,
+                            max_sequences=settings.edge_usage_max_sequences,
+                            max_tokens_per_s=settings.edge_usage_max_tokens_per_s,
+                            burst_tokens=settings.edge_usage_burst_tokens,
+                            contexts=_zoo_contexts(root),
                         ),
                     ),
                 )
@@ -496,6 +532,7 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
             chat_completions,
             completions,
             inference,
+            responses_route(INFERENCE_CALLER, CloudState, _idempotent),
             Router("/", route_handlers=[*JOB_ROUTES, *TENANT_ROUTES], dependencies=CALLER, security=BEARER),
             *EDGE_ROUTES,
             *ARTIFACT_ROUTES,
@@ -505,6 +542,7 @@ def create_app(db: Engine | None = None, zoo_root: Path | None = None) -> Litest
         on_response=observed.count_response,
         signature_namespace={"CompletionService": CompletionService},  # named only for type checking there
         request_max_body_size=settings.max_body_bytes,
+        request_class=BoundedRequest,
         openapi_config=OpenAPIConfig(
             title="tierline cloud API",
             version="1",

@@ -33,7 +33,7 @@ from cloud.shadow import Mirror
 from controlplane.billing.budgets import BudgetHold, PriceBook
 from controlplane.billing.ledger import NewUsage
 from controlplane.billing.pricing import Tokens
-from controlplane.billing.scopes import MAX_SUBJECT_LEN, Attribution
+from controlplane.billing.scopes import Attribution
 from controlplane.storage.tables import ApiKey, Tenant
 from shared.errors import (
     ApplicationError,
@@ -43,7 +43,7 @@ from shared.errors import (
     ValidationError,
 )
 from shared.openai_responses import SSE_DONE, chat_logprob, completion_logprobs, sse
-from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
+from shared.openai_schema import MAX_INT32, ChatCompletionRequest, CompletionRequest, InferenceRequest
 from shared.structured import grammar_of
 from shared.tools import StreamParser, template_messages
 from shared.tools import grammar as chat_grammar
@@ -106,6 +106,11 @@ def _check_parameters(parameters: dict[str, Any]) -> None:
             raise ValidationError(f"parameters.{name}: {exc.errors()[0]['msg']}", param=f"parameters.{name}") from None
 
 
+def _is_token_ids(value: Any) -> bool:
+    """A non-empty list of token ids as the engine takes them: integers (``type`` is: not booleans) in 32 bits."""
+    return isinstance(value, list) and bool(value) and all(type(t) is int and 0 <= t <= MAX_INT32 for t in value)
+
+
 class Metered(Protocol):
     """What billing needs of the model that served a request: an engine here (``ServedLM``) or an upstream server
     (``cloud.backends.upstream.RemoteLM``)."""
@@ -145,9 +150,9 @@ class Caller:
 
     @property
     def end_user(self) -> str | None:
-        """Whose end-user budget the request counts against: x-tierline-subject, else the request's user."""
-        subject = self.subject or self.user
-        return subject[:MAX_SUBJECT_LEN] if subject else None
+        """Whose end-user budget the request counts against: x-tierline-subject, else the request's user (both are
+        refused above ``MAX_END_USER_LEN`` characters, never cut)."""
+        return self.subject or self.user or None
 
 
 class RemoteModels(Protocol):
@@ -477,8 +482,8 @@ class CompletionService:
             ttft_s,
             meter.engine_s,
         )
-        if not written:
-            self.usage.enqueue(record)
+        if not written:  # committed before the answer is sent: a kill -9 right after it loses no record
+            await self.usage.store(record)
 
     def _record(
         self,
@@ -744,12 +749,18 @@ class CompletionService:
                 param="model_id",
             )
         _check_parameters(req.parameters)
-        if not all(isinstance(p, str) or (isinstance(p, list) and p) for p in req.inputs):
-            raise ValidationError("inputs: each input must be a prompt string or a list of token ids", param="inputs")
+        if not all(isinstance(p, str) or _is_token_ids(p) for p in req.inputs):
+            raise ValidationError(
+                f"inputs: each input must be a prompt string or a non-empty list of token ids (integers in "
+                f"[0, {MAX_INT32}])",
+                param="inputs",
+            )
         try:
             params = SamplingParams(**req.parameters)
         except TypeError as exc:
             raise ValidationError(f"parameters: {exc}", param="parameters") from None
+        except ValidationError as exc:  # named as the request names it: parameters.<field>
+            raise ValidationError(f"parameters.{exc.message}", param=f"parameters.{exc.param}") from None
         prompts, meter = await self._admit(caller, served, list(req.inputs), params)
         final = await self._collect(served, caller, prompts, params, meter)
         return {

@@ -4,12 +4,16 @@
   device record and a device credential, returned once with the artifact-signing public key(s).
 - ``POST /v1/edge/sync``: device-authenticated; stores the outbox batch idempotently by record id and
   answers the device's desired model versions and escalation policies (those targeting it). The batch is
-  committed before the answer, so an agent that hears 200 may forget the batch.
+  committed before the answer, so an agent that hears 200 may forget the batch. A usage record beyond what the
+  device could have done (``controlplane.fleet.devices.UsageBounds``) is quarantined, not billed: counted in the
+  answer (``quarantined``) and in ``tierline_usage_quarantined_total``, logged, and sent to the tenant's webhook
+  as a ``usage.quarantined`` event.
 - ``POST /v1/edge/escalate``: device-authenticated inference on the cloud's models, billed to the device's
   tenant (tier ``cloud``, the escalation reason recorded) under a usage id the cloud chooses and returns in
   ``x-tierline-usage-id``; the agent records no usage of its own for an escalated request.
-- ``POST /v1/edge/shadow``: device-authenticated, rate-bounded; edge-answered inputs (classifier rows, or LM prompts
-  and generated token ids) answered again by the cloud for the live quality monitor, billed as ``shadow`` usage
+- ``POST /v1/edge/shadow``: device-authenticated, rate-bounded, held against the tenant's shadow share and against
+  every budget the device's traffic counts against; edge-answered inputs (classifier rows, or LM prompts and
+  generated token ids) answered again by the cloud for the live quality monitor, billed as ``shadow`` usage
   (``cloud.quality_monitor``).
 """
 
@@ -36,11 +40,12 @@ from cloud.budget_watch import BudgetAlerts
 from cloud.quality_monitor import ShadowIntake
 from cloud.responses import respond
 from cloud.tensor_models import TensorPool
+from cloud.webhooks import WebhookStore
 from controlplane.billing import credit
 from controlplane.billing.budgets import PriceBook, tightest
 from controlplane.billing.pricing import period_of
-from controlplane.billing.scopes import ATTRIBUTION_LABELS, Attribution, attribution_of
-from controlplane.fleet.devices import SyncCounts, UsageWindow, authenticate_device, enroll, ingest
+from controlplane.billing.scopes import ATTRIBUTION_LABELS, Attribution, attribution_of, end_users_config
+from controlplane.fleet.devices import SyncCounts, UsageBounds, UsageWindow, authenticate_device, enroll, ingest
 from controlplane.policies.service import desired_for as desired_policies
 from controlplane.registry.service import paired_models, pairings_for
 from controlplane.storage.tables import BudgetAlert, BudgetPeriod, Device, Tenant
@@ -67,6 +72,7 @@ if TYPE_CHECKING:  # the app names it for Litestar (signature_namespace): import
 
 logger = logging.getLogger(__name__)
 DEVICE_BEARER: list[dict[str, list[str]]] = [{"DeviceAuth": []}]
+USAGE_QUARANTINED = "usage.quarantined"  # the tenant event for device usage records held out of billing
 
 
 class DesiredState(Protocol):
@@ -109,6 +115,7 @@ class EdgeGateway:
     on_sync: Callable[[SyncCounts], None] | None = None  # told each sync's counts (Metrics.count_edge_sync)
     window: UsageWindow | None = None  # when a device's usage may have occurred (None: UsageWindow's defaults)
     shadow: ShadowIntake | None = None  # the quality monitor's shadow samples (None: refused)
+    bounds: UsageBounds | None = None  # what a device's usage may claim (None: UsageBounds's defaults)
 
     def enroll(self, data: EnrollRequest) -> EnrollResponse:
         with Session(self.db) as session:
@@ -180,6 +187,7 @@ class EdgeGateway:
                         self.prices,
                         window=self.window,
                         policies=data.policies,
+                        bounds=self.bounds,
                     )
                     device = session.get(Device, caller.device.id)
                     assert device is not None
@@ -202,6 +210,8 @@ class EdgeGateway:
         assert device is not None
         if self.on_sync is not None:
             self.on_sync(counts)
+        if counts.quarantined_ids:
+            self._alert_quarantined(caller, counts.quarantined_ids)
         allowance, fired = self._allowance(caller.device.id)
         desired = self.releases.desired(device)  # as updated now: the facts this sync reported count
         answer = SyncResponse(
@@ -209,17 +219,39 @@ class EdgeGateway:
             duplicates=counts.duplicates,
             conflicts=counts.conflicts,
             clamped=counts.clamped,
+            quarantined=counts.quarantined,
             desired=desired,
             policies=policies,
             pairings=self._pairings(desired),
             config={
                 "sync_interval_s": self.sync_interval_s,
                 "shadow_share": self.shadow.share_for(caller.tenant) if self.shadow is not None else 0.0,
+                "end_users": end_users_config(self.attribution(device)),  # whom its requests may name
             },
             server_time=time.time(),
             allowance=allowance,
         )
         return answer, fired
+
+    def _alert_quarantined(self, caller: DeviceCaller, ids: tuple[str, ...]) -> None:
+        """Tell the tenant (its webhook, ``usage.quarantined``) that records of its device were held out of billing;
+        the operator sees them in ``tierline billing quarantined`` and the metric. A failure is logged, never the
+        sync's (its records are stored). The sync handler wakes the dispatcher."""
+        tenant = caller.tenant
+        if not tenant.webhook_url or tenant.id is None:
+            return
+        payload = {
+            "id": f"uq_{ids[0]}",
+            "type": USAGE_QUARANTINED,
+            "created": int(time.time()),
+            "data": {"tenant": tenant.name, "device": caller.device.id, "count": len(ids), "records": list(ids[:20])},
+        }
+        try:
+            with Session(self.db) as session:
+                WebhookStore.enqueue_event(session, tenant.id, tenant.webhook_url, USAGE_QUARANTINED, payload)
+                session.commit()
+        except Exception:
+            logger.exception("queueing the usage.quarantined event of tenant %s failed", tenant.id)
 
     def _pairings(self, desired: list[DesiredModel]) -> list[ModelPairing]:
         """Which cloud model each edge model escalates to, from its registry model (``tierline models pair``):
@@ -251,7 +283,7 @@ async def sync(edge: EdgeGateway, device: DeviceCaller, data: SyncRequest) -> Sy
     """Heartbeat and outbox batch up (idempotent by record id); the device's desired state and its tenant's
     remaining allowance down."""
     answer, fired = await asyncio.to_thread(edge.sync, device, data)
-    if fired and edge.alerts.notify is not None:
+    if (fired or answer.quarantined) and edge.alerts.notify is not None:
         edge.alerts.notify()
     return answer
 
@@ -269,14 +301,21 @@ async def escalate(
 ) -> Response[Any]:
     """A request the device chose not to answer locally, served by the cloud and billed to its tenant; held
     against every budget a direct call would be: the tenant's and those of the device's attribution (its key,
-    project and end user; the request's ``user`` names the end user, else the device's ``billing.user``)."""
+    project and end user: the device's ``billing.user``; the request's ``user`` may name another end user only if
+    the device's enrollment allows it, ``billing.subjects=any``, else 403)."""
     from cloud.completions import Caller  # imports the engine (torch); the rest of this module does not
+    from controlplane.billing.scopes import device_end_user
+    from shared.errors import PermissionDeniedError
 
     if data.request_id is not None and not data.request_id.replace("-", "").replace("_", "").isalnum():
         raise ValidationError("request_id: letters, digits, '-' and '_' only", param="request_id")
     # Billed under an id the cloud chooses; the device's id is for correlation (logged) only.
     logger.info("escalation from %s (device request %s): %s", device.device.id, data.request_id, data.reason)
     attribution = await asyncio.to_thread(edge.attribution, device.device)
+    named = data.body.get("user") if data.endpoint != "inference" else None
+    end_user = device_end_user(attribution, named if isinstance(named, str) else None)
+    if end_user.is_refused:
+        raise PermissionDeniedError(end_user.refusal("body.user"), param="body.user", code="end_user_not_allowed")
     caller = Caller(
         tenant=device.tenant,
         key=None,

@@ -55,6 +55,7 @@ class UsageWriter:
         checkpoint_tokens: int = 0,
         checkpoint_ms: float = 0.0,
         pool_size: int = 10,
+        durable: bool = True,
     ) -> None:
         self.engine = engine
         self.postgres = AsyncPostgres(engine, pool_size) if engine.dialect.name == "postgresql" else None
@@ -64,6 +65,10 @@ class UsageWriter:
         self.max_batch = max_batch
         self._queue: asyncio.Queue[NewUsage] = asyncio.Queue()
         self._queued = asyncio.Event()  # set by enqueue: an idle writer sleeps until there is something to write
+        self._urgent = asyncio.Event()  # set by write_through: someone awaits the commit, flush without waiting
+        self._waiting: dict[str, asyncio.Future[None]] = {}  # record id -> the write_through awaiting its commit
+        self.durable_timeout_s = 2.0  # write_through gives up waiting (the record stays queued) after this
+        self.durable = durable  # store() commits a finished request's record before its answer goes out
         self._task: asyncio.Task[None] | None = None
         self.num_written = 0
         self.num_duplicates = 0
@@ -91,6 +96,35 @@ class UsageWriter:
     def enqueue(self, usage: NewUsage) -> None:
         self._queue.put_nowait(usage)
         self._queued.set()
+
+    async def store(self, usage: NewUsage) -> None:
+        """A finished request's record: committed before the caller answers (``write_through``) when
+        ``durable``, else queued (a ``kill -9`` within ``flush_interval_s`` would lose it)."""
+        if self.durable:
+            await self.write_through(usage)
+        else:
+            self.enqueue(usage)
+
+    async def write_through(self, usage: NewUsage) -> bool:
+        """Queue ``usage`` and return once it is committed (True), so a response sent after it is never without
+        its record, even if the process is killed the next moment. Records awaited together share one commit (the
+        writer flushes at once, taking every record queued by then). If the commit does not come within
+        ``durable_timeout_s`` (database down), False: the record stays queued and is retried, and the answer goes
+        out anyway (availability over billing, as for stream checkpoints)."""
+        done = asyncio.get_running_loop().create_future()
+        self._waiting[usage.id] = done
+        self.enqueue(usage)
+        self._urgent.set()
+        try:
+            await asyncio.wait_for(asyncio.shield(done), self.durable_timeout_s)
+            return True
+        except TimeoutError:
+            logger.warning(
+                "usage record %s not yet written after %.1fs; it stays queued", usage.id, self.durable_timeout_s
+            )
+            return False
+        finally:
+            self._waiting.pop(usage.id, None)
 
     # -- streamed requests: their usage so far is durable before their tokens are sent -------------------------
     @property
@@ -228,7 +262,10 @@ class UsageWriter:
             if self._queue.empty():  # nothing to write: no wake-up every interval while idle
                 self._queued.clear()
                 await self._queued.wait()
-            await asyncio.sleep(self.flush_interval_s)  # the interval's records, in one batch
+            if not self._urgent.is_set():  # the interval's records, in one batch, unless someone awaits a commit
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._urgent.wait(), self.flush_interval_s)
+            self._urgent.clear()
             try:
                 await self._flush()
             except Exception:
@@ -245,6 +282,10 @@ class UsageWriter:
                 for record in batch:
                     self._queue.put_nowait(record)
                 raise
+            for record in batch:  # committed (or refused and logged): whoever awaits it may answer now
+                waiter = self._waiting.get(record.id)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(None)
 
     def _write(self, batch: list[NewUsage]) -> None:
         try:

@@ -149,15 +149,23 @@ class Metrics:
             "Device usage records dated outside the accepted window, booked at its edge (reported_at kept)",
             registry=self.registry,
         )
+        self.usage_quarantined = Counter(
+            "tierline_usage_quarantined",
+            "Device usage records beyond what the device could have done (its model's context, its rate): stored "
+            "in usage_quarantine, not billed (tierline billing quarantined lists them)",
+            registry=self.registry,
+        )
         for source in ("cloud", "edge"):  # exposed at 0 from the start, so an alert on an increase works
             self.usage_id_conflicts.labels(source)
 
     def count_edge_sync(self, counts: SyncCounts) -> None:
-        """A device's sync: its conflicting and clamped usage records."""
+        """A device's sync: its conflicting, clamped and newly quarantined usage records."""
         if counts.conflicts:
             self.usage_id_conflicts.labels("edge").inc(counts.conflicts)
         if counts.clamped:
             self.usage_clamped.inc(counts.clamped)
+        if counts.quarantined_ids:
+            self.usage_quarantined.inc(len(counts.quarantined_ids))
 
     def watch(self, pool: EnginePool) -> None:
         self.registry.register(_EngineCollector(pool))

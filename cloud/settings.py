@@ -103,6 +103,11 @@ class CloudSettings(BaseSettings):
     usage_flush_ms: int = Field(
         200, ge=10, description="usage records are written this long after the first of a batch is queued"
     )
+    usage_write_through: bool = Field(
+        True,
+        description="a finished request's usage record is committed before its answer is sent (records awaited "
+        "together share one commit); false: queued, and a kill -9 within usage_flush_ms loses it",
+    )
     usage_checkpoint_tokens: int = Field(
         32,
         ge=0,
@@ -147,6 +152,26 @@ class CloudSettings(BaseSettings):
         3600.0,
         ge=0,
         description="... and one dated more than this before its device's enrollment is booked at that time",
+    )
+    edge_usage_default_context: int = Field(
+        131_072,
+        ge=1,
+        description="context length assumed for a device's model the registry does not describe (usage bounds)",
+    )
+    edge_usage_max_sequences: int = Field(
+        8, ge=1, description="prompts x choices one device usage record may hold (beyond: quarantined)"
+    )
+    edge_usage_max_tokens_per_s: float = Field(
+        100_000.0, gt=0, description="a device's synced tokens per second since its previous sync, at most"
+    )
+    edge_usage_burst_tokens: int = Field(
+        4_000_000, ge=0, description="tokens a sync may carry on top of that rate (a first sync, a short interval)"
+    )
+    edge_shadow_share_floor: int = Field(
+        8192, ge=0, description="shadow work a device may replay beyond its share of the edge work it reported"
+    )
+    edge_shadow_share_window_s: float = Field(
+        3600.0, gt=0, description="the window over which a device's shadow replays are held to its share"
     )
 
     def idempotency_lease(self) -> float:

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any, ClassVar, TypeAlias
 
 import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -26,15 +26,17 @@ from edge_agent.model_store import ModelStore
 from edge_agent.models import PREFIX, ServedModels
 from edge_agent.outbox import Outbox
 from edge_agent.policies import PAIRINGS_FILE, PairingBook, PolicyBook
+from edge_agent.responses_route import responses_route
 from edge_agent.settings import EdgeSettings, policy_dir, state_dir
 from edge_agent.shadow_sampler import ShadowSampler
 from edge_agent.tiering import Answer, Tiering, family
 from edge_agent.updater import HealthWatch, Updater
 from shared.artifacts import load_public_key, public_path
-from shared.edge_protocol import DesiredModel
+from shared.edge_protocol import MAX_USAGE_SUBJECT, Allowance, DesiredModel
 from shared.errors import AuthenticationError, ConfigurationError
 from shared.http import EventStream
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
+from shared.request_body import BoundedRequest
 from shared.service_app import create_service_app
 from shared.settings import CoreSettings
 
@@ -101,6 +103,24 @@ def list_models(served: ServedModels, _auth: None) -> dict[str, Any]:
     }
 
 
+class EdgeChatRequest(ChatCompletionRequest):
+    """A chat request as a device takes it: its end user id fits the device's usage records."""
+
+    max_end_user_len: ClassVar[int] = MAX_USAGE_SUBJECT
+
+
+class EdgeCompletionRequest(CompletionRequest):
+    """A completions request as a device takes it: its end user id fits the device's usage records."""
+
+    max_end_user_len: ClassVar[int] = MAX_USAGE_SUBJECT
+
+
+def _end_users(agent: Agent) -> dict[str, Any] | None:
+    """The cloud's rule for the end users this device's requests may name, as its last sync said (None: unknown)."""
+    rule = agent.last_sync.config.get("end_users") if agent.last_sync is not None else None
+    return rule if isinstance(rule, dict) else None
+
+
 def _respond(answer: Answer) -> Response[Any]:
     if isinstance(answer.body, dict):
         return Response(answer.body, status_code=answer.status_code, headers=answer.headers)
@@ -110,7 +130,7 @@ def _respond(answer: Answer) -> Response[Any]:
 
 @post("/v1/chat/completions", dependencies=LOCAL_AUTH, status_code=200)
 async def chat_completions(
-    request: Request[Any, Any, Any], tiering: TieringDependency, _auth: None, data: ChatCompletionRequest
+    request: Request[Any, Any, Any], tiering: TieringDependency, _auth: None, data: EdgeChatRequest
 ) -> Response[Any]:
     """OpenAI chat completions: answered on the device or escalated (``x-tierline-tier`` says which)."""
     subject = request.headers.get("x-tierline-subject")
@@ -119,7 +139,7 @@ async def chat_completions(
 
 @post("/v1/completions", dependencies=LOCAL_AUTH, status_code=200)
 async def completions(
-    request: Request[Any, Any, Any], tiering: TieringDependency, _auth: None, data: CompletionRequest
+    request: Request[Any, Any, Any], tiering: TieringDependency, _auth: None, data: EdgeCompletionRequest
 ) -> Response[Any]:
     """OpenAI completions: answered on the device or escalated (``x-tierline-tier`` says which)."""
     subject = request.headers.get("x-tierline-subject")
@@ -190,7 +210,7 @@ def create_app(settings: EdgeSettings) -> Litestar:
         outbox = Outbox(home / "outbox.sqlite3", settings.outbox_max_bytes)
         agent = Agent(outbox, AgentStats(served.versions()), None, 30.0)
         guard = AllowanceGuard(settings.on_quota_exhausted)
-        agent.on_allowance = guard.update
+        agent.on_allowance = guard.update  # and the shadow sampler, below
         agent.serving = served.serving
         tiering = Tiering(
             served.lms,
@@ -213,6 +233,13 @@ def create_app(settings: EdgeSettings) -> Litestar:
             lambda model: _cloud_version(book.sources(), model),
         )
         tiering.shadow = sampler
+        tiering.end_users = lambda: _end_users(agent)
+
+        def on_allowance(allowance: Allowance | None) -> None:  # a sync with budget left ends a shadow pause
+            guard.update(allowance)
+            sampler.on_allowance(allowance)
+
+        agent.on_allowance = on_allowance
         await sampler.start()
         enrollment = Enrollment(home, settings, served, agent, tiering, keys)
         if creds is not None:
@@ -229,9 +256,19 @@ def create_app(settings: EdgeSettings) -> Litestar:
             outbox.close()
 
     return create_service_app(
-        route_handlers=[readyz, metrics, agent_status, list_models, chat_completions, completions, inference],
+        route_handlers=[
+            readyz,
+            metrics,
+            agent_status,
+            list_models,
+            chat_completions,
+            completions,
+            inference,
+            responses_route(LOCAL_AUTH, EdgeChatRequest),
+        ],
         start=start,
         state_type=EdgeState,
+        request_class=BoundedRequest,
     )
 
 

@@ -196,6 +196,12 @@ class CloudLink:
             raise CloudUnavailableError("cloud-unreachable") from exc
         if r.status_code >= 500:
             raise CloudUnavailableError(f"cloud answered {r.status_code}")
+        if r.status_code >= 400:  # the sampler drops the batch (and pauses on 402, 403, 429): say why
+            try:
+                error = r.json()["error"]
+                logger.info("shadow batch refused (%d %s): %s", r.status_code, error.get("code"), error.get("message"))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                logger.info("shadow batch refused (%d)", r.status_code)
         return r.status_code
 
     async def sync(self, request: SyncRequest, attempts: int = 3) -> SyncResponse:

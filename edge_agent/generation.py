@@ -122,7 +122,8 @@ class LocalLM:
         """Blocking: run it in a worker thread. Holds the model until the iterator is exhausted or closed."""
         max_tokens = self.check(req)
         constraint = self.grammar_tokenizer().constraint(req.grammar) if req.grammar is not None else None
-        rng = np.random.default_rng(req.seed)
+        # numpy takes a non-negative seed: a negative one (OpenAI's range is signed 64-bit) as its two's complement.
+        rng = np.random.default_rng(req.seed % (1 << 64) if req.seed is not None else None)
         detok = IncrementalDetokenizer(self.tokenizer, req.stop)
         out: list[int] = []
         model = self.runtime.model_dir.name

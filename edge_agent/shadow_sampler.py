@@ -8,6 +8,11 @@ background (``POST /v1/edge/shadow``), so the cloud can answer them again and ch
   (the cloud is slow or unreachable) a new batch is dropped and counted, never the client's answer delayed.
 - A batch carries an id chosen here and is retried under it (the cloud bills it once); a refusal (4xx, such as
   the per-device rate bound) drops it.
+- A refusal that says the device may not replay now (429: a budget cannot cover the batch, ``insufficient_quota``,
+  or the tenant's shadow share or rate bound is used up; 403: replays are off; 402) also pauses sampling: nothing
+  is offered or sent for ``PAUSE_S`` seconds, doubling with each refusal up to ``MAX_PAUSE_S`` (back to
+  ``PAUSE_S`` after a batch is answered), or until the next sync says the allowance is back (``on_allowance``).
+  A refused batch is never retried, and an exhausted budget costs the cloud one refusal per pause, not a loop.
 - LM answers (``offer_lm``): only greedy, unconstrained generations (the calibration's promise is about the greedy
   answer; a sampled or grammar-forced one says nothing about it); the batch carries the prompt's token ids, the
   first ``MAX_SHADOW_TOKENS`` generated ids and the edge vocabulary's fingerprint, computed here in the background
@@ -21,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 import uuid
 import weakref
 from collections.abc import Callable
@@ -30,12 +36,15 @@ from typing import Any
 import numpy as np
 
 from edge_agent.cloud_link import CloudLink, CloudUnavailableError
-from shared.edge_protocol import MAX_SHADOW_ROWS, MAX_SHADOW_TOKENS, vocabulary_sha256
+from shared.edge_protocol import MAX_SHADOW_ROWS, MAX_SHADOW_TOKENS, Allowance, vocabulary_sha256
 
 logger = logging.getLogger(__name__)
 QUEUE_SIZE = 32
 ATTEMPTS = 3
 RETRY_S = 1.0
+PAUSE_S = 30.0
+MAX_PAUSE_S = 600.0
+PAUSING = frozenset({402, 403, 429})  # the device may not replay now: over a budget, its share or rate; or off
 
 
 @dataclass(slots=True)
@@ -45,6 +54,7 @@ class ShadowStats:
     dropped: int = 0
     refused: int = 0
     lm_offered: int = 0
+    paused: int = 0  # refusals that paused sampling
 
 
 class ShadowSampler:
@@ -57,11 +67,15 @@ class ShadowSampler:
         policy_version: Callable[[str], int | None],
         queue_size: int = QUEUE_SIZE,
         draw: Callable[[], float] = random.random,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.link = link
         self.share = share
         self.policy_version = policy_version
         self.draw = draw
+        self.clock = clock
+        self.paused_until = float("-inf")  # no batch is offered or sent before (a refusal's pause)
+        self._pause_s = PAUSE_S
         self.stats = ShadowStats()
         self._queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(queue_size)
         self._task: asyncio.Task[None] | None = None
@@ -74,7 +88,7 @@ class ShadowSampler:
         """Queue the edge-answered ``rows`` of one request (with the edge's logits and the policy's confidence)
         when this request is drawn; True when it was queued."""
         share = self.share()
-        if share <= 0 or len(rows) == 0 or self.link() is None:
+        if share <= 0 or len(rows) == 0 or self.link() is None or self.is_paused:
             return False
         version = self.policy_version(model)
         if version is None or self.draw() >= share:
@@ -107,7 +121,7 @@ class ShadowSampler:
         is drawn; ``tokenizer`` (the model's ``ChatTokenizer``) names the vocabulary the ids are in. True when queued.
         The caller offers greedy, unconstrained answers only."""
         share = self.share()
-        if share <= 0 or not prompt_ids or not tokens or self.link() is None:
+        if share <= 0 or not prompt_ids or not tokens or self.link() is None or self.is_paused:
             return False
         if (model, cloud_model) in self.unmonitorable:
             return False
@@ -132,6 +146,21 @@ class ShadowSampler:
             "occurred_at": at,
         }
         return self._put(batch)
+
+    @property
+    def is_paused(self) -> bool:
+        return self.clock() < self.paused_until
+
+    def on_allowance(self, allowance: Allowance | None) -> None:
+        """A sync's allowance: one that is not used up (or none: unlimited) ends a pause."""
+        if allowance is None or not allowance.is_exhausted:
+            self.paused_until = float("-inf")
+
+    def _pause(self, status: int) -> None:
+        self.stats.paused += 1
+        self.paused_until = self.clock() + self._pause_s
+        logger.warning("the cloud refused a shadow batch (%d): sampling paused for %.0fs", status, self._pause_s)
+        self._pause_s = min(MAX_PAUSE_S, self._pause_s * 2)
 
     def _put(self, batch: dict[str, Any]) -> bool:
         try:
@@ -172,7 +201,7 @@ class ShadowSampler:
             batch["vocabulary_sha256"] = await self._vocabulary(batch["vocabulary_sha256"])
         for attempt in range(ATTEMPTS):
             link = self.link()
-            if link is None:
+            if link is None or self.is_paused:  # queued before a refusal paused sampling: not sent
                 break
             try:
                 status = await link.shadow(batch)
@@ -181,9 +210,12 @@ class ShadowSampler:
                 continue
             if status == 200:
                 self.stats.sent += 1
+                self._pause_s = PAUSE_S
             else:
                 self.stats.refused += 1
                 logger.info("the cloud refused a shadow batch (%d); dropped", status)
+                if status in PAUSING:
+                    self._pause(status)
                 if status == 409 and "lm_samples" in batch:
                     self.unmonitorable.add((batch["model"], batch["cloud_model"]))
                     logger.warning(
@@ -203,5 +235,7 @@ class ShadowSampler:
             "dropped": self.stats.dropped,
             "refused": self.stats.refused,
             "lm_offered": self.stats.lm_offered,
+            "paused": self.stats.paused,
+            "paused_for_s": round(max(0.0, self.paused_until - self.clock()), 1),
             "unmonitorable": sorted(f"{m} -> {c}" for m, c in self.unmonitorable),
         }

@@ -50,7 +50,7 @@ from shared.edge_protocol import MAX_USAGE_SUBJECT, ModelPairing
 from shared.errors import ApplicationError, NotFoundError, ServiceUnavailableError, ValidationError
 from shared.escalation import COPY_SIGNALS, HIDDEN_PROBE, MODES, EdgePolicy, copy_signals
 from shared.logs import server_request_id
-from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
+from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest, check_end_user
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +122,9 @@ class Tiering:
     aliases: dict[str, str] = field(default_factory=dict)  # a plain model id -> the export's id it serves
     allowance: AllowanceGuard = field(default_factory=AllowanceGuard)
     shadow: ShadowSampler | None = None  # the quality monitor's: told the rows answered on the edge
+    # The cloud's rule for the end users this device's requests may name (its last sync's config["end_users"]:
+    # {"default": its billing.user, "may_name_others": bool}); None until a sync told it (the cloud still decides).
+    end_users: Callable[[], dict[str, Any] | None] = lambda: None
 
     def policy(self, model: str) -> EdgePolicy:
         return self.policies.get(model) or self.policies.get(family(model)) or EdgePolicy(model=family(model))
@@ -171,8 +174,9 @@ class Tiering:
         request's ``user``, for its usage record and, as ``user``, for an escalation (as the cloud reads it)."""
         started = time.monotonic()
         request_id = server_request_id()
+        subject = self._end_user(subject, req.user)
         if subject:
-            req = req.model_copy(update={"user": subject[:MAX_USAGE_SUBJECT]})
+            req = req.model_copy(update={"user": subject})
         try:
             if self.link is not None and self.cloud_model(req.model) is None:
                 return await self._unpaired(endpoint, req, header, request_id, started)
@@ -197,6 +201,24 @@ class Tiering:
                 )
             )
             raise
+
+    def _end_user(self, header: str | None, user: str | None) -> str | None:
+        """The end user a request names (the header, else ``user``): refused (400, naming the one that named it)
+        when it is longer than a usage record holds, or when the cloud's rule says this device may name no one
+        but its own end user (its enrollment lacks ``billing.subjects=any``)."""
+        user = check_end_user(user, "user", MAX_USAGE_SUBJECT)
+        header = check_end_user(header, "x-tierline-subject", MAX_USAGE_SUBJECT)
+        named, param = (header, "x-tierline-subject") if header else (user, "user")
+        rule = self.end_users()
+        if named is None or rule is None or rule.get("may_name_others") or named == rule.get("default"):
+            return named
+        own = f"its own end user '{rule['default']}'" if rule.get("default") else "no end user"
+        raise ValidationError(
+            f"{param}: this device may not name an end user: its requests count against {own} (the enrollment "
+            "token's billing.user); to let them name others, enroll it with a token labelled billing.subjects=any",
+            param=param,
+            code="end_user_not_allowed",
+        )
 
     async def _unpaired(
         self,

@@ -3,16 +3,40 @@
 Pydantic models, so both sides validate the same shapes and errors name the field. Record ids are chosen by
 the device (uuid4 hex); the cloud stores a device's usage under an id namespaced by its tenant and device, so
 re-sending a batch never counts a record twice and no device can take an id another source uses.
+
+What a device sends is bounded to what the cloud's arithmetic and database hold: integers to 32 bits, floats
+finite (``inf`` and ``nan`` refused) and within range, free-form objects (runtime facts, metrics, event payloads,
+an escalation's body) at most ``MAX_JSON_DEPTH`` levels deep, checked before anything walks them
+(``shared.json_bounds``). A value out of bounds is a 400 naming the field, never a 500.
 """
 
 from __future__ import annotations
 
 from decimal import Decimal
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+from shared.json_bounds import check_json
 
 MAX_BATCH = 1000
+MAX_INT32 = (1 << 31) - 1
+MAX_UNIX_S = 253402300799.0  # 9999-12-31T23:59:59Z: the last second a datetime (and the database) can hold
+MAX_DURATION_MS = 1e9  # about 11.6 days: no request's latency comes near it
+MAX_LABELS = 64
+
+
+def _bounded(value: dict[str, Any]) -> dict[str, Any]:
+    check_json(value)
+    return value
+
+
+# A free-form object from a device: stored as JSON and walked by the cloud, so bounded in depth before it is.
+FreeJson = Annotated[dict[str, Any], AfterValidator(_bounded)]
+UnixSeconds = Annotated[float, Field(ge=0, le=MAX_UNIX_S, allow_inf_nan=False)]
+Duration = Annotated[float, Field(ge=0, le=MAX_DURATION_MS, allow_inf_nan=False)]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 
 
 class _Strict(BaseModel):
@@ -31,9 +55,11 @@ class _Answer(BaseModel):
 class EnrollRequest(_Strict):
     token: str = Field(min_length=8, max_length=256, description="one-time enrollment token (tle-...)")
     name: str = Field("", max_length=128, description="a human name for the device")
-    labels: dict[str, str] = Field(default_factory=dict, description="merged over the token's labels")
+    labels: dict[Annotated[str, Field(min_length=1, max_length=128)], Annotated[str, Field(max_length=1024)]] = Field(
+        default_factory=dict, max_length=MAX_LABELS, description="merged over the token's labels"
+    )
     agent_version: str = Field("", max_length=32)
-    runtime: dict[str, Any] = Field(default_factory=dict, description="host and runtime summary")
+    runtime: FreeJson = Field(default_factory=dict, description="host and runtime summary")
 
 
 class EnrollResponse(_Answer):
@@ -45,6 +71,9 @@ class EnrollResponse(_Answer):
 
 
 MAX_USAGE_SUBJECT = 128  # an end user id on an edge usage record; an agent truncates a longer one
+# A usage record's token count: what the cloud's BIGINT columns hold (more: 400). A count the device could not have
+# served (past its model's context) is quarantined, not billed (``controlplane.fleet.devices.UsageBounds``).
+MAX_TOKEN_COUNT = 2**63 - 1
 
 
 class UsageItem(_Strict):
@@ -52,13 +81,13 @@ class UsageItem(_Strict):
     model: str = Field(max_length=128)
     model_version: str | None = Field(None, max_length=64)
     tier: Literal["edge", "cloud"] = "edge"
-    prompt_tokens: int = Field(0, ge=0)
-    completion_tokens: int = Field(0, ge=0)
+    prompt_tokens: int = Field(0, ge=0, le=MAX_TOKEN_COUNT)
+    completion_tokens: int = Field(0, ge=0, le=MAX_TOKEN_COUNT)
     status: Literal["ok", "error", "abandoned", "degraded"] = "ok"
-    latency_ms: float | None = Field(None, ge=0)
-    ttft_ms: float | None = Field(None, ge=0)
+    latency_ms: Duration | None = None
+    ttft_ms: Duration | None = None
     escalation_reason: str | None = Field(None, max_length=32)
-    occurred_at: float = Field(description="unix seconds on the device")
+    occurred_at: UnixSeconds = Field(description="unix seconds on the device")
     subject: str | None = Field(
         None,
         min_length=1,
@@ -71,20 +100,23 @@ class UsageItem(_Strict):
 class EventItem(_Strict):
     id: str = Field(min_length=8, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     kind: Literal["telemetry", "event"]
-    payload: dict[str, Any] = Field(default_factory=dict)
-    occurred_at: float
+    payload: FreeJson = Field(default_factory=dict)
+    occurred_at: UnixSeconds
 
 
 class SyncRequest(_Strict):
     agent_version: str = Field("", max_length=32)
-    runtime: dict[str, Any] = Field(default_factory=dict)
-    models: dict[str, str] = Field(default_factory=dict, description="model -> version loaded now")
-    policies: dict[str, str] = Field(
+    runtime: FreeJson = Field(default_factory=dict)
+    models: dict[Annotated[str, Field(max_length=256)], Annotated[str, Field(max_length=256)]] = Field(
+        default_factory=dict, max_length=MAX_BATCH, description="model -> version loaded now"
+    )
+    policies: dict[Annotated[str, Field(max_length=256)], Annotated[str, Field(max_length=256)]] = Field(
         default_factory=dict,
         description="model -> escalation policy in use: the cloud's version number, 'override' (the device's own "
         "policy file) or 'default'",
+        max_length=MAX_BATCH,
     )
-    metrics: dict[str, Any] = Field(default_factory=dict, description="per model version: requests, errors, p50...")
+    metrics: FreeJson = Field(default_factory=dict, description="per model version: requests, errors, p50...")
     usage: list[UsageItem] = Field(default_factory=list, max_length=MAX_BATCH)
     events: list[EventItem] = Field(default_factory=list, max_length=MAX_BATCH)
 
@@ -145,6 +177,11 @@ class SyncResponse(_Answer):
     duplicates: int = Field(description="records the cloud already had (a retried batch)")
     conflicts: int = Field(0, description="usage records not stored: their id holds a record with another payload")
     clamped: int = Field(0, description="usage records dated outside the accepted window, booked at its edge")
+    quarantined: int = Field(
+        0,
+        description="usage records beyond what the device could have done (its model's context, its rate): stored "
+        "for the operator, not billed",
+    )
     desired: list[DesiredModel] = Field(default_factory=list)
     policies: list[DesiredPolicy] = Field(default_factory=list, description="escalation policies for this device")
     pairings: list[ModelPairing] = Field(
@@ -164,15 +201,19 @@ class EscalateRequest(_Strict):
         "trailing spaces, as it is echoed in the x-tierline-escalation-reason response header",
     )
     request_id: str | None = Field(None, max_length=64, description="the device's record id, reused for metering")
-    body: dict[str, Any] = Field(description="the OpenAI request body, as the client sent it")
+    body: FreeJson = Field(description="the OpenAI request body, as the client sent it")
 
 
 def version_number(version: str | None) -> int | None:
     """A cloud version number from an agent's version string; edge versions are names (``tiny-2``): ``None``.
 
-    ASCII digits only: ``str.isdigit`` also accepts characters such as ``²`` that ``int`` refuses.
+    ASCII digits only: ``str.isdigit`` also accepts characters such as ``²`` that ``int`` refuses; a number past
+    32 bits is no version the registry gave (its column could not hold it): ``None`` as well.
     """
-    return int(version) if version and version.isascii() and version.isdigit() else None
+    if not (version and version.isascii() and version.isdigit()) or len(version) > 20:
+        return None
+    number = int(version)
+    return number if number <= MAX_INT32 else None
 
 
 MAX_SHADOW_ROWS = 64
@@ -196,15 +237,15 @@ def vocabulary_sha256(tokenizer: Any) -> str:
 class LMShadowSample(_Strict):
     """One LM request the device answered itself: the prompt's token ids and the first generated token ids."""
 
-    prompt_ids: list[int] = Field(
+    prompt_ids: list[TokenId] = Field(
         min_length=1, max_length=MAX_SHADOW_PROMPT_TOKENS, description="the prompt as the edge model read it"
     )
-    edge_tokens: list[int] = Field(
+    edge_tokens: list[TokenId] = Field(
         min_length=1,
         max_length=MAX_SHADOW_TOKENS,
         description="the edge's generated token ids (greedy), the first MAX_SHADOW_TOKENS of them",
     )
-    confidence: float = Field(description="the policy's signal for the answer")
+    confidence: Finite = Field(description="the policy's signal for the answer")
 
 
 class ShadowRequest(_Strict):
@@ -218,12 +259,12 @@ class ShadowRequest(_Strict):
     id: str = Field(min_length=8, max_length=48, pattern=r"^[A-Za-z0-9_-]+$", description="the device's batch id")
     model: str = Field(max_length=128, description="the edge model that answered")
     cloud_model: str = Field(max_length=128, description="the cloud model to answer again with")
-    policy_version: int = Field(ge=1, description="the cloud's escalation policy version the device ran")
-    inputs: list[list[float]] = Field(default_factory=list, max_length=MAX_SHADOW_ROWS)
-    edge_answers: list[int] = Field(
+    policy_version: int = Field(ge=1, le=MAX_INT32, description="the cloud's escalation policy version the device ran")
+    inputs: list[list[Finite]] = Field(default_factory=list, max_length=MAX_SHADOW_ROWS)
+    edge_answers: list[Annotated[int, Field(ge=0, le=MAX_INT32)]] = Field(
         default_factory=list, max_length=MAX_SHADOW_ROWS, description="the predicted classes"
     )
-    confidences: list[float] = Field(
+    confidences: list[Finite] = Field(
         default_factory=list, max_length=MAX_SHADOW_ROWS, description="the policy's signal"
     )
     lm_samples: list[LMShadowSample] = Field(default_factory=list, max_length=MAX_SHADOW_LM_SAMPLES)
@@ -233,7 +274,7 @@ class ShadowRequest(_Strict):
         description="the edge LM's vocabulary (``vocabulary_sha256``): the cloud compares token ids only when its "
         "model's is the same",
     )
-    occurred_at: float
+    occurred_at: UnixSeconds
 
     @property
     def is_lm(self) -> bool:

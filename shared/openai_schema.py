@@ -5,11 +5,16 @@ it), never silently dropped — a client that asks for something gets it or an e
 as no-ops are ``NO_OP_FIELDS`` (listed in docs/cloud-api.md). Known fields are validated strictly, JSON types
 included (``"5"`` and ``true`` are not integers, ``"0.5"`` is not a number, an integer is), and ``shared.http``
 turns a failure into the OpenAI error shape naming the field (``param``).
+
+Every integer is bounded to what the code behind it holds (``seed`` to 64 bits, counts and token ids to 32), and
+every free-form JSON value (a ``response_format`` schema, a tool's ``parameters``, ``/v1/inference`` inputs) is
+checked for depth and size before anything walks it (``shared.json_bounds``): input that parses is answered with a
+400 naming the field and the limit, never a 500. The limits are listed in docs/cloud-api.md.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -23,8 +28,19 @@ from pydantic import (
 from pydantic import ValidationError as PydanticValidationError
 
 from shared.errors import ValidationError
+from shared.json_bounds import MAX_JSON_DEPTH, check_json
 
 MAX_STOP_SEQUENCES = 4
+# Integer bounds: a seed is 64 bits (OpenAI's range), every count and token id fits 32 (what the engines' tensors,
+# msgspec messages and the database's columns hold).
+MIN_SEED, MAX_SEED = -(1 << 63), (1 << 63) - 1
+MAX_INT32 = (1 << 31) - 1
+# JSON schemas (response_format's, and all of a request's tool parameters together): what the grammar engine
+# compiles in well under a second; beyond, llguidance runs out of grammar symbols (about 65,000).
+MAX_SCHEMA_DEPTH = MAX_JSON_DEPTH  # levels of objects and arrays (an object property is two: properties, name)
+MAX_SCHEMA_VALUES = 10_000
+# An end user id (``user``, or the ``x-tierline-subject`` header in its place): one limit and one refusal for both.
+MAX_END_USER_LEN = 256
 
 
 def _json_type(value: Any) -> str:
@@ -49,14 +65,46 @@ def _exactly(what: str, *kinds: type) -> BeforeValidator:
 
 
 _INTEGER = _exactly("an integer", int)
+_TOKEN_ID = Annotated[int, Field(ge=0, le=MAX_INT32)]
 _NUMBER = _exactly("a number", int, float)
 _BOOLEAN = _exactly("a boolean", bool)
+
+
+def _bounded_json(max_depth: int, max_nodes: int | None = None) -> BeforeValidator:
+    """Refuse a free-form value nested deeper than ``max_depth`` (or holding more than ``max_nodes`` values)
+    before pydantic or anything after it walks it (``shared.json_bounds.check_json``, iterative)."""
+
+    def check(value: Any) -> Any:
+        check_json(value, max_depth=max_depth, max_nodes=max_nodes)
+        return value
+
+    return BeforeValidator(check)
+
+
+_SCHEMA = _bounded_json(MAX_SCHEMA_DEPTH, MAX_SCHEMA_VALUES)
+_FREE_JSON = _bounded_json(MAX_JSON_DEPTH)
 
 
 # OpenAI request fields accepted and ignored on purpose: they change nothing this server computes (``user`` is an
 # end-user id for abuse tracking, which canary routing also uses as a sticky subject; ``metadata`` tags a stored
 # completion; ``store: false`` asks for what happens anyway). ``store: true`` is refused: nothing is stored.
 NO_OP_FIELDS = ("user", "metadata", "store")
+
+
+def end_user_problem(value: str, max_len: int = MAX_END_USER_LEN) -> str | None:
+    """Why ``value`` cannot be an end user id (too long), or None: the one rule for ``user`` and the header."""
+    if len(value) > max_len:
+        return f"an end user id is at most {max_len} characters, got {len(value)}"
+    return None
+
+
+def check_end_user(value: str | None, param: str, max_len: int = MAX_END_USER_LEN) -> str | None:
+    """``value`` (None when empty: no one named), or a 400 naming ``param`` when it is too long to be an end user id."""
+    problem = end_user_problem(value, max_len) if value else None
+    if problem is not None:
+        raise ValidationError(f"{param}: {problem}", param=param)
+    return value or None
+
 
 UNSUPPORTED_MESSAGE = "Extra inputs are not permitted"  # pydantic's message for a field a model forbids
 UNSUPPORTED_REASON = "unsupported parameter: this server does not implement it (see docs/cloud-api.md)"
@@ -143,7 +191,7 @@ class FunctionDefinition(_Request):
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     description: str | None = Field(None, max_length=8192)
-    parameters: dict[str, Any] | None = None
+    parameters: Annotated[dict[str, Any] | None, _SCHEMA] = None
     strict: Annotated[bool | None, _BOOLEAN] = None
 
 
@@ -169,7 +217,7 @@ class JsonSchemaFormat(_Request):
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    schema_: Annotated[dict[str, Any] | None, _SCHEMA] = Field(None, alias="schema")
     strict: Annotated[bool | None, _BOOLEAN] = None
 
 
@@ -205,20 +253,31 @@ class _Sampling(_Request):
     stream: Annotated[bool, _BOOLEAN] = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: Annotated[int | None, _INTEGER] = None
+    seed: Annotated[int | None, _INTEGER] = Field(None, ge=MIN_SEED, le=MAX_SEED)
     presence_penalty: Annotated[float, _NUMBER] = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: Annotated[float, _NUMBER] = Field(0.0, ge=-2.0, le=2.0)
-    user: str | None = Field(None, max_length=256)
+    user: str | None = None
     metadata: dict[str, str] | None = Field(None, max_length=16)
     store: Annotated[bool | None, _BOOLEAN] = None
     # tierline extensions
-    top_k: Annotated[int, _INTEGER] = Field(0, ge=0)
+    top_k: Annotated[int, _INTEGER] = Field(0, ge=0, le=MAX_INT32)
     min_p: Annotated[float, _NUMBER] = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: Annotated[float, _NUMBER] = Field(1.0, gt=0.0, le=10.0)
     ignore_eos: Annotated[bool, _BOOLEAN] = False
     speculation: Literal["off", "draft", "ngram"] | None = None
     tier: Literal["edge", "cloud", "local-first", "cloud-first", "local-only", "cloud-only"] | None = None
     quality: Literal["standard", "high"] | None = None
+
+    # The longest end user id this tier takes (``user``, and its x-tierline-subject header): a device's is shorter.
+    max_end_user_len: ClassVar[int] = MAX_END_USER_LEN
+
+    @field_validator("user")
+    @classmethod
+    def _user(cls, v: str | None) -> str | None:
+        problem = end_user_problem(v, cls.max_end_user_len) if v else None
+        if problem is not None:
+            raise ValueError(problem)
+        return v
 
     @field_validator("store")
     @classmethod
@@ -266,8 +325,8 @@ class _Sampling(_Request):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Annotated[int | None, _INTEGER] = Field(None, ge=1)
-    max_completion_tokens: Annotated[int | None, _INTEGER] = Field(None, ge=1)
+    max_tokens: Annotated[int | None, _INTEGER] = Field(None, ge=1, le=MAX_INT32)
+    max_completion_tokens: Annotated[int | None, _INTEGER] = Field(None, ge=1, le=MAX_INT32)
     logprobs: Annotated[bool, _BOOLEAN] = False
     top_logprobs: Annotated[int | None, _INTEGER] = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
@@ -277,11 +336,21 @@ class ChatCompletionRequest(_Sampling):
 
     @field_validator("tools")
     @classmethod
-    def _tools(cls, v: list[Tool] | None) -> list[Tool] | None:
+    def _tools(cls, v: list[Tool] | None, info: ValidationInfo) -> list[Tool] | None:
         names = [t.function.name for t in v or []]
         duplicate = next((n for n in names if names.count(n) > 1), None)
         if duplicate is not None:
             raise ValueError(f"two tools are named '{duplicate}'")
+        # The calls' grammar holds every tool's schema (and the response_format's, for auto's text answer).
+        schemas = [t.function.parameters for t in v or [] if t.function.parameters is not None]
+        fmt: ResponseFormat | None = info.data.get("response_format")
+        if fmt is not None and fmt.json_schema is not None and fmt.json_schema.schema_ is not None:
+            schemas.append(fmt.json_schema.schema_)
+        if len(schemas) > 1 and sum(check_json(s) for s in schemas) > MAX_SCHEMA_VALUES:
+            raise ValueError(
+                "the combined tool schemas are too large to constrain the output to (the limit is "
+                f"{MAX_SCHEMA_VALUES} JSON values in all of a request's tool parameters and response_format schema)"
+            )
         return v
 
     @field_validator("tool_choice")
@@ -344,8 +413,8 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: Annotated[int | None, _INTEGER] = Field(16, ge=1)
+    prompt: str | list[str] | list[_TOKEN_ID] | list[list[_TOKEN_ID]]
+    max_tokens: Annotated[int | None, _INTEGER] = Field(16, ge=1, le=MAX_INT32)
     logprobs: Annotated[int | None, _INTEGER] = Field(None, ge=0, le=5)
     echo: Annotated[bool, _BOOLEAN] = False
     suffix: str | None = None
@@ -404,5 +473,5 @@ class InferenceRequest(_Request):
     """``POST /v1/inference``: prompts for an LLM, or rows of numbers for a tensor model."""
 
     model_id: str = Field(min_length=1, max_length=256)
-    inputs: list[Any] = Field(min_length=1, max_length=4096)
-    parameters: dict[str, Any] = Field(default_factory=dict)
+    inputs: Annotated[list[Any], _FREE_JSON] = Field(min_length=1, max_length=4096)
+    parameters: Annotated[dict[str, Any], _FREE_JSON] = Field(default_factory=dict)

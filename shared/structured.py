@@ -44,6 +44,21 @@ _JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
 MAX_COMPILED_GRAMMARS = 64  # per model: compiled grammars kept for the next request with the same format
 
 
+def compile_error(param: str, error: str) -> ValidationError:
+    """A 400 naming ``param`` for a grammar the engine refused, in our words: the engine's own diagnostic of a
+    schema or regex (``Invalid type: foo``, a regex parse error with its caret), never its internals (a panic's
+    assertion and backtrace: what a schema too large for it gets)."""
+    text = error.strip() or "unknown error"
+    if text.startswith("panic") or "assertion failed" in text or "backtrace" in text:
+        reason = (
+            "the schema is too large or too complex for the grammar engine to constrain the output to "
+            "(split it, or make it smaller: fewer properties, alternatives and nesting levels)"
+        )
+    else:
+        reason = f"the grammar engine cannot compile it: {text[:1000]}"
+    return ValidationError(f"{param}: {reason}", param=param)
+
+
 class StructuredOutputUnavailableError(ValidationError):
     code = "structured_output_unavailable"
 
@@ -75,7 +90,7 @@ def grammar_of(fmt: ResponseFormat | None) -> str | None:
         try:
             return str(matcher.grammar_from_json_schema(fmt.json_schema.schema_ or {}, defaults=_JSON_OPTIONS))
         except (ValueError, TypeError) as exc:
-            raise ValidationError(f"{PARAM}.json_schema.schema: {exc}", param=f"{PARAM}.json_schema.schema") from None
+            raise compile_error(f"{PARAM}.json_schema.schema", str(exc)) from None
     if fmt.type == "regex":
         assert fmt.regex is not None
         return str(matcher.grammar_from_regex(fmt.regex))
@@ -100,31 +115,39 @@ class GrammarTokenizer:
         self._lock = threading.Lock()
 
     def check(self, grammar: str) -> None:
-        """Refuse (400, naming the problem) a grammar the engine cannot compile for this model."""
+        """Refuse (400, naming the problem) a grammar the engine cannot compile for this model. Compiled here
+        (and kept for the request's matchers): a schema too large for the engine fails only when compiled, and
+        must be refused before a stream starts."""
         assert llguidance is not None
         with self._lock:
             if grammar in self._compiled:
                 return
         error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
         if error:
-            raise ValidationError(f"{PARAM}: the grammar engine cannot compile it: {error}", param=PARAM)
+            raise compile_error(PARAM, error)
+        self._compile(grammar)
 
     def matcher(self, grammar: str) -> Any:
         """A fresh matcher at the start of ``grammar`` (a copy of the compiled one)."""
+        compiled = self._compile(grammar)
+        with self._lock:
+            return compiled.deep_copy()
+
+    def _compile(self, grammar: str) -> Any:
         assert llguidance is not None
         with self._lock:
             compiled = self._compiled.get(grammar)
             if compiled is not None:
                 self._compiled.move_to_end(grammar)
-                return compiled.deep_copy()
+                return compiled
         compiled = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if compiled.is_error():
-            raise ValidationError(f"{PARAM}: the grammar engine cannot compile it: {compiled.get_error()}", param=PARAM)
+            raise compile_error(PARAM, compiled.get_error())
         with self._lock:
             self._compiled[grammar] = compiled
             while len(self._compiled) > MAX_COMPILED_GRAMMARS:
                 self._compiled.popitem(last=False)
-        return compiled.deep_copy()
+        return compiled
 
     def constraint(self, grammar: str) -> Constraint:
         return Constraint(self, grammar)

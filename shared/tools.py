@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from shared.errors import ValidationError
-from shared.structured import _JSON_OPTIONS, _require, grammar_of
+from shared.structured import _JSON_OPTIONS, _require, compile_error, grammar_of
 
 if TYPE_CHECKING:
     from shared.chat_tokenizer import ChatTokenizer
@@ -98,8 +98,7 @@ def grammar(req: ChatCompletionRequest) -> str | None:
         schema = json.dumps(_schema(tool, i))
         error = llg.LLMatcher.validate_grammar(llg.LLMatcher.grammar_from_lark(f"start: %json {schema}"))
         if error:
-            param = f"tools.{i}.function.parameters"
-            raise ValidationError(f"{param}: the grammar engine cannot compile it: {error}", param=param)
+            raise compile_error(f"tools.{i}.function.parameters", error)
         name = tool.function.name
         rules.append(f"call_{i}: {json.dumps(_NAME_PREFIX + name + _ARGS_MARK)} args_{i} {json.dumps(_CALL_END)}")
         rules.append(f"args_{i}: %json {schema}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shared.errors import ValidationError
+from shared.openai_schema import MAX_INT32, MAX_SEED, MIN_SEED
 
 MAX_LOGPROBS = 20
 
@@ -51,14 +52,20 @@ class SamplingParams:
             self.stop = [self.stop]
         if not isinstance(self.n, int) or self.n < 1:
             _fail("n", f"must be an integer >= 1, got {self.n!r}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            _fail("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= MAX_INT32
+        ):
+            _fail("max_tokens", f"must be an integer in [1, {MAX_INT32}], got {self.max_tokens!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not MIN_SEED <= self.seed <= MAX_SEED):
+            _fail("seed", f"must be a 64-bit integer, in [{MIN_SEED}, {MAX_SEED}]")
         if not 0.0 <= self.temperature <= 100.0:
             _fail("temperature", f"must be in [0, 100], got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             _fail("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            _fail("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_INT32:
+            _fail("top_k", f"must be an integer in [0, {MAX_INT32}] (0 = off), got {self.top_k!r}")
+        if any(not isinstance(t, int) or not 0 <= t <= MAX_INT32 for t in self.stop_token_ids):
+            _fail("stop_token_ids", f"token ids are integers in [0, {MAX_INT32}]")
         if not 0.0 <= self.min_p <= 1.0:
             _fail("min_p", f"must be in [0, 1], got {self.min_p!r}")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -1,4 +1,4 @@
-"""``tierline billing``: the price book, invoices, voids and credit notes."""
+"""``tierline billing``: the price book, invoices, voids and credit notes, and quarantined device usage."""
 
 from __future__ import annotations
 
@@ -294,6 +294,38 @@ def budgets_delete(tenant: str, budget_id: int) -> None:
     with session_scope() as session:
         budget_admin.delete_budget(session, resolve_tenant(session, tenant), budget_id, _actor())
         click.echo(f"deleted budget {budget_id}")
+
+
+@billing.command("quarantined")
+@click.option("--tenant", default=None, help="only this tenant's (name or id)")
+@click.option("--limit", type=click.IntRange(1, 10_000), default=100, show_default=True)
+def quarantined(tenant: str | None, limit: int) -> None:
+    """List device usage records held out of billing (beyond what the device could have done), newest first, as
+    JSON lines: the id it would have been billed as, its tenant, device, model, counts and the bound it broke."""
+    import json
+
+    from controlplane.billing.invoicing import resolve_tenant
+    from controlplane.fleet.devices import quarantined as quarantined_records
+    from controlplane.storage.session import session_scope
+
+    with session_scope() as session:
+        tenant_id = resolve_tenant(session, tenant).id if tenant is not None else None
+        for r in quarantined_records(session, tenant_id, limit):
+            row = {
+                "id": r.id,
+                "tenant_id": r.tenant_id,
+                "device_id": r.device_id,
+                "model": r.model,
+                "model_version": r.model_version,
+                "tier": r.tier,
+                "prompt_tokens": r.prompt_tokens,
+                "completion_tokens": r.completion_tokens,
+                "status": r.status,
+                "occurred_at": r.occurred_at.isoformat(),
+                "received_at": r.received_at.isoformat(),
+                "reason": r.reason,
+            }
+            click.echo(json.dumps(row))
 
 
 @billing.group()

@@ -126,10 +126,18 @@ def _settle_sql(with_record: bool) -> str:
         )
         stored = ", ".join(f"stored.{c}" for c in _IDENTITY_COLUMNS)
         read_back = "LEFT JOIN usage_record stored ON stored.id = %(id)s"
+        # The key's last use, as ``ledger._touch_keys`` writes it: at most once a minute per key.
+        touched = """, touched AS (
+    UPDATE api_key SET last_used_at = %(r_occurred_at)s::timestamptz
+    WHERE id = %(r_api_key_id)s::integer AND EXISTS (SELECT 1 FROM recorded)
+      AND (last_used_at IS NULL OR last_used_at < %(r_occurred_at)s::timestamptz - interval '1 minute')
+    RETURNING id
+)"""
     else:
         recorded = "SELECT NULL::varchar AS id WHERE false"
         stored = ", ".join("NULL" for _ in _IDENTITY_COLUMNS)
         read_back = ""
+        touched = ""
     # The stored record is read from the statement's snapshot: one inserted by this statement is not there, one
     # stored before is; one committed by a concurrent settle meanwhile is neither inserted nor read (a race, as
     # in ``ledger._conflicts``: not a conflict).
@@ -147,7 +155,7 @@ WITH released AS (
     RETURNING spent
 ), dropped AS (
     DELETE FROM usage_checkpoint WHERE id = %(id)s AND %(checkpointed)s::boolean RETURNING id
-)
+){touched}
 SELECT (SELECT spent FROM moved), EXISTS (SELECT 1 FROM recorded), {stored}
 FROM (SELECT 1) AS one {read_back}
 """

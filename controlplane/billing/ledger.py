@@ -25,7 +25,7 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import BigInteger, case, cast, delete, func
+from sqlalchemy import BigInteger, case, cast, delete, func, or_, update
 from sqlalchemy import select as sql_select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
@@ -33,9 +33,9 @@ from sqlalchemy.sql.elements import ColumnElement
 from sqlmodel import Session, col, select
 
 from controlplane.billing.budgets import BudgetHold, add_spend, load_price_index, settle_in
-from controlplane.billing.pricing import PriceIndex, PriceLookup, Rating, Tokens, rate
+from controlplane.billing.pricing import PriceIndex, PriceLookup, Rating, Tokens, period_bounds, period_of, rate
 from controlplane.billing.scopes import Attribution
-from controlplane.storage.tables import BudgetReservation, UsageCheckpoint, UsageRecord
+from controlplane.storage.tables import ApiKey, BudgetReservation, UsageCheckpoint, UsageRecord
 from controlplane.storage.types import as_utc, from_micros, to_micros
 from shared.errors import ValidationError
 
@@ -90,6 +90,7 @@ class NewUsage:
     reported_at: datetime | None = None
     usage_source: str | None = None
     subject: str | None = None  # the end user whose budgets the record counts against (not stored), else the batch's
+    is_settled: bool = False  # its cost was settled by a budget hold already: counted against no budget (not stored)
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +207,8 @@ def ingest_usage(
         prices: the price book to rate unrated records with (``load_prices``, or the cloud's cached
             ``PriceBook``); None loads it when a record needs rating.
         count_spend: add the cost of each inserted record to its tenant's budget period and scoped budget
-            windows (of its own day); False for records whose cost a budget hold already settled.
+            windows (of its own day); False for records whose cost a budget hold already settled (a record's own
+            ``is_settled`` says so for that record alone).
         attribution: the key, project and end user the batch's spend also counts against (a device's); a
             record's own ``subject`` replaces the end user for that record.
     """
@@ -228,6 +230,7 @@ def ingest_usage(
             rate_usage = rater(prices if prices is not None else load_prices(session))
         rows.append(_row(u, u.rating if u.rating is not None else rate_usage(u), now))  # type: ignore[misc]
     accepted = _insert_new(session, rows)
+    _touch_keys(session, [row for row in rows if row["id"] in accepted])
     skipped = [u for u in batch.values() if u.id not in accepted]
     if skipped:
         conflicting += _conflicts(session, skipped)
@@ -244,7 +247,7 @@ def ingest_usage(
             continue
         if row["cost"] is None:
             unpriced += 1
-        elif row["cost"]:
+        elif row["cost"] and not batch[row["id"]].is_settled:
             subject = batch[row["id"]].subject or ""
             key = (row["tenant_id"], as_utc(row["occurred_at"]).strftime("%Y-%m-%d"), subject)
             spend[key] = spend.get(key, Decimal(0)) + row["cost"]
@@ -256,6 +259,31 @@ def ingest_usage(
             add_spend(session, tenant_id, at, amount, replace(who, subject=subject) if subject else who)
     num_conflicts = len(conflicting)
     return IngestResult(len(accepted), num_in - len(accepted) - num_conflicts, unpriced, accepted, num_conflicts)
+
+
+KEY_LAST_USED_GRANULARITY = timedelta(minutes=1)
+
+
+def _touch_keys(session: Session, rows: list[dict[str, Any]]) -> None:
+    """Each API key's last use, from the records stored for it: written at most once a minute per key (the UPDATE
+    matches nothing in between), so a key used a minute ago never reads "never" and a busy key costs no write per
+    request."""
+    latest: dict[int, datetime] = {}
+    for row in rows:
+        key_id = row.get("api_key_id")
+        if key_id is not None:
+            at = as_utc(row["occurred_at"])
+            latest[key_id] = max(latest.get(key_id, at), at)
+    for key_id, at in sorted(latest.items()):
+        session.execute(
+            update(ApiKey)
+            .where(
+                col(ApiKey.id) == key_id,
+                or_(col(ApiKey.last_used_at).is_(None), col(ApiKey.last_used_at) < at - KEY_LAST_USED_GRANULARITY),
+            )
+            .values(last_used_at=at)
+            .execution_options(synchronize_session=False)
+        )
 
 
 def _identity(u: NewUsage | UsageRecord) -> tuple[Any, ...]:
@@ -507,3 +535,34 @@ def usage_totals(
         "totals": _totals(*overall),
         "groups": groups,
     }
+
+
+@dataclass(frozen=True, slots=True)
+class MonthSpend:
+    """A tenant's spend in one calendar month (UTC) as the ledger holds it at ``as_of``: the exact sum of its
+    records' rated costs (every tier, shadow replays included; unpriced records add 0 and are counted)."""
+
+    tenant_id: int
+    period: str
+    amount: Decimal
+    requests: int
+    unpriced_records: int
+    as_of: datetime
+
+
+def month_spend(
+    session: Session, tenant_id: int, period: str | None = None, *, now: datetime | None = None
+) -> MonthSpend:
+    """The one figure of a tenant's spend in ``period`` (``YYYY-MM``; default: the month of ``now``, i.e. month to
+    date). The tenant page, the billing page and the invoice draft all show this sum; an invoice of the month bills
+    exactly it, rounded once (``controlplane.billing.invoices``)."""
+    as_of = now or datetime.now(UTC)
+    period = period or period_of(as_of)
+    start, end = period_bounds(period)
+    query = sql_select(func.count(), cost_total(), unpriced_count()).where(
+        col(UsageRecord.tenant_id) == tenant_id,
+        col(UsageRecord.occurred_at) >= start,
+        col(UsageRecord.occurred_at) < end,
+    )
+    requests, amount, unpriced = session.execute(query).one()
+    return MonthSpend(tenant_id, period, from_micros(to_micros(Decimal(amount))), int(requests), int(unpriced), as_of)

@@ -4,6 +4,11 @@ per day or in total; each per day, per calendar month (UTC) or in total, hard (r
 A request is held against every budget that applies to it (``applicable``), in one transaction with the tenant's
 monthly budget (``controlplane.billing.budgets.reserve``). Each budget's spend lives in a ``budget_window`` row per
 window (the day, the month, or ``total``), and per end user when the budget is every end user's (``ref`` ``*``).
+
+A device's traffic is attributed by its enrollment token's ``billing.*`` labels (``attribution_of``), which only
+the operator sets: ``billing.key``, ``billing.project``, ``billing.user`` (its default end user) and
+``billing.subjects=any`` (its requests may name other end users, with ``x-tierline-subject`` or ``user``).
+``device_end_user`` is the one rule for whose end-user budgets a device's request counts against.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ MAX_SUBJECT_LEN = 256
 
 # A device's billing attribution: labels its enrollment token gives it (an operator's choice, never the device's).
 KEY_LABEL, PROJECT_LABEL, USER_LABEL = "billing.key", "billing.project", "billing.user"
-ATTRIBUTION_LABELS = (KEY_LABEL, PROJECT_LABEL, USER_LABEL)
+SUBJECTS_LABEL, ANY_SUBJECT = "billing.subjects", "any"  # billing.subjects=any: requests may name their end user
+ATTRIBUTION_LABELS = (KEY_LABEL, PROJECT_LABEL, USER_LABEL, SUBJECTS_LABEL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +128,42 @@ class Attribution:
     key_id: int | None = None
     project_id: int | None = None
     subject: str | None = None
+    may_name_subjects: bool = False  # a device's requests may name an end user other than ``subject``
+
+
+@dataclass(frozen=True, slots=True)
+class EndUser:
+    """Whose end-user budgets a device's request counts against, and whether the request named someone else."""
+
+    subject: str | None
+    is_refused: bool = False  # the request named an end user its device may not name: ``subject`` is the default
+
+    def refusal(self, param: str) -> str:
+        """Why a request naming another end user is refused, naming ``param`` (what named it)."""
+        own = f"its own end user '{self.subject}'" if self.subject else "no end user (the tenant's budgets only)"
+        return (
+            f"{param}: this device may not name an end user: its requests count against {own}; to let them name "
+            f"others, enroll it with a token labelled {SUBJECTS_LABEL}={ANY_SUBJECT}"
+        )
+
+
+def device_end_user(attribution: Attribution | None, named: str | None) -> EndUser:
+    """The end user a device's request counts against: the one it names (``x-tierline-subject``, else its ``user``)
+    if its enrollment allows (``billing.subjects=any``) or it names the device's own ``billing.user``; otherwise the
+    device's ``billing.user`` (none: the tenant's budgets only), refused.
+
+    The one rule for a device's traffic: the cloud refuses an escalation that names someone else (403) and books
+    a synced record that does to the default (an outbox must drain); an agent that knows the rule (its sync's
+    ``config["end_users"]``, ``end_users_config``) refuses such a request itself (400)."""
+    who = attribution or Attribution()
+    if not named or named == who.subject or who.may_name_subjects:
+        return EndUser(named or who.subject)
+    return EndUser(who.subject, is_refused=True)
+
+
+def end_users_config(attribution: Attribution) -> dict[str, object]:
+    """What an agent is told of ``device_end_user``'s rule at sync (``SyncResponse.config["end_users"]``)."""
+    return {"default": attribution.subject, "may_name_others": attribution.may_name_subjects}
 
 
 def check_attribution(session: Session, tenant_id: int, labels: dict[str, str]) -> Attribution:
@@ -150,7 +192,14 @@ def check_attribution(session: Session, tenant_id: int, labels: dict[str, str]) 
     subject = labels.get(USER_LABEL)
     if subject is not None and not (0 < len(subject) <= MAX_SUBJECT_LEN and subject != EVERY_USER):
         raise ValidationError(f"labels: {USER_LABEL} must be an end user id of 1 to 256 characters", param="labels")
-    return Attribution(key_id, project_id, subject)
+    subjects = labels.get(SUBJECTS_LABEL)
+    if subjects is not None and subjects != ANY_SUBJECT:
+        raise ValidationError(
+            f"labels: {SUBJECTS_LABEL}={subjects!r}: the only value is '{ANY_SUBJECT}' (requests may name any end "
+            "user); leave it out to hold the device's requests to its billing.user",
+            param="labels",
+        )
+    return Attribution(key_id, project_id, subject, subjects == ANY_SUBJECT)
 
 
 def attribution_of(session: Session, device: Device) -> Attribution:
@@ -172,4 +221,4 @@ def attribution_of(session: Session, device: Device) -> Attribution:
         if found is None and raw_project.isascii() and raw_project.isdigit() and len(raw_project) < 10:
             found = session.exec(stmt.where(col(Project.id) == int(raw_project))).first()
         project_id = found
-    return Attribution(key_id, project_id, labels.get(USER_LABEL) or None)
+    return Attribution(key_id, project_id, labels.get(USER_LABEL) or None, labels.get(SUBJECTS_LABEL) == ANY_SUBJECT)

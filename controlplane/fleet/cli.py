@@ -22,12 +22,24 @@ def devices() -> None:
 
 @devices.command("enrollment-token")
 @click.option("--tenant", "tenant_name", required=True, help="tenant the device will belong to")
-@click.option("--label", "labels", multiple=True, help="KEY=VALUE label given to the device (repeatable)")
+@click.option(
+    "--label",
+    "labels",
+    multiple=True,
+    help="KEY=VALUE label given to the device (repeatable). Billing: billing.key=KEY_ID, billing.project=NAME, "
+    "billing.user=END_USER (its default end user), billing.subjects=any (its requests may name other end users)",
+)
 @click.option("--ttl-hours", type=click.FloatRange(min=0, min_open=True), default=24.0, show_default=True)
 def enrollment_token(tenant_name: str, labels: tuple[str, ...], ttl_hours: float) -> None:
     """Create a one-time enrollment token and print it once (only its hash is stored).
 
     On the device: tierline edge enroll --cloud URL --token TOKEN
+
+    The billing.* labels say whose budgets the device's traffic counts against, and only the token gives them:
+    billing.key, billing.project, and billing.user, the device's end user. A request on the device may name
+    another end user (x-tierline-subject, or its user field) only with billing.subjects=any; without it the
+    agent refuses such a request (400), the cloud refuses such an escalation (403) and books such a synced record
+    to billing.user.
     """
     from datetime import timedelta
 

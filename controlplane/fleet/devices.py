@@ -2,6 +2,23 @@
 
 Tokens and credentials are random secrets shown once; only their sha256 is stored. Every query is scoped by
 the device's tenant.
+
+A device's usage is bounded by what the device could have done (``UsageBounds``), before anything is billed:
+
+- per record, by its model's context length ``C`` (the registry's artifact metadata: ``max_position_embeddings``,
+  ``max_model_len``, ``context_length`` or ``n_ctx``; the cloud's known contexts; else ``default_context``), with
+  ``S`` sequences at most (``max_sequences``: the prompts and choices one request may hold): prompt tokens, and
+  completion tokens, and their sum, each at most ``C x S``; completion tokens at most the model's ``max_tokens``
+  cap x ``S`` where its metadata names one. A tensor model's record counts input rows: at most ``MAX_ROWS``.
+  Whatever the bounds, no count above ``MAX_LEDGER_TOKENS`` (what the ledger's columns hold) is billed.
+- per device, by a rate: the tokens of the batch's new records at most ``max_tokens_per_s`` x the seconds since
+  the device's previous sync (or its enrollment), plus ``burst_tokens``; records past that, in the batch's order,
+  are out of bounds.
+
+A record out of bounds is **quarantined**: stored in ``usage_quarantine`` under the id it would have been billed
+as (with the bound it broke), never billed, never counted against a budget, counted in the sync answer
+(``quarantined``), and listed by ``tierline billing quarantined``. The verdict is kept: a retried batch finds the
+record quarantined (or billed) already and changes nothing.
 """
 
 from __future__ import annotations
@@ -15,17 +32,29 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import update
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlmodel import Session, col, select
 
 from controlplane.billing.ledger import NewUsage, ingest_usage
 from controlplane.billing.pricing import PriceLookup
-from controlplane.billing.scopes import ATTRIBUTION_LABELS, attribution_of, check_attribution
+from controlplane.billing.scopes import ATTRIBUTION_LABELS, attribution_of, check_attribution, device_end_user
 from controlplane.rollouts.metrics import POLICIES_KEY
 from controlplane.rollouts.service import load_plans, usage_arm
-from controlplane.storage.tables import Device, DeviceEvent, EnrollmentToken, Tenant
+from controlplane.storage.tables import (
+    Device,
+    DeviceEvent,
+    EnrollmentToken,
+    Model,
+    ModelArtifact,
+    ModelVersion,
+    Tenant,
+    UsageQuarantine,
+    UsageRecord,
+)
 from controlplane.storage.types import as_utc
 from shared.edge_protocol import EventItem, UsageItem, version_number
 from shared.errors import AuthenticationError, ValidationError
+from shared.tensor_rows import MAX_ROWS
 
 logger = logging.getLogger(__name__)
 
@@ -154,12 +183,108 @@ class UsageWindow:
         return min(max(reported, earliest), now + self.max_future)
 
 
+# Where a model's artifact metadata states its context length, and its cap on generated tokens.
+MAX_LEDGER_TOKENS = 2**31 - 1  # usage_record's integer token columns: whatever the bounds, never more
+CONTEXT_KEYS = ("max_position_embeddings", "max_model_len", "context_length", "n_ctx")
+MAX_TOKENS_KEYS = ("max_tokens", "max_new_tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    """What one request on a model can hold: its context length and its cap on generated tokens (None: none)."""
+
+    context: int
+    max_tokens: int | None = None
+    is_tensor: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class UsageBounds:
+    """What a device's usage records may claim (see the module docstring); beyond it they are quarantined.
+
+    Attributes:
+        default_context: the context length assumed for a model neither the registry nor ``contexts`` knows.
+        max_sequences: the prompts x choices one request (one record) may hold.
+        max_tokens_per_s: the device's rate bound: tokens per second of wall time since its previous sync.
+        burst_tokens: tokens a sync may carry on top of the rate (a device's first sync, a short interval).
+        contexts: context lengths the cloud knows by model name (its served models, the zoo's), after the registry.
+    """
+
+    default_context: int = 131_072
+    max_sequences: int = 8
+    max_tokens_per_s: float = 100_000.0
+    burst_tokens: int = 4_000_000
+    contexts: dict[str, int] | None = None
+
+    def judge(self, item: UsageItem, limits: ModelLimits) -> str | None:
+        """Why one record is beyond what its model allows (None: within)."""
+        if max(item.prompt_tokens, item.completion_tokens) > MAX_LEDGER_TOKENS:
+            return f"a token count above {MAX_LEDGER_TOKENS}, what the ledger holds"
+        if limits.is_tensor:
+            if item.prompt_tokens > MAX_ROWS or item.completion_tokens > MAX_ROWS:
+                return f"more than {MAX_ROWS} rows in one tensor-model request"
+            return None
+        most = limits.context * self.max_sequences
+        if item.prompt_tokens > most:
+            return (
+                f"{item.prompt_tokens} prompt tokens exceed {self.max_sequences} x the model's context "
+                f"({limits.context})"
+            )
+        if item.completion_tokens > most:
+            return (
+                f"{item.completion_tokens} completion tokens exceed {self.max_sequences} x the model's context "
+                f"({limits.context})"
+            )
+        if item.prompt_tokens + item.completion_tokens > most:
+            return f"prompt and completion tokens exceed {self.max_sequences} x the model's context ({limits.context})"
+        if limits.max_tokens is not None and item.completion_tokens > limits.max_tokens * self.max_sequences:
+            return (
+                f"{item.completion_tokens} completion tokens exceed {self.max_sequences} x the model's max_tokens "
+                f"cap ({limits.max_tokens})"
+            )
+        return None
+
+    def allowance(self, since: datetime | None, now: datetime) -> float:
+        """The tokens a sync at ``now`` may carry when the device last synced (or enrolled) at ``since``."""
+        elapsed = max(0.0, (now - as_utc(since)).total_seconds()) if since is not None else 0.0
+        return self.max_tokens_per_s * elapsed + self.burst_tokens
+
+
+def _positive_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def model_limits(session: Session, model: str, bounds: UsageBounds) -> ModelLimits:
+    """A model's limits: from the registry (its kind, its artifacts' metadata: the largest context any version
+    states), else from the cloud's known contexts, else ``bounds.default_context``."""
+    names = {model, model.removeprefix("tierline/")}
+    rows = session.exec(
+        select(Model.kind, ModelArtifact.manifest)
+        .join(ModelVersion, col(ModelVersion.model_id) == col(Model.id), isouter=True)
+        .join(ModelArtifact, col(ModelArtifact.version_id) == col(ModelVersion.id), isouter=True)
+        .where(col(Model.name).in_(sorted(names)))
+    ).all()
+    contexts: list[int] = []
+    caps: list[int] = []
+    is_tensor = False
+    for kind, manifest in rows:
+        is_tensor = is_tensor or kind == "tensor"
+        metadata = (manifest or {}).get("metadata") or {}
+        contexts += [c for c in (_positive_int(metadata.get(k)) for k in CONTEXT_KEYS) if c is not None]
+        caps += [c for c in (_positive_int(metadata.get(k)) for k in MAX_TOKENS_KEYS) if c is not None]
+    known = bounds.contexts or {}
+    context = max(contexts) if contexts else next((known[n] for n in sorted(names) if n in known), None)
+    return ModelLimits(context or bounds.default_context, max(caps) if caps else None, is_tensor)
+
+
 @dataclass(frozen=True, slots=True)
 class SyncCounts:
     accepted: int
     duplicates: int
     conflicts: int = 0
     clamped: int = 0
+    quarantined: int = 0
+    quarantined_ids: tuple[str, ...] = ()  # the records first quarantined by this sync (for the operator's alert)
 
 
 def device_usage_id(tenant_id: int, device_id: str, item_id: str) -> str:
@@ -186,6 +311,7 @@ def ingest(
     prices: PriceLookup | None = None,
     window: UsageWindow | None = None,
     policies: dict[str, str] | None = None,
+    bounds: UsageBounds | None = None,
 ) -> SyncCounts:
     """Store what is new, skip what the cloud already has; count what conflicts and what was clamped.
 
@@ -200,12 +326,16 @@ def ingest(
 
     ``policies`` (the escalation policies the sync reports in use) is stored with each telemetry sample of the
     batch, so a policy rollout knows which version served the requests the sample counts.
+
+    A record beyond ``bounds`` (``UsageBounds``: its model's context, the device's rate) is quarantined instead
+    of billed (see the module docstring).
     """
     ids = [u.id for u in usage]
     if len(set(ids)) != len(ids):
         raise ValidationError("usage: record ids must be unique within a batch", param="usage")
     window = window or UsageWindow()
     now = datetime.now(UTC)
+    usage, num_quarantined, first_quarantined = _quarantine(session, device, usage, bounds or UsageBounds(), now)
     plans = load_plans(session, "edge") if usage else []
     attribution = attribution_of(session, device) if usage else None
     records = []
@@ -227,7 +357,7 @@ def ingest(
                 latency_ms=u.latency_ms,
                 ttft_ms=u.ttft_ms,
                 escalation_reason=u.escalation_reason,
-                subject=u.subject,
+                subject=device_end_user(attribution, u.subject).subject,  # its own unless allowed to name others
                 # The arm of the rollout governing the model, by the version that served it (for billing).
                 rollout_arm=usage_arm(
                     plans, model=u.model.removeprefix("tierline/"), tenant_id=device.tenant_id, version=u.model_version
@@ -263,4 +393,79 @@ def ingest(
             )
         )
         accepted += 1
-    return SyncCounts(accepted, duplicates, result.conflicts, clamped)
+    return SyncCounts(accepted, duplicates, result.conflicts, clamped, num_quarantined, first_quarantined)
+
+
+def _quarantine(
+    session: Session, device: Device, usage: list[UsageItem], bounds: UsageBounds, now: datetime
+) -> tuple[list[UsageItem], int, tuple[str, ...]]:
+    """Split a batch into the records to bill and those beyond ``bounds``, storing the latter in
+    ``usage_quarantine`` (the caller commits). Returns the records to bill, how many of the batch are in
+    quarantine (this sync's and a retried batch's earlier verdicts) and the ids this call quarantined."""
+    if not usage:
+        return usage, 0, ()
+    stored_id = {u.id: device_usage_id(device.tenant_id, device.id, u.id) for u in usage}
+    ids = list(stored_id.values())
+    held = set(session.exec(select(UsageQuarantine.id).where(col(UsageQuarantine.id).in_(ids))))
+    billed = set(session.exec(select(UsageRecord.id).where(col(UsageRecord.id).in_(ids))))
+    limits: dict[str, ModelLimits] = {}
+    left = bounds.allowance(device.last_seen_at or device.enrolled_at, now)
+    keep: list[UsageItem] = []
+    out: list[tuple[UsageItem, str]] = []
+    num_held = 0
+    for u in usage:
+        if stored_id[u.id] in held:  # a retry of a record quarantined before: the verdict stands
+            num_held += 1
+            continue
+        if stored_id[u.id] in billed:  # a retry of a billed record: the ledger finds it a duplicate
+            keep.append(u)
+            continue
+        if u.model not in limits:
+            limits[u.model] = model_limits(session, u.model, bounds)
+        reason = bounds.judge(u, limits[u.model])
+        tokens = u.prompt_tokens + u.completion_tokens
+        if reason is None and tokens > left:
+            reason = f"past the device's rate bound ({bounds.max_tokens_per_s:g} tokens/s since its previous sync)"
+        if reason is None:
+            left -= tokens
+            keep.append(u)
+        else:
+            out.append((u, reason))
+    if not out:
+        return keep, num_held, ()
+    rows = [
+        {
+            "id": stored_id[u.id],
+            "tenant_id": device.tenant_id,
+            "device_id": device.id,
+            "model": u.model,
+            "model_version": u.model_version,
+            "tier": u.tier,
+            "prompt_tokens": u.prompt_tokens,
+            "completion_tokens": u.completion_tokens,
+            "status": u.status,
+            "occurred_at": _ts(u.occurred_at),
+            "reason": reason[:300],
+            "received_at": now,
+        }
+        for u, reason in out
+    ]
+    table = UsageQuarantine.__table__  # type: ignore[attr-defined]
+    connection = session.connection()
+    insert = postgresql.insert(table) if connection.dialect.name == "postgresql" else sqlite.insert(table)
+    inserted = tuple(r[0] for r in connection.execute(insert.on_conflict_do_nothing().returning(table.c.id), rows))
+    logger.warning(
+        "device %s: %d usage record(s) beyond what it could have done were quarantined, not billed: %s",
+        device.id,
+        len(out),
+        "; ".join(f"{u.id} ({reason})" for u, reason in out[:5]),
+    )
+    return keep, num_held + len(out), inserted
+
+
+def quarantined(session: Session, tenant_id: int | None = None, limit: int = 100) -> list[UsageQuarantine]:
+    """The quarantined usage records, newest first (of one tenant, or of all)."""
+    query = select(UsageQuarantine)
+    if tenant_id is not None:
+        query = query.where(col(UsageQuarantine.tenant_id) == tenant_id)
+    return list(session.exec(query.order_by(col(UsageQuarantine.received_at).desc()).limit(limit)))

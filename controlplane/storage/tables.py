@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import JSON, Column, Index, Numeric, Text, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, Column, Index, Numeric, Text, UniqueConstraint
 from sqlmodel import Field, SQLModel
 
 from controlplane.storage.types import Micros, UTCDateTime
@@ -897,3 +897,25 @@ class QualityAlert(SQLModel, table=True):
     resolved_by: str | None = Field(default=None, max_length=128)
     created_at: datetime = _ts()
     resolved_at: datetime | None = _ts(nullable=True)
+
+
+class UsageQuarantine(SQLModel, table=True):
+    """A device's usage record beyond what the device could have done (more tokens than its model's context
+    allows, or faster than its rate bound): kept for the operator (``tierline billing quarantined``), never billed
+    and never counted against a budget. Keyed by the id the record would have had in ``usage_record``."""
+
+    __tablename__ = "usage_quarantine"
+    __table_args__ = (Index("ix_usage_quarantine_tenant_time", "tenant_id", "received_at"),)
+
+    id: str = Field(primary_key=True, max_length=64, description="edge-...: the usage id it would have been billed as")
+    tenant_id: int = Field(foreign_key="tenant.id")
+    device_id: str = Field(max_length=64)
+    model: str = Field(max_length=128)
+    model_version: str | None = Field(default=None, max_length=64, description="as the device reported it")
+    tier: str = Field(max_length=8)
+    prompt_tokens: int = Field(sa_type=BigInteger)
+    completion_tokens: int = Field(sa_type=BigInteger)
+    status: str = Field(max_length=16)
+    occurred_at: datetime = Field(sa_type=UTCDateTime, description="the device's own time for it")
+    reason: str = Field(max_length=300, description="the bound it broke")
+    received_at: datetime = _ts()

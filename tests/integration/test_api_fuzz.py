@@ -160,6 +160,9 @@ def _cap_generation(path: str, body: Any) -> None:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):  # several prompts
             body["prompt"] = prompt[:MAX_PROMPTS]
+    if path == "/v1/responses":  # OpenAI's least is 16; absent or null means up to the context length
+        capped = _cap(body.get("max_output_tokens"), 16)
+        body["max_output_tokens"] = 16 if isinstance(capped, int) and not isinstance(capped, bool) else capped
     if path == "/v1/inference":
         if isinstance(body.get("inputs"), list):
             body["inputs"] = body["inputs"][:MAX_PROMPTS]
@@ -200,7 +203,7 @@ def _with_known_values(case: Case, data: st.DataObject, schema: BaseSchema, fuzz
             case.headers["Prefer"] = "respond-async"
     if not isinstance(body, dict):
         return
-    if path in ("/v1/chat/completions", "/v1/completions"):
+    if path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
         body["model"] = data.draw(st.sampled_from(LLMS))
     elif path == "/v1/inference":
         body["model_id"] = model = data.draw(st.sampled_from(LLMS + TENSOR_MODELS))

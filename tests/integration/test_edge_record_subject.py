@@ -46,7 +46,9 @@ def test_each_edge_record_counts_against_its_own_end_users_budget(
         add_price(s, PriceSpec("tierline/lm-edge", zero, zero, tier="edge", per_call=EDGE_CALL), actor="t")
         add_price(s, PriceSpec(INT8, zero, zero, tier="edge", per_call=EDGE_CALL), actor="t")
         add_price(s, PriceSpec("tierline/lm-cloud", zero, zero, tier="cloud", per_call=CLOUD_CALL), actor="t")
-        token = create_enrollment_token(s, tenant, labels={"billing.user": "dave"}).secret
+        token = create_enrollment_token(
+            s, tenant, labels={"billing.user": "dave", "billing.subjects": "any"}
+        ).secret  # may name others
         s.commit()
 
     data = seed_data_dir(tmp_path / "data", tiny_zoo, session_data_dir)

@@ -180,7 +180,10 @@ def test_escalations_are_held_against_the_budgets_of_the_devices_attribution(
         add_price(s, PriceSpec(CLOUD_MODEL, zero, zero, tier="cloud", per_call=Decimal("1.20")), actor="t")
         tokens = {
             name: create_enrollment_token(s, tenant, labels=labels).secret
-            for name, labels in (("field", {"billing.key": str(key_id)}), ("desk", {"billing.user": "dave"}))
+            for name, labels in (
+                ("field", {"billing.key": str(key_id)}),
+                ("desk", {"billing.user": "dave", "billing.subjects": "any"}),
+            )
         }
         plain = create_enrollment_token(s, tenant).secret
         s.commit()
