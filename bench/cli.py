@@ -118,11 +118,37 @@ def bench_engine(
 @_zoo_options
 @click.option("--prompts", "num_prompts", type=int, default=8, show_default=True)
 @click.option("--tokens", "num_tokens", type=int, default=96, show_default=True)
-def bench_spec(preset: str, zoo_dir: Path | None, as_json: bool, num_prompts: int, num_tokens: int) -> None:
-    """Speculative decoding (draft model, n-gram) beside plain decoding and transformers assisted generation."""
+@click.option(
+    "--concurrency",
+    type=click.IntRange(min=1),
+    multiple=True,
+    help="concurrent requests to sweep (repeat the option); default 1, 2, 4, 8, 16, 64",
+)
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True, help="alternating rounds; medians")
+@click.option("--check/--no-check", default=True, show_default=True, help="exit 1 when speculation lost at batch 1")
+def bench_spec(
+    preset: str,
+    zoo_dir: Path | None,
+    as_json: bool,
+    num_prompts: int,
+    num_tokens: int,
+    concurrency: tuple[int, ...],
+    rounds: int,
+    check: bool,
+) -> None:
+    """Plain decoding, draft-model and n-gram speculation side by side at each concurrency, beside transformers
+    assisted generation; fails (after printing) when speculation was more than 2 % slower than plain at batch 1."""
+    from bench.engine_bench import NEVER_SLOWER_TOLERANCE, SPEC_CONCURRENCY
     from bench.engine_bench import bench_spec as run
 
-    emit(run(zoo_root(preset, zoo_dir), num_prompts, num_tokens), as_json)
+    sweep = tuple(sorted(set(concurrency))) or SPEC_CONCURRENCY
+    result = run(zoo_root(preset, zoo_dir), num_prompts, num_tokens, concurrency=sweep, rounds=rounds)
+    emit(result, as_json)
+    if check and result.get("never_slower_at_batch_1") is False:
+        raise click.ClickException(
+            f"speculation at batch 1 below {NEVER_SLOWER_TOLERANCE}x plain decoding: "
+            f"draft {result['at_1_concurrent']['draft_x']}x, n-gram {result['at_1_concurrent']['ngram_x']}x"
+        )
 
 
 @bench.command("prefix")

@@ -124,8 +124,9 @@ DECODE_SOURCE = r"""
 #include <string.h>
 
 /* y[b, :] = (bias or 0) + x[b, :] @ wt for b < rows; wt: [n_in, n_out] row-major (the engine's transposed weights).
-   Four input rows per pass over y, added in input order (the same sums as one row at a time). Columns are split
-   across threads when num_threads > 1. */
+   Four input rows per pass over y, added in input order (the same sums as one row at a time), for four (or two) rows
+   of x at once where there are as many (each weight loaded once for all of them: a verify step's k + 1 rows cost
+   little more memory traffic than one). Columns are split across threads when num_threads > 1. */
 static void linear(const float *restrict x, int64_t rows, int64_t n_in, const float *restrict wt,
                    const float *restrict bias, int64_t n_out, float *restrict y, int num_threads) {
     const int64_t chunk = 256, num_chunks = (n_out + chunk - 1) / chunk;
@@ -138,8 +139,39 @@ static void linear(const float *restrict x, int64_t rows, int64_t n_in, const fl
         }
         int64_t i = 0;
         for (; i + 4 <= n_in; i += 4) {
-            const float *w0 = wt + i * n_out, *w1 = w0 + n_out, *w2 = w1 + n_out, *w3 = w2 + n_out;
-            for (int64_t b = 0; b < rows; ++b) {
+            const float *restrict w0 = wt + i * n_out, *restrict w1 = w0 + n_out, *restrict w2 = w1 + n_out;
+            const float *restrict w3 = w2 + n_out;
+            int64_t b = 0;
+            for (; b + 4 <= rows; b += 4) {
+                const float *xa = x + b * n_in + i, *xb = xa + n_in, *xc = xb + n_in, *xd = xc + n_in;
+                const float a0 = xa[0], a1 = xa[1], a2 = xa[2], a3 = xa[3];
+                const float b0 = xb[0], b1 = xb[1], b2 = xb[2], b3 = xb[3];
+                const float c0 = xc[0], c1 = xc[1], c2 = xc[2], c3 = xc[3];
+                const float d0 = xd[0], d1 = xd[1], d2 = xd[2], d3 = xd[3];
+                float *restrict ya = y + b * n_out, *restrict yb = ya + n_out, *restrict yc = yb + n_out;
+                float *restrict yd = yc + n_out;
+#pragma omp simd
+                for (int64_t j = j0; j < j1; ++j) {
+                    const float v0 = w0[j], v1 = w1[j], v2 = w2[j], v3 = w3[j];
+                    ya[j] = (((ya[j] + a0 * v0) + a1 * v1) + a2 * v2) + a3 * v3;
+                    yb[j] = (((yb[j] + b0 * v0) + b1 * v1) + b2 * v2) + b3 * v3;
+                    yc[j] = (((yc[j] + c0 * v0) + c1 * v1) + c2 * v2) + c3 * v3;
+                    yd[j] = (((yd[j] + d0 * v0) + d1 * v1) + d2 * v2) + d3 * v3;
+                }
+            }
+            for (; b + 2 <= rows; b += 2) {
+                const float *xa = x + b * n_in + i, *xb = xa + n_in;
+                const float a0 = xa[0], a1 = xa[1], a2 = xa[2], a3 = xa[3];
+                const float b0 = xb[0], b1 = xb[1], b2 = xb[2], b3 = xb[3];
+                float *restrict ya = y + b * n_out, *restrict yb = ya + n_out;
+#pragma omp simd
+                for (int64_t j = j0; j < j1; ++j) {
+                    const float v0 = w0[j], v1 = w1[j], v2 = w2[j], v3 = w3[j];
+                    ya[j] = (((ya[j] + a0 * v0) + a1 * v1) + a2 * v2) + a3 * v3;
+                    yb[j] = (((yb[j] + b0 * v0) + b1 * v1) + b2 * v2) + b3 * v3;
+                }
+            }
+            for (; b < rows; ++b) {
                 const float *xb = x + b * n_in + i;
                 const float x0 = xb[0], x1 = xb[1], x2 = xb[2], x3 = xb[3];
                 float *restrict yb = y + b * n_out;
@@ -190,19 +222,23 @@ enum { W_EMBED, W_NORM, W_LM_HEAD, W_COS, W_SIN, W_LAYERS };
 enum { D_LAYERS, D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_VOCAB, D_BLOCK, D_NUM_BLOCKS, D_MAX_BLOCKS,
        D_EMBED_ROW, D_EMBED_COL, D_FIELDS };
 
-/* One decode step of a Llama-family decoder: num_seqs sequences feed one token each (token_ids, positions), attend
-   their whole context through block_tables [num_seqs, max_blocks] on the paged cache kv [layers, 2, num_blocks,
-   block_size, kv_heads, head_dim] (the new token's K/V written at its position first), and get logits [num_seqs,
-   vocab]. dims and weights: the D_ and W_/L_ fields above (a NULL bias is none). The same operations as the torch
-   model in one call; sums may be ordered differently. Returns 0, or -1 when out of memory. */
+/* A small step of a Llama-family decoder: num_rows tokens (token_ids, positions), row r of sequence row_seqs[r]
+   whose block table is row r_seq of block_tables [num_seqs, max_blocks] on the paged cache kv [layers, 2, num_blocks,
+   block_size, kv_heads, head_dim]. A decode step is one row a sequence; a speculative verification is k + 1 rows of
+   one sequence at consecutive positions; a draft catching up is a few. In each layer every row's K/V is written at
+   its position first, then each row attends its sequence's positions 0 .. its own (causal: the step's later rows
+   of the same sequence are not seen). Logits [num_logits, vocab] for rows logit_rows (the final norm and the LM head
+   run for those only). dims and weights: the D_ and W_/L_ fields above (a NULL bias is none). The same operations
+   as the torch model in one call; sums may be ordered differently. Returns 0, or -1 when out of memory. */
 int tl_decode_step(const int64_t *dims, const float *const *weights, float *kv, const int64_t *token_ids,
-                   const int64_t *positions, const int64_t *block_tables, int64_t num_seqs, float *logits, float eps,
-                   float scale, int num_threads) {
+                   const int64_t *positions, const int64_t *row_seqs, const int64_t *block_tables, int64_t num_rows,
+                   const int64_t *logit_rows, int64_t num_logits, float *logits, float eps, float scale,
+                   int num_threads) {
     const int64_t L = dims[D_LAYERS], H = dims[D_HIDDEN], nh = dims[D_HEADS], nkv = dims[D_KV_HEADS];
     const int64_t hd = dims[D_HEAD_DIM], I = dims[D_INTER], V = dims[D_VOCAB], bs = dims[D_BLOCK];
     const int64_t nb = dims[D_NUM_BLOCKS], max_blocks = dims[D_MAX_BLOCKS];
     const int64_t qs = nh * hd, kvs = nkv * hd, qkv_n = qs + 2 * kvs, group = nh / nkv, half = hd / 2;
-    const int64_t B = num_seqs, cache_half = nb * bs * kvs; /* floats in one layer's K (or V) cache */
+    const int64_t B = num_rows, cache_half = nb * bs * kvs; /* floats in one layer's K (or V) cache */
     int64_t max_ctx = 0;
     for (int64_t b = 0; b < B; ++b) max_ctx = positions[b] + 1 > max_ctx ? positions[b] + 1 : max_ctx;
     const size_t need = (size_t)(B * (2 * H + qkv_n + qs + 2 * I + I) + group * max_ctx);
@@ -218,15 +254,20 @@ int tl_decode_step(const int64_t *dims, const float *const *weights, float *kv, 
         float *k_cache = kv + (2 * l) * cache_half, *v_cache = k_cache + cache_half;
         for (int64_t b = 0; b < B; ++b) rms_norm(x + b * H, w[L_IN_NORM], H, eps, h + b * H);
         linear(h, B, H, w[L_QKV], w[L_QKV_BIAS], qkv_n, qkv, num_threads);
-        for (int64_t b = 0; b < B; ++b) {
-            const int64_t pos = positions[b], ctx = pos + 1;
-            const int64_t *table = block_tables + b * max_blocks;
+        for (int64_t b = 0; b < B; ++b) { /* every row's K/V into the cache before any row attends */
+            const int64_t pos = positions[b];
+            const int64_t *table = block_tables + row_seqs[b] * max_blocks;
             const float *c = weights[W_COS] + pos * half, *s = weights[W_SIN] + pos * half;
             float *row = qkv + b * qkv_n;
             for (int64_t head = 0; head < nh + nkv; ++head) rope(row + head * hd, c, s, half);
             const int64_t slot = table[pos / bs] * bs + pos % bs;
             memcpy(k_cache + slot * kvs, row + qs, sizeof(float) * (size_t)kvs);
             memcpy(v_cache + slot * kvs, row + qs + kvs, sizeof(float) * (size_t)kvs);
+        }
+        for (int64_t b = 0; b < B; ++b) {
+            const int64_t ctx = positions[b] + 1;
+            const int64_t *table = block_tables + row_seqs[b] * max_blocks;
+            const float *row = qkv + b * qkv_n;
             for (int64_t kvh = 0; kvh < nkv; ++kvh) {
                 for (int64_t t = 0; t < ctx; ++t) {
                     const float *k = k_cache + (table[t / bs] * bs + t % bs) * kvs + kvh * hd;
@@ -267,8 +308,8 @@ int tl_decode_step(const int64_t *dims, const float *const *weights, float *kv, 
         linear(act, B, I, w[L_DOWN], w[L_DOWN_BIAS], H, h, num_threads);
         for (int64_t j = 0; j < B * H; ++j) x[j] += h[j];
     }
-    for (int64_t b = 0; b < B; ++b) rms_norm(x + b * H, weights[W_NORM], H, eps, h + b * H);
-    linear(h, B, H, weights[W_LM_HEAD], NULL, V, logits, num_threads);
+    for (int64_t i = 0; i < num_logits; ++i) rms_norm(x + logit_rows[i] * H, weights[W_NORM], H, eps, h + i * H);
+    linear(h, num_logits, H, weights[W_LM_HEAD], NULL, V, logits, num_threads);
     free(buf);
     return 0;
 }
@@ -381,7 +422,7 @@ def decode_step_function() -> ctypes._NamedFuncPointer | None:
         if fn is not None:
             fn.restype = ctypes.c_int
             void, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-            fn.argtypes = [void, void, void, void, void, void, i64, void, f32, f32, ctypes.c_int]
+            fn.argtypes = [void, void, void, void, void, void, void, i64, void, i64, void, f32, f32, ctypes.c_int]
         _loaded_decode["decode_step"] = fn
         return fn
 
@@ -439,14 +480,16 @@ def _wrap(fn: ctypes._NamedFuncPointer) -> PagedAttention:
 
 
 class FusedDecoder:
-    """A small decode step of ``model`` as one C call (``DECODE_SOURCE``): sequences feeding one token each, the
-    whole forward (embedding, every layer with its cache write and attention, the final norm and the LM head)
-    without a torch op. At batch 1 the torch forward is ~30 ops a layer, each a few microseconds of dispatch
-    around less work than that; this is the same arithmetic with none of it (the sums ordered differently, so
-    logits agree to float rounding, not bitwise). For the CPU in fp32, with the CPU layout (``TransposedLinear``),
-    for models that are exactly the Llama computation (``CausalLM.is_llama_layout``: no soft-caps, sliding windows
-    that matter, q/k norms, GELU, learned positions or partial rotary), with RoPE from the model's tables (not
-    ``dynamic``); ``supports`` says whether a model qualifies."""
+    """A small step of ``model`` as one C call (``DECODE_SOURCE``): sequences feeding a few tokens each (one to
+    decode, k + 1 to verify k speculative proposals, a draft model's catch-up), the whole forward (embedding, every
+    layer with its cache writes and attention, the final norm and the LM head) without a torch op. At batch 1 the
+    torch forward is ~30 ops a layer, each a few microseconds of dispatch around less work than that; this is the
+    same arithmetic with none of it (the sums ordered differently, so logits agree to float rounding, not bitwise).
+    A step's rows share every weight read (``linear`` takes four rows at once), so verifying k + 1 tokens costs
+    little more than decoding one where reading the weights bounds the step. For the CPU in fp32, with the CPU
+    layout (``TransposedLinear``), for models that are exactly the Llama computation (``CausalLM.is_llama_layout``:
+    no soft-caps, sliding windows that matter, q/k norms, GELU, learned positions or partial rotary), with RoPE from
+    the model's tables (not ``dynamic``); ``supports`` says whether a model qualifies."""
 
     DIMS = 12  # the D_ fields of DECODE_SOURCE
     MAX_BLOCKS = 9
@@ -521,17 +564,33 @@ class FusedDecoder:
             and not any(isinstance(m, torch.nn.Linear) for m in model.modules())
         )
 
-    def run(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
-        """Each sequence's one new token at its position (its context is the positions before it, in the cache)
-        → logits [len(token_ids), vocab] in fp32."""
+    def run(
+        self,
+        token_ids: list[int],
+        positions: list[int],
+        block_tables: list[list[int]],
+        row_seqs: list[int] | None = None,
+        logit_rows: list[int] | None = None,
+    ) -> torch.Tensor:
+        """Tokens (rows) at their positions → logits [len(logit_rows), vocab] in fp32. Row r belongs to sequence
+        ``row_seqs[r]`` (default: row r is sequence r, one token each: a decode step) and attends that sequence's
+        positions up to its own: those before the step's rows in the cache, the step's rows of the same sequence at
+        earlier positions computed with it (a verification of k proposals is k + 1 rows of one sequence).
+        ``logit_rows`` (default: every row) are the rows whose logits come back, in that order."""
         n = len(token_ids)
+        seqs = list(range(n)) if row_seqs is None else row_seqs
+        wanted = list(range(n)) if logit_rows is None else logit_rows
         # The C code trusts its indices: what the torch model would refuse with an IndexError is refused here.
         if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.vocab_size}), got {token_ids}")
         if max(positions) >= self.max_positions:
             raise ValueError(f"position {max(positions)} is past the model's {self.max_positions} positions")
+        if len(positions) != n or len(seqs) != n or not all(0 <= s < len(block_tables) for s in seqs):
+            raise ValueError("every row needs a position and a sequence with a block table")
+        if not wanted or not all(0 <= r < n for r in wanted):
+            raise ValueError(f"logit rows must be in [0, {n}), got {wanted}")
         block_size = self.dims[7]
-        if any(p < 0 or len(t) * block_size <= p for p, t in zip(positions, block_tables, strict=True)):
+        if any(p < 0 or len(block_tables[s]) * block_size <= p for p, s in zip(positions, seqs, strict=True)):
             raise ValueError("a block table does not cover its sequence's position")
         if any(b < 0 or b >= self.num_blocks for t in block_tables for b in t):
             raise ValueError(f"block ids must be in [0, {self.num_blocks}), got {block_tables}")
@@ -541,15 +600,18 @@ class FusedDecoder:
             flat += t
             flat += [0] * (max_blocks - len(t))
         self.dims[self.MAX_BLOCKS] = max_blocks
-        logits = torch.empty(n, self.vocab_size, dtype=torch.float32)
+        logits = torch.empty(len(wanted), self.vocab_size, dtype=torch.float32)
         rc = self.fn(
             self.dims,
             self.weights,
             self.kv_cache.data_ptr(),
             (ctypes.c_int64 * n)(*token_ids),
             (ctypes.c_int64 * n)(*positions),
+            (ctypes.c_int64 * n)(*seqs),
             (ctypes.c_int64 * len(flat))(*flat),
             n,
+            (ctypes.c_int64 * len(wanted))(*wanted),
+            len(wanted),
             logits.data_ptr(),
             self.eps,
             self.scale,

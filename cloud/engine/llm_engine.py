@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from cloud.engine.sampler import GrammarMasks, Sampler
 from cloud.engine.sampling_params import SamplingParams
 from cloud.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from cloud.engine.sequence import FinishReason, Sequence
-from cloud.engine.speculator import DraftProposer, SpecController, StepCost, ngram_proposal
+from cloud.engine.speculator import DraftProposer, SpecController, ngram_proposal
 from cloud.engine.tokenizer import ChatTokenizer
 from shared.errors import ConfigurationError, ValidationError
 from shared.structured import GrammarTokenizer
@@ -124,8 +124,16 @@ class LLMEngine:
         )
         self.eos_token_ids = set(model_config.eos_token_ids)
         self.grammar_tokenizer: GrammarTokenizer | None = None  # built on the first structured request
-        self.drafter = DraftProposer(self.draft_runner, self.sampler) if self.draft_runner is not None else None
+        # What the speculation controller times steps with. On CPU this thread's CPU time: what a step computes,
+        # not how long the host's other load kept it off a core (wall time on a busy host is mostly that, and
+        # varies tenfold between identical steps); on an idle host the two agree (OpenMP's workers run beside
+        # this thread, which waits for them spinning). On an accelerator the wall clock (the host thread waits).
+        self.step_clock: Callable[[], float] = time.thread_time if self.device.type == "cpu" else time.perf_counter
+        self.drafter = (
+            DraftProposer(self.draft_runner, self.sampler, self.step_clock) if self.draft_runner is not None else None
+        )
         self.spec = self._spec_controller()
+        self._step_plan: dict[str, int] = {}  # the k each speculating method was given this step
         self._requests: dict[str, _Request] = {}
         self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval) if process_outputs else None
         self._seq_ids = itertools.count()
@@ -165,11 +173,7 @@ class LLMEngine:
         config = self.config
         if config.speculation == "off" and self.draft_runner is None:
             return None
-        target_cost = StepCost.measure(self.runner, config.max_num_batched_tokens)
-        draft_cost = StepCost.measure(self.draft_runner, config.max_num_seqs) if self.draft_runner else None
-        return SpecController(
-            config.num_speculative_tokens, target_cost, draft_cost, adaptive=config.adaptive_speculation
-        )
+        return SpecController(config.num_speculative_tokens, adaptive=config.adaptive_speculation)
 
     # -- requests -----------------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -280,6 +284,7 @@ class LLMEngine:
 
     def step_core(self) -> EngineCoreOutputs:
         """One step of model work: schedule → run → postprocess. Token ids out, no text."""
+        started = self.step_clock()
         batch = self._schedule()
         outputs: list[EngineCoreOutput] = []
         token_time = time.monotonic()
@@ -287,6 +292,7 @@ class LLMEngine:
             works, logits = self._run(batch)
             token_time = time.monotonic()
             outputs = self._postprocess(works, logits)
+            self._record_step(batch, self.step_clock() - started)
         self.stats.num_steps += 1
         return EngineCoreOutputs(outputs, token_time, time.monotonic())
 
@@ -297,16 +303,17 @@ class LLMEngine:
         return batch
 
     def _plan_speculation(self) -> None:
+        self._step_plan = {}
         if self.spec is None:
             return
         by_method: dict[str, list[Sequence]] = {"draft": [], "ngram": []}
-        other_tokens = 0
+        num_decoding = 0
         for seq in self.scheduler.running:
             seq.num_lookahead = 0
             method = seq.params.speculation or self.config.speculation or "off"
             if seq.num_uncomputed_tokens != 1:
-                other_tokens += seq.num_uncomputed_tokens
                 continue
+            num_decoding += 1
             # Penalties depend on every accepted token, and a seeded sampled request must draw the same random
             # numbers whatever the load (speculation would consume them differently): both decode plainly.
             seeded_sampling = seq.params.seed is not None and not seq.params.is_greedy
@@ -316,24 +323,43 @@ class LLMEngine:
                 or seeded_sampling
                 or (method == "draft" and self.drafter is None)
             ):
-                other_tokens += 1
                 continue
             seq.spec_method = method
             by_method[method].append(seq)
         for method, seqs in by_method.items():
             if seqs:
-                self._plan_lookahead(method, seqs, other_tokens)
+                self._step_plan[method] = self._plan_lookahead(method, seqs, num_decoding)
 
-    def _plan_lookahead(self, method: str, seqs: list[Sequence], other_tokens: int) -> None:
+    def _plan_lookahead(self, method: str, seqs: list[Sequence], num_decoding: int) -> int:
+        """Proposal slots for ``seqs`` (n-gram proposals looked up now); the k the controller chose."""
         assert self.spec is not None
-        k = self.spec.choose_k(method, len(seqs), other_tokens)
+        k = self.spec.choose_k(method, len(seqs), num_decoding)
+        num_lookups = num_found = 0
         for seq in seqs:
             room = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
             look = max(0, min(k, room))
             if method == "ngram" and look:
                 seq.spec_token_ids = ngram_proposal(seq.token_ids, look)
                 look = len(seq.spec_token_ids)
+                num_lookups += 1
+                num_found += look > 0
             seq.num_lookahead = look
+        self.spec.record_lookups(method, num_lookups, num_found)
+        return k
+
+    def _record_step(self, batch: SchedulerOutput, seconds: float) -> None:
+        """Tell the controller what a step of decoding sequences only cost (plain, or one method speculating);
+        steps with prompt tokens, preemptions or two methods speculating are not of a shape it compares."""
+        if self.spec is None or not self.spec.adaptive:
+            return
+        if any(item.num_new_tokens != 1 + item.num_lookahead for item in batch.scheduled):
+            return
+        speculating = [(m, k) for m, k in self._step_plan.items() if k > 0]
+        if len(speculating) > 1:
+            return
+        method, k = speculating[0] if speculating else (None, 0)
+        catch_up = self.drafter.catch_up_seconds if self.drafter is not None and method == "draft" else 0.0
+        self.spec.record_step(method, k, len(batch.scheduled), seconds - catch_up)
 
     def _run(self, batch: SchedulerOutput) -> tuple[list[_Work], torch.Tensor]:
         """Draft proposals, one forward over every scheduled sequence, then sampling or verification."""

@@ -33,6 +33,10 @@ PARALLEL_MIN_MACS = 32 << 20
 # At most this many sequences decode in one ``FusedDecoder`` call (each weight is read once for all of them); more
 # run the torch model, whose BLAS wins at larger batches.
 FUSED_DECODE_MAX_SEQS = 8
+# A fused step of several tokens a sequence (``ModelRunner.fuses``) feeds at most this many tokens a sequence (a
+# verification of up to 15 proposals) and this many in all (5 sequences verifying 4 proposals each).
+FUSED_MAX_FEED_TOKENS = 16
+FUSED_MAX_ROWS = 25
 
 
 @dataclass(slots=True)
@@ -71,7 +75,8 @@ class ModelRunner:
         self.group_cost_blocks = cost_tokens / block_size
         # On CPU in fp32 batched groups read the cache in place (no padding: one group per token count).
         self.attention_kernel = paged_attention_kernel() if device.type == "cpu" and dtype == torch.float32 else None
-        # Decode steps on one thread run the whole forward in one C call (``FusedDecoder``) when it builds.
+        # Small steps (decodes on one thread, verifications, a draft catching up: ``fuses``) run the whole forward
+        # in one C call (``FusedDecoder``) when it builds.
         self.fused_decoder: FusedDecoder | None = None
         if fused_decode and FusedDecoder.supports(self.model, self.kv_cache):
             fn = decode_step_function()
@@ -80,6 +85,7 @@ class ModelRunner:
         self.num_forwards = 0
         # Threads a large step uses (the engine's ``num_threads``, set before the runner is built); small steps use 1.
         self.max_threads = torch.get_num_threads()
+        self.parallel_min_macs = PARALLEL_MIN_MACS  # (a draft model's runner raises it)
         self.adapt_threads = device.type == "cpu"
         h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         mlp_matrices = 3 if cfg.is_gated_mlp else 2
@@ -105,31 +111,58 @@ class ModelRunner:
         return num_tokens * self.macs_per_token + pairs * self.attention_macs_per_pair
 
     def use_threads_for(self, feeds: list[Feed]) -> int:
-        """Set (on CPU) and return the threads a forward over ``feeds`` runs on: 1 below ``PARALLEL_MIN_MACS``."""
+        """Set (on CPU) and return the threads a forward over ``feeds`` runs on: 1 below ``parallel_min_macs``."""
         if not self.adapt_threads:
             return torch.get_num_threads()
-        threads = self.max_threads if self.step_macs(feeds) >= PARALLEL_MIN_MACS else 1
+        threads = self.max_threads if self.step_macs(feeds) >= self.parallel_min_macs else 1
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         return threads
+
+    def fuses(self, feeds: list[Feed]) -> bool:
+        """Whether a forward over ``feeds`` runs as one ``FusedDecoder`` call, on one thread: a decode step of a
+        few sequences small enough for one thread (below ``PARALLEL_MIN_MACS``), or a step of a few tokens a
+        sequence (a speculative verification: k + 1 rows a sequence; a draft model catching up; a short prompt),
+        at most ``FUSED_MAX_ROWS`` rows in all. The rows share every weight read, where the torch model pays its ~30
+        ops a layer and, on all threads, their hand-offs: measured on the demo cloud LM (2 cores under load),
+        verifying 5 tokens cost 1.4x a one-token step fused on one thread, 14x through the torch model on two."""
+        if self.fused_decoder is None or not feeds or len(feeds) > FUSED_DECODE_MAX_SEQS:
+            return False
+        if any(not 0 < f.num_logits <= len(f.token_ids) <= FUSED_MAX_FEED_TOKENS for f in feeds):
+            return False
+        num_rows = sum(len(f.token_ids) for f in feeds)
+        if num_rows > len(feeds):
+            return num_rows <= FUSED_MAX_ROWS
+        return not self.adapt_threads or self.max_threads == 1 or self.step_macs(feeds) < self.parallel_min_macs
+
+    @staticmethod
+    def _run_fused(fused: FusedDecoder, feeds: list[Feed]) -> torch.Tensor:
+        token_ids: list[int] = []
+        positions: list[int] = []
+        row_seqs: list[int] = []
+        logit_rows: list[int] = []
+        for s, f in enumerate(feeds):
+            n = len(f.token_ids)
+            logit_rows.extend(range(len(token_ids) + n - f.num_logits, len(token_ids) + n))
+            token_ids.extend(f.token_ids)
+            positions.extend(range(f.start, f.start + n))
+            row_seqs.extend([s] * n)
+        if len(token_ids) == len(feeds):  # one token a sequence: a decode step (the defaults)
+            return fused.run(token_ids, positions, [f.block_table for f in feeds])
+        return fused.run(token_ids, positions, [f.block_table for f in feeds], row_seqs, logit_rows)
 
     @torch.inference_mode()
     def execute(self, feeds: list[Feed]) -> torch.Tensor:
         """Run one forward over all feeds; returns logits [sum(num_logits), V] in feed order."""
         started = time.perf_counter()
-        threads = self.use_threads_for(feeds)
-        if (
-            self.fused_decoder is not None
-            and threads == 1
-            and len(feeds) <= FUSED_DECODE_MAX_SEQS
-            and all(len(f.token_ids) == f.num_logits == 1 for f in feeds)
-        ):
-            logits = self.fused_decoder.run(
-                [f.token_ids[0] for f in feeds], [f.start for f in feeds], [f.block_table for f in feeds]
-            )
+        if self.fused_decoder is not None and self.fuses(feeds):
+            if self.adapt_threads and torch.get_num_threads() != 1:
+                torch.set_num_threads(1)
+            logits = self._run_fused(self.fused_decoder, feeds)
             self.forward_seconds += time.perf_counter() - started
             self.num_forwards += 1
             return logits
+        self.use_threads_for(feeds)
         # Group small feeds by length so each group is one batched attention; large ones (prefill) go alone.
         by_len: dict[int, list[int]] = {}
         singles: list[int] = []

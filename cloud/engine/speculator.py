@@ -1,20 +1,21 @@
 """Speculative decoding: proposals (a draft model, or n-grams looked up in the prompt) and the adaptive
-controller that picks k from the observed acceptance and the measured cost of a step — and turns
-speculation off when a large batch makes verifying extra tokens cost more than it saves."""
+controller that picks k for each step from the observed acceptance and the measured cost of the steps it runs —
+plain steps and speculative ones, timed online, per concurrency — so that speculation is on only where it is
+measured to pay."""
 
 from __future__ import annotations
 
 import time
-from bisect import bisect_left
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from cloud.engine.model_runner import Feed, ModelRunner
+from cloud.engine.model_runner import PARALLEL_MIN_MACS, Feed, ModelRunner
 from cloud.engine.sampler import Sampler
 from cloud.engine.sequence import Sequence
 
-CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+METHODS = ("draft", "ngram")
 
 
 def ngram_proposal(token_ids: list[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
@@ -31,47 +32,6 @@ def ngram_proposal(token_ids: list[int], k: int, max_n: int = 4, min_n: int = 1)
     return []
 
 
-class StepCost:
-    """Seconds per forward as a function of tokens in the step, measured once and interpolated."""
-
-    def __init__(self, sizes: list[int], seconds: list[float]) -> None:
-        self.sizes = sizes
-        self.seconds = seconds
-
-    @classmethod
-    def measure(cls, runner: ModelRunner, max_tokens: int, repeats: int = 5) -> StepCost:
-        """Time decode-shaped batches (one token per sequence, short contexts) on the empty cache.
-
-        The best of several runs, made non-decreasing in the number of tokens, so that a noisy neighbour
-        during start-up does not make small steps look dearer than large ones.
-        """
-        sizes = [s for s in CALIBRATION_SIZES if s <= max_tokens] or [1]
-        blocks = list(range(min(runner.num_blocks, 4)))
-        seconds = []
-        for size in sizes:
-            feeds = [Feed(blocks, [0], 8, 1) for _ in range(size)]
-            runner.execute(feeds)
-            best = float("inf")
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                runner.execute(feeds)
-                best = min(best, time.perf_counter() - t0)
-            seconds.append(best)
-        for i in range(len(seconds) - 2, -1, -1):
-            seconds[i] = min(seconds[i], seconds[i + 1])
-        return cls(sizes, seconds)
-
-    def __call__(self, num_tokens: int) -> float:
-        sizes, secs = self.sizes, self.seconds
-        if num_tokens <= sizes[0]:
-            return secs[0]
-        if num_tokens >= sizes[-1]:
-            return secs[-1] * num_tokens / sizes[-1]
-        i = bisect_left(sizes, num_tokens)
-        lo, hi = sizes[i - 1], sizes[i]
-        return secs[i - 1] + (secs[i] - secs[i - 1]) * (num_tokens - lo) / (hi - lo)
-
-
 def expected_tokens(alpha: float, k: int) -> float:
     """Tokens produced per verification with k proposals each accepted with probability alpha."""
     if alpha >= 1.0:
@@ -79,36 +39,84 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-class SpecController:
-    """Chooses k per step: argmax over k of expected tokens per second, k = 0 meaning no speculation.
+def concurrency_bucket(num_seqs: int) -> int:
+    """Steps are costed per bucket of decoding sequences: 1, 2, 3, 4, then up to the next power of two."""
+    return num_seqs if num_seqs <= 4 else 1 << (num_seqs - 1).bit_length()
 
-    The per-token acceptance alpha is estimated from verification rounds: each accepted proposal is a success
-    and each round that stopped at a rejection is one failure (later proposals of that round were never
-    tested), with exponential forgetting. While speculation is off, one step in ``PROBE_EVERY`` still
-    proposes a single token so the estimate can recover when the text becomes predictable again.
+
+@dataclass(slots=True)
+class _Cost:
+    """Seconds per sequence of a step of one shape: an exponentially weighted mean of the steps measured, with the
+    spread of those measurements."""
+
+    seconds: float
+    updated: int  # the controller's step count when last measured
+    variance: float = 0.0  # exponentially weighted, of the measurements around the mean
+    count: int = 1
+
+    def relative_error(self, weight: float, prior: float) -> float:
+        """The standard error of the mean relative to it (``prior`` while only one measurement is in)."""
+        if self.count < 2:
+            return prior
+        samples = min(self.count, (2.0 - weight) / weight)  # an exponentially weighted mean's effective samples
+        return (self.variance / samples) ** 0.5 / self.seconds
+
+
+class SpecController:
+    """Chooses k per step and method: k = 0 (a plain step) unless speculating is expected to give at least
+    ``MIN_GAIN`` times the tokens per second of plain decoding.
+
+    Costs are measured, not modelled: the engine times every step in which all scheduled sequences decode
+    (``record_step``) and files its seconds per sequence under the step's shape — plain, or one method with k
+    proposals a sequence — and its concurrency bucket (``concurrency_bucket``), as an exponentially weighted mean.
+    Those are the steps it actually runs: the fused one-token step when plain, the draft's steps and the
+    verification when speculating. Where a k is not measured yet in a bucket its cost is extrapolated linearly
+    in k from the bucket's plain cost and its nearest measured k (before any, ``PRIOR_COST_PER_TOKEN`` of a plain
+    step per proposal), so a promising k gets tried; a bucket's first steps are plain, to measure the reference.
+    Now and then a decision explores instead — while plain wins, the best speculative k; while speculation wins,
+    plain and the runner-up k in turn — so that the estimates not being refreshed follow the host's load and the
+    contexts' growth. Exploring is paid from a budget of ``EXPLORE_SHARE`` of the time (per method and bucket):
+    an exploration spends what the estimates say it loses, so a choice far worse than the best is re-checked
+    rarely and one nearly as good often (at most one decision in ``MIN_EXPLORE_GAP``).
+
+    Tokens per step come from the per-token acceptance alpha, estimated from verification rounds: each accepted
+    proposal is a success and each round that stopped at a rejection is one failure (later proposals of that round
+    were never tested), with exponential forgetting; n-gram lookups that find nothing (``record_lookups``) count as
+    plain steps for the sequences concerned.
     """
 
-    PROBE_EVERY = 16
-    DECAY = 0.98
+    EXPLORE_SHARE = 0.01  # of the time: what exploring may cost, at most, by the estimates
+    MIN_EXPLORE_GAP = 8  # decisions between two explorations, at least
+    PLAIN_EVERY = 16  # while speculating, one decision in this many is plain
+    MAX_SAVED_STEPS = 4.0
+    MIN_GAIN = 1.02
+    DECAY = 0.98  # acceptance evidence
+    COST_WEIGHT = 0.25  # weight of a new measurement in a cost's mean
+    STALE_WEIGHT = 0.5  # ... in the mean of one not measured for FRESH_STEPS steps
+    FRESH_STEPS = 16
+    PRIOR_COST_PER_TOKEN = 0.25
+    CAUTION = 1.0  # standard errors added to a speculative step's measured cost
+    PRIOR_ERROR = 0.3  # relative error of a cost measured once
 
-    def __init__(
-        self,
-        max_k: int,
-        target_cost: Callable[[int], float],
-        draft_cost: Callable[[int], float] | None,
-        adaptive: bool = True,
-    ) -> None:
+    def __init__(self, max_k: int, adaptive: bool = True) -> None:
         self.max_k = max_k
-        self.target_cost = target_cost
-        self.draft_cost = draft_cost
         self.adaptive = adaptive
         # Decayed (successes, trials), starting from a weak prior.
         self._evidence = {"draft": [3.5, 5.0], "ngram": [2.5, 5.0]}
-        self._num_off = {"draft": 0, "ngram": 0}
+        self._hits = {"draft": [1.0, 1.0], "ngram": [1.0, 1.0]}  # decayed (lookups that proposed, lookups)
+        self._costs: dict[tuple[str, int, int], _Cost] = {}  # (method or "plain", bucket, k) -> seconds a sequence
+        # (method, bucket) -> [exploration budget in seconds, decisions since the last, explorations so far]
+        self._explore: dict[tuple[str, int], list[float]] = {}
+        self._clock = 0
 
+    # -- evidence ----------------------------------------------------------------------------------------------
     def acceptance(self, method: str) -> float:
         successes, trials = self._evidence[method]
         return successes / trials
+
+    def hit_rate(self, method: str) -> float:
+        hits, lookups = self._hits[method]
+        return hits / lookups
 
     def record(self, method: str, proposed: int, accepted: int) -> None:
         if proposed <= 0:
@@ -117,38 +125,161 @@ class SpecController:
         ev[0] = self.DECAY * ev[0] + accepted
         ev[1] = self.DECAY * ev[1] + accepted + (1 if accepted < proposed else 0)
 
-    def choose_k(self, method: str, num_seqs: int, num_other_tokens: int) -> int:
+    def record_lookups(self, method: str, num_lookups: int, num_proposed: int) -> None:
+        """``num_lookups`` sequences looked for proposals; ``num_proposed`` of them found some."""
+        if num_lookups <= 0:
+            return
+        hits = self._hits[method]
+        decay = self.DECAY**num_lookups
+        hits[0] = decay * hits[0] + num_proposed
+        hits[1] = decay * hits[1] + num_lookups
+
+    def record_step(self, method: str | None, k: int, num_seqs: int, seconds: float) -> None:
+        """A step of ``num_seqs`` decoding sequences took ``seconds``: plain (``method`` None or k 0), or with
+        ``method`` proposing up to k tokens for its sequences (and no other method speculating)."""
+        if num_seqs <= 0 or seconds <= 0:
+            return
+        bucket = concurrency_bucket(num_seqs)
+        key = ("plain", bucket, 0) if method is None or k == 0 else (method, bucket, k)
+        per_seq = seconds / num_seqs
+        self._clock += 1
+        cost = self._costs.get(key)
+        if cost is None:
+            self._costs[key] = _Cost(per_seq, self._clock)
+            return
+        # An estimate refreshed only now and then (an explored shape) is old: the new measurement weighs more.
+        weight = self.COST_WEIGHT if self._clock - cost.updated <= self.FRESH_STEPS else self.STALE_WEIGHT
+        deviation = per_seq - cost.seconds
+        cost.seconds += weight * deviation
+        cost.variance = (1.0 - weight) * (cost.variance + weight * deviation * deviation)
+        cost.updated = self._clock
+        cost.count += 1
+
+    # -- the decision ------------------------------------------------------------------------------------------
+    def cost(self, method: str, num_seqs: int, k: int) -> float | None:
+        """The measured seconds a sequence of a step (plain for k 0), or None where not measured."""
+        bucket = concurrency_bucket(num_seqs)
+        c = self._costs.get(("plain", bucket, 0) if k == 0 else (method, bucket, k))
+        return c.seconds if c is not None else None
+
+    def estimated_cost(self, method: str, num_seqs: int, k: int, plain: float) -> float:
+        """The measured cost of k, or one extrapolated linearly in k from ``plain`` through the nearest measured k;
+        for k > 0 raised by ``CAUTION`` standard errors (its own and plain's): speculation is chosen on evidence, so a
+        measurement that noise made look cheap (or plain's look dear) does not switch it on by itself."""
+        if k == 0:
+            return plain
+        bucket = concurrency_bucket(num_seqs)
+        plain_error = self._costs[("plain", bucket, 0)].relative_error(self.COST_WEIGHT, self.PRIOR_ERROR)
+        measured = self._costs.get((method, bucket, k))
+        if measured is not None:
+            error = measured.relative_error(self.COST_WEIGHT, self.PRIOR_ERROR)
+            return measured.seconds * (1.0 + self.CAUTION * (error**2 + plain_error**2) ** 0.5)
+        nearest = [j for j in range(1, self.max_k + 1) if (method, bucket, j) in self._costs]
+        if not nearest:
+            return plain * (1.0 + self.PRIOR_COST_PER_TOKEN * k)
+        j = min(nearest, key=lambda j: (abs(j - k), j))
+        return plain + max(0.0, self.estimated_cost(method, num_seqs, j, plain) - plain) * k / j
+
+    def tokens_per_seq(self, method: str, k: int) -> float:
+        """Expected tokens a sequence gets from a step with k proposals planned."""
+        if k == 0:
+            return 1.0
+        hit = self.hit_rate(method)
+        return hit * expected_tokens(min(self.acceptance(method), 0.99), k) + (1.0 - hit)
+
+    def estimates(self, method: str, num_seqs: int, num_decoding: int) -> list[tuple[float, float]] | None:
+        """Expected (tokens, seconds) of the step for k = 0 .. max_k, with ``num_seqs`` of the ``num_decoding``
+        decoding sequences speculating with ``method``; None before the bucket's plain step is measured."""
+        plain = self.cost(method, num_decoding, 0)
+        if plain is None:
+            return None
+        others = num_decoding - num_seqs
+        return [
+            (
+                others + num_seqs * self.tokens_per_seq(method, k),
+                num_decoding * self.estimated_cost(method, num_decoding, k, plain),
+            )
+            for k in range(self.max_k + 1)
+        ]
+
+    def choose_k(self, method: str, num_seqs: int, num_decoding: int | None = None) -> int:
+        """k for the ``num_seqs`` sequences speculating with ``method`` this step, among ``num_decoding`` decoding
+        sequences in all (default: only them)."""
         if not self.adaptive:
             return self.max_k
-        alpha = min(self.acceptance(method), 0.99)
-        base = num_seqs / self.target_cost(num_other_tokens + num_seqs)
-        best_k, best = 0, base
-        for k in range(1, self.max_k + 1):
-            seconds = self.target_cost(num_other_tokens + num_seqs * (k + 1))
-            if method == "draft" and self.draft_cost is not None:
-                seconds += k * self.draft_cost(num_seqs)
-            rate = num_seqs * expected_tokens(alpha, k) / seconds
-            if rate > best * 1.02:
-                best_k, best = k, rate
-        if best_k == 0:
-            self._num_off[method] += 1
-            if self._num_off[method] % self.PROBE_EVERY == 0:
-                return 1
-        return best_k
+        num_decoding = max(num_seqs, num_decoding or 0)
+        estimates = self.estimates(method, num_seqs, num_decoding)
+        if estimates is None:
+            return 0
+        rates = [tokens / seconds for tokens, seconds in estimates]
+        best = max(range(1, self.max_k + 1), key=lambda k: rates[k], default=0)
+        if best and rates[best] < self.MIN_GAIN * rates[0]:
+            best = 0
+        if self.max_k < 1:
+            return best
+        # Exploring: while plain wins, the best speculative k; while speculation wins, plain (the reference) and
+        # the runner-up k in turn. Each decision adds EXPLORE_SHARE of a step's time to a budget; an exploration
+        # spends what it is expected to lose (its time beyond what its tokens would take at the best rate).
+        state = self._explore.setdefault((method, concurrency_bucket(num_decoding)), [0.0, 0.0, 0.0])
+        budget, since, turns = state
+        # (Saved up for at most MAX_SAVED_STEPS steps' time: what goes unspent while nothing is worth exploring
+        # is not spent in a burst later.)
+        budget = min(budget + self.EXPLORE_SHARE * estimates[best][1], self.MAX_SAVED_STEPS * estimates[best][1])
+        since += 1
+        if best and since >= self.PLAIN_EVERY:
+            # Plain, the reference, is re-measured at a fixed rate while speculation wins: it can cost speculation
+            # some of its gain, never speed against plain decoding; a stale reference could.
+            state[:] = [budget, 0.0, turns]
+            return 0
+        others = [k for k in range(1, self.max_k + 1) if k != best]
+        candidate = max(others, key=lambda k: rates[k], default=best)
+        loss = max(0.0, estimates[candidate][1] * (1.0 - rates[candidate] / rates[best]))
+        if candidate != best and since >= self.MIN_EXPLORE_GAP and budget >= loss:
+            state[:] = [budget - loss, 0.0, turns + 1]
+            return candidate
+        state[:] = [budget, since, turns]
+        return best
 
 
 class DraftProposer:
     """Runs the draft model k steps ahead for a batch of sequences; the draft shares the target's block
     tables (same block ids, its own KV tensors) and catches up on tokens it has not seen."""
 
-    def __init__(self, runner: ModelRunner, sampler: Sampler) -> None:
+    # A draft behind its sequence by more than this many tokens (its prompt, tokens decoded while speculation was
+    # off) catches up in a forward of its own first.
+    MAX_LAG = 2
+
+    def __init__(self, runner: ModelRunner, sampler: Sampler, clock: Callable[[], float] = time.perf_counter) -> None:
         self.runner = runner
+        # The draft's forwards run on one thread unless large (64 prompts to catch up on): a parallel torch forward
+        # hands work to the other threads at every op, and on a busy host each hand-off can wait milliseconds for
+        # a core (a 128-token catch-up of the demo draft took 300 ms on two threads, 20 on one).
+        runner.parallel_min_macs = 16 * PARALLEL_MIN_MACS
         self.sampler = sampler
+        self.clock = clock  # the engine's step clock (``LLMEngine.step_clock``)
+        self.catch_up_seconds = 0.0  # of the last ``propose``
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence]) -> dict[int, torch.Tensor | None]:
         """Fill ``seq.spec_token_ids`` (``seq.num_lookahead`` tokens); returns draft probs [k, V] per
         sampled sequence (None for greedy ones)."""
+        self.catch_up_seconds = 0.0
+        lagging = [s for s in seqs if s.num_tokens - s.draft_num_computed_tokens > self.MAX_LAG]
+        if lagging:
+            # The prompt's share of it is a one-off, not what a round of k proposals costs: ``catch_up_seconds``.
+            # Tokens decoded while speculation was off are what switching it on costs, and stay in the step's cost.
+            fed = sum(s.num_tokens - 1 - s.draft_num_computed_tokens for s in lagging)
+            prompt = sum(max(0, s.num_prompt_tokens - s.draft_num_computed_tokens) for s in lagging)
+            started = self.clock()
+            self.runner.execute(
+                [
+                    Feed(s.block_table, s.token_ids[s.draft_num_computed_tokens : -1], s.draft_num_computed_tokens, 0)
+                    for s in lagging
+                ]
+            )
+            for s in lagging:
+                s.draft_num_computed_tokens = s.num_tokens - 1
+            self.catch_up_seconds = (self.clock() - started) * min(1.0, prompt / fed)
         probs: dict[int, list[torch.Tensor]] = {s.seq_id: [] for s in seqs}
         feeds = [
             Feed(s.block_table, s.token_ids[s.draft_num_computed_tokens :], s.draft_num_computed_tokens, 1)

@@ -15,7 +15,7 @@ from scipy.stats import chisquare
 from cloud.engine.sampler import Sampler
 from cloud.engine.sampling_params import SamplingParams
 from cloud.engine.sequence import Sequence
-from cloud.engine.speculator import SpecController, StepCost, expected_tokens, ngram_proposal
+from cloud.engine.speculator import expected_tokens, ngram_proposal
 from shared.errors import ValidationError
 
 CPU = torch.device("cpu")
@@ -115,74 +115,7 @@ def test_expected_tokens(alpha: float, k: int, expected: float) -> None:
     assert expected_tokens(alpha, k) == pytest.approx(expected)
 
 
-def flat_cost(num_tokens: int) -> float:
-    """A memory-bound step: the weights are read once whatever the batch."""
-    return 0.010
-
-
-def linear_cost(num_tokens: int) -> float:
-    """A compute-bound step (a large batch): every token costs the same."""
-    return 0.001 * num_tokens
-
-
-def test_speculation_is_off_when_every_token_costs_the_same() -> None:
-    controller = SpecController(max_k=4, target_cost=linear_cost, draft_cost=None)
-    for _ in range(50):
-        controller.record("ngram", 4, 4)
-    for num_seqs in (1, 8, 64, 256):
-        assert controller.choose_k("ngram", num_seqs=num_seqs, num_other_tokens=0) == 0
-        assert controller.choose_k("draft", num_seqs=num_seqs, num_other_tokens=0) == 0
-
-
-def test_speculation_is_on_when_steps_cost_the_same_and_proposals_are_accepted() -> None:
-    controller = SpecController(max_k=4, target_cost=flat_cost, draft_cost=None)
-    for _ in range(50):
-        controller.record("ngram", 4, 4)
-    assert controller.acceptance("ngram") > 0.95
-    assert controller.choose_k("ngram", num_seqs=1, num_other_tokens=0) == 4
-    assert controller.choose_k("draft", num_seqs=1, num_other_tokens=0) > 0
-
-
-def test_speculation_turns_off_when_proposals_are_rejected() -> None:
-    controller = SpecController(max_k=4, target_cost=flat_cost, draft_cost=None)
-    for _ in range(300):
-        controller.record("ngram", 4, 0)
-    assert controller.acceptance("ngram") < 0.05
-    decisions = [controller.choose_k("ngram", num_seqs=1, num_other_tokens=0) for _ in range(64)]
-    # Off, except a single-token probe now and then so acceptance can be measured again.
-    assert decisions.count(0) == 60 and decisions.count(1) == 4
-
-
-def test_acceptance_counts_untested_proposals_as_neither_success_nor_failure() -> None:
-    """Per-token acceptance: every accepted proposal is a success and a round's rejection one failure; the
-    proposals after a rejection were never tested and count as neither."""
-    controller = SpecController(max_k=4, target_cost=flat_cost, draft_cost=None)
-    for _ in range(300):
-        controller.record("draft", 4, 1)  # one success, then a rejection: alpha 1/2 (not 1/4)
-    assert controller.acceptance("draft") == pytest.approx(0.5, abs=0.01)
-
-
-def test_a_dear_draft_model_shortens_k() -> None:
-    cheap = SpecController(max_k=8, target_cost=flat_cost, draft_cost=lambda n: 0.0001)
-    dear = SpecController(max_k=8, target_cost=flat_cost, draft_cost=lambda n: 0.004)
-    k_cheap = cheap.choose_k("draft", num_seqs=1, num_other_tokens=0)
-    k_dear = dear.choose_k("draft", num_seqs=1, num_other_tokens=0)
-    assert 0 < k_dear < k_cheap
-
-
-def test_without_adaptation_k_is_the_maximum() -> None:
-    controller = SpecController(max_k=3, target_cost=linear_cost, draft_cost=None, adaptive=False)
-    assert controller.choose_k("ngram", num_seqs=256, num_other_tokens=0) == 3
-
-
-def test_step_cost_interpolates_and_extrapolates_linearly() -> None:
-    cost = StepCost([1, 4, 16], [1.0, 2.0, 8.0])
-    assert cost(0) == 1.0
-    assert cost(1) == 1.0
-    assert cost(2) == pytest.approx(4 / 3)
-    assert cost(4) == 2.0
-    assert cost(10) == pytest.approx(5.0)
-    assert cost(32) == pytest.approx(16.0)
+# (the controller's decisions: tests/unit/test_spec_controller.py)
 
 
 # -- distributions ----------------------------------------------------------------------------------------------

@@ -1,0 +1,112 @@
+"""The fused C step (``FusedDecoder``) beyond one token a sequence: a speculative verification (k + 1 tokens of each
+of a few sequences), a draft catching up, on randomly initialised Llama and Qwen2 checkpoints, against the torch
+model's verification of the same tokens through the same paged cache and against transformers (fp32, atol 1e-4)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from cloud.engine.model_runner import FUSED_MAX_ROWS, Feed, ModelRunner
+
+ATOL = 1e-4
+BLOCK = 8
+SMALL = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2}
+GQA = {"num_attention_heads": 4, "num_key_value_heads": 2, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+CASES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
+    "llama-gqa": (LlamaForCausalLM, LlamaConfig, {**GQA, "tie_word_embeddings": True}),
+    "qwen2-bias": (Qwen2ForCausalLM, Qwen2Config, {**GQA, "tie_word_embeddings": False}),
+}
+# Three sequences of different lengths in scattered blocks, each then fed k + 1 tokens (its next token and k
+# proposals) in one step.
+PROMPT_LENGTHS = (21, 6, 13)
+TABLES = [[20, 3, 22, 9, 24], [0, 31, 2], [10, 11, 5, 13]]
+
+
+def _save(tmp_path: Path, case: str) -> tuple[Any, Path]:
+    model_cls, config_cls, extra = CASES[case]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**{**SMALL, **extra})).eval()
+    out = tmp_path / case
+    model.save_pretrained(out)
+    return model, out
+
+
+def _runner(path: Path, fused: bool) -> ModelRunner:
+    runner = ModelRunner(path, torch.device("cpu"), torch.float32, BLOCK, num_blocks=40, max_model_len=128)
+    assert runner.fused_decoder is not None, "the fused decode step did not build (see the log)"
+    if not fused:
+        runner.fused_decoder = None
+        return runner
+    forward = runner.model.forward
+
+    def prompts_only(ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        assert ids.numel() > 16, "a verification ran the torch model, not the fused step"
+        return forward(ids, *args, **kwargs)
+
+    runner.model.forward = prompts_only  # type: ignore[method-assign,assignment]
+    return runner
+
+
+def _verify_logits(runner: ModelRunner, prompts: list[list[int]], fed: list[list[int]]) -> torch.Tensor:
+    runner.execute([Feed(t, p, 0, 1) for t, p in zip(TABLES, prompts, strict=True)])
+    feeds = [Feed(t, f, len(p), len(f)) for t, p, f in zip(TABLES, prompts, fed, strict=True)]
+    return runner.execute(feeds)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_fused_verification_gives_the_torch_models_logits_and_transformers(tmp_path: Path, case: str, k: int) -> None:
+    hf, path = _save(tmp_path, case)
+    gen = torch.Generator().manual_seed(k)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+    fed = [torch.randint(3, 256, (k + 1,), generator=gen).tolist() for _ in PROMPT_LENGTHS]
+    fused = _verify_logits(_runner(path, fused=True), prompts, fed)
+    reference = _verify_logits(_runner(path, fused=False), prompts, fed)
+    assert fused.shape == (len(PROMPT_LENGTHS) * (k + 1), SMALL["vocab_size"])
+    torch.testing.assert_close(fused, reference, atol=ATOL, rtol=0)
+    with torch.no_grad():
+        rows = [hf(torch.tensor([p + f])).logits[0, len(p) :] for p, f in zip(prompts, fed, strict=True)]
+    torch.testing.assert_close(fused, torch.cat(rows), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_fused_step_writes_the_cache_a_later_step_reads(tmp_path: Path, case: str) -> None:
+    """Rows of one sequence fed together leave the same K/V in the cache as the torch model: a draft catching up on
+    two tokens (logits for the last only), then one more token, gives transformers' logits."""
+    hf, path = _save(tmp_path, case)
+    runner = _runner(path, fused=True)
+    ids = torch.randint(3, 256, (24,), generator=torch.Generator().manual_seed(5)).tolist()
+    table = TABLES[0]
+    runner.execute([Feed(table, ids[:20], 0, 1)])
+    caught_up = runner.execute([Feed(table, ids[20:22], 20, 1)])
+    step = runner.execute([Feed(table, ids[22:23], 22, 1)])
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids[:23]])).logits[0]
+    torch.testing.assert_close(caught_up[0], expected[21], atol=ATOL, rtol=0)
+    torch.testing.assert_close(step[0], expected[22], atol=ATOL, rtol=0)
+
+
+def test_what_the_fused_step_takes_and_refuses(tmp_path: Path) -> None:
+    """Verifications of a few sequences fuse (on one thread, whatever the engine's threads); more rows than
+    ``FUSED_MAX_ROWS``, a feed without logits or longer than a verification go to the torch model; bad rows are
+    refused, not read out of bounds."""
+    _, path = _save(tmp_path, "llama-gqa")
+    runner = _runner(path, fused=True)
+    assert runner.fuses([Feed([0, 1], [5] * 5, 3, 5) for _ in range(3)])
+    assert not runner.fuses([Feed([0, 1], [5] * 5, 3, 5) for _ in range(FUSED_MAX_ROWS // 5 + 1)])
+    assert not runner.fuses([Feed([0, 1], [5] * 5, 3, 0)])
+    assert not runner.fuses([Feed([0, 1, 2], [5] * 17, 3, 17)])
+    fused = runner.fused_decoder
+    assert fused is not None
+    assert fused.run([5, 6], [3, 4], [[0]], [0, 0], [1]).shape == (1, SMALL["vocab_size"])
+    with pytest.raises(ValueError, match="sequence with a block table"):
+        fused.run([5, 6], [3, 4], [[0]], [0, 1], [1])
+    with pytest.raises(ValueError, match="logit rows"):
+        fused.run([5, 6], [3, 4], [[0]], [0, 0], [2])
+    with pytest.raises(ValueError, match="does not cover"):
+        fused.run([5, 6], [7, 8], [[0]], [0, 0], [1])
