@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.install-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install peers gguf-converter chromium demo test lint bench bench-peers zoo clean help
+.PHONY: install peers gguf-converter chromium demo test lint bench bench-peers zoo images clean help
 
 help:
 	@echo "make demo    run the platform on localhost (cloud API, console, edge agent)"
@@ -15,6 +15,7 @@ help:
 	@echo "make bench   benchmarks (JSON)"
 	@echo "make install create .venv and install tierline[dev]"
 	@echo "make peers   build (once, cached) and install tierline[peers]: llama.cpp for the peer benchmarks/tests"
+	@echo "make images  build the container image tierline:latest (deploy/Dockerfile; cached)"
 
 # Re-installs only when the project's dependency files change.
 $(STAMP): pyproject.toml constraints.txt
@@ -85,6 +86,12 @@ bench: install
 	$(BIN)/tierline bench edge --json
 	$(BIN)/tierline bench cascade --json --plot docs/cascade.png
 	$(BIN)/tierline bench api --preset tiny --json
+
+# The container image (deploy/Dockerfile) as tierline:latest, for deploy/compose.yaml and the Kubernetes manifests.
+# deploy/images.sh picks the base (python:3.11-slim, else a local one made once from Debian packages) and the CPU
+# torch (PyTorch's CPU index, or pip's local wheel); layers are cached, so a second run takes seconds.
+images:
+	deploy/images.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -2,7 +2,9 @@
 kubectl is installed, and always with the small renderer below, which must agree with it), every rendered object
 validates against the Kubernetes API schemas in strict mode (``kubernetes-validate``: an unknown field fails), and
 the objects refer to each other correctly (Service selectors, probe ports, ConfigMaps, Secrets, backends file).
-A deliberately broken copy of the manifests must fail each check."""
+A deliberately broken copy of the manifests must fail each check. deploy/compose.yaml and the Kubernetes base run the
+one image (deploy/Dockerfile, entrypoint ``tierline``) with the same command line and environment per service; the
+container test that builds and runs them is tests/e2e/test_images.py."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import copy
 import hashlib
 import json
 import re
+import shlex
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -598,12 +601,142 @@ def test_a_broken_compose_file_fails_the_check(tmp_path: Path) -> None:
 
 
 def test_docker_compose_accepts_the_file(tmp_path: Path) -> None:
-    """``docker compose config`` where docker compose runs; the YAML checks above hold either way."""
-    probe = subprocess.run(["docker", "compose", "version"], capture_output=True) if shutil.which("docker") else None
-    if probe is None or probe.returncode:
+    """``docker compose config`` (or docker-compose's) where compose is installed, with and without the local
+    services file; the YAML checks above hold either way."""
+    command = next(
+        (
+            cmd
+            for cmd in (["docker", "compose"], ["docker-compose"])
+            if shutil.which(cmd[0]) and subprocess.run([*cmd, "version"], capture_output=True).returncode == 0
+        ),
+        None,
+    )
+    if command is None:
         pytest.skip("docker compose is not installed here; compose.yaml is checked by the YAML tests")
     env = {"POSTGRES_PASSWORD": "x" * 16, "TIERLINE_SECRET_KEY": "y" * 32, "PATH": "/usr/bin:/bin:/usr/local/bin"}
-    out = subprocess.run(
-        ["docker", "compose", "-f", str(COMPOSE), "config", "--quiet"], env=env, capture_output=True, text=True
+    for files in ([COMPOSE], [COMPOSE, COMPOSE.parent / "compose.local.yaml"]):
+        args = [arg for f in files for arg in ("-f", str(f))]
+        out = subprocess.run([*command, *args, "config", "--quiet"], env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+    missing = subprocess.run([*command, "-f", str(COMPOSE), "config", "--quiet"], env={"PATH": env["PATH"]},
+                             capture_output=True, text=True)  # fmt: skip
+    assert missing.returncode != 0 and "set POSTGRES_PASSWORD" in missing.stderr
+
+
+# -- one image, one command line and environment per service: compose and Kubernetes agree --------------------------
+# compose service -> the Kubernetes base's container that runs the same service
+SAME_SERVICE = {
+    "migrate": ("Job", "tierline-migrate", "migrate"),
+    "model-server": ("Deployment", "tierline-model-server", "model-server"),
+    "gateway-1": ("Deployment", "tierline-gateway", "gateway"),
+    "gateway-2": ("Deployment", "tierline-gateway", "gateway"),
+    "console": ("Deployment", "tierline-console", "console"),
+}
+# Deliberate differences: (compose service, variable) -> why.
+ENV_DIFFERENCES = {
+    (
+        "console",
+        "TIERLINE_CONSOLE_SECURE_COOKIES",
+    ): "Kubernetes serves the console behind TLS; compose on http://localhost",
+}
+DOCKERFILE = REPO / "deploy" / "Dockerfile"
+
+
+def compose_command(service: Obj) -> list[str]:
+    """The arguments compose passes to the image's entrypoint (``tierline``). The migrate service runs a shell:
+    its first command, ``tierline db upgrade``, is the one Kubernetes runs (the keys it then makes are a Secret
+    there)."""
+    if service.get("entrypoint") == ["sh", "-c"]:
+        first = shlex.split(service["command"][0].split("&&", 1)[0])
+        assert first[0] == "tierline", first
+        return first[1:]
+    return list(service["command"])
+
+
+def kubernetes_env(container: Obj, configmaps: dict[str, Obj]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        env.update(configmaps[source["configMapRef"]["name"]]["data"])
+    for var in container.get("env", []):
+        ref = var.get("valueFrom", {}).get("secretKeyRef")
+        env[var["name"]] = var["value"] if ref is None else f"<Secret {ref['name']} key {ref['key']}>"
+    return env
+
+
+def drift_errors(compose_path: Path, base: Path) -> list[str]:
+    """Where compose and the Kubernetes base run a service differently: another image, command line or
+    environment (secrets compared by name only: compose interpolates them, Kubernetes reads Secrets)."""
+    services = yaml.safe_load(compose_path.read_text())["services"]
+    objects = render_builtin(base)
+    keyed = by_key(objects)
+    configmaps = {o["metadata"]["name"].rsplit("-", 1)[0]: o for o in objects if o["kind"] == "ConfigMap"}
+    configmaps |= {o["metadata"]["name"]: o for o in objects if o["kind"] == "ConfigMap"}
+    errors = []
+    entrypoint = re.search(r"^ENTRYPOINT (.*)$", DOCKERFILE.read_text(), re.M)
+    if entrypoint is None or json.loads(entrypoint.group(1)) != ["tierline"]:
+        errors.append('deploy/Dockerfile: ENTRYPOINT is not ["tierline"]')
+    for name, (kind, workload, cname) in SAME_SERVICE.items():
+        svc = services[name]
+        pod = keyed[(kind, workload)]["spec"]["template"]["spec"]
+        container = next(c for c in pod["containers"] if c["name"] == cname)
+        where = f"{kind}/{workload}"
+        if svc["image"].rsplit(":", 1)[0] != container["image"]:
+            errors.append(f"{name}: image {svc['image']}, {where} runs {container['image']}")
+        if "command" in container:
+            errors.append(f"{where}: overrides the image's entrypoint")
+        if compose_command(svc) != container["args"]:
+            errors.append(f"{name}: runs {compose_command(svc)}, {where} runs {container['args']}")
+        ours, theirs = svc.get("environment") or {}, kubernetes_env(container, configmaps)
+        for var in sorted(set(ours) | set(theirs)):
+            if (name, var) in ENV_DIFFERENCES:
+                continue
+            if var not in ours:
+                errors.append(f"{name}: {var} is set in {where} but not in compose")
+            elif var not in theirs:
+                errors.append(f"{name}: {var} is set in compose but not in {where}")
+            elif not SECRET_LIKE.search(var) and str(ours[var]) != theirs[var]:
+                errors.append(f"{name}: {var}={ours[var]} in compose, {theirs[var]} in {where}")
+    for pod in (p for o in objects for p in pod_specs(o)):  # the init containers run the same image
+        for c in containers(pod):
+            if c["image"] != "tierline" and not c["image"].startswith("vllm/"):
+                errors.append(f"{c['name']}: image {c['image']} is not the tierline image")
+    ours_backends = json.loads((compose_path.parent / "compose" / "backends.json").read_text())["models"]
+    theirs_backends = json.loads((base / "backends.json").read_text())["models"]
+    for model in ours_backends.values():
+        model.pop("endpoints")
+    for model in theirs_backends.values():
+        model.pop("endpoints")
+    if ours_backends != theirs_backends:
+        errors.append("compose/backends.json and kubernetes/base/backends.json differ beyond their endpoints")
+    return errors
+
+
+def test_compose_and_kubernetes_run_one_image_with_the_same_commands_and_environment() -> None:
+    assert drift_errors(COMPOSE, KUBERNETES / "base") == []
+    assert set(SAME_SERVICE) == {
+        n for n, s in yaml.safe_load(COMPOSE.read_text())["services"].items() if "tierline" in s["image"]
+    }
+
+
+def test_a_drifted_command_or_environment_fails_the_check(tmp_path: Path) -> None:
+    root = copy_manifests(tmp_path)
+    shutil.copytree(COMPOSE.parent / "compose", tmp_path / "compose")
+    compose = tmp_path / "compose.yaml"
+    text = COMPOSE.read_text().replace(
+        '"--name", "tierline/lm-cloud", "--host", "0.0.0.0", "--port", "8000"]',
+        '"--name", "tierline/lm-cloud", "--host", "0.0.0.0", "--port", "8001"]',
     )
-    assert out.returncode == 0, out.stderr
+    compose.write_text(text.replace('TIERLINE_CLOUD_KV_CACHE_MB: "512"', 'TIERLINE_CLOUD_KV_CACHE_MB: "256"'))
+    config = root / "base" / "kustomization.yaml"
+    config.write_text(config.read_text().replace("      - TIERLINE_LOG_FORMAT=json\n", ""))
+    errors = drift_errors(compose, root / "base")
+    model = ["engine", "serve", "--model", "/opt/tierline/shared/zoo/weights/demo/lm-cloud", "--name"]
+    model += ["tierline/lm-cloud", "--host", "0.0.0.0", "--port"]
+    expected = [
+        f"{s}: TIERLINE_LOG_FORMAT is set in compose but not in {k}/{w}" for s, (k, w, _) in SAME_SERVICE.items()
+    ]
+    expected += [
+        "model-server: TIERLINE_CLOUD_KV_CACHE_MB=256 in compose, 512 in Deployment/tierline-model-server",
+        f"model-server: runs {[*model, '8001']}, Deployment/tierline-model-server runs {[*model, '8000']}",
+    ]
+    assert sorted(errors) == sorted(expected)
