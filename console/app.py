@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
-from decimal import Decimal
+from decimal import ROUND_HALF_EVEN, Decimal
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from console.registry_api import REGISTRY_ROUTER, derive_jobs
 from console.rollout_controller import rollout_controller
 from console.rollouts_api import ROLLOUTS_ROUTER
 from console.state import ConsoleState
+from controlplane.billing.invoices import minor_unit
 from controlplane.registry.store import store_from_settings
 from controlplane.storage.session import get_db
 from shared.http import http_error_handler
@@ -60,9 +61,15 @@ def _ago(ts: datetime | None, now: datetime) -> str:
 
 
 def _money(value: Decimal | float | None, currency: str = "") -> str:
+    """An amount at the ledger's precision (micros), never fewer decimals than the currency's minor unit:
+    ``0.046321`` reads ``0.046321 USD`` and ``2.1`` reads ``2.10 USD``. One sum reads the same on every page,
+    and a sub-cent spend never reads 0.00 (an invoice's amounts are rounded already, so they read as billed)."""
     if value is None:
         return "—"
-    return f"{Decimal(str(value)):,.2f} {currency}".strip()
+    amount = Decimal(str(value)).quantize(Decimal("0.000001"), rounding=ROUND_HALF_EVEN)
+    places = -int(minor_unit(currency or "USD").as_tuple().exponent)
+    digits = max(places, -int(amount.normalize().as_tuple().exponent))
+    return f"{amount:,.{digits}f} {currency}".strip()
 
 
 def _number(value: Decimal | float | None) -> str:

@@ -1,4 +1,5 @@
-"""Billing: usage over time by tenant, model or tier (a chart), the price book, invoices."""
+"""Billing: usage over time by tenant, model or tier (a chart), each tenant's month-to-date spend (the ledger's one
+figure), the price book, invoices."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ from console.pages.common import (
 )
 from controlplane.billing import invoices
 from controlplane.billing import invoicing as billing_service
-from controlplane.billing.ledger import cost_total, utc_format
-from controlplane.billing.pricing import period_bounds
+from controlplane.billing.ledger import MonthSpend, cost_total, month_spend, utc_format
+from controlplane.billing.pricing import period_bounds, period_of
 from controlplane.storage.tables import CreditNote, Invoice, InvoiceLine, Price, Tenant, UsageRecord
 from controlplane.tenancy import service as tenancy
 from shared.errors import ApplicationError, NotFoundError, ValidationError
@@ -61,6 +62,14 @@ def usage_series(session: Session, group: str, metric: str, since: datetime) -> 
     return series
 
 
+def month_to_date(session: Session, now: datetime) -> list[tuple[Tenant, MonthSpend]]:
+    """Each tenant with usage this month and its month-to-date spend: ``month_spend``, the tenant page's figure."""
+    start = period_bounds(period_of(now))[0]
+    ids = select(UsageRecord.tenant_id).where(col(UsageRecord.occurred_at) >= start).distinct()
+    tenants = session.exec(select(Tenant).where(col(Tenant.id).in_(ids)).order_by(Tenant.name)).all()
+    return [(t, month_spend(session, t.id or 0, now=now)) for t in tenants]
+
+
 @get("/billing", sync_to_thread=True)
 def billing(
     request: Request[Any, Any, Any],
@@ -79,6 +88,7 @@ def billing(
     x_labels = [(start + timedelta(days=i)).strftime("%Y-%m-%d") for i in range(days)]
     with Session(db) as session:
         series = usage_series(session, group, metric, start)
+        spend = month_to_date(session, now)
         prices = list(session.exec(select(Price).order_by(Price.model, col(Price.effective_from).desc()).limit(200)))
         invoices, info = paginate(
             session,
@@ -104,6 +114,8 @@ def billing(
         invoices=invoices,
         page=info,
         now=now,
+        spend=spend,
+        period=period_of(now),
     )
 
 
@@ -130,6 +142,7 @@ def invoice_page(
         credits = list(
             session.exec(select(CreditNote).where(CreditNote.invoice_id == invoice_id).order_by(col(CreditNote.id)))
         )
+        billed = sum(billing_service.exact_billed(session, invoice), Decimal(0))
     return render(
         request,
         "invoice.html.j2",
@@ -139,6 +152,8 @@ def invoice_page(
         lines=lines,
         credit_notes=credits,
         credit_left=invoice.total - invoice.credits,
+        rounding=invoice.total - invoice.subtotal - invoice.adjustments,
+        billed_exact=billed,
         **extra,
     )
 

@@ -245,7 +245,8 @@ class RecentUsage:
 
     @property
     def total(self) -> int:
-        return sum(self.by_tier.values())
+        """Requests the device answered or escalated; its shadow replays are the quality monitor's, not answers."""
+        return sum(n for tier, n in self.by_tier.items() if tier in ("edge", "cloud"))
 
     @property
     def edge_share(self) -> float | None:

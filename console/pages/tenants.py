@@ -29,7 +29,7 @@ from console.pages.common import (
     write_session,
 )
 from controlplane.billing import budget_admin, credit, plans
-from controlplane.billing.ledger import cost_total
+from controlplane.billing.ledger import cost_total, month_spend
 from controlplane.billing.pricing import period_of
 from controlplane.storage.tables import ApiKey, BudgetAlert, BudgetPeriod, Tenant, UsageRecord
 from controlplane.tenancy import service as tenancy
@@ -117,9 +117,10 @@ def tenant_detail(request: Request[Any, Any, Any], db: Engine, name: str) -> Tem
         tenant = tenancy.get_tenant(session, name)
         assert tenant.id is not None
         period = period_of(now)
+        spent = month_spend(session, tenant.id, period, now=now)  # the one spend figure (billing, invoice draft)
         month = usage_by_tenant(session, [tenant.id], _month_start(now)).get(tenant.id, Usage())
         total = usage_by_tenant(session, [tenant.id]).get(tenant.id, Usage())
-        spend = session.get(BudgetPeriod, (tenant.id, period))
+        counted = session.get(BudgetPeriod, (tenant.id, period))
         alerts = list(
             session.exec(
                 select(BudgetAlert)
@@ -144,7 +145,9 @@ def tenant_detail(request: Request[Any, Any, Any], db: Engine, name: str) -> Tem
         period=period,
         month=month,
         total=total,
-        spent=spend.spent if spend else month.cost,
+        spent=spent,
+        # What the monthly budget's enforcement counted (holds settled, device ingest): shown as that, not as spend.
+        budget_counted=counted.spent if counted is not None and tenant.monthly_budget is not None else None,
         alert=alerts[0] if alerts else None,
         keys=keys,
         now=now,

@@ -1,13 +1,18 @@
 """Invoice arithmetic as pure functions: lines from usage totals, one rounding rule, a canonical hash, exports.
 
-The rounding rule: each line's amount is the exact sum of its records' rated costs, rounded once to the
-currency's minor unit (cents for USD, whole yen for JPY) with ROUND_HALF_EVEN; the invoice's subtotal and
-adjustments are sums of rounded lines, so the lines always add up to the total printed under them.
+The rounding rule: the invoice's total is the exact sum of the rated costs of every record it bills (the
+ledger's figure, ``controlplane.billing.ledger.month_spend`` for the month's own usage), rounded **once** to the
+currency's minor unit (cents for USD, whole yen for JPY) with ROUND_HALF_EVEN. Each line shows its own exact
+sum rounded the same way, as a metered bill's line items do; what rounding the lines one by one adds or loses
+against the total is one ``rounding`` line of its own (absent when zero), so the lines still add up to the total
+printed under them, and a thousand sub-cent lines never bill 0.00 in total.
 
 A line is the usage of one model / version / tier in one month at one price (a price change mid-month makes
-two lines, each naming its price and plan). Records of the invoice's own month make
-``usage`` lines; late records of an earlier, already invoiced month make ``adjustment`` lines. Records with
-no price in force are counted on their line (``unpriced_records``) at cost 0, never dropped.
+two lines, each naming its price and plan). Records of the invoice's own month make ``usage`` lines, or
+``shadow`` lines for the quality monitor's shadow replays (tier ``shadow``: billed at the shadow price, or the
+cloud's, like any usage, and labelled as replays, not answers); late records of an earlier, already invoiced
+month make ``adjustment`` lines. Records with no price in force are counted on their line
+(``unpriced_records``) at cost 0, never dropped.
 """
 
 from __future__ import annotations
@@ -22,7 +27,10 @@ from decimal import ROUND_HALF_EVEN, Decimal
 from typing import Any
 
 USAGE = "usage"
+SHADOW = "shadow"
 ADJUSTMENT = "adjustment"
+ROUNDING = "rounding"
+SHADOW_TIER = "shadow"  # the usage records of the quality monitor's shadow replays
 
 # ISO 4217 currencies whose minor unit is not 1/100; every other currency rounds to cents.
 _MINOR_UNITS = {
@@ -113,22 +121,29 @@ class Line:
 
 @dataclass(frozen=True, slots=True)
 class Amounts:
-    subtotal: Decimal
-    adjustments: Decimal
-    total: Decimal
+    subtotal: Decimal  # the month's own lines (usage and shadow)
+    adjustments: Decimal  # late usage of earlier months
+    total: Decimal  # subtotal + adjustments + rounding
     unpriced_records: int = 0
     num_lines: int = field(default=0)
+    rounding: Decimal = Decimal(0)
+
+
+_KIND_ORDER = {USAGE: 0, SHADOW: 1, ADJUSTMENT: 2, ROUNDING: 3}
 
 
 def _sort_key(line: Line) -> tuple[int, str, str, int, str, str]:
     version = -1 if line.model_version is None else line.model_version
-    return (0 if line.kind == USAGE else 1, line.usage_period, line.model, version, line.tier, line.description)
+    order = _KIND_ORDER.get(line.kind, 2)
+    return (order, line.usage_period, line.model, version, line.tier, line.description)
 
 
 def _describe(
     kind: str, usage_period: str, model: str, version: int | None, tier: str, unpriced: int, price: str | None = None
 ) -> str:
     text = f"{model}" + (f" v{version}" if version is not None else "") + f" ({tier})"
+    if tier == SHADOW_TIER:
+        text = f"shadow replays for the quality monitor (not answers): {text}"
     if price:
         text += f" at {price}"
     if kind == ADJUSTMENT:
@@ -138,13 +153,26 @@ def _describe(
     return text
 
 
+def exact_sums(totals: Iterable[UsageTotals], period: str) -> tuple[Decimal, Decimal]:
+    """The exact (unrounded) cost of ``period``'s own records and of late records of earlier months."""
+    own = late = Decimal(0)
+    for t in totals:
+        if t.usage_period == period:
+            own += t.cost
+        else:
+            late += t.cost
+    return own, late
+
+
 def build_lines(totals: Iterable[UsageTotals], period: str, currency: str) -> list[Line]:
     """Invoice lines for ``period`` (``YYYY-MM``) in ``currency``, in a canonical order.
 
     Groups of the same month, model, version, tier and price merge into one line (their exact costs add up before
-    the line is rounded). Raises ``CurrencyMismatchError`` when a group was rated in another currency and
-    ``ValueError`` for a group of a month after ``period``.
+    the line is rounded). A ``rounding`` line makes the lines add up to the exact sum of every group rounded once.
+    Raises ``CurrencyMismatchError`` when a group was rated in another currency and ``ValueError`` for a group of
+    a month after ``period``.
     """
+    totals = list(totals)
     merged: dict[tuple[str, str, int | None, str, str | None], list[UsageTotals]] = {}
     for t in totals:
         if t.currency is not None and t.currency.upper() != currency.upper():
@@ -157,7 +185,7 @@ def build_lines(totals: Iterable[UsageTotals], period: str, currency: str) -> li
         merged.setdefault((t.usage_period, t.model, t.model_version, t.tier, t.price), []).append(t)
     lines = []
     for (usage_period, model, version, tier, price), group in merged.items():
-        kind = USAGE if usage_period == period else ADJUSTMENT
+        kind = (SHADOW if tier == SHADOW_TIER else USAGE) if usage_period == period else ADJUSTMENT
         unpriced = sum(t.unpriced_records for t in group)
         lines.append(
             Line(
@@ -175,19 +203,32 @@ def build_lines(totals: Iterable[UsageTotals], period: str, currency: str) -> li
                 description=_describe(kind, usage_period, model, version, tier, unpriced, price),
             )
         )
+    exact = sum(exact_sums(totals, period), Decimal(0))
+    difference = round_line(exact, currency) - sum((ln.amount for ln in lines), Decimal(0))
+    if difference:
+        lines.append(_rounding_line(period, exact, difference, currency))
     return sorted(lines, key=_sort_key)
 
 
+def _rounding_line(period: str, exact: Decimal, difference: Decimal, currency: str) -> Line:
+    total = round_line(exact, currency)
+    text = f"rounding: the exact sum {exact.normalize():f} {currency.upper()} rounded once is {total}"
+    return Line(ROUNDING, period, "", None, "", 0, 0, 0, 0, 0, round_line(difference, currency), text)
+
+
 def amounts(lines: Iterable[Line], currency: str) -> Amounts:
-    """Subtotal (usage lines), adjustments (late usage) and total: sums of the rounded lines."""
+    """Subtotal (the month's usage and shadow lines), adjustments (late usage), rounding and total: sums of the
+    rounded lines."""
     zero = round_line(Decimal(0), currency)
     items = list(lines)
-    subtotal = sum((ln.amount for ln in items if ln.kind == USAGE), zero)
+    subtotal = sum((ln.amount for ln in items if ln.kind in (USAGE, SHADOW)), zero)
     adjustments = sum((ln.amount for ln in items if ln.kind == ADJUSTMENT), zero)
+    rounding = sum((ln.amount for ln in items if ln.kind == ROUNDING), zero)
     return Amounts(
         subtotal=subtotal,
         adjustments=adjustments,
-        total=subtotal + adjustments,
+        rounding=rounding,
+        total=subtotal + adjustments + rounding,
         unpriced_records=sum(ln.unpriced_records for ln in items),
         num_lines=len(items),
     )

@@ -44,7 +44,7 @@ from controlplane.storage.tables import (
     Tenant,
     UsageRecord,
 )
-from controlplane.storage.types import as_utc
+from controlplane.storage.types import as_utc, from_micros, to_micros
 from shared.errors import ConflictError, NotFoundError, ValidationError
 
 FINALIZED = "finalized"
@@ -166,11 +166,29 @@ def _billable(session: Session, tenant: Tenant, period: str) -> ColumnElement[bo
     )
 
 
-def _lines(session: Session, tenant: Tenant, period: str, where: ColumnElement[bool]) -> list[invoices.Line]:
+def _lines(
+    session: Session, tenant: Tenant, period: str, where: ColumnElement[bool]
+) -> tuple[list[invoices.Line], tuple[Decimal, Decimal]]:
+    """The lines of the records ``where`` selects, and their exact sums (the month's own, late ones), from one
+    read of the ledger: the lines and the exact figures they round always describe the same records."""
+    totals = _usage_totals(session, where)
     try:
-        return invoices.build_lines(_usage_totals(session, where), period, tenant.currency)
+        return invoices.build_lines(totals, period, tenant.currency), invoices.exact_sums(totals, period)
     except invoices.CurrencyMismatchError as exc:
         raise ConflictError(f"{exc}; fix the price book, then invoice", param="currency") from None
+
+
+def exact_billed(session: Session, invoice: Invoice) -> tuple[Decimal, Decimal]:
+    """A stored invoice's exact sums (its month's own records, late ones) from the records stamped with it."""
+    period = utc_format(session, col(UsageRecord.occurred_at), "month")
+    query = sql_select(period, cost_total()).where(col(UsageRecord.invoice_id) == invoice.id).group_by(period)
+    own = late = Decimal(0)
+    for month_, amount in session.execute(query).all():
+        if str(month_) == invoice.period:
+            own += amount
+        else:
+            late += amount
+    return own, late
 
 
 # --- views ------------------------------------------------------------------------------------------------------
@@ -201,8 +219,18 @@ def _iso(ts: datetime | None) -> str | None:
     return None if ts is None else ts.isoformat()
 
 
+def _exact(amount: Decimal) -> str:
+    """An exact ledger sum as text at the ledger's scale (micros), the same on SQLite and PostgreSQL."""
+    return str(from_micros(to_micros(amount)))
+
+
 def _view(
-    tenant: Tenant, period: str, lines: list[invoices.Line], invoice: Invoice | None, notes: list[CreditNote]
+    tenant: Tenant,
+    period: str,
+    lines: list[invoices.Line],
+    invoice: Invoice | None,
+    notes: list[CreditNote],
+    exact: tuple[Decimal, Decimal],
 ) -> dict[str, Any]:
     currency = invoice.currency if invoice is not None else tenant.currency
     sums = invoices.amounts(lines, currency)
@@ -217,7 +245,13 @@ def _view(
         "currency": currency,
         "subtotal": str(sums.subtotal),
         "adjustments": str(sums.adjustments),
+        "rounding": str(sums.rounding),
         "total": str(sums.total),
+        # The ledger's exact figures the amounts round: ``usage_exact`` is the month's own usage (shadow replays
+        # included), the tenant page's and billing page's spend for the month; ``total_exact`` adds late usage.
+        "usage_exact": _exact(exact[0]),
+        "adjustments_exact": _exact(exact[1]),
+        "total_exact": _exact(exact[0] + exact[1]),
         "credits": str(credits),
         "balance": str(sums.total - credits),
         "unpriced_records": sums.unpriced_records,
@@ -250,7 +284,7 @@ def invoice_json(session: Session, invoice: Invoice) -> dict[str, Any]:
         session.exec(select(CreditNote).where(CreditNote.invoice_id == invoice.id).order_by(col(CreditNote.id)))
     )
     lines = _stored_lines(session, invoice.id, invoice.currency)
-    view = _view(tenant, invoice.period, lines, invoice, notes)
+    view = _view(tenant, invoice.period, lines, invoice, notes, exact_billed(session, invoice))
     view["plan"] = invoice.plan
     # The amounts shown are the locked ones; ``lines_verified`` says the stored lines still hash to what was locked.
     locked = {
@@ -269,7 +303,10 @@ def month_invoice(session: Session, tenant: Tenant, period: str) -> dict[str, An
     ).first()
     if stored is not None:
         return invoice_json(session, stored)
-    view = _view(tenant, period, _lines(session, tenant, period, _billable(session, tenant, period)), None, [])
+    as_of = datetime.now(UTC)
+    lines, exact = _lines(session, tenant, period, _billable(session, tenant, period))
+    view = _view(tenant, period, lines, None, [], exact)
+    view["as_of"] = as_of.isoformat(timespec="seconds")  # a draft moves with the ledger: when it was read
     view["plan"] = plans.plan_of(session, tenant, period_bounds(period)[1] - timedelta(microseconds=1))
     return _with_credit(view, prepaid.credit_used(session, tenant.id or 0, period))
 
@@ -327,7 +364,7 @@ def finalize(session: Session, tenant: Tenant, period: str, *, actor: str, now: 
     # Stamp first, then build the lines from exactly the stamped records: a record committed meanwhile is
     # either stamped (and on the lines) or left for the next invoice, never half-billed.
     session.execute(update(UsageRecord).where(_billable(session, tenant, period)).values(invoice_id=invoice.id))
-    lines = _lines(session, tenant, period, col(UsageRecord.invoice_id) == invoice.id)
+    lines, _ = _lines(session, tenant, period, col(UsageRecord.invoice_id) == invoice.id)
     sums = invoices.amounts(lines, invoice.currency)
     for ln in lines:
         session.add(InvoiceLine(invoice_id=invoice.id, **{**ln.to_json(), "amount": ln.amount}))

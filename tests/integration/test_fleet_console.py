@@ -106,8 +106,11 @@ def make_device(console: Console, tenant: str, *, serving: bool = True) -> str:
                 last_seen_at=now,
             )
         )
-        for i, (tier, reason) in enumerate(
-            [("edge", None)] * 5 + [("cloud", "low-confidence")] * 3 + [("cloud", "prompt-too-long")]
+        for i, (tier, reason) in enumerate(  # and two shadow replays: the quality monitor's, not answers
+            [("edge", None)] * 5
+            + [("cloud", "low-confidence")] * 3
+            + [("cloud", "prompt-too-long")]
+            + [("shadow", None)] * 2
         ):
             s.add(
                 UsageRecord(
@@ -160,7 +163,7 @@ def test_a_device_page_shows_its_state_usage_and_runtime_choice(console: Console
     assert "<dt>Answered on the edge</dt><dd>5 <small" in page and "55.6 %" in page
     assert "<dt>Escalated to the cloud</dt><dd>4</dd>" in page
     assert '<span class="tag">low-confidence 3</span>' in page and '<span class="tag">prompt-too-long 1</span>' in page
-    assert page.count('<tr><td data-label="When">') == 10
+    assert page.count('<tr><td data-label="When">') == 12  # the shadow replays are listed, as such
     # The agent's runtime choice, as it reported it; the malformed entry is left out.
     choice = page[page.index('id="runtime-choice"') :]
     assert "chose <code>llamacpp</code>" in choice

@@ -1,4 +1,5 @@
-"""Invoice arithmetic: one rounding rule per line, totals that are sums of lines, a canonical hash, exports;
+"""Invoice arithmetic: lines rounded one by one, a total that is the exact sum rounded once (a rounding line
+makes up the difference, so the lines still sum to the total), shadow lines, a canonical hash, exports;
 and the rating it rests on (price in force at the record's time, cost at the storage scale)."""
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from hypothesis import strategies as st
 
 from controlplane.billing.invoices import (
     ADJUSTMENT,
+    ROUNDING,
+    SHADOW,
     USAGE,
     CurrencyMismatchError,
     Line,
@@ -43,10 +46,31 @@ def test_each_line_rounds_half_even_to_the_minor_unit_and_the_total_is_the_sum_o
     )
     assert [ln.amount for ln in lines] == [Decimal("0.13"), Decimal("0.14"), Decimal("0.12")]
     sums = amounts(lines, "USD")
-    # The total is what the lines show added up (0.39), not the exact sum rounded (0.389999 -> 0.39 here, but
-    # 0.125 + 0.125 would be 0.25 where the lines show 0.12 + 0.12 = 0.24).
+    # The lines add up to the exact sum rounded once here (0.389999 -> 0.39): no rounding line.
     assert sums.subtotal == sums.total == Decimal("0.39")
-    assert str(sums.total) == "0.39" and sums.adjustments == Decimal("0.00")
+    assert str(sums.total) == "0.39" and sums.adjustments == sums.rounding == Decimal("0.00")
+
+
+def test_the_total_is_the_exact_sum_rounded_once_with_the_difference_on_a_rounding_line() -> None:
+    # 0.125 + 0.125 is 0.25, where the lines rounded one by one show 0.12 + 0.12 = 0.24.
+    lines = build_lines([totals("0.125", version=1), totals("0.125", version=2)], "2026-03", "USD")
+    assert [(ln.kind, ln.amount) for ln in lines] == [(USAGE, Decimal("0.12")), (USAGE, Decimal("0.12")),
+                                                      (ROUNDING, Decimal("0.01"))]  # fmt: skip
+    assert "exact sum 0.25 USD rounded once is 0.25" in lines[-1].description
+    sums = amounts(lines, "USD")
+    assert (sums.subtotal, sums.rounding, sums.total) == (Decimal("0.24"), Decimal("0.01"), Decimal("0.25"))
+    # Fifty sub-cent lines bill their sum, not 0.00.
+    many = build_lines([totals("0.004", version=v) for v in range(50)], "2026-03", "USD")
+    assert amounts(many, "USD").total == Decimal("0.20") and many[-1].kind == ROUNDING
+
+
+def test_shadow_replays_are_shadow_lines_of_the_subtotal_labelled_as_replays() -> None:
+    lines = build_lines([totals("1.00"), totals("0.30", tier="shadow")], "2026-03", "USD")
+    assert [ln.kind for ln in lines] == [USAGE, SHADOW]
+    assert lines[1].description.startswith("shadow replays for the quality monitor (not answers)")
+    assert amounts(lines, "USD").subtotal == Decimal("1.30")
+    late = build_lines([totals("0.30", tier="shadow", period="2026-02")], "2026-03", "USD")
+    assert late[0].kind == ADJUSTMENT and "shadow replays" in late[0].description
 
 
 def test_groups_of_one_line_add_exactly_before_rounding() -> None:
@@ -118,21 +142,24 @@ money = st.decimals(min_value=0, max_value=10_000, places=6, allow_nan=False, al
 
 
 @given(st.lists(st.tuples(money, st.integers(1, 3), st.sampled_from(["2026-02", "2026-03"])), max_size=30))
-def test_rounded_lines_stay_within_half_a_cent_of_the_exact_cost_and_sum_to_the_total(
+def test_rounded_lines_stay_within_half_a_cent_and_the_total_is_the_exact_sum_rounded_once(
     groups: list[tuple[Decimal, int, str]],
 ) -> None:
-    lines = build_lines([totals(str(c), version=v, period=p) for c, v, p in groups], "2026-03", "USD")
+    everything = build_lines([totals(str(c), version=v, period=p) for c, v, p in groups], "2026-03", "USD")
+    lines = [ln for ln in everything if ln.kind != ROUNDING]
     exact: dict[tuple[str, int], Decimal] = {}
     for c, v, p in groups:
         exact[(p, v)] = exact.get((p, v), Decimal(0)) + c
-    assert len(lines) == len(exact)
+    assert len(lines) == len(exact) and len(everything) - len(lines) <= 1
     for ln in lines:
         assert ln.model_version is not None
         want = exact[(ln.usage_period, ln.model_version)]
         assert ln.amount == want.quantize(Decimal("0.01"), rounding=ROUND_HALF_EVEN)
         assert abs(ln.amount - want) <= Decimal("0.005")
-    sums = amounts(lines, "USD")
-    assert sums.total == sum((ln.amount for ln in lines), Decimal(0)) == sums.subtotal + sums.adjustments
+    sums = amounts(everything, "USD")
+    assert sums.total == sum((ln.amount for ln in everything), Decimal(0))
+    assert sums.total == sums.subtotal + sums.adjustments + sums.rounding
+    assert sums.total == sum((c for c, _, _ in groups), Decimal(0)).quantize(Decimal("0.01"), ROUND_HALF_EVEN)
 
 
 # --- rating -------------------------------------------------------------------------------------------------------
