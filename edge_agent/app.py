@@ -33,7 +33,7 @@ from edge_agent.tiering import Answer, Tiering, family
 from edge_agent.updater import HealthWatch, Updater
 from shared.artifacts import load_public_key, public_path
 from shared.edge_protocol import MAX_USAGE_SUBJECT, Allowance, DesiredModel
-from shared.errors import AuthenticationError, ConfigurationError
+from shared.errors import AuthenticationError, ConfigurationError, NotFoundError
 from shared.http import EventStream
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest
 from shared.request_body import BoundedRequest
@@ -73,34 +73,43 @@ def readyz(served: ServedModels) -> dict[str, Any]:
 
 @get("/v1/models", dependencies=LOCAL_AUTH, sync_to_thread=False)
 def list_models(served: ServedModels, _auth: None) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": m.id,
-                "object": "model",
-                "created": 0,
-                "owned_by": "tierline-edge",
-                "format": m.format,
-                "sha256": m.sha256,
-                "version": m.version,
-            }
-            for m in served.models.values()
-            if served.lms.has(m.id) or m.id in served.classifiers
-        ]
-        + [
-            {
-                "id": alias,
-                "object": "model",
-                "created": 0,
-                "owned_by": "tierline-edge",
-                "format": served.served_format(alias),
-                **({"runtime_guard": served.guards[alias].as_json()} if alias in served.guards else {}),
-            }
-            for alias, model_id in served.aliases.items()
-        ],
-        "not_served": served.not_served(),
-    }
+    return {"object": "list", "data": _models(served), "not_served": served.not_served()}
+
+
+@get("/v1/models/{model_id:path}", dependencies=LOCAL_AUTH, sync_to_thread=False)
+def retrieve_model(served: ServedModels, _auth: None, model_id: str) -> dict[str, Any]:
+    """One model the agent serves (OpenAI's ``models.retrieve``); 404 naming it otherwise."""
+    wanted = model_id.lstrip("/")
+    found = next((m for m in _models(served) if m["id"] == wanted), None)
+    if found is None:
+        raise NotFoundError(f"The model '{wanted}' does not exist or is not served here", param="model")
+    return found
+
+
+def _models(served: ServedModels) -> list[dict[str, Any]]:
+    return [
+        {
+            "id": m.id,
+            "object": "model",
+            "created": 0,
+            "owned_by": "tierline-edge",
+            "format": m.format,
+            "sha256": m.sha256,
+            "version": m.version,
+        }
+        for m in served.models.values()
+        if served.lms.has(m.id) or m.id in served.classifiers
+    ] + [
+        {
+            "id": alias,
+            "object": "model",
+            "created": 0,
+            "owned_by": "tierline-edge",
+            "format": served.served_format(alias),
+            **({"runtime_guard": served.guards[alias].as_json()} if alias in served.guards else {}),
+        }
+        for alias, model_id in served.aliases.items()
+    ]
 
 
 class EdgeChatRequest(ChatCompletionRequest):
@@ -261,6 +270,7 @@ def create_app(settings: EdgeSettings) -> Litestar:
             metrics,
             agent_status,
             list_models,
+            retrieve_model,
             chat_completions,
             completions,
             inference,

@@ -106,7 +106,11 @@ def _request(
     logprobs: int | None,
 ) -> LocalRequest:
     if req.n != 1:
-        raise ValidationError("n: the edge agent generates one choice per request", param="n")
+        raise ValidationError(
+            "n: the edge agent generates one choice per request (send it to the cloud for more)",
+            param="n",
+            code="unsupported_value",
+        )
     if req.has_penalties:
         raise ValidationError(
             "presence_penalty, frequency_penalty and repetition_penalty are served by the cloud tier only",

@@ -71,10 +71,15 @@ class Answer:
     status_code: int = 200
     request_id: str = ""  # the usage id: the outbox record's for edge answers, the cloud's for escalations
     escalation: str | None = None  # "unpaired": the model has no cloud pair, so it never escalates
+    # An escalated answer's ``model`` is the cloud model that produced it (OpenAI's "the model used"); the model
+    # the client asked the device for travels in ``x-tierline-requested-model``.
+    requested_model: str | None = None
 
     @property
     def headers(self) -> dict[str, str]:
         h = {"x-tierline-tier": self.tier}
+        if self.requested_model:
+            h["x-tierline-requested-model"] = self.requested_model
         if self.escalation:
             h["x-tierline-escalation"] = self.escalation
         if self.request_id:
@@ -628,14 +633,14 @@ class Tiering:
                     return self._cloud_error(req, response.status_code, content, reason, request_id, started)
                 usage_id = response.headers.get("x-tierline-usage-id", "")
                 self._cloud_served(req, usage_id or request_id, reason, started, "ok", None)
-                return Answer(chunks, "cloud", reason, request_id=usage_id)
+                return Answer(chunks, "cloud", reason, request_id=usage_id, requested_model=req.model)
             r = await self.link.escalate(endpoint, body, reason, request_id)
             if r.status_code != 200:
                 return self._cloud_error(req, r.status_code, r.content, reason, request_id, started)
             payload = r.json()
             usage_id = r.headers.get("x-tierline-usage-id", "")
             self._cloud_served(req, usage_id or request_id, reason, started, "ok", payload.get("usage"))
-            return Answer(payload, "cloud", reason, request_id=usage_id)
+            return Answer(payload, "cloud", reason, request_id=usage_id, requested_model=req.model)
         except CloudUnavailableError as exc:
             if fallback is None:
                 raise ServiceUnavailableError(f"the cloud tier is unreachable ({exc.reason})") from None

@@ -151,7 +151,9 @@ def test_low_confidence_escalates_to_the_cloud_model(client: openai.OpenAI, flee
     assert raw.headers["x-tierline-tier"] == "cloud"
     assert raw.headers["x-tierline-escalation-reason"] == "low-confidence"
     body = raw.parse()
+    # The model that produced the answer in the body; the one asked for in a header (issue 41).
     assert body.model == "tierline/lm-cloud" and body.usage is not None
+    assert raw.headers["x-tierline-requested-model"] == FP32
     # Billed to the device's tenant, tier cloud, reason recorded, under the agent's request id.
     rid = raw.headers["x-tierline-usage-id"]
     deadline = time.monotonic() + 5
@@ -199,6 +201,25 @@ def test_streams_decide_on_a_window_then_stream_from_one_tier(client: openai.Ope
             model=model, messages=[{"role": "user", "content": "def f("}], max_tokens=10, temperature=0
         )
         assert text == whole.choices[0].message.content
+
+
+def test_models_are_retrieved_one_by_one_and_n_above_1_is_refused_with_a_code(
+    client: openai.OpenAI, fleet: Fleet
+) -> None:
+    listed = {m.id for m in client.models.list()}
+    assert INT8 in listed
+    for model_id in listed:  # was 404 on the edge (200 on the cloud)
+        assert client.models.retrieve(model_id).id == model_id
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("tierline/no-such-model")
+    assert missing.value.body["param"] == "model"  # type: ignore[index]
+    refused = httpx.post(
+        f"{fleet.edge_url}/v1/completions",
+        json={"model": INT8, "prompt": "x = ", "max_tokens": 4, "n": 2},
+        headers={"x-tierline-tier": "local-only"},
+    )
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "n" and refused.json()["error"]["code"] == "unsupported_value"
 
 
 def test_header_overrides_the_mode(client: openai.OpenAI, fleet: Fleet) -> None:
