@@ -36,6 +36,15 @@ def token_text(tokenizer: Decoder, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
+def with_sampled(lp: Logprob) -> list[tuple[int, float]]:
+    """``lp``'s top alternatives with the sampled token among them, as OpenAI and vLLM answer: a token drawn from
+    outside the top N (at a high temperature) is added after them, so a client always finds the chosen token's
+    entry. None asked for (``lp.top`` empty): none given."""
+    if not lp.top or any(tid == lp.token_id for tid, _ in lp.top):
+        return lp.top
+    return [*lp.top, (lp.token_id, lp.logprob)]
+
+
 def chat_logprob(tokenizer: Decoder, lp: Logprob) -> dict[str, Any]:
     """One entry of ``choices[].logprobs.content`` (chat completions)."""
     token = token_text(tokenizer, lp.token_id)
@@ -44,7 +53,8 @@ def chat_logprob(tokenizer: Decoder, lp: Logprob) -> dict[str, Any]:
         "logprob": lp.logprob,
         "bytes": list(token.encode()),
         "top_logprobs": [
-            {"token": (t := token_text(tokenizer, tid)), "logprob": v, "bytes": list(t.encode())} for tid, v in lp.top
+            {"token": (t := token_text(tokenizer, tid)), "logprob": v, "bytes": list(t.encode())}
+            for tid, v in with_sampled(lp)
         ],
     }
 
@@ -59,6 +69,6 @@ def completion_logprobs(tokenizer: Decoder, lps: list[Logprob]) -> dict[str, Any
     return {
         "tokens": tokens,
         "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{token_text(tokenizer, tid): v for tid, v in lp.top} for lp in lps],
+        "top_logprobs": [{token_text(tokenizer, tid): v for tid, v in with_sampled(lp)} for lp in lps],
         "text_offset": offsets,
     }

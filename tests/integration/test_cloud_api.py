@@ -141,6 +141,8 @@ def test_completions_with_several_prompts_n_and_logprobs(client: openai.OpenAI) 
         assert c.logprobs is not None and c.logprobs.token_logprobs is not None
         assert len(c.logprobs.token_logprobs) == len(c.logprobs.tokens or [])
         assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
+        # The sampled token is always among the alternatives (added after the top 2 when drawn from outside).
+        assert all(t in top for t, top in zip(c.logprobs.tokens or [], c.logprobs.top_logprobs or [], strict=True))
     assert resp.usage is not None and resp.usage.completion_tokens == sum(
         len(c.logprobs.tokens or []) for c in resp.choices if c.logprobs
     )
