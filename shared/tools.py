@@ -1,6 +1,8 @@
 """Tool calling (``tools``, ``tool_choice``, ``parallel_tool_calls``), shared by both tiers and ``engine serve``:
 the grammar a request's calls are generated under, the conversation as the chat template sees it, and the
-generated text read back as OpenAI's ``tool_calls`` (whole, or as a stream's deltas).
+generated text read back as OpenAI's ``tool_calls`` (whole, or as a stream's deltas), all or nothing: a call
+appears only once its arguments are a complete JSON object, and a call max_tokens cuts is dropped (``finish_reason``
+"length", the complete calls before it kept), never shown as wrapper text.
 
 The call format is Hermes's (Qwen2.5, Hermes 2/3, and most small open models with tool use), one block per call::
 
@@ -191,39 +193,73 @@ def parse_calls(text: str) -> list[tuple[str, str]] | None:
         pos += len(_SEPARATOR)
 
 
+_DECODER = json.JSONDecoder()
+
+
+def _arguments_end(text: str, start: int) -> int | None:
+    """Where the complete JSON object at ``text[start:]`` (a call's arguments) ends; None while it is incomplete
+    (no prefix of an object parses as one) or when it is not an object."""
+    try:
+        value, end = _DECODER.raw_decode(text, start)
+    except ValueError:
+        return None
+    return end if isinstance(value, dict) else None
+
+
+def leading_calls(text: str) -> tuple[list[tuple[str, str]], int]:
+    """The complete calls a calls output begins with, and how much of ``text`` they take. A call is complete once
+    its arguments are a complete JSON object (the grammar made them valid for its schema): the closing
+    ``}\n</tool_call>`` need not have fitted. What follows the last complete call (a call cut by max_tokens) is
+    not a call and is never shown."""
+    calls: list[tuple[str, str]] = []
+    pos = 0
+    while True:
+        opening = (_SEPARATOR if calls else "") + _NAME_PREFIX
+        if not text.startswith(opening, pos):
+            return calls, pos
+        mark = text.find(_ARGS_MARK, pos + len(opening))
+        if mark == -1:
+            return calls, pos
+        start = mark + len(_ARGS_MARK)
+        end = _arguments_end(text, start)
+        if end is None:
+            return calls, pos
+        calls.append((text[pos + len(opening) : mark], text[start:end]))
+        rest = text[end : end + len(_CALL_END)]
+        if not _CALL_END.startswith(rest):  # not the format: the call stands, nothing after it is read
+            return calls, end
+        pos = end + len(rest)
+
+
 def message(text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
-    """A whole answer's ``message`` and ``finish_reason``: complete calls are ``tool_calls`` (content null,
-    "tool_calls"); text, or calls that max_tokens cut ("length"), stay content."""
-    calls = parse_calls(text) if finish_reason == "stop" else None
-    if calls is None:
+    """A whole answer's ``message`` and ``finish_reason``. Text is ``content``. Calls are all or nothing: each
+    complete call is a ``tool_calls`` entry ("tool_calls" when the output ended by itself); a call max_tokens cut
+    is dropped ("length", the complete calls before it kept), and the wrapper text never reaches ``content``."""
+    if not text.startswith(_MARKER):
         return {"role": "assistant", "content": text}, finish_reason
-    tool_calls = [
-        {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
-        for name, arguments in calls
-    ]
-    return {"role": "assistant", "content": None, "tool_calls": tool_calls}, "tool_calls"
-
-
-def _held(text: str, marker: str) -> int:
-    """How many characters at the end of ``text`` could be the start of ``marker``."""
-    for k in range(min(len(marker), len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return k
-    return 0
+    calls, _ = leading_calls(text)
+    msg: dict[str, Any] = {"role": "assistant", "content": None}
+    if calls:
+        msg["tool_calls"] = [
+            {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+            for name, arguments in calls
+        ]
+    return msg, ("tool_calls" if calls else finish_reason) if finish_reason == "stop" else finish_reason
 
 
 @dataclass(slots=True)
 class StreamParser:
-    """One choice's streamed text turned into OpenAI's deltas: ``content``, or ``tool_calls`` entries (index, id,
-    type and name first, then fragments of ``arguments``). Text that may still become a call is held back.
+    """One choice's streamed text turned into OpenAI's deltas: ``content``, or ``tool_calls`` entries. Text that
+    may still become a call is held back. A call is sent whole (index, id, type, name and its complete arguments in
+    one delta) once its arguments are complete: a call max_tokens cuts is never sent, and the wrapper text never
+    is (all or nothing, as ``message``).
 
     Only for outputs generated under ``grammar`` (``calls_tools``): an output that starts with ``<tool_call>`` is
     calls in the format, whole or cut by max_tokens."""
 
     is_text: bool | None = None  # undecided until the output starts with a call's opening, or cannot
-    buffer: str = ""
-    calls: int = 0  # calls started
-    in_args: bool = False  # inside a call's arguments (the last call started is not closed yet)
+    buffer: str = ""  # text: what is held back; calls: the whole output so far
+    calls: int = 0  # calls sent
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         """The deltas (``{"content": ...}`` or ``{"tool_calls": [...]}``) that ``text`` completes."""
@@ -232,42 +268,32 @@ class StreamParser:
             if _MARKER.startswith(self.buffer):
                 return []  # "<tool_c...": may become a call
             self.is_text = not self.buffer.startswith(_MARKER)
-        deltas: list[dict[str, Any]] = []
         if self.is_text:
-            deltas, self.buffer = [{"content": self.buffer}] if self.buffer else [], ""
-            return deltas
-        while self.buffer:
-            if not self.in_args:  # a call's opening (after a separator, past the first), up to its name's end
-                mark = self.buffer.find(_ARGS_MARK)
-                if mark == -1:
-                    break
-                opening = (_SEPARATOR if self.calls else "") + _NAME_PREFIX
-                call: dict[str, Any] = {"index": self.calls, "id": new_call_id(), "type": "function"}
-                call["function"] = {"name": self.buffer[len(opening) : mark], "arguments": ""}
-                deltas.append({"tool_calls": [call]})
-                self.calls, self.in_args = self.calls + 1, True
-                self.buffer = self.buffer[mark + len(_ARGS_MARK) :]
-            end = self.buffer.find(_CALL_END)  # arguments cannot hold a raw newline: the first end is the end
-            upto = end if end != -1 else len(self.buffer) - _held(self.buffer, _CALL_END)
-            if upto > 0:
-                fragment: dict[str, Any] = {"index": self.calls - 1, "function": {"arguments": self.buffer[:upto]}}
-                deltas.append({"tool_calls": [fragment]})
-            if end == -1:
-                self.buffer = self.buffer[upto:]
-                break
-            self.buffer, self.in_args = self.buffer[end + len(_CALL_END) :], False
+            content, self.buffer = self.buffer, ""
+            return [{"content": content}] if content else []
+        calls, _ = leading_calls(self.buffer)  # outputs are short: reading them again per step is cheap
+        deltas: list[dict[str, Any]] = [
+            {
+                "tool_calls": [
+                    {
+                        "index": i,
+                        "id": new_call_id(),
+                        "type": "function",
+                        "function": {"name": name, "arguments": arguments},
+                    }
+                ]
+            }
+            for i, (name, arguments) in enumerate(calls[self.calls :], start=self.calls)
+        ]
+        self.calls = len(calls)
         return deltas
 
     def finish(self, finish_reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
-        """The deltas held back at the end, and the choice's ``finish_reason`` ("tool_calls" for complete calls;
-        a cut call says "length": its fragments went out, and its arguments are incomplete)."""
-        if not self.is_text and self.is_text is not None:
-            is_whole = finish_reason == "stop" and self.calls and not self.in_args and not self.buffer
-            held: list[dict[str, Any]] = []
-            if self.in_args and self.buffer:  # a cut call's last characters, held in case they closed it
-                held.append({"tool_calls": [{"index": self.calls - 1, "function": {"arguments": self.buffer}}]})
+        """The deltas held back at the end, and the choice's ``finish_reason``: "tool_calls" when the calls ended
+        by themselves; "length" when max_tokens cut (the complete calls were sent, the cut one never is)."""
+        if self.is_text is False:
             self.buffer = ""
-            return held, "tool_calls" if is_whole else finish_reason
+            return [], ("tool_calls" if self.calls else finish_reason) if finish_reason == "stop" else finish_reason
         deltas, self.buffer = [{"content": self.buffer}] if self.buffer else [], ""
         return deltas, finish_reason
 

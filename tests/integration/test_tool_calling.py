@@ -68,6 +68,10 @@ def _assert_calls(calls: list[Any] | None, names: set[str]) -> list[BaseModel]:
     return parsed
 
 
+def _function_calls(calls: list[Any] | None) -> list[ChatCompletionMessageFunctionToolCall]:
+    return [c for c in calls or [] if isinstance(c, ChatCompletionMessageFunctionToolCall)]
+
+
 def _streamed(client: openai.OpenAI, **body: Any) -> tuple[ChatCompletion, list[dict[str, Any]]]:
     """A stream's chunks' tool-call deltas, and the completion the SDK's stream helper assembles from them."""
     with client.chat.completions.stream(**body) as stream:
@@ -190,8 +194,10 @@ def test_cloud_parallel_calls_when_allowed_and_n_choices(cloud: openai.OpenAI) -
         )
         assert len(r.choices) == 2
         for c in r.choices:
-            if c.finish_reason == "length":  # many calls in a row may run out of tokens: then none is reported
-                assert c.message.tool_calls is None
+            if c.finish_reason == "length":  # many calls in a row may run out of tokens: the complete ones stay
+                assert c.message.content is None
+                if c.message.tool_calls:
+                    _assert_calls(c.message.tool_calls, set(MODELS))
                 continue
             assert c.finish_reason == "tool_calls"
             counts.append(len(_assert_calls(c.message.tool_calls, set(MODELS))))
@@ -248,7 +254,7 @@ def test_a_round_trip_through_a_tool_message(
 
 
 @pytest.mark.parametrize("tier", ["cloud", "edge"])
-def test_a_call_max_tokens_cuts_says_length_and_is_not_reported(request: pytest.FixtureRequest, tier: str) -> None:
+def test_a_call_max_tokens_cuts_says_length_and_is_not_shown(request: pytest.FixtureRequest, tier: str) -> None:
     client, model = _client(request, tier), _model(tier)
     body: dict[str, Any] = {
         "model": model,
@@ -260,10 +266,42 @@ def test_a_call_max_tokens_cuts_says_length_and_is_not_reported(request: pytest.
     }
     r = client.chat.completions.create(**body)
     c = r.choices[0]
-    assert c.finish_reason == "length" and c.message.tool_calls is None
-    assert (c.message.content or "").startswith('<tool_call>\n{"name": "'), c.message.content  # what it had, as text
+    # All or nothing: the cut call is neither a call nor text (it was returned as '<tool_call>...' content).
+    assert c.finish_reason == "length" and c.message.tool_calls is None and c.message.content is None
     chunks = list(client.chat.completions.create(**body, stream=True))
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["length"]
+    assert not any(ch.choices[0].delta.tool_calls or ch.choices[0].delta.content for ch in chunks if ch.choices)
+
+
+@pytest.mark.parametrize("tier", ["cloud", "edge"])
+def test_required_with_parallel_calls_keeps_the_complete_calls_when_max_tokens_cuts(
+    request: pytest.FixtureRequest, tier: str
+) -> None:
+    """LangChain's tool_choice="any" sends required with parallel_tool_calls left at true: a small model adds calls
+    until max_tokens cuts. The complete calls before the cut are the answer, streamed and not alike (non-streamed,
+    even the complete first call was dropped and the raw text returned as content; streamed, the cut call's
+    arguments leaked '}}\n</tool_call')."""
+    client, model = _client(request, tier), _model(tier)
+    answered = 0
+    for i in range(4):
+        body: dict[str, Any] = {
+            "model": model,
+            "messages": [{"role": "user", "content": f"{PROMPTS[i]} (any tool)"}],
+            "tools": TOOLS,
+            "tool_choice": "required",
+            "max_tokens": 64,
+            "temperature": 0,
+        }
+        whole = client.chat.completions.create(**body).choices[0]
+        streamed = _joined(client, **body).choices[0]
+        assert whole.message.content is None and streamed.message.content is None
+        calls = [(c.function.name, c.function.arguments) for c in _function_calls(whole.message.tool_calls)]
+        assert calls == [(c.function.name, c.function.arguments) for c in _function_calls(streamed.message.tool_calls)]
+        assert whole.finish_reason == streamed.finish_reason
+        if calls:
+            _assert_calls(whole.message.tool_calls, set(MODELS))
+            answered += 1
+    assert answered, "no complete call was kept from any answer"
 
 
 @pytest.mark.parametrize("tier", ["cloud", "edge"])
