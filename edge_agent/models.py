@@ -329,8 +329,14 @@ class ServedModels:
             self.aliases.pop(model_id, None)
 
     def serving(self) -> dict[str, Any]:
-        """What the runtime guard chose per model, as the sync reports it (``runtime["serving"]``)."""
-        return {alias: choice.as_json() for alias, choice in self.guards.items()}
+        """How each served model runs, as the sync reports it (``runtime["serving"]``): for a plain id, what the
+        runtime guard chose among its formats; for a model served under its artifact's own name
+        (``lm-edge-onnx-int8``), the format that name fixes (``"fixed": true``, nothing weighed)."""
+        out: dict[str, Any] = {alias: choice.as_json() for alias, choice in self.guards.items()}
+        for model_id, model in sorted(self.models.items()):
+            if model_id not in out and (self.lms.has(model_id) or model_id in self.classifiers):
+                out[model_id] = {"chosen": model.format, "fixed": True, "candidates": []}
+        return out
 
     def served_format(self, alias: str) -> str:
         """The format a plain model id is served in (``gguf-q8_0`` rather than the artifact's ``gguf``)."""

@@ -195,6 +195,7 @@ class ServingChoice:
     model: str
     chosen: str
     candidates: tuple[Candidate, ...]
+    fixed: bool = False  # served under its artifact's own name: the name fixes the format, nothing was weighed
 
 
 def _number(value: Any) -> float | None:
@@ -231,7 +232,7 @@ def serving_choices(runtime: dict[str, Any]) -> list[ServingChoice]:
                     chosen=bool(chosen) and chosen in (name, f"{name}/{fmt}", f"{name}:{fmt}", fmt),
                 )
             )
-        out.append(ServingChoice(model[:128], chosen[:128], tuple(rows)))
+        out.append(ServingChoice(model[:128], chosen[:128], tuple(rows), entry.get("fixed") is True))
     return out
 
 

@@ -267,6 +267,9 @@ def test_a_release_targeted_at_beta_reaches_the_beta_device_and_not_a_dev_device
     assert serving["chosen"] in {c["format"] for c in serving["candidates"] if c["eligible"]}
     keys = {"runtime", "format", "ms_per_token", "agreement", "eligible", "reason"}
     assert all(keys <= set(c) for c in serving["candidates"])
+    # ... and each model served under its artifact's own name, in the format the name fixes (issue 40)
+    fixed = runtime["serving"]["tierline/lm-edge-onnx-int8"]
+    assert fixed["fixed"] is True and fixed["chosen"].startswith("onnx") and fixed["candidates"] == []
 
     out = p.cli("devices", "target-release", "digits-small", "b1", "--target", "ring=beta")
     assert "for ring=beta" in out

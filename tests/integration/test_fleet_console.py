@@ -63,6 +63,8 @@ SERVING = {
         ],
     },
     "tierline/broken": "not a dict",  # what a device sends is shown, never trusted
+    # The traffic often goes to a model asked for by its artifact's name: its format is fixed by the name.
+    "tierline/lm-micro-onnx-int8": {"chosen": "onnx-int8", "fixed": True, "candidates": []},
 }
 
 
@@ -170,6 +172,9 @@ def test_a_device_page_shows_its_state_usage_and_runtime_choice(console: Console
     assert re.search(r'<tr class="chosen">\s*<td data-label="Runtime">llamacpp <span', choice)
     assert "7.25" in choice and "97.0 %" in choice and "agreement below 0.9" in choice
     assert "tierline/broken" not in page
+    assert re.search(
+        r'<code>tierline/lm-micro-onnx-int8</code></td><td data-label="Runs as">onnx-int8 <small', choice
+    )  # each served model's runtime, not only the plain id's (issue 40)
     assert '<td data-label="Eligible">no</td>' in choice
     # Counters per version.
     assert f"<code>{MODEL}@demo-1</code>" in page and "41 ms" in page
