@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.install-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install peers gguf-converter chromium demo test lint bench bench-peers zoo images clean help
+.PHONY: install peers eval-peers gguf-converter chromium demo test lint bench bench-peers zoo images clean help
 
 help:
 	@echo "make demo    run the platform on localhost (cloud API, console, edge agent)"
@@ -57,6 +57,10 @@ $(GGUF_CONVERTER)/convert_hf_to_gguf.py: constraints.txt
 gguf-converter: $(STAMP) $(GGUF_CONVERTER)/convert_hf_to_gguf.py
 
 peers: $(PEERS_STAMP) gguf-converter
+
+# lm-evaluation-harness (tierline[eval]): the third-party client of the prompt-logprobs test (tests skip without it).
+eval-peers: $(STAMP)
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,eval]'
 
 demo: install
 	$(BIN)/tierline up

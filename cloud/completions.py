@@ -21,7 +21,7 @@ from pydantic import ValidationError as PydanticValidationError
 from cloud.budget_watch import BudgetAlerts
 from cloud.canary import CanaryRouter
 from cloud.engine.async_engine import generate_all
-from cloud.engine.outputs import RequestOutput
+from cloud.engine.outputs import CompletionOutput, RequestOutput
 from cloud.engine.prompts import check_context_length
 from cloud.engine.sampling_params import SamplingParams
 from cloud.engine.tokenizer import ChatTokenizer
@@ -42,7 +42,7 @@ from shared.errors import (
     ServiceUnavailableError,
     ValidationError,
 )
-from shared.openai_responses import SSE_DONE, chat_logprob, completion_logprobs, sse
+from shared.openai_responses import SSE_DONE, chat_logprob, completion_logprobs, prompt_logprobs, sse
 from shared.openai_schema import MAX_INT32, ChatCompletionRequest, CompletionRequest, InferenceRequest
 from shared.structured import grammar_of
 from shared.tools import StreamParser, template_messages
@@ -58,7 +58,7 @@ if TYPE_CHECKING:  # it imports this module
 _PARAMETER_TYPES: dict[str, TypeAdapter[Any]] = {
     name: TypeAdapter(str | list[str] if name == "stop" else hint)
     for name, hint in get_type_hints(SamplingParams).items()
-    if name not in ("n", "speculation", "grammar")
+    if name not in ("n", "speculation", "grammar", "prompt_logprobs")  # (prompt logprobs: /v1/completions only)
 }
 
 
@@ -267,7 +267,7 @@ class CompletionService:
         caller.model_version = str(served.version) if served.version is not None else None
         reserved = prompt_worst = completion_worst = 0
         for p in ids:
-            max_new = params.max_tokens or max(1, served.max_model_len - len(p))
+            max_new = params.max_tokens if params.max_tokens is not None else max(1, served.max_model_len - len(p))
             reserved += len(p) + max_new * params.n
             prompt_worst += len(p) * params.n
             completion_worst += max_new * params.n
@@ -418,6 +418,7 @@ class CompletionService:
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
             logprobs=logprobs,
+            prompt_logprobs=req.num_prompt_logprobs if isinstance(req, CompletionRequest) else None,
             speculation=req.speculation,
             grammar=chat_grammar(req) if isinstance(req, ChatCompletionRequest) else grammar_of(req.response_format),
             **choice,
@@ -761,6 +762,8 @@ class CompletionService:
             raise ValidationError(f"parameters: {exc}", param="parameters") from None
         except ValidationError as exc:  # named as the request names it: parameters.<field>
             raise ValidationError(f"parameters.{exc.message}", param=f"parameters.{exc.param}") from None
+        if params.max_tokens == 0:  # (the engine's prefill-only mode serves echo on /v1/completions)
+            raise ValidationError("parameters.max_tokens: must be >= 1", param="parameters.max_tokens")
         prompts, meter = await self._admit(caller, served, list(req.inputs), params)
         final = await self._collect(served, caller, prompts, params, meter)
         return {
@@ -785,21 +788,11 @@ class CompletionService:
             return await self._completion_stream(served, caller, prompts, params, req, meter)
         final = await self._collect(served, caller, prompts, params, meter)
         tok = served.engine.tokenizer
-        choices = []
-        for i in range(len(prompts)):
-            out = final[i]
-            for c in out.outputs:
-                text = c.text
-                if req.echo:
-                    text = tok.decode(out.prompt_token_ids) + text
-                choices.append(
-                    {
-                        "index": i * params.n + c.index,
-                        "text": text,
-                        "finish_reason": c.finish_reason,
-                        "logprobs": completion_logprobs(tok, c.logprobs) if c.logprobs is not None else None,
-                    }
-                )
+        choices = [
+            completion_choice(tok, req, i * params.n + c.index, final[i], c)
+            for i in range(len(prompts))
+            for c in final[i].outputs
+        ]
         return {
             "id": f"cmpl-{caller.request_id}",
             "object": "text_completion",
@@ -835,3 +828,22 @@ class CompletionService:
             ]
 
         return await self._stream(served, caller, prompts, params, meter, base, [], render, req.include_usage)
+
+
+def completion_choice(
+    tok: ChatTokenizer, req: CompletionRequest, index: int, out: RequestOutput, c: CompletionOutput
+) -> dict[str, Any]:
+    """One choice of a finished (non-streamed) completion, as vLLM answers it. ``echo``: the prompt's text before
+    the output's and, with ``logprobs``, the prompt's tokens before the output's (the first one's logprob
+    ``null``); ``prompt_logprobs``: vLLM's per-prompt-token maps. Both from the logits of the prefill."""
+    prompt_lps = out.prompt_logprobs
+    text, logprobs = c.text, None
+    if req.echo:
+        text = tok.decode(out.prompt_token_ids, skip_special_tokens=False) + text
+    if c.logprobs is not None:
+        echoed = out.prompt_token_ids if req.echo else None
+        logprobs = completion_logprobs(tok, c.logprobs, echoed, prompt_lps if req.echo else None)
+    choice: dict[str, Any] = {"index": index, "text": text, "finish_reason": c.finish_reason, "logprobs": logprobs}
+    if req.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs(tok, out.prompt_token_ids, prompt_lps or [])
+    return choice

@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from pydantic import Field
 
-from cloud.completions import CompletionService
+from cloud.completions import CompletionService, completion_choice
 from cloud.engine.async_engine import EngineClient, generate_all
 from cloud.engine.outputs import RequestOutput
 from cloud.engine.prompts import check_context_length
@@ -342,19 +342,11 @@ async def completions(
         ]
 
     def answer(final: dict[int, RequestOutput], counts: _Counts) -> dict[str, Any]:
-        choices = []
-        for i in range(len(prompts)):
-            out = final[i]
-            for c in out.outputs:
-                text = (tok.decode(out.prompt_token_ids) + c.text) if data.echo else c.text
-                choices.append(
-                    {
-                        "index": i * params.n + c.index,
-                        "text": text,
-                        "finish_reason": c.finish_reason,
-                        "logprobs": completion_logprobs(tok, c.logprobs) if c.logprobs is not None else None,
-                    }
-                )
+        choices = [
+            completion_choice(tok, data, i * params.n + c.index, final[i], c)
+            for i in range(len(prompts))
+            for c in final[i].outputs
+        ]
         return {**base, "choices": choices, "usage": counts.usage()}
 
     return await _run(

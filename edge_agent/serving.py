@@ -111,6 +111,15 @@ def _request(
             param="n",
             code="unsupported_value",
         )
+    if isinstance(req, CompletionRequest) and (req.wants_prompt_logprobs or req.max_tokens == 0):
+        # The edge runtimes' prefill gives the last position's logits only (runtime.lm, runtime.gguf): the prompt's
+        # logprobs are the cloud engine's; the tiering sends such a request up ("cloud-feature").
+        raise ValidationError(
+            "prompt_logprobs: the prompt's logprobs (echo with logprobs, prompt_logprobs, max_tokens 0) are served "
+            "by the cloud tier only",
+            param="prompt_logprobs",
+            code="unsupported_parameter",
+        )
     if req.has_penalties:
         raise ValidationError(
             "presence_penalty, frequency_penalty and repetition_penalty are served by the cloud tier only",

@@ -3,8 +3,8 @@
 Modes (per model from its policy, per request from the ``x-tierline-tier`` header or the ``tier`` field):
 - ``local-first`` (default): pre-signals first (model not on the device, prompt too long for the local
   context, ``max_tokens`` above the policy's bound, ``quality: "high"``, a cloud-only feature such as
-  ``n > 1`` or penalties) send the request up at once; otherwise the local answer is generated and its
-  confidence (the policy's signal against its calibrated threshold) decides whether it is returned or
+  ``n > 1``, penalties or the prompt's logprobs) send the request up at once; otherwise the local answer is
+  generated and its confidence (the policy's signal against its calibrated threshold) decides whether it is returned or
   the request is escalated.
 - ``cloud-first``: the cloud answers; when it is unreachable, the local model does (marked degraded).
 - ``local-only`` / ``cloud-only``: no fallback.
@@ -442,7 +442,14 @@ class Tiering:
             return "cloud-feature"
         if exc.code == "invalid_token_id":
             return None  # token ids name this model's vocabulary; the cloud's model would not read them alike
-        if exc.param in ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt"):
+        if exc.param in (
+            "n",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "prompt",
+            "prompt_logprobs",
+        ):
             return "cloud-feature"
         return None
 

@@ -414,9 +414,12 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[_TOKEN_ID] | list[list[_TOKEN_ID]]
-    max_tokens: Annotated[int | None, _INTEGER] = Field(16, ge=1, le=MAX_INT32)
+    # 0 with ``echo``: the prompt only (its logprobs with ``logprobs``), as OpenAI and vLLM answer
+    max_tokens: Annotated[int | None, _INTEGER] = Field(16, ge=0, le=MAX_INT32)
     logprobs: Annotated[int | None, _INTEGER] = Field(None, ge=0, le=5)
     echo: Annotated[bool, _BOOLEAN] = False
+    # vLLM's extension: the prompt tokens' logprobs and this many alternatives, in ``choices[].prompt_logprobs``
+    prompt_logprobs: Annotated[int | None, _INTEGER] = Field(None, ge=0, le=20)
     suffix: str | None = None
     response_format: ResponseFormat | None = None  # an extension here (vLLM's too): the chat's formats
 
@@ -442,12 +445,29 @@ class CompletionRequest(_Sampling):
             raise ValueError("suffix (insertion) is not supported")
         if self.echo and self.stream:
             raise ValueError("echo is not supported with stream")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not supported with stream")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 returns the prompt only and needs echo: true; otherwise it must be >= 1")
         if self.response_format is not None and self.response_format.type != "text":
             if self.ignore_eos:
                 raise ValueError("ignore_eos cannot be combined with a structured response_format")
             if self.stop:
                 raise ValueError("stop cannot be combined with a structured response_format")
         return self
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token the engine computes: ``prompt_logprobs``, else ``logprobs`` with ``echo``
+        (the echoed prompt's tokens carry logprobs, as vLLM's do); None: no prompt logprobs."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Logits at every prompt position are needed (``prompt_logprobs``, or ``echo`` with ``logprobs``)."""
+        return self.num_prompt_logprobs is not None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

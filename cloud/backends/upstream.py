@@ -13,6 +13,9 @@ the built-in engine, the generation done by an upstream OpenAI-compatible server
   long as no byte reached the client (for a stream: until its first event is relayed); when none can take it:
   502 (upstream failed) or 503 (no healthy endpoint), both with ``Retry-After``. After the first byte, a failure
   ends the stream with an error event.
+- **Prompt logprobs** (``echo`` with ``logprobs``, ``max_tokens: 0``, ``prompt_logprobs``) are forwarded; an
+  upstream whose answer lacks them (the echoed prompt's tokens, first logprob ``null``; ``prompt_logprobs``) is a
+  400 naming the field, billed nothing, never an answer with empty or generated-only lists.
 - **Disconnects**: a client that leaves closes the upstream response, which aborts the upstream request.
 - **Isolation**: ``cache_salt`` (vLLM's per-request prefix-cache salt) is the tenant's, as in the built-in engine.
 - **Trust** (``make_remote``): a backends-file model is the operator's and is taken as written; a registry version's
@@ -52,7 +55,13 @@ from controlplane.billing.pricing import Tokens
 from shared.backend_spec import KeySources, UpstreamSpec
 from shared.chat_tokenizer import ChatTokenizer
 from shared.egress import EgressPolicy
-from shared.errors import ApplicationError, ConfigurationError, DeadlineExceededError, PermissionDeniedError
+from shared.errors import (
+    ApplicationError,
+    ConfigurationError,
+    DeadlineExceededError,
+    PermissionDeniedError,
+    ValidationError,
+)
 from shared.openai_responses import SSE_DONE, sse
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest
 from shared.tools import chat_prompt
@@ -493,6 +502,8 @@ class Backends:
                     endpoint, response, answer = await self._call(remote, path, body, _read_json, key)
                     await response.aclose()  # read whole: the endpoint is done with it
                     remote.pool.release(endpoint, True)
+                if isinstance(req, CompletionRequest):
+                    _check_prompt_logprobs(remote, req, answer)  # before it counts: a refused answer bills nothing
                 relay.add(answer, chat)
                 if relay.usage is None and relay.texts:
                     meter.first_token_at = time.monotonic()
@@ -687,3 +698,32 @@ async def _count(remote: RemoteLM, prompt: str) -> int:
 
 def _chunk_object(chat: bool) -> str:
     return "chat.completion.chunk" if chat else "text_completion"
+
+
+def _check_prompt_logprobs(remote: RemoteLM, req: CompletionRequest, answer: Any) -> None:
+    """Refuse (400) an upstream answer that lacks the prompt logprobs the request asked for: an evaluation harness
+    would score its empty or generated-only lists without an error."""
+    if not req.wants_prompt_logprobs:
+        return
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    for choice in choices if isinstance(choices, list) else [None]:
+        choice = choice if isinstance(choice, dict) else {}
+        if req.echo and req.logprobs is not None:
+            logprobs = choice.get("logprobs")
+            values = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
+            if not isinstance(values, list) or not values or values[0] is not None:
+                param = "echo"
+                break
+        if req.prompt_logprobs is not None:
+            values = choice.get("prompt_logprobs")
+            if not isinstance(values, list) or not values:
+                param = "prompt_logprobs"
+                break
+    else:
+        return
+    raise ValidationError(
+        f"{param}: the upstream model server of '{remote.model_id}' does not return the prompt's logprobs "
+        "(echo with logprobs, prompt_logprobs); a vLLM upstream or a built-in model does",
+        param=param,
+        code="unsupported_parameter",
+    )

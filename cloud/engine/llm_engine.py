@@ -52,8 +52,12 @@ class _Work:
     num_base: int  # tokens fed that are not proposals
     spec: list[int]  # proposals to verify
     feed: Feed
-    row: int  # its first row of the step's logits
+    row: int  # its first sampling row of the step's logits
+    samples: bool  # it reaches its last token: the step gives it new tokens (its rows from ``row`` on)
     num_lookahead: int = 0  # proposal slots it was scheduled with (more than ``spec`` when a grammar cut them)
+    # Prompt logprobs: rows ``row - num_prompt_rows .. row`` are the logits of prompt positions ``prompt_pos ..``.
+    prompt_pos: int = 0
+    num_prompt_rows: int = 0
     new_token_ids: list[int] = field(default_factory=list)
 
 
@@ -366,7 +370,7 @@ class LLMEngine:
         draft_probs = self._propose_drafts(batch)
         self._check_drafts(batch)
         works = self._plan_work(batch)
-        plain = [w for w in works if w.feed.num_logits and not w.spec]  # sampled in one batch, after the forward
+        plain = [w for w in works if w.samples and not w.spec]  # sampled in one batch, after the forward
         masks = self.sampler.prepare_masks([w.seq for w in plain])  # beside the forward on an accelerator
         try:
             logits = self.runner.execute([w.feed for w in works])  # logits: [sum of num_logits, V]
@@ -397,6 +401,9 @@ class LLMEngine:
 
     @staticmethod
     def _plan_work(batch: SchedulerOutput) -> list[_Work]:
+        """Each scheduled sequence's feed: logits for its sampling rows (at its last token: 1 + proposals) and, for
+        a request that wants prompt logprobs, for the prompt positions of the chunk it has not collected yet (a
+        suffix of the chunk, ending where its sampling rows begin)."""
         works: list[_Work] = []
         row = 0
         for item in batch.scheduled:
@@ -404,9 +411,21 @@ class LLMEngine:
             spec = seq.spec_token_ids[: item.num_lookahead] if item.num_lookahead else []
             base = item.num_new_tokens - item.num_lookahead
             start = seq.num_computed_tokens
-            num_logits = (1 + len(spec)) if start + base == seq.num_tokens else 0
-            feed = Feed(seq.block_table, seq.token_ids[start : start + base] + spec, start, num_logits)
-            works.append(_Work(seq, start, base, spec, feed, row, item.num_lookahead))
+            end = start + base
+            samples = end == seq.num_tokens
+            num_sample = (1 + len(spec)) if samples else 0
+            prompt_pos = num_prompt = 0
+            if seq.needs_prompt_logits:
+                # Position p's logits give prompt token p + 1's logprob; the last prompt position's are sampled.
+                prompt_pos = max(start, len(seq.prompt_logprobs))
+                num_prompt = max(0, min(end, seq.num_prompt_tokens - 1) - prompt_pos)
+            num_logits = num_prompt + num_sample
+            feed = Feed(seq.block_table, seq.token_ids[start:end] + spec, start, num_logits)
+            works.append(
+                _Work(
+                    seq, start, base, spec, feed, row + num_prompt, samples, item.num_lookahead, prompt_pos, num_prompt
+                )
+            )
             row += num_logits
         return works
 
@@ -429,7 +448,7 @@ class LLMEngine:
             for w, tok in zip(plain, tokens, strict=True):
                 w.new_token_ids = [tok]
         for w in works:
-            if w.spec and w.feed.num_logits:
+            if w.spec and w.samples:
                 rows = logits[w.row : w.row + 1 + len(w.spec)]  # [K+1, V]
                 rows = self.sampler.constrain_along(rows, w.seq, w.spec)  # each row under its grammar state
                 w.new_token_ids = self.sampler.verify(rows, w.seq, w.spec, draft_probs.get(w.seq.seq_id))
@@ -441,7 +460,11 @@ class LLMEngine:
         for w in works:
             self._advance(w)
             req = self._requests.get(w.seq.request_id)
-            if not w.feed.num_logits or req is None:
+            if req is None:
+                continue
+            if w.num_prompt_rows:
+                self._collect_prompt_logprobs(w, logits)
+            if not w.samples:
                 continue
             progress.setdefault(req.request_id, []).append(self._append(w, logits))
         outputs = []
@@ -459,7 +482,7 @@ class LLMEngine:
         if seq.is_prefilling or w.start < seq.num_prompt_tokens:
             self.stats.num_prompt_tokens_computed += min(w.num_base, max(0, seq.num_prompt_tokens - w.start))
         seq.num_computed_tokens = w.start + w.num_base
-        if w.spec and w.feed.num_logits:
+        if w.spec and w.samples:
             accepted = len(w.new_token_ids) - 1
             self._record_speculation(seq, len(w.spec), accepted)
             seq.num_computed_tokens += accepted
@@ -481,10 +504,27 @@ class LLMEngine:
             self.stats.spec_proposed[method] = self.stats.spec_proposed.get(method, 0) + proposed
             self.stats.spec_accepted[method] = self.stats.spec_accepted.get(method, 0) + accepted
 
+    @staticmethod
+    def _collect_prompt_logprobs(w: _Work, logits: torch.Tensor) -> None:
+        """The logprobs of the prompt tokens that this step's rows predict (chunked prefill: chunk by chunk)."""
+        seq, n = w.seq, w.num_prompt_rows
+        num_top = seq.params.prompt_logprobs or 0
+        targets = seq.token_ids[w.prompt_pos + 1 : w.prompt_pos + 1 + n]
+        seq.prompt_logprobs.extend(Sampler.logprobs(logits[w.row - n : w.row], targets, num_top, ranks=True))
+
     def _append(self, w: _Work, logits: torch.Tensor) -> SequenceOutput:
-        """Append a sequence's new tokens up to the first that ends it (EOS, a stop token, a length limit)."""
+        """Append a sequence's new tokens up to the first that ends it (EOS, a stop token, a length limit); its
+        first carries the prompt's logprobs when asked for. ``max_tokens == 0``: nothing is appended, the sequence
+        ends ("length") after its prefill."""
         seq, tokens = w.seq, w.new_token_ids
         num_before = seq.num_output_tokens
+        prompt_logprobs = None
+        if num_before == 0 and seq.params.prompt_logprobs is not None and seq.sibling_index == 0:
+            prompt_logprobs = list(seq.prompt_logprobs)
+        if seq.max_tokens == 0:
+            tokens.clear()
+            self.scheduler.finish(seq, FinishReason.LENGTH)
+            self.sampler.release(seq)
         if seq.params.logprobs is not None:
             seq.logprobs.extend(Sampler.logprobs(logits[w.row : w.row + len(tokens)], tokens, seq.params.logprobs))
         for i, tok in enumerate(tokens):
@@ -512,6 +552,7 @@ class LLMEngine:
             seq.finish_reason.value if seq.finish_reason is not None else None,
             seq.num_spec_proposed,
             seq.num_spec_accepted,
+            prompt_logprobs,
         )
 
     def _jumps_forward(self, seq: Sequence) -> bool:

@@ -38,6 +38,7 @@ class _Request:
     first_scheduled_time: float | None = None
     streamed: bool = False  # an update with tokens has gone out
     held: RequestOutput | None = None  # what the stream interval holds back, merged into the next update
+    prompt_logprobs: list[Logprob] | None = None  # sent by the core with the first tokens
 
 
 @dataclass(slots=True)
@@ -106,6 +107,8 @@ class OutputProcessor:
         if req.first_scheduled_time is None:
             req.first_scheduled_time = progress.first_scheduled_time
         for new in progress.sequences:
+            if new.prompt_logprobs is not None:
+                req.prompt_logprobs = new.prompt_logprobs
             out = req.outputs[new.index]
             if out.finish_reason is not None:
                 continue
@@ -132,6 +135,7 @@ class OutputProcessor:
             queue_s=max(0.0, req.first_scheduled_time - req.arrival_time)
             if req.first_scheduled_time is not None
             else None,
+            prompt_logprobs=req.prompt_logprobs,
         )
 
 

@@ -46,6 +46,8 @@ class RequestOutput:
     # On the final update: seconds from the request's hand-over to the engine (its arrival) to this update — the
     # engine's own latency for the request, queueing inside the engine included.
     engine_s: float | None = None
+    # ``SamplingParams.prompt_logprobs``: the logprob of each prompt token after the first (one fewer than the prompt)
+    prompt_logprobs: list[Logprob] | None = None
 
     @property
     def text(self) -> str:

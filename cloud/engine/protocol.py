@@ -115,6 +115,7 @@ class SequenceOutput(msgspec.Struct, array_like=True, gc=False):
     finish_reason: str | None  # set by the core: EOS, a stop token, the length limit
     num_spec_proposed: int  # so far, in all
     num_spec_accepted: int
+    prompt_logprobs: list[Logprob] | None = None  # with the first tokens, when the request asked for them
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):

@@ -203,16 +203,21 @@ class Sampler:
         return tokens
 
     @staticmethod
-    def logprobs(logits: torch.Tensor, tokens: list[int], num_top: int) -> list[Logprob]:
-        """Raw model log-probabilities of ``tokens`` (one per row of logits [N, V]) and the top ``num_top``."""
-        lp = torch.log_softmax(logits, dim=-1)
-        chosen = lp.gather(-1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    def logprobs(logits: torch.Tensor, tokens: list[int], num_top: int, ranks: bool = False) -> list[Logprob]:
+        """Raw model log-probabilities of ``tokens`` (one per row of logits [N, V]) and the top ``num_top``
+        (``ranks``: each token's rank too; computed in float32 whatever the model's dtype)."""
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        chosen_t = lp.gather(-1, torch.tensor(tokens, device=lp.device)[:, None])
+        chosen = chosen_t[:, 0].tolist()
         if num_top > 0:
             top_v, top_i = torch.topk(lp, num_top, dim=-1)
             tops = [list(zip(i, v, strict=True)) for i, v in zip(top_i.tolist(), top_v.tolist(), strict=True)]
         else:
             tops = [[] for _ in tokens]
-        return [Logprob(t, c, top) for t, c, top in zip(tokens, chosen, tops, strict=True)]
+        rank_of: list[int | None] = [None] * len(tokens)
+        if ranks:
+            rank_of = [int(r) + 1 for r in (lp > chosen_t).sum(dim=-1).tolist()]
+        return [Logprob(t, c, top, r) for t, c, top, r in zip(tokens, chosen, tops, rank_of, strict=True)]
 
     # -- speculative verification -------------------------------------------------------------------------------
     def verify(

@@ -22,7 +22,11 @@ class SamplingParams:
     cut from the returned text; ``stop_token_ids`` end generation too (the model's EOS ids always do unless
     ``ignore_eos``). ``logprobs`` returns the chosen token's log-probability at every step plus that many
     top alternatives (0 = chosen token only, None = off); values are the model's raw distribution, before
-    temperature and penalties. ``speculation`` overrides the model's speculative mode for this request
+    temperature and penalties. ``prompt_logprobs`` does the same for the prompt (vLLM's field): the log-probability
+    of each prompt token after the first given the tokens before it, and that many top alternatives, computed from
+    the logits of every prompt position in the prefill (such a request does not reuse the prefix cache for the
+    prompt). ``max_tokens == 0`` generates nothing: the request ends after its prefill (``echo`` with prompt
+    logprobs). ``speculation`` overrides the model's speculative mode for this request
     (``"off"``, ``"draft"`` or ``"ngram"``); requests with penalties, and seeded sampled requests (so they stay
     reproducible whatever the load), always decode without speculation. ``grammar`` constrains the output
     (``response_format``): each step's logits are masked to the tokens the grammar allows, and the output ends
@@ -46,6 +50,7 @@ class SamplingParams:
     logprobs: int | None = None
     speculation: str | None = None
     grammar: str | None = None  # llguidance grammar the output must match (shared.structured.grammar_of)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -53,9 +58,9 @@ class SamplingParams:
         if not isinstance(self.n, int) or self.n < 1:
             _fail("n", f"must be an integer >= 1, got {self.n!r}")
         if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= MAX_INT32
+            not isinstance(self.max_tokens, int) or not 0 <= self.max_tokens <= MAX_INT32
         ):
-            _fail("max_tokens", f"must be an integer in [1, {MAX_INT32}], got {self.max_tokens!r}")
+            _fail("max_tokens", f"must be an integer in [0, {MAX_INT32}], got {self.max_tokens!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not MIN_SEED <= self.seed <= MAX_SEED):
             _fail("seed", f"must be a 64-bit integer, in [{MIN_SEED}, {MAX_SEED}]")
         if not 0.0 <= self.temperature <= 100.0:
@@ -75,6 +80,8 @@ class SamplingParams:
             _fail("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             _fail("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            _fail("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             _fail("stop", "stop sequences must be non-empty strings")
         if len(self.stop) > 4:

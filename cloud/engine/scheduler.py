@@ -188,7 +188,8 @@ class Scheduler:
                 if not bm.can_allocate(seq, num_new, reserve=reserve):
                     break
             else:
-                hits = bm.find_cached_prefix(seq)
+                # A request that wants its prompt's logprobs computes every prompt position (vLLM skips the cache).
+                hits = [] if seq.needs_prompt_logits else bm.find_cached_prefix(seq)
                 computed = len(hits) * bm.block_size
                 num_new = min(seq.num_tokens - computed, budget)
                 need = bm.blocks_needed(computed + num_new) - len(hits) + bm.num_free_among(hits)

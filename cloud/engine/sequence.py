@@ -56,6 +56,7 @@ class Sequence:
     num_spec_accepted: int = 0
     parent: Sequence | None = None
     logprobs: list[Logprob] = field(default_factory=list)
+    prompt_logprobs: list[Logprob] = field(default_factory=list)  # of prompt tokens 1.., as the prefill reaches them
     finish_reason: FinishReason | None = None
     first_token_time: float | None = None
     first_scheduled_time: float | None = None  # time.monotonic() when it first left the waiting queue
@@ -89,6 +90,13 @@ class Sequence:
     def is_prefilling(self) -> bool:
         """True while prompt tokens (or tokens lost to preemption) remain beyond the last one."""
         return self.num_uncomputed_tokens > 1
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """True while prompt positions whose logits ``params.prompt_logprobs`` asks for remain uncollected (the
+        request's first sequence only: siblings share its prompt)."""
+        want = self.params.prompt_logprobs is not None and self.sibling_index == 0
+        return want and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     def sort_key(self) -> tuple[int, float, int]:
         """Lower sorts first: priority class, then arrival (FCFS), then id."""

@@ -171,6 +171,7 @@ def test_low_confidence_escalates_to_the_cloud_model(client: openai.OpenAI, flee
         ({"model": INT8, "extra_body": {"quality": "high"}}, "quality-high"),
         ({"model": INT8, "n": 2}, "cloud-feature"),
         ({"model": INT8, "max_tokens": 100_000}, "prompt-too-long"),
+        ({"model": INT8, "echo": True, "logprobs": 1, "max_tokens": 1}, "cloud-feature"),  # prompt logprobs
     ],
 )
 def test_pre_signals_send_the_request_up_before_running_locally(

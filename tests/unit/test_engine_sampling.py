@@ -62,7 +62,7 @@ def make_seq(
         ("logprobs", 21),
         ("logprobs", -1),
         ("speculation", "medusa"),
-        ("max_tokens", 0),
+        ("max_tokens", -1),
         ("min_p", 1.5),
         ("presence_penalty", 2.5),
         ("frequency_penalty", -2.5),
