@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from decimal import Decimal
+from typing import Any
 
 import pytest
 from sqlalchemy.engine import Engine
@@ -118,3 +119,42 @@ def test_an_idle_writer_sleeps_and_writes_a_new_record_within_its_interval(migra
     # batched: each waits out the interval once (not written at once), and no longer than about that
     assert 0.25 <= first < 1.5, first
     assert 0.25 <= second < 1.5, second
+
+
+def test_a_stored_record_is_committed_before_store_returns_and_concurrent_ones_share_commits(migrated_db: str) -> None:
+    """``store`` (a finished request's record) returns only once the record is in the database, long before the
+    writer's flush interval (60 s here): an answer sent after it is never without its record, whatever happens to
+    the process next. Forty stored at once share a few commits, not forty."""
+    engine = create_db(migrated_db)
+    tenant_id = _tenant(engine)
+
+    def stored(ids: list[str]) -> set[str]:
+        with Session(engine) as session:
+            return {r.id for r in session.exec(select(UsageRecord)) if r.id in ids}
+
+    async def main() -> tuple[float, int, UsageWriter]:
+        writer = UsageWriter(engine, flush_interval_s=60.0, max_batch=64)
+        await writer.start()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await writer.store(writer.record("one", tenant_id, "tierline/lm-cloud", "cloud", completion_tokens=3))
+        waited = loop.time() - started
+        assert stored(["one"]) == {"one"}  # committed when store returned
+        writes: list[int] = []
+        ingest = writer._ingest
+
+        def counting(batch: list[Any]) -> None:
+            writes.append(len(batch))
+            ingest(batch)
+
+        writer._ingest = counting  # type: ignore[method-assign]
+        ids = [f"c{i}" for i in range(40)]
+        await asyncio.gather(*(writer.store(writer.record(i, tenant_id, "tierline/lm-cloud", "cloud")) for i in ids))
+        assert stored(ids) == set(ids)
+        await writer.close()
+        return waited, len(writes), writer
+
+    waited, commits, writer = asyncio.run(main())
+    assert waited < 5.0  # not the 60 s interval
+    assert commits < 40 and writer.num_written == 41
+    engine.dispose()
