@@ -65,7 +65,9 @@ def _exactly(what: str, *kinds: type) -> BeforeValidator:
 
 
 _INTEGER = _exactly("an integer", int)
-_TOKEN_ID = Annotated[int, Field(ge=0, le=MAX_INT32)]
+# A token id fits 32 bits here; whether it is in the model's vocabulary (a negative one is not) is the model's
+# check, with its own 400 (``invalid_token_id`` on a device, naming the vocabulary's range).
+_TOKEN_ID = Annotated[int, Field(ge=-MAX_INT32 - 1, le=MAX_INT32)]
 _NUMBER = _exactly("a number", int, float)
 _BOOLEAN = _exactly("a boolean", bool)
 
@@ -430,6 +432,8 @@ class CompletionRequest(_Sampling):
             for token in item if isinstance(item, list) else [item]:
                 if isinstance(token, bool | float):
                     raise ValueError(f"token ids must be integers, got {_json_type(token)}")
+                if isinstance(token, int) and not -MAX_INT32 - 1 <= token <= MAX_INT32:
+                    raise ValueError(f"token id {token} does not fit 32 bits: it is in no model's vocabulary")
         return v
 
     @field_validator("prompt")
