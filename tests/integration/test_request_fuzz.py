@@ -6,7 +6,8 @@ strings that look like numbers or markup, long strings, objects and arrays neste
 ``response_format`` and tools built from real keywords with wild values, and now and then a field the API does
 not know. They are posted to a real cloud (tiny zoo, SQLite; an API key, an enrolled device) and a real edge agent:
 ``/v1/completions`` and ``/v1/chat/completions`` of both, the cloud's ``/v1/inference``, and the device protocol's
-``/v1/edge/sync``, ``/v1/edge/shadow`` and ``/v1/edge/escalate``. Any status but a 5xx passes.
+``/v1/edge/sync``, ``/v1/edge/shadow`` and ``/v1/edge/escalate``. Any status but a 5xx passes, and the one 503
+the agent documents: ``tier: cloud`` on a device that is not enrolled.
 
 Generation stays cheap: ``max_tokens`` is lowered to ``MAX_TOKENS`` (or set, where the request leaves it to the
 context length), ``n`` to ``MAX_N``, prompts and inputs to ``MAX_PROMPTS``, after generation (values of the wrong
@@ -234,14 +235,30 @@ def _cap(body: dict[str, Any], model: str, key: str = "model") -> dict[str, Any]
     return body
 
 
-def _fuzz(url: str, headers: dict[str, str], strategy: st.SearchStrategy[dict[str, Any]]) -> None:
+def _asks_for_the_cloud(body: dict[str, Any]) -> bool:
+    parameters = body.get("parameters")
+    tier = parameters.get("tier") if isinstance(parameters, dict) and "model_id" in body else body.get("tier")
+    return tier in ("cloud", "cloud-only")
+
+
+def _fuzz(
+    url: str, headers: dict[str, str], strategy: st.SearchStrategy[dict[str, Any]], *, enrolled: bool = True
+) -> None:
+    """Post every generated body: none gets a 5xx, except the one documented 503 of an agent that is not enrolled
+    (``tier: cloud`` on a device without a cloud is ``unavailable``: enrolling it is the fix)."""
     with httpx.Client(headers=headers, timeout=60) as client:
 
         @SETTINGS
         @given(strategy)
         def run(body: dict[str, Any]) -> None:
             r = client.post(url, json=body)
-            assert r.status_code < 500, f"{r.status_code} for {json.dumps(body)[:2000]}: {r.text[:500]}"
+            shown = f"{r.status_code} for {json.dumps(body)[:2000]}: {r.text[:500]}"
+            if not enrolled and r.status_code == 503:
+                assert _asks_for_the_cloud(body), shown
+                assert r.json()["error"]["code"] == "unavailable", shown
+                assert "not enrolled" in r.json()["error"]["message"], shown
+                return
+            assert r.status_code < 500, shown
 
         run()
 
@@ -255,7 +272,7 @@ def test_no_generated_openai_request_gets_a_5xx_on_either_tier(
     cloud: Cloud, edge: str, path: str, model: type[BaseModel]
 ) -> None:
     _fuzz(f"{cloud.url}{path}", cloud.auth, bodies(model).map(lambda b: _cap(b, CLOUD_LM)))
-    _fuzz(f"{edge}{path}", {}, bodies(model).map(lambda b: _cap(b, EDGE_LM)))
+    _fuzz(f"{edge}{path}", {}, bodies(model).map(lambda b: _cap(b, EDGE_LM)), enrolled=False)
 
 
 def test_no_generated_inference_request_gets_a_5xx_on_either_tier(cloud: Cloud, edge: str) -> None:
@@ -263,7 +280,7 @@ def test_no_generated_inference_request_gets_a_5xx_on_either_tier(cloud: Cloud, 
     strategy = st.tuples(bodies(InferenceRequest), models).map(lambda p: _cap(p[0], p[1], key="model_id"))
     _fuzz(f"{cloud.url}/v1/inference", cloud.auth, strategy)
     strategy = bodies(InferenceRequest).map(lambda b: _cap(b, "tierline/digits-small", key="model_id"))
-    _fuzz(f"{edge}/v1/inference", {}, strategy)
+    _fuzz(f"{edge}/v1/inference", {}, strategy, enrolled=False)
 
 
 @st.composite
