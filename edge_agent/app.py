@@ -82,7 +82,9 @@ def retrieve_model(served: ServedModels, _auth: None, model_id: str) -> dict[str
     wanted = model_id.lstrip("/")
     found = next((m for m in _models(served) if m["id"] == wanted), None)
     if found is None:
-        raise NotFoundError(f"The model '{wanted}' does not exist or is not served here", param="model")
+        raise NotFoundError(
+            f"The model '{wanted}' does not exist or is not served here", param="model", code="model_not_found"
+        )
     return found
 
 

@@ -76,7 +76,9 @@ class LocalModels:
         with self._lock:
             path = self.paths.get(model_id)
             if path is None:
-                raise NotFoundError(f"The model '{model_id}' does not exist on this device", param="model")
+                raise NotFoundError(
+                    f"The model '{model_id}' does not exist on this device", param="model", code="model_not_found"
+                )
             if model_id not in self._loaded:
                 self._loaded[model_id] = self._load(model_id, path)
             return self._loaded[model_id]
@@ -88,7 +90,9 @@ class LocalModels:
             logger.error("refusing %s: its files changed since they were verified (%s)", model_id, exc.message)
             del self.paths[model_id]
             raise NotFoundError(
-                f"The model '{model_id}' failed verification on this device and is not served", param="model"
+                f"The model '{model_id}' failed verification on this device and is not served",
+                param="model",
+                code="model_not_found",
             ) from None
         try:
             return LocalLM(path, self.num_threads, self.variants.get(model_id))

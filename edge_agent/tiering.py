@@ -47,7 +47,7 @@ from edge_agent.generation import LocalStep, ModelFaultError
 from edge_agent.shadow_sampler import ShadowSampler
 from edge_agent.tensors import LocalClassifier, row_confidences
 from shared.edge_protocol import MAX_USAGE_SUBJECT, ModelPairing
-from shared.errors import ApplicationError, NotFoundError, ServiceUnavailableError, ValidationError
+from shared.errors import ApplicationError, NotFoundError, ServiceUnavailableError, ValidationError, default_code
 from shared.escalation import COPY_SIGNALS, HIDDEN_PROBE, MODES, EdgePolicy, copy_signals
 from shared.logs import server_request_id
 from shared.openai_schema import ChatCompletionRequest, CompletionRequest, InferenceRequest, check_end_user
@@ -323,7 +323,9 @@ class Tiering:
             self.allowance.must_escalate(can_escalate=False)
             unpaired = self.classifiers.get(req.model_id)
             if unpaired is None:
-                raise NotFoundError(f"The model '{req.model_id}' is not a tensor model", param="model_id")
+                raise NotFoundError(
+                    f"The model '{req.model_id}' is not a tensor model", param="model_id", code="model_not_found"
+                )
             rows = unpaired.rows(req.inputs)
             logits, _ = await unpaired.infer(rows)
             answer = self._infer_edge(req, unpaired.result(logits), len(rows), request_id, started, None)
@@ -340,7 +342,11 @@ class Tiering:
         model = self.classifiers.get(req.model_id)
         if model is None:
             if mode == "local-only":
-                raise NotFoundError(f"The model '{req.model_id}' does not exist on this device", param="model_id")
+                raise NotFoundError(
+                    f"The model '{req.model_id}' does not exist on this device",
+                    param="model_id",
+                    code="model_not_found",
+                )
             return await self._infer_cloud(req, req.inputs, request_id, "model-not-local")
         rows = model.rows(req.inputs)
         if mode in ("cloud-only", "cloud-first"):
@@ -713,11 +719,17 @@ class Tiering:
         request_id: str,
         started: float,
     ) -> Answer:
-        """The cloud refused the request (4xx): relay its OpenAI-shaped error as it is."""
+        """The cloud refused the request (4xx): relay its OpenAI-shaped error as it is (with its status's ``code``
+        where it has none: an older cloud's, or a body that is not JSON)."""
         try:
             payload = json.loads(content)
         except ValueError:
-            payload = {"error": {"message": content[:200].decode(errors="replace"), "type": "cloud_error"}}
+            error_type = "invalid_request_error" if status < 500 else "server_error"
+            payload = {"error": {"message": content[:200].decode(errors="replace"), "type": error_type}}
+        error = payload.get("error") if isinstance(payload, dict) else None
+        if isinstance(error, dict) and not error.get("code"):
+            error.setdefault("param", None)
+            error["code"] = default_code(status)
         self._cloud_served(req, request_id, reason, started, "error", None)
         return Answer(payload, "cloud", reason, status_code=status)
 

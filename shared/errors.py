@@ -1,6 +1,38 @@
-"""The one error tree. Each error carries the HTTP status and OpenAI error type it maps to."""
+"""The one error tree. Each error carries the HTTP status, OpenAI error type and ``code`` it maps to.
+
+Every 4xx has a non-null ``code`` (a client branches on it; docs/cloud-api.md#error-codes lists them): a class
+names its own, and an error of a status without one (an upstream's relayed 4xx) gets ``default_code``'s.
+"""
 
 from __future__ import annotations
+
+from http import HTTPStatus
+
+# The code of a 4xx whose raiser names none, by status; any other status: its phrase in snake case.
+_DEFAULT_CODES = {
+    400: "invalid_request",
+    401: "invalid_api_key",
+    403: "permission_denied",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "request_too_large",
+    415: "unsupported_media_type",
+    422: "unprocessable_entity",
+    429: "rate_limit_exceeded",
+}
+
+
+def default_code(status: int) -> str | None:
+    """The ``code`` of a 4xx that names none (``None`` for other statuses: a 5xx says ``type: server_error``)."""
+    if not 400 <= status < 500:
+        return None
+    if status in _DEFAULT_CODES:
+        return _DEFAULT_CODES[status]
+    try:
+        return HTTPStatus(status).phrase.lower().replace(" ", "_").replace("-", "_")
+    except ValueError:
+        return f"http_{status}"
 
 
 class ApplicationError(Exception):
@@ -19,7 +51,8 @@ class ApplicationError(Exception):
 
     def to_openai(self) -> dict[str, dict[str, str | None]]:
         """The OpenAI error shape ``{"error": {"message", "type", "param", "code"}}``."""
-        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+        code = self.code if self.code is not None else default_code(self.status_code)
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": code}}
 
 
 class ConfigurationError(ApplicationError):
@@ -27,8 +60,11 @@ class ConfigurationError(ApplicationError):
 
 
 class ValidationError(ApplicationError):
+    """A request field's value is wrong (``param`` names it); a raiser with a more precise code passes it."""
+
     status_code = 400
     error_type = "invalid_request_error"
+    code = "invalid_value"
 
 
 class AuthenticationError(ApplicationError):
@@ -40,6 +76,7 @@ class AuthenticationError(ApplicationError):
 class PermissionDeniedError(ApplicationError):
     status_code = 403
     error_type = "permission_error"
+    code = "permission_denied"
 
 
 class NotFoundError(ApplicationError):

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
 from litestar import Request, Response, get
-from litestar.exceptions import HTTPException
+from litestar.exceptions import HTTPException, SerializationException
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.spec import OpenAPIMediaType, OpenAPIResponse, OpenAPIType, Operation, Schema
 from litestar.response import Stream
@@ -20,9 +21,9 @@ from litestar.status_codes import HTTP_500_INTERNAL_SERVER_ERROR
 from litestar.types import ExceptionHandlersMap, Receive, Send
 from pydantic import BaseModel
 
-from shared.errors import ApplicationError
+from shared.errors import ApplicationError, default_code
 from shared.openai_responses import SSE_DONE
-from shared.openai_schema import UNSUPPORTED_MESSAGE, UNSUPPORTED_REASON
+from shared.openai_schema import UNSUPPORTED_MESSAGE, UNSUPPORTED_REASON, validation_code
 
 logger = logging.getLogger(__name__)
 
@@ -148,28 +149,45 @@ def application_error_handler(_: Request[Any, Any, Any], exc: ApplicationError) 
     return Response(exc.to_openai(), status_code=exc.status_code, headers=headers)
 
 
+_NAMED_FIELD = re.compile(r"([a-z_][a-z0-9_.]*): (.+)", re.DOTALL)
+
+
 def http_error_handler(_: Request[Any, Any, Any], exc: HTTPException) -> Response[dict[str, Any]]:
-    """Litestar's own 4xx (bad JSON, body validation, unknown route) in the OpenAI error shape.
+    """Litestar's own 4xx (bad JSON, body validation, unknown route, wrong method, body too large) in the OpenAI
+    error shape, each with a ``code``.
 
     A body that fails validation names its first bad field: ``param`` is the field's path and the message
-    starts with it.
+    starts with it; its ``code`` says how it failed (``unsupported_parameter``, ``missing_required_parameter``,
+    ``invalid_type``, ``invalid_value``). A body that is not JSON is ``invalid_json``; any other status has
+    ``shared.errors.default_code``'s.
     """
-    message, param, code = exc.detail, None, None
+    message, param, code = exc.detail, None, default_code(exc.status_code)
     extra = getattr(exc, "extra", None)
     if isinstance(extra, list) and extra and isinstance(extra[0], dict) and "message" in extra[0]:
         # A field the schema does not know comes first: it is the error a client most needs to hear about.
         first = next((e for e in extra if e.get("message") == UNSUPPORTED_MESSAGE), extra[0])
-        param = first.get("key") or None
+        # The field's path, without the tags pydantic adds for a union's members (``literal['none','auto']``).
+        param = ".".join(p for p in str(first.get("key") or "").split(".") if "[" not in p) or None
         reason = str(first["message"]).removeprefix("Value error, ")
+        code = validation_code(reason)
         if reason == UNSUPPORTED_MESSAGE:
-            reason, code = UNSUPPORTED_REASON, "unsupported_parameter"
+            reason = UNSUPPORTED_REASON
+        elif param is None and (named := _NAMED_FIELD.match(reason)):  # a check across fields names its field
+            param, reason = named[1], named[2]
+        elif param == "data" and reason == "'data'":  # no body at all: Litestar's "missing data" error
+            param, reason, code = None, "the request body is empty: a JSON object is expected", "invalid_json"
         message = f"{param}: {reason}" if param else reason
     elif extra:
         message = f"{message}: {extra}"
+    elif isinstance(exc.__cause__, SerializationException):  # the body is not JSON (Litestar's own 400)
+        code = "invalid_json"
+        message = f"the request body is not valid JSON: {exc.__cause__}"
     body = {
         "error": {
             "message": message,
-            "type": _HTTP_TYPES.get(exc.status_code, "server_error"),
+            "type": _HTTP_TYPES.get(
+                exc.status_code, "invalid_request_error" if exc.status_code < 500 else "server_error"
+            ),
             "param": param,
             "code": code,
         }

@@ -112,6 +112,18 @@ UNSUPPORTED_MESSAGE = "Extra inputs are not permitted"  # pydantic's message for
 UNSUPPORTED_REASON = "unsupported parameter: this server does not implement it (see docs/cloud-api.md)"
 
 
+def validation_code(reason: str) -> str:
+    """The OpenAI ``code`` of a field that failed validation, from pydantic's (or this module's validators') message:
+    the one mapping for the routes (``shared.http``) and for bodies validated outside them (``request_error``)."""
+    if reason == UNSUPPORTED_MESSAGE:
+        return "unsupported_parameter"
+    if reason == "Field required":
+        return "missing_required_parameter"
+    if reason.startswith(("Input should be a valid", "expected ")):  # a JSON type other than the field's
+        return "invalid_type"
+    return "invalid_value"
+
+
 def request_error(exc: PydanticValidationError, prefix: str = "") -> ValidationError:
     """A body validated outside the HTTP layer (an escalation's, a stored job's) failing as the route would:
     an unknown field first, as ``unsupported_parameter``, else the first error, each naming the field."""
@@ -120,7 +132,8 @@ def request_error(exc: PydanticValidationError, prefix: str = "") -> ValidationE
     loc = prefix + ".".join(str(p) for p in err["loc"])
     if err["type"] == "extra_forbidden":
         return ValidationError(f"{loc}: {UNSUPPORTED_REASON}", param=loc, code="unsupported_parameter")
-    return ValidationError(f"{loc}: {str(err['msg']).removeprefix('Value error, ')}", param=loc)
+    reason = str(err["msg"]).removeprefix("Value error, ")
+    return ValidationError(f"{loc}: {reason}", param=loc, code=validation_code(reason))
 
 
 class _Request(BaseModel):
