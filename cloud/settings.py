@@ -55,7 +55,7 @@ class CloudSettings(BaseSettings):
     )
     backends: Path | None = Field(
         None,
-        description="a JSON file of served models backed by OpenAI-compatible servers (docs/cloud-api.md#backends)",
+        description="a JSON file of served models backed by OpenAI-compatible servers (docs/backends.md)",
     )
     registry_models: str | None = Field(
         None,

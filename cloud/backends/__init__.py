@@ -4,5 +4,5 @@
 outstanding requests, a breaker per endpoint, active re-admission probes, per-endpoint metrics); ``upstream``: the
 gateway's side of a request to one (admission, billing from the upstream's usage, SSE relay, failover before the
 first byte); ``http1``: the lean HTTP/1.1 client the requests to the upstream servers go through. See
-docs/cloud-api.md#backends.
+docs/backends.md.
 """

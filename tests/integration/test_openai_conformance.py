@@ -78,7 +78,7 @@ EXTENSIONS: dict[str, frozenset[str]] = {
     # model on a device is (format, sha256, version of the verified artifact) and which runtime serves an alias.
     "edge.models": frozenset({"format", "sha256", "version", "runtime_guard"}),
     "edge.models.list": frozenset({"not_served"}),
-    # docs/cloud-api.md#responses-api-post-v1responses: a Response echoes the request's settings as OpenAI's API
+    # docs/openai-api.md#responses-api-post-v1responses: a Response echoes the request's settings as OpenAI's API
     # does, ``store: false`` included; OpenAI's own responses carry ``store`` too, the SDK's type has no field for it.
     "responses": frozenset({"store"}),
     "responses.events": frozenset({"response.store"}),  # the events that carry the Response
@@ -296,7 +296,7 @@ CHATS: list[tuple[str, dict[str, Any]]] = [
 
 
 def _top_logprobs_hold_the_token(token: Any, n: int) -> bool:
-    """The ``n`` most likely tokens, and the sampled one where it is not among them (docs/cloud-api.md)."""
+    """The ``n`` most likely tokens, and the sampled one where it is not among them (docs/openai-api.md)."""
     alternatives = [t.token for t in token.top_logprobs]
     return token.token in alternatives and len(alternatives) in (n, n + 1)
 
