@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.install-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install peers eval-peers gguf-converter chromium demo test lint bench bench-peers zoo images clean help
+.PHONY: install peers llama-server eval-peers gguf-converter chromium demo test lint bench bench-peers zoo images clean help
 
 help:
 	@echo "make demo    run the platform on localhost (cloud API, console, edge agent)"
@@ -15,6 +15,7 @@ help:
 	@echo "make bench   benchmarks (JSON)"
 	@echo "make install create .venv and install tierline[dev]"
 	@echo "make peers   build (once, cached) and install tierline[peers]: llama.cpp for the peer benchmarks/tests"
+	@echo "make llama-server  build (once, cached) llama.cpp's C++ server, the HTTP peer of bench engine --vs llamacpp"
 	@echo "make images  build the container image tierline:latest (deploy/Dockerfile; cached)"
 
 # Re-installs only when the project's dependency files change.
@@ -33,7 +34,8 @@ bench-peers:
 
 # The third-party peers (tierline[peers]: llama.cpp through llama-cpp-python), compiled from source once into a
 # wheel cache keyed by the CPU's features (llama.cpp builds for the host's instruction set), then installed from it.
-WHEEL_CACHE ?= $(HOME)/.cache/tierline-wheels/$(shell uname -m)-$(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | md5sum | cut -c1-8)
+CPU_FLAGS_HASH := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | md5sum | cut -c1-8)
+WHEEL_CACHE ?= $(HOME)/.cache/tierline-wheels/$(shell uname -m)-$(CPU_FLAGS_HASH)
 # llama.cpp's AMX kernels crash on the zoo's small Q8_0 matrices (a segfault in ggml_backend_amx_mul_mat): built
 # for this CPU without them where the compiler knows the flags.
 NO_AMX := $(shell echo | cc -mno-amx-tile -mno-amx-int8 -mno-amx-bf16 -E - >/dev/null 2>&1 && echo '-mno-amx-tile -mno-amx-int8 -mno-amx-bf16')
@@ -55,6 +57,29 @@ $(GGUF_CONVERTER)/convert_hf_to_gguf.py: constraints.txt
 	rm -rf $(GGUF_CONVERTER).tmp/sdist $(GGUF_CONVERTER) && mv $(GGUF_CONVERTER).tmp $(GGUF_CONVERTER)
 
 gguf-converter: $(STAMP) $(GGUF_CONVERTER)/convert_hf_to_gguf.py
+
+# llama.cpp's own C++ server (llama-server), the HTTP peer of `tierline bench engine --vs llamacpp`: compiled with
+# cmake from the same vendored llama.cpp as llama-cpp-python (the pinned sdist, kept in LLAMA_SDIST), with the same
+# flags, statically, once per CPU into LLAMA_SERVER_DIR (bench/llama_server.py looks there; ~6 min on 2 cores). A
+# failed build installs nothing: the bench's HTTP part and its test then skip, saying why.
+LLAMA_CPP_PYTHON := $(shell sed -n 's/^llama-cpp-python==//p' constraints.txt)
+LLAMA_SDIST := $(HOME)/.cache/tierline/sdist
+LLAMA_SERVER_DIR ?= $(HOME)/.cache/tierline-wheels/llama-server-$(shell uname -m)-$(CPU_FLAGS_HASH)
+$(LLAMA_SERVER_DIR)/llama-server: constraints.txt
+	mkdir -p $(LLAMA_SDIST) && rm -rf $(LLAMA_SERVER_DIR).tmp && mkdir -p $(LLAMA_SERVER_DIR).tmp/src
+	test -f $(LLAMA_SDIST)/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz || $(BIN)/python -m pip download --quiet \
+		--no-deps --no-binary :all: -c constraints.txt -d $(LLAMA_SDIST) llama-cpp-python
+	tar -xzf $(LLAMA_SDIST)/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(LLAMA_SERVER_DIR).tmp/src \
+		--strip-components=3 llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp
+	cmake -S $(LLAMA_SERVER_DIR).tmp/src -B $(LLAMA_SERVER_DIR).tmp/build $(if $(shell command -v ninja),-G Ninja) -DCMAKE_BUILD_TYPE=Release \
+		-DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+		-DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF $(LLAMA_CMAKE_ARGS) >$(LLAMA_SERVER_DIR).tmp/cmake.log
+	cmake --build $(LLAMA_SERVER_DIR).tmp/build --target llama-server -j $$(nproc) >>$(LLAMA_SERVER_DIR).tmp/cmake.log
+	$(LLAMA_SERVER_DIR).tmp/build/bin/llama-server --version
+	mkdir -p $(LLAMA_SERVER_DIR) && cp $(LLAMA_SERVER_DIR).tmp/build/bin/llama-server $(LLAMA_SERVER_DIR)/llama-server.part
+	mv $(LLAMA_SERVER_DIR)/llama-server.part $(LLAMA_SERVER_DIR)/llama-server && rm -rf $(LLAMA_SERVER_DIR).tmp
+
+llama-server: $(LLAMA_SERVER_DIR)/llama-server
 
 peers: $(PEERS_STAMP) gguf-converter
 

@@ -80,6 +80,14 @@ def bench_monitor(preset: str, zoo_dir: Path | None, trials: int, horizon: int) 
     help="with --vs llamacpp: a random-initialised checkpoint in this published configuration instead of the zoo's "
     "lm-cloud (cached under $TIERLINE_DATA_DIR/bench-shapes), 16 concurrent and batch 1, peak RSS of each",
 )
+@click.option(
+    "--llama-server/--no-llama-server",
+    "with_llama_server",
+    default=True,
+    show_default=True,
+    help="with --vs llamacpp: also llama.cpp's C++ server against `tierline engine serve`, both over HTTP, at batch "
+    "1 and 16 and 64 concurrent, 128 tokens each (skipped, saying why, until `make llama-server` built it)",
+)
 def bench_engine(
     preset: str,
     zoo_dir: Path | None,
@@ -90,12 +98,13 @@ def bench_engine(
     rounds: int,
     vs: str,
     shape: str | None,
+    with_llama_server: bool,
 ) -> None:
     """Continuous batching on mixed requests beside transformers (sequential and static batches) or llama.cpp."""
     if shape is not None and vs != "llamacpp":
         raise click.UsageError("--shape runs beside llama.cpp: add --vs llamacpp")
     if vs == "llamacpp":
-        from bench.engine_bench import bench_engine_vs_llamacpp
+        from bench.engine_bench import HTTP_LEVELS, bench_engine_vs_llamacpp
         from bench.llamacpp import missing_reason
 
         if (reason := missing_reason()) is not None:
@@ -107,7 +116,8 @@ def bench_engine(
             emit(bench_shape(shape, CoreSettings().data_dir / "bench-shapes", rounds=rounds), as_json)
             return
         root = zoo_root(preset, zoo_dir)
-        emit(bench_engine_vs_llamacpp(root, num_requests, max_num_seqs, rounds=rounds), as_json)
+        levels = HTTP_LEVELS if with_llama_server else None
+        emit(bench_engine_vs_llamacpp(root, num_requests, max_num_seqs, rounds=rounds, http_levels=levels), as_json)
         return
     from bench.engine_bench import bench_engine as run
 

@@ -7,14 +7,22 @@
   concurrent requests (alternating rounds, medians); at batch 1 also the edge LM as the draft and transformers
   assisted generation with the same draft; and whether speculation stayed within 2 % of plain at batch 1.
 - ``prefix``: time to first token for requests sharing a long system prompt, with and without prefix caching.
+- ``engine --vs llamacpp``: beside llama.cpp on the same weights, in process (llama-cpp-python) and then
+  ``llama-server`` against ``tierline engine serve``, both over HTTP (``bench/llama_server.py``).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
+import os
 import random
 import resource
+import shlex
 import statistics
+import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -525,6 +533,11 @@ def bench_prefix(zoo_root: Path, num_requests: int = 16, system_tokens: int = 44
     }
 
 
+# bench engine --vs llamacpp over HTTP: the concurrency levels (llama-server's --parallel at each), tokens a request.
+HTTP_LEVELS = (1, 16, 64)
+HTTP_TOKENS = 128
+
+
 def bench_engine_vs_llamacpp(
     zoo_root: Path,
     num_requests: int = 64,
@@ -532,12 +545,17 @@ def bench_engine_vs_llamacpp(
     seed: int = 0,
     rounds: int = 3,
     batch1_requests: int = 8,
+    http_levels: tuple[int, ...] | None = HTTP_LEVELS,
+    http_tokens: int = HTTP_TOKENS,
 ) -> dict[str, Any]:
     """This engine beside llama.cpp on lm-cloud's GGUF exports of the same weights: the same token-id requests
     (``bench engine``'s mix of prompt and output lengths), greedy, all ``num_requests`` at once (llama.cpp with a
     slot per request, as ``llama-server --parallel``, in process like the engine: no HTTP on either side) and the
     first ``batch1_requests`` one at a time. Contenders alternate within each round; rates are the median round's,
-    ratios the median of the rounds' own ratios. llama.cpp's f32 outputs must be the engine's token for token."""
+    ratios the median of the rounds' own ratios. llama.cpp's f32 outputs must be the engine's token for token.
+
+    Then, unless ``http_levels`` is None, ``llama_server``: llama.cpp's own server against ``tierline engine
+    serve``, both over HTTP (:func:`bench_http_vs_llama_server`), or why it was skipped."""
     from bench.llamacpp import LlamaCppBatch, gguf_path, timed_generate
 
     model_dir = _lm(zoo_root, "lm-cloud")
@@ -574,7 +592,14 @@ def bench_engine_vs_llamacpp(
     same_1 = min(sum(a == b for a, b in zip(run["outputs"], ours, strict=False)) for run in runs["f32_1"])
     q8_same = sum(a == b for a, b in zip(runs["q8_0_1"][0]["outputs"], ours, strict=False))
     prompt_tokens = sum(len(p) for p, _ in work)
-    return {
+    http: dict[str, Any] | None = None
+    if http_levels is not None:
+        del engine  # its KV cache and threads: the servers have the host to themselves
+        prompts = [p for p, _ in work]
+        http = bench_http_vs_llama_server(
+            zoo_root, prompts, http_levels, http_tokens, rounds, threads, max_len, batch1_requests
+        )
+    result: dict[str, Any] = {
         "bench": "engine-vs-llamacpp",
         "model": str(model_dir),
         "peer": "llama.cpp via llama-cpp-python (in process, greedy), the zoo's GGUF exports",
@@ -607,3 +632,118 @@ def bench_engine_vs_llamacpp(
             "outputs_identical_q8_0": f"{q8_same}/{len(alone)}",
         },
     }
+    if http is not None:
+        result["llama_server"] = http
+    return result
+
+
+def bench_http_vs_llama_server(
+    zoo_root: Path,
+    prompts: list[list[int]],
+    levels: tuple[int, ...] = HTTP_LEVELS,
+    num_tokens: int = HTTP_TOKENS,
+    rounds: int = 3,
+    threads: int | None = None,
+    max_len: int | None = None,
+    batch1_requests: int = 8,
+) -> dict[str, Any]:
+    """``llama-server`` (llama.cpp's C++ server, ``make llama-server``) on lm-cloud's f32 GGUF against ``tierline
+    engine serve`` on lm-cloud, both over HTTP on 127.0.0.1 with ``threads`` compute threads each: the same
+    token-id ``prompts``, ``num_tokens`` greedy tokens each (``ignore_eos``; fewer where the context ends first).
+    At each level ``c`` of ``levels``: 1 is ``batch1_requests`` requests one after another, above ``c`` requests
+    at once; llama-server runs with ``--parallel c`` (a server per level, continuous batching), the engine with
+    ``max_num_seqs`` the largest level. Every level of both servers once a round, the order flipped each round;
+    tokens/s from the answers' completion counts over each level's wall time, medians over rounds, ratios the
+    median of the rounds' own. ``outputs_identical``: answers whose text is the same on both servers. Skipped,
+    saying why, where llama-server is not built."""
+    from bench.common import free_port, tierline_server
+    from bench.llama_server import (
+        llama_server,
+        llama_server_binary,
+        llama_server_command,
+        llama_server_version,
+        missing_reason,
+        run_http_level,
+    )
+    from bench.llamacpp import gguf_path
+
+    if (reason := missing_reason()) is not None:
+        return {"skipped": reason}
+    model_dir = _lm(zoo_root, "lm-cloud")
+    threads = threads or torch.get_num_threads()
+    if max_len is None:
+        max_len = int(json.loads((model_dir / "config.json").read_text())["max_position_embeddings"])
+    binary, gguf = llama_server_binary(), gguf_path(zoo_root, "lm-cloud", "f32")
+    slots_len = max(len(p) for p in prompts) + num_tokens
+    slots_len = min(max_len, -(-slots_len // 256) * 256)
+
+    def level_work(c: int) -> list[tuple[list[int], int]]:
+        chosen = prompts[:batch1_requests] if c == 1 else [prompts[i % len(prompts)] for i in range(c)]
+        return [(p, max(1, min(num_tokens, max_len - len(p)))) for p in chosen]
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERLINE_CLOUD_")}
+    engine_env = {
+        "TIERLINE_CLOUD_NUM_THREADS": str(threads),
+        "TIERLINE_CLOUD_MAX_NUM_SEQS": str(max(levels)),
+        "TIERLINE_CLOUD_MAX_NUM_BATCHED_TOKENS": "2048",
+        "TIERLINE_CLOUD_KV_CACHE_MB": str(KV_BYTES >> 20),
+        "TIERLINE_CLOUD_SPECULATION": "off",
+        "TIERLINE_LOG_LEVEL": "WARNING",
+    }
+    engine_args = ["engine", "serve", "--model", str(model_dir), "--name", "lm-cloud"]
+    tierline_args = ["tierline", *engine_args, "--port", "PORT"]
+    runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    commands: dict[str, str] = {}
+    load_before = os.getloadavg()[0]
+    with ExitStack() as stack:
+        logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="llama-server-")))
+        eport = free_port()
+        stack.enter_context(tierline_server(engine_args, env | engine_env, eport, "/health"))
+        urls = {"tierline": f"http://127.0.0.1:{eport}"}
+        for c in levels:
+            port = free_port()
+            cmd = llama_server_command(binary, gguf, port, c, slots_len, threads)
+            stack.enter_context(llama_server(cmd, port, logs / f"np{c}.log"))
+            commands[str(c)] = shlex.join(cmd)
+            urls[f"llama-server-{c}"] = f"http://127.0.0.1:{port}"
+        warm = level_work(1)[:1]
+        run_http_level(urls["tierline"], "tierline", warm, 1, "lm-cloud", "warm-up")
+        for c in levels:
+            run_http_level(urls[f"llama-server-{c}"], "llama-server", warm, 1)
+        for r in range(rounds):
+            for c in levels:
+                work = level_work(c)
+                order = ["tierline", "llama-server"] if r % 2 == 0 else ["llama-server", "tierline"]
+                for kind in order:
+                    url = urls["tierline"] if kind == "tierline" else urls[f"llama-server-{c}"]
+                    runs.setdefault((c, kind), []).append(
+                        run_http_level(url, kind, work, c, "lm-cloud", salt=f"round-{r}-{c}")
+                    )
+    result: dict[str, Any] = {
+        "peer": "llama-server (llama.cpp's C++ server, make llama-server), f32 GGUF, over HTTP (/completion)",
+        "llama_server_version": llama_server_version(binary),
+        # make llama-server compiles it from the vendored llama.cpp of the pinned llama-cpp-python's sdist
+        "llama_server_sources": f"llama-cpp-python {importlib.metadata.version('llama-cpp-python')} vendor/llama.cpp",
+        "llama_server_commands": commands,
+        "tierline_command": " ".join([*(f"{k}={v}" for k, v in engine_env.items()), shlex.join(tierline_args)]),
+        "threads": threads,
+        "new_tokens": num_tokens,
+        "rounds": rounds,
+        "load_avg_1m_before": round(load_before, 2),
+        "load_avg_1m_after": round(os.getloadavg()[0], 2),
+    }
+    for c in levels:
+        ours, theirs = runs[(c, "tierline")], runs[(c, "llama-server")]
+        pairs = zip(ours, theirs, strict=True)
+        same = min(sum(a == b for a, b in zip(x["outputs"], y["outputs"], strict=True)) for x, y in pairs)
+        result["at_1" if c == 1 else f"at_{c}_concurrent"] = {
+            "requests": len(ours[0]["outputs"]),
+            "generated_tokens": ours[0]["tokens"],
+            "tierline_tokens_per_s": round(_median_run(ours)["tokens_per_s"], 1),
+            "tierline_tokens_per_s_runs": _rates(ours),
+            "llama_server_tokens_per_s": round(_median_run(theirs)["tokens_per_s"], 1),
+            "llama_server_tokens_per_s_runs": _rates(theirs),
+            "ratio_vs_llama_server": _median_ratio(ours, theirs),
+            "outputs_identical": f"{same}/{len(ours[0]['outputs'])}",
+        }
+    return result

@@ -21,6 +21,8 @@ from openai.types.chat import ChatCompletionMessageParam
 from sqlalchemy import create_engine
 from sqlmodel import Session, col, select
 
+from bench.llama_server import BUILD_HINT
+from bench.llama_server import missing_reason as llama_server_missing
 from bench.llamacpp import missing_reason
 from cloud.engine.llm import LLM
 from cloud.engine.sampling_params import SamplingParams
@@ -289,7 +291,10 @@ def test_llamacpp_server_behind_the_gateway_streams_and_bills_each_request_once(
 def test_bench_engine_vs_llamacpp_reports_rates_ratios_and_identical_outputs(tiny_zoo: Path) -> None:
     from bench.engine_bench import bench_engine_vs_llamacpp
 
-    result = bench_engine_vs_llamacpp(tiny_zoo, num_requests=6, max_num_seqs=6, rounds=2, batch1_requests=2)
+    result = bench_engine_vs_llamacpp(
+        tiny_zoo, num_requests=6, max_num_seqs=6, rounds=2, batch1_requests=2, http_levels=None
+    )
+    assert "llama_server" not in result
     concurrent, batch1 = result["concurrent"], result["batch1"]
     assert concurrent["outputs_identical_f32"] == "6/6" and batch1["outputs_identical_f32"] == "2/2"
     assert len(concurrent["tierline_tokens_per_s_runs"]) == len(concurrent["llamacpp_f32_tokens_per_s_runs"]) == 2
@@ -297,6 +302,41 @@ def test_bench_engine_vs_llamacpp_reports_rates_ratios_and_identical_outputs(tin
         assert part["tierline_tokens_per_s"] > 0 and part["llamacpp_f32_tokens_per_s"] > 0
         assert part["ratio_vs_llamacpp_f32"] > 0
     assert batch1["llamacpp_q8_0_tokens_per_s"] > 0
+
+
+@pytest.mark.skipif(llama_server_missing() is not None, reason=llama_server_missing() or "")
+def test_bench_engine_vs_llamacpp_runs_llama_server_against_engine_serve_over_http(tiny_zoo: Path) -> None:
+    """``bench engine --vs llamacpp``'s HTTP part: llama-server (``make llama-server``) with a slot per concurrent
+    request and ``tierline engine serve``, the same token-id prompts, greedy; the same texts from both."""
+    from bench.engine_bench import bench_engine_vs_llamacpp
+
+    result = bench_engine_vs_llamacpp(
+        tiny_zoo, num_requests=4, max_num_seqs=4, rounds=1, batch1_requests=2, http_levels=(1, 3), http_tokens=16
+    )
+    http = result["llama_server"]
+    assert http["llama_server_version"].startswith("version: ")
+    assert set(http["llama_server_commands"]) == {"1", "3"}
+    command = http["llama_server_commands"]["3"]
+    assert "--parallel 3" in command and "model-f32.gguf" in command
+    assert "tierline engine serve" in http["tierline_command"] and http["new_tokens"] == 16
+    for key, requests in (("at_1", 2), ("at_3_concurrent", 3)):
+        level = http[key]
+        assert level["outputs_identical"] == f"{requests}/{requests}"
+        assert level["generated_tokens"] == 16 * requests
+        assert len(level["tierline_tokens_per_s_runs"]) == len(level["llama_server_tokens_per_s_runs"]) == 1
+        assert level["tierline_tokens_per_s"] > 0 and level["llama_server_tokens_per_s"] > 0
+        assert level["ratio_vs_llama_server"] > 0
+
+
+def test_bench_engine_vs_llamacpp_says_why_llama_server_was_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from bench.engine_bench import bench_http_vs_llama_server
+
+    monkeypatch.setenv("TIERLINE_LLAMA_SERVER", str(tmp_path / "no-such-llama-server"))
+    result = bench_http_vs_llama_server(tmp_path, [[1, 2, 3]], levels=(1,), num_tokens=4)
+    assert result == {"skipped": f"llama-server is not built at {tmp_path / 'no-such-llama-server'}: {BUILD_HINT}"}
+    assert "make llama-server" in BUILD_HINT
 
 
 def test_bench_edge_puts_llamacpp_in_the_same_rounds(tiny_zoo: Path) -> None:
