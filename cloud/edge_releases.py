@@ -486,7 +486,7 @@ def publish_command(
     governing = store.governing_rollout(manifest.name)
     when = (
         f"rollout {governing.id} ({governing.status}, {governing.baseline_version} → {governing.candidate_version} "
-        f"at {governing.weight:g} %) decides which devices get which version: see `tierline rollouts show "
+        f"at {governing.weight:g} %) decides which devices get which version: see `tierline rollouts get "
         f"{governing.id}`"
         if governing is not None
         else f"{who} install it at their next sync"

@@ -49,6 +49,18 @@ def tiny_zoo(session_data_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def demo_zoo(session_data_dir: Path) -> Path:
+    """The demo preset (``make demo``'s zoo), built beside the tiny one with the session's signing key: minutes on
+    the first use, then cached in pytest's cache dir until the zoo's code or preset changes (its fingerprint)."""
+    from shared.zoo.build import build_zoo
+    from shared.zoo.presets import DEMO
+
+    key = load_or_create_signing_key(session_data_dir / "keys" / "artifact-signing.ed25519")
+    build_zoo(DEMO, session_data_dir / "zoo", key)
+    return session_data_dir / "zoo" / "demo"
+
+
+@pytest.fixture(scope="session")
 def tiny_zoo_public_key(tiny_zoo: Path, session_data_dir: Path) -> Path:
     return session_data_dir / "keys" / "artifact-signing.ed25519.pub"
 

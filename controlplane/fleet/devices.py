@@ -40,6 +40,7 @@ from controlplane.billing.pricing import PriceLookup
 from controlplane.billing.scopes import ATTRIBUTION_LABELS, attribution_of, check_attribution, device_end_user
 from controlplane.rollouts.metrics import POLICIES_KEY
 from controlplane.rollouts.service import load_plans, usage_arm
+from controlplane.storage.audit import audit
 from controlplane.storage.tables import (
     Device,
     DeviceEvent,
@@ -132,6 +133,9 @@ def enroll(
         last_seen_at=datetime.now(UTC),
     )
     session.add(device)
+    # The enrollment is a change of the fleet: audited in its transaction, by the token that allowed it.
+    after = {"tenant": tenant.name, "name": name, "labels": device.labels, "agent_version": agent_version}
+    audit(session, f"enrollment_token:{record.id}", "device.enroll", f"device/{device_id}", None, after)
     session.flush()
     return device, tenant, secret
 

@@ -34,10 +34,11 @@ def _start_up(
     previous_pids: dict[str, int] | None,
     *args: str,
     timeout: float = 300,  # the shared test host can be slow to start a cloud
+    zoo: str = "tiny",
 ) -> tuple[subprocess.Popen[str], dict]:
-    """Start `tierline up` and wait until it writes an up.json with new pids."""
+    """Start `tierline up` (on the ``zoo`` preset) and wait until it writes an up.json with new pids."""
     proc = subprocess.Popen(
-        tierline_cmd("up", "--zoo", "tiny", *args),
+        tierline_cmd("up", "--zoo", zoo, *args),
         env=env,
         cwd=REPO,
         stdout=subprocess.PIPE,

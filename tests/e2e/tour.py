@@ -2,8 +2,9 @@
 it once): ``tierline demo traffic --duration 20``, then the cloud ledger, the fleet and the console's overview
 in a real browser (Debian's Chromium through Playwright, as test_console_browser.py drives it).
 
-Screenshots go to ``$TIERLINE_TEST_ARTIFACTS_DIR/tour`` (default ``<repo>/test-artifacts/tour/``); with
-``TIERLINE_TOUR_SCREENSHOTS=1`` they are also written to ``docs/tour/`` for docs/tour.md.
+Screenshots go to ``$TIERLINE_TEST_ARTIFACTS_DIR/tour-tiny`` (default ``<repo>/test-artifacts/tour-tiny/``).
+docs/tour.md's are the demo zoo's: test_demo_acceptance.py writes them (to ``.../tour/``, and to ``docs/tour/`` with
+``TIERLINE_TOUR_SCREENSHOTS=1``).
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-backg
 TOUR_DOCS = REPO / "docs" / "tour"
 
 
-def _shot_dirs() -> list[Path]:
+def _shot_dirs(*, docs: bool = False) -> list[Path]:
+    """Where screenshots go: the test's artifacts, and ``docs/tour/`` for a ``docs`` run with
+    ``TIERLINE_TOUR_SCREENSHOTS=1``."""
     base = Path(os.environ.get("TIERLINE_TEST_ARTIFACTS_DIR") or REPO / "test-artifacts")
-    dirs = [base / "tour"]
-    if os.environ.get("TIERLINE_TOUR_SCREENSHOTS") == "1":
+    dirs = [base / ("tour" if docs else "tour-tiny")]
+    if docs and os.environ.get("TIERLINE_TOUR_SCREENSHOTS") == "1":
         dirs.append(TOUR_DOCS)
     for d in dirs:
         d.mkdir(parents=True, exist_ok=True)

@@ -49,12 +49,14 @@ def test_cli_changes_write_audit_rows_without_secrets(tmp_path: Path) -> None:
         ("tenant.create", f"cli:{user}"),
         ("api_key.create", f"cli:{user}"),
         ("enrollment_token.create", f"cli:{user}"),
+        ("device.enroll", rows[2].target.replace("/", ":")),  # the device's enrollment, by the token that allowed it
         ("api_key.revoke", f"cli:{user}"),
         ("device.revoke", f"cli:{user}"),
         ("price.add", f"cli:{user}"),
     ]
     targets = [r.target for r in rows]
-    assert targets[0] == "tenant/acme" and targets[4] == f"device/{device_id}"
+    assert targets[0] == "tenant/acme" and targets[3] == targets[5] == f"device/{device_id}"
+    assert rows[3].after == {"tenant": "acme", "name": "cam-1", "labels": {"site": "lab"}, "agent_version": "1"}
     assert rows[0].after is not None and rows[0].after["monthly_budget"] == "25.00"
     assert rows[2].after == {"tenant": "acme", "labels": {"site": "lab"}, "ttl_hours": 24.0}
     written = json.dumps([[r.before, r.after, r.target] for r in rows])
