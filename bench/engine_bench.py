@@ -571,10 +571,13 @@ def bench_engine_vs_llamacpp(
         "f32_1": LlamaCppBatch(gguf_path(zoo_root, "lm-cloud", "f32"), 1, max_len, threads),
         "q8_0_1": LlamaCppBatch(gguf_path(zoo_root, "lm-cloud", "q8_0"), 1, max_len, threads),
     }
+    # The engine again with weight-only int8 (``cpu_weights``), batch 1 only: beside llama.cpp's Q8_0.
+    int8 = LLMEngine(EngineConfig(model_dir, kv_cache_bytes=KV_BYTES, max_num_seqs=1, cpu_weights="int8"))
     run_engine_workload(engine, work[:4], cache_salt="warm-up")
+    run_engine_workload(int8, work[:1], cache_salt="warm-up")
     for name, peer in peers.items():
         peer.generate(work[:4] if name == "f32" else work[:1])
-    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in ("ours", "ours_1", "f32", "f32_1", "q8_0_1")}
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in ("ours", "ours_1", "int8_1", "f32", "f32_1", "q8_0_1")}
     for r in range(rounds):
         runs["ours"].append(run_engine_workload(engine, work, cache_salt=f"round-{r}"))
         runs["f32"].append(timed_generate(peers["f32"], work, one_at_a_time=False))
@@ -585,12 +588,17 @@ def bench_engine_vs_llamacpp(
         runs["ours_1"].append({"tokens_per_s": tokens / seconds, "outputs": outs})
         runs["f32_1"].append(timed_generate(peers["f32_1"], alone, one_at_a_time=True))
         runs["q8_0_1"].append(timed_generate(peers["q8_0_1"], alone, one_at_a_time=True))
+        started = time.perf_counter()
+        outs = [run_engine_workload(int8, [w], cache_salt=f"round-{r}-1")["outputs"][0] for w in alone]
+        runs["int8_1"].append({"tokens_per_s": sum(map(len, outs)) / (time.perf_counter() - started), "outputs": outs})
     for peer in peers.values():
         peer.close()
     ours = runs["ours"][0]["outputs"]
     same = min(sum(a == b for a, b in zip(run["outputs"], ours, strict=True)) for run in runs["f32"])
     same_1 = min(sum(a == b for a, b in zip(run["outputs"], ours, strict=False)) for run in runs["f32_1"])
     q8_same = sum(a == b for a, b in zip(runs["q8_0_1"][0]["outputs"], ours, strict=False))
+    int8_same = sum(a == b for a, b in zip(runs["int8_1"][0]["outputs"], ours, strict=False))
+    del int8
     prompt_tokens = sum(len(p) for p, _ in work)
     http: dict[str, Any] | None = None
     if http_levels is not None:
@@ -630,6 +638,12 @@ def bench_engine_vs_llamacpp(
             "outputs_identical_f32": f"{same_1}/{len(alone)}",
             # Q8_0 rounds its weights: its greedy path may leave f32's at a near-tie.
             "outputs_identical_q8_0": f"{q8_same}/{len(alone)}",
+            # The engine with cpu_weights=int8 (weight-only int8, one scale per output column) beside Q8_0.
+            "tierline_int8_tokens_per_s": round(_median_run(runs["int8_1"])["tokens_per_s"], 1),
+            "tierline_int8_tokens_per_s_runs": _rates(runs["int8_1"]),
+            "int8_ratio_vs_llamacpp_q8_0": _median_ratio(runs["int8_1"], runs["q8_0_1"]),
+            "int8_ratio_vs_tierline_fp32": _median_ratio(runs["int8_1"], runs["ours_1"]),
+            "outputs_identical_int8_vs_fp32": f"{int8_same}/{len(alone)}",
         },
     }
     if http is not None:

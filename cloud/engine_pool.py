@@ -147,6 +147,7 @@ def engine_config(model_dir: Path, settings: CloudSettings, draft_dir: Path | No
         speculation="ngram" if settings.speculation == "ngram" else None,
         num_threads=threads,
         stream_interval=settings.stream_interval,
+        cpu_weights=settings.cpu_weights,
     )
 
 

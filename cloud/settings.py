@@ -19,6 +19,11 @@ class CloudSettings(BaseSettings):
     max_num_batched_tokens: int = Field(1024, ge=1, description="token budget per engine step")
     max_num_queued_requests: int = Field(1024, ge=1, description="waiting requests before 429 overloaded")
     speculation: Literal["draft", "ngram", "off"] = Field("draft", description="speculative decoding of lm-cloud")
+    cpu_weights: Literal["fp32", "int8"] = Field(
+        "fp32",
+        description="the CPU engine's weights: int8 is weight-only int8 (one scale per output column) read by the "
+        "fused small steps, faster at batch 1 and no longer exact (docs/engine.md)",
+    )
     num_threads: int | None = Field(
         None, ge=1, description="torch threads per engine (default: all cores but one with engine_process, else all)"
     )

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SPECULATION_METHODS = ("off", "draft", "ngram")
+CPU_WEIGHTS = ("fp32", "int8")
 
 
 @dataclass(slots=True)
@@ -22,6 +23,10 @@ class EngineConfig:
     ``fused_decode``: on CPU in fp32, a decode step small enough for one thread (a few sequences) runs the whole
     forward as one compiled C call instead of ~30 torch ops a layer (``cpu_kernels.FusedDecoder``; the same greedy
     tokens, logits equal to float rounding). Off, or without a C compiler, every step runs the torch model.
+    ``cpu_weights``: ``int8`` runs those fused steps on weight-only int8 projections (one scale per output column;
+    a quarter of the bytes a batch-1 step reads), and the torch model's larger steps on the same values dequantized:
+    faster at batch 1, logits no longer equal to fp32's (docs/engine.md states the greedy agreement). ``fp32``
+    (default): the checkpoint's own weights.
     """
 
     model_dir: Path
@@ -44,6 +49,7 @@ class EngineConfig:
     stream_interval: int = 1
     grammar_jump_forward: bool = True
     fused_decode: bool = True
+    cpu_weights: str = "fp32"
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)
@@ -51,6 +57,8 @@ class EngineConfig:
             self.draft_model_dir = Path(self.draft_model_dir)
         if self.speculation is None:
             self.speculation = "draft" if self.draft_model_dir is not None else "off"
+        if self.cpu_weights not in CPU_WEIGHTS:
+            raise ValueError(f"cpu_weights must be one of {CPU_WEIGHTS}, got {self.cpu_weights!r}")
         if self.speculation not in SPECULATION_METHODS:
             raise ValueError(f"speculation must be one of {SPECULATION_METHODS}, got {self.speculation!r}")
         if self.speculation == "draft" and self.draft_model_dir is None:

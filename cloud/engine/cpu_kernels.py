@@ -193,6 +193,74 @@ static void linear(const float *restrict x, int64_t rows, int64_t n_in, const fl
     }
 }
 
+/* y = bias + (x @ wq) * scale, the weight-only int8 twin of linear: wq int8 [n_in, n_out] (the weights quantized
+   per output column, symmetric), scale [n_out]. A quarter of the bytes to read, for a batch-1 step that reads every
+   weight from the cache hierarchy once. Two rows (or one) per pass, each row's sums in input order. */
+static void qlinear(const float *restrict x, int64_t rows, int64_t n_in, const int8_t *restrict wq,
+                    const float *restrict scale, const float *restrict bias, int64_t n_out, float *restrict y,
+                    int num_threads) {
+    const int64_t chunk = 256, num_chunks = (n_out + chunk - 1) / chunk;
+#pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && num_chunks > 1) schedule(static)
+    for (int64_t c = 0; c < num_chunks; ++c) {
+        const int64_t j0 = c * chunk, j1 = j0 + chunk < n_out ? j0 + chunk : n_out;
+        for (int64_t b = 0; b < rows; ++b) {
+            float *restrict yb = y + b * n_out;
+            for (int64_t j = j0; j < j1; ++j) yb[j] = 0.f;
+        }
+        int64_t i = 0;
+        for (; i + 4 <= n_in; i += 4) {
+            const int8_t *restrict w0 = wq + i * n_out, *restrict w1 = w0 + n_out, *restrict w2 = w1 + n_out;
+            const int8_t *restrict w3 = w2 + n_out;
+            int64_t b = 0;
+            for (; b + 2 <= rows; b += 2) {
+                const float *xa = x + b * n_in + i, *xb = xa + n_in;
+                const float a0 = xa[0], a1 = xa[1], a2 = xa[2], a3 = xa[3];
+                const float b0 = xb[0], b1 = xb[1], b2 = xb[2], b3 = xb[3];
+                float *restrict ya = y + b * n_out, *restrict yb = ya + n_out;
+#pragma omp simd
+                for (int64_t j = j0; j < j1; ++j) {
+                    const float v0 = w0[j], v1 = w1[j], v2 = w2[j], v3 = w3[j];
+                    ya[j] = (((ya[j] + a0 * v0) + a1 * v1) + a2 * v2) + a3 * v3;
+                    yb[j] = (((yb[j] + b0 * v0) + b1 * v1) + b2 * v2) + b3 * v3;
+                }
+            }
+            for (; b < rows; ++b) {
+                const float *xb = x + b * n_in + i;
+                const float x0 = xb[0], x1 = xb[1], x2 = xb[2], x3 = xb[3];
+                float *restrict yb = y + b * n_out;
+#pragma omp simd
+                for (int64_t j = j0; j < j1; ++j)
+                    yb[j] = (((yb[j] + x0 * (float)w0[j]) + x1 * (float)w1[j]) + x2 * (float)w2[j]) +
+                            x3 * (float)w3[j];
+            }
+        }
+        for (; i < n_in; ++i) {
+            const int8_t *w0 = wq + i * n_out;
+            for (int64_t b = 0; b < rows; ++b) {
+                const float x0 = x[b * n_in + i];
+                float *restrict yb = y + b * n_out;
+#pragma omp simd
+                for (int64_t j = j0; j < j1; ++j) yb[j] += x0 * (float)w0[j];
+            }
+        }
+        for (int64_t b = 0; b < rows; ++b) {
+            float *restrict yb = y + b * n_out;
+#pragma omp simd
+            for (int64_t j = j0; j < j1; ++j) yb[j] = yb[j] * scale[j] + (bias ? bias[j] : 0.f);
+        }
+    }
+}
+
+/* The matrix weights[idx] applied to rows of x: int8 when scales[idx] is set (its per-column scales), else fp32. */
+static void project(const float *const *weights, const float *const *scales, int64_t idx, const float *restrict x,
+                    int64_t rows, int64_t n_in, const float *restrict bias, int64_t n_out, float *restrict y,
+                    int num_threads) {
+    if (scales != NULL && scales[idx] != NULL)
+        qlinear(x, rows, n_in, (const int8_t *)weights[idx], scales[idx], bias, n_out, y, num_threads);
+    else
+        linear(x, rows, n_in, weights[idx], bias, n_out, y, num_threads);
+}
+
 /* out = weight * (x * rsqrt(mean(x^2) + eps)), one row of n. */
 static void rms_norm(const float *restrict x, const float *restrict weight, int64_t n, float eps, float *restrict out) {
     float ss = 0.f;
@@ -230,8 +298,10 @@ enum { D_LAYERS, D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_VOCAB, D_
    its position first, then each row attends its sequence's positions 0 .. its own (causal: the step's later rows
    of the same sequence are not seen). Logits [num_logits, vocab] for rows logit_rows (the final norm and the LM head
    run for those only). dims and weights: the D_ and W_/L_ fields above (a NULL bias is none). The same operations
-   as the torch model in one call; sums may be ordered differently. Returns 0, or -1 when out of memory. */
-int tl_decode_step(const int64_t *dims, const float *const *weights, float *kv, const int64_t *token_ids,
+   as the torch model in one call; sums may be ordered differently. A matrix whose scales entry is set is int8
+   (qlinear); scales may be NULL (every matrix fp32). Returns 0, or -1 when out of memory. */
+int tl_decode_step(const int64_t *dims, const float *const *weights, const float *const *scales, float *kv,
+                   const int64_t *token_ids,
                    const int64_t *positions, const int64_t *row_seqs, const int64_t *block_tables, int64_t num_rows,
                    const int64_t *logit_rows, int64_t num_logits, float *logits, float eps, float scale,
                    int num_threads) {
@@ -251,10 +321,11 @@ int tl_decode_step(const int64_t *dims, const float *const *weights, float *kv, 
     for (int64_t b = 0; b < B; ++b)
         for (int64_t j = 0; j < H; ++j) x[b * H + j] = embed[token_ids[b] * dims[D_EMBED_ROW] + j * dims[D_EMBED_COL]];
     for (int64_t l = 0; l < L; ++l) {
-        const float *const *w = weights + W_LAYERS + l * L_FIELDS;
+        const int64_t lw = W_LAYERS + l * L_FIELDS;
+        const float *const *w = weights + lw;
         float *k_cache = kv + (2 * l) * cache_half, *v_cache = k_cache + cache_half;
         for (int64_t b = 0; b < B; ++b) rms_norm(x + b * H, w[L_IN_NORM], H, eps, h + b * H);
-        linear(h, B, H, w[L_QKV], w[L_QKV_BIAS], qkv_n, qkv, num_threads);
+        project(weights, scales, lw + L_QKV, h, B, H, w[L_QKV_BIAS], qkv_n, qkv, num_threads);
         for (int64_t b = 0; b < B; ++b) { /* every row's K/V into the cache before any row attends */
             const int64_t pos = positions[b];
             const int64_t *table = block_tables + row_seqs[b] * max_blocks;
@@ -297,20 +368,20 @@ int tl_decode_step(const int64_t *dims, const float *const *weights, float *kv, 
                 }
             }
         }
-        linear(att, B, qs, w[L_O], NULL, H, h, num_threads);
+        project(weights, scales, lw + L_O, att, B, qs, NULL, H, h, num_threads);
         for (int64_t j = 0; j < B * H; ++j) x[j] += h[j];
         for (int64_t b = 0; b < B; ++b) rms_norm(x + b * H, w[L_POST_NORM], H, eps, h + b * H);
-        linear(h, B, H, w[L_GATE_UP], w[L_GATE_UP_BIAS], 2 * I, gu, num_threads);
+        project(weights, scales, lw + L_GATE_UP, h, B, H, w[L_GATE_UP_BIAS], 2 * I, gu, num_threads);
         for (int64_t b = 0; b < B; ++b)
             for (int64_t j = 0; j < I; ++j) {
                 const float g = gu[b * 2 * I + j];
                 act[b * I + j] = g / (1.f + expf(-g)) * gu[b * 2 * I + I + j];
             }
-        linear(act, B, I, w[L_DOWN], w[L_DOWN_BIAS], H, h, num_threads);
+        project(weights, scales, lw + L_DOWN, act, B, I, w[L_DOWN_BIAS], H, h, num_threads);
         for (int64_t j = 0; j < B * H; ++j) x[j] += h[j];
     }
     for (int64_t i = 0; i < num_logits; ++i) rms_norm(x + logit_rows[i] * H, weights[W_NORM], H, eps, h + i * H);
-    linear(h, num_logits, H, weights[W_LM_HEAD], NULL, V, logits, num_threads);
+    project(weights, scales, W_LM_HEAD, h, num_logits, H, NULL, V, logits, num_threads);
     free(buf);
     return 0;
 }
@@ -429,7 +500,7 @@ def decode_step_function() -> ctypes._NamedFuncPointer | None:
         if fn is not None:
             fn.restype = ctypes.c_int
             void, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-            fn.argtypes = [void, void, void, void, void, void, void, i64, void, i64, void, f32, f32, ctypes.c_int]
+            fn.argtypes = [void, void, void, void, void, void, void, void, i64, void, i64, void, f32, f32, ctypes.c_int]
         _loaded_decode["decode_step"] = fn
         return fn
 
@@ -496,12 +567,21 @@ class FusedDecoder:
     little more than decoding one where reading the weights bounds the step. For the CPU in fp32, with the CPU
     layout (``TransposedLinear``), for models that are exactly the Llama computation (``CausalLM.is_llama_layout``:
     no soft-caps, sliding windows that matter, q/k norms, GELU, learned positions or partial rotary), with RoPE from
-    the model's tables (not ``dynamic``); ``supports`` says whether a model qualifies."""
+    the model's tables (not ``dynamic``); ``supports`` says whether a model qualifies.
+
+    ``int8_weights``: every projection and the LM head as weight-only int8 (``quantize_int8``: symmetric, one scale
+    per output column), a quarter of the bytes a step reads; activations, norms and the KV cache stay fp32.
+    ``ModelRunner`` first gives the torch model the same values (``dequantize_in_place``), so its larger steps
+    compute the same model."""
 
     DIMS = 12  # the D_ fields of DECODE_SOURCE
     MAX_BLOCKS = 9
+    MATRIX_FIELDS = (1, 3, 5, 7)  # L_QKV, L_O, L_GATE_UP, L_DOWN of a layer's L_FIELDS
+    LM_HEAD, LAYERS, LAYER_FIELDS = 2, 5, 9  # W_LM_HEAD, W_LAYERS, L_FIELDS
 
-    def __init__(self, fn: ctypes._NamedFuncPointer, model: CausalLM, kv_cache: torch.Tensor) -> None:
+    def __init__(
+        self, fn: ctypes._NamedFuncPointer, model: CausalLM, kv_cache: torch.Tensor, int8_weights: bool = False
+    ) -> None:
         cfg = model.config
         self.fn = fn
         self.vocab_size = cfg.vocab_size
@@ -538,8 +618,20 @@ class FusedDecoder:
                 raise ValueError("FusedDecoder needs contiguous fp32 CPU weights")
         if _bias(model.lm_head) is not None or any(_bias(layer.self_attn.o_proj) is not None for layer in layers):
             raise ValueError("FusedDecoder: the LM head and o_proj have no bias in this model family")
+        self.int8_weights = int8_weights
+        scales: list[torch.Tensor | None] = [None] * len(tensors)
+        if int8_weights:
+            matrices = [self.LM_HEAD] + [
+                self.LAYERS + layer * self.LAYER_FIELDS + f for layer in range(len(layers)) for f in self.MATRIX_FIELDS
+            ]
+            for i in matrices:
+                weight = tensors[i]
+                assert weight is not None
+                tensors[i], scales[i] = quantize_int8(weight)
         self._tensors = tensors  # the pointers below stay valid while these live
+        self._scales = scales
         self.weights = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() if t is not None else None for t in tensors])
+        self.scales = (ctypes.c_void_p * len(scales))(*[t.data_ptr() if t is not None else None for t in scales])
         self.dims = (ctypes.c_int64 * self.DIMS)(
             cfg.num_layers,
             cfg.hidden_size,
@@ -611,6 +703,7 @@ class FusedDecoder:
         rc = self.fn(
             self.dims,
             self.weights,
+            self.scales,
             self.kv_cache.data_ptr(),
             (ctypes.c_int64 * n)(*token_ids),
             (ctypes.c_int64 * n)(*positions),
@@ -627,6 +720,26 @@ class FusedDecoder:
         if rc != 0:
             raise MemoryError("fused decode step: out of memory for its activations")
         return logits
+
+
+def quantize_int8(weight_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A transposed weight [n_in, n_out] as int8 and one fp32 scale per output column: ``q * scale`` approximates
+    it, ``scale = max |column| / 127`` (symmetric, as llama.cpp's Q8_0 but per column instead of per 32 values)."""
+    scale = (weight_t.abs().amax(dim=0).clamp(min=1e-12) / 127.0).to(torch.float32).contiguous()
+    q = torch.round(weight_t / scale).clamp(-127, 127).to(torch.int8).contiguous()
+    return q, scale
+
+
+def dequantize_in_place(model: torch.nn.Module) -> None:
+    """Every projection's fp32 weight (``TransposedLinear.weight_t``) replaced by its int8 values times their scales:
+    the torch model then computes what the int8 fused step does (``quantize_int8`` of the result gives the same int8
+    back), and a tied embedding, a view of the LM head, reads the same values in both."""
+    with torch.no_grad():
+        for module in model.modules():
+            weight = getattr(module, "weight_t", None)
+            if isinstance(weight, torch.Tensor) and weight.dtype == torch.float32:
+                q, scale = quantize_int8(weight)
+                weight.copy_(q.to(torch.float32) * scale)
 
 
 def _weight_t(module: torch.nn.Module) -> torch.Tensor:

@@ -111,6 +111,7 @@ class LLMEngine:
                 self.num_blocks,
                 self.max_model_len,
                 fused_decode=config.fused_decode,
+                int8_weights=config.cpu_weights == "int8",
             )
 
         self.runner = runner(config.model_dir)

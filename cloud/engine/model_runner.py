@@ -3,6 +3,7 @@ returns the logits of the positions that need them."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,9 +11,11 @@ from pathlib import Path
 import torch
 
 from cloud.engine.attention import AttentionGroup, AttentionMetadata, build_group, split_by_context
-from cloud.engine.cpu_kernels import FusedDecoder, decode_step_function, paged_attention_kernel
+from cloud.engine.cpu_kernels import FusedDecoder, decode_step_function, dequantize_in_place, paged_attention_kernel
 from cloud.engine.loader import load_model
 from cloud.engine.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 # Sequences feeding at most this many tokens in a step are batched together by token count.
 MAX_BATCHED_Q_LEN = 16
@@ -60,6 +63,7 @@ class ModelRunner:
         num_blocks: int,
         max_model_len: int,
         fused_decode: bool = True,
+        int8_weights: bool = False,
     ) -> None:
         self.device = device
         self.dtype = dtype
@@ -76,11 +80,17 @@ class ModelRunner:
         # On CPU in fp32 batched groups read the cache in place (no padding: one group per token count).
         self.attention_kernel = paged_attention_kernel() if device.type == "cpu" and dtype == torch.float32 else None
         # Small steps (decodes on one thread, verifications, a draft catching up: ``fuses``) run the whole forward
-        # in one C call (``FusedDecoder``) when it builds.
+        # in one C call (``FusedDecoder``) when it builds; with ``int8_weights``, on weight-only int8 projections.
         self.fused_decoder: FusedDecoder | None = None
         if fused_decode and FusedDecoder.supports(self.model, self.kv_cache):
             fn = decode_step_function()
-            self.fused_decoder = FusedDecoder(fn, self.model, self.kv_cache) if fn is not None else None
+            if fn is not None and int8_weights:
+                # The torch model (larger steps) computes with the same int8 values, dequantized: one model whatever
+                # path a step takes, so batching and speculation change no output.
+                dequantize_in_place(self.model)
+            self.fused_decoder = FusedDecoder(fn, self.model, self.kv_cache, int8_weights) if fn is not None else None
+        elif int8_weights:
+            logger.warning("int8 weights need the fused CPU step (fp32, a Llama-layout model): serving fp32")
         self.forward_seconds = 0.0
         self.num_forwards = 0
         # Threads a large step uses (the engine's ``num_threads``, set before the runner is built); small steps use 1.

@@ -302,6 +302,10 @@ def test_bench_engine_vs_llamacpp_reports_rates_ratios_and_identical_outputs(tin
         assert part["tierline_tokens_per_s"] > 0 and part["llamacpp_f32_tokens_per_s"] > 0
         assert part["ratio_vs_llamacpp_f32"] > 0
     assert batch1["llamacpp_q8_0_tokens_per_s"] > 0
+    # The engine with int8 weights beside Q8_0, over the same requests in the same rounds.
+    assert batch1["tierline_int8_tokens_per_s"] > 0 and len(batch1["tierline_int8_tokens_per_s_runs"]) == 2
+    assert batch1["int8_ratio_vs_llamacpp_q8_0"] > 0 and batch1["int8_ratio_vs_tierline_fp32"] > 0
+    assert batch1["outputs_identical_int8_vs_fp32"].endswith("/2")
 
 
 @pytest.mark.skipif(llama_server_missing() is not None, reason=llama_server_missing() or "")
