@@ -1,4 +1,4 @@
-"""``python -m bench.relay_floor`` end to end, tiny: the gateway and the three floor relays on the platform of
+"""``python -m bench.lab.relay_floor`` end to end, tiny: the gateway and the three floor relays on the platform of
 ``bench scale`` each relay every event of every stream (the bench refuses to report a path that does not), and
 each path's CPU is split into a fixed part and a part per token."""
 
@@ -34,7 +34,7 @@ def test_every_path_relays_every_event_and_is_split(tiny_zoo: Path, session_data
         }
     )
     done = subprocess.run(
-        [sys.executable, "-m", "bench.relay_floor", "--rounds", "1", "--requests", "4", "--tokens", "2,8"],
+        [sys.executable, "-m", "bench.lab.relay_floor", "--rounds", "1", "--requests", "4", "--tokens", "2,8"],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -1,4 +1,4 @@
-"""``python -m bench.spec_probe``: the batch-1 arithmetic of speculation (tokens a round per k, forward costs) on
+"""``python -m bench.lab.spec_probe``: the batch-1 arithmetic of speculation (tokens a round per k, forward costs) on
 the tiny zoo, with a few steps of Medusa-style heads."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_the_probe_walks_the_targets_own_greedy_continuations(tiny_zoo: Path) -> None:
-    from bench.spec_probe import probe
+    from bench.lab.spec_probe import probe
 
     lm_dir = ZooLayout(tiny_zoo).artifact_dir("lm-cloud").parent
     result = probe(lm_dir, max_k=3, head_k=2, head_steps=3, eval_prompts=4, train_prompts=4)

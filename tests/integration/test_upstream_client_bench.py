@@ -1,4 +1,4 @@
-"""``python -m bench.upstream_client_bench`` runs end to end on a tiny workload and reports the keys its JSON
+"""``python -m bench.lab.upstream_client_bench`` runs end to end on a tiny workload and reports the keys its JSON
 promises, both clients having relayed every event of every stream (speed is what the benchmark measures, not what
 tests assert)."""
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 def test_the_upstream_client_bench_measures_both_clients_on_whole_streams() -> None:
     args = ["--requests", "12", "--concurrency", "3", "--events", "5", "--rounds", "2", "--gap-ms", "0"]
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.upstream_client_bench", *args],
+        [sys.executable, "-m", "bench.lab.upstream_client_bench", *args],
         cwd=REPO,
         capture_output=True,
         text=True,

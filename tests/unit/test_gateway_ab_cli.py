@@ -1,4 +1,4 @@
-"""``python -m bench.gateway_ab``: bad arguments are refused in one line, before any server starts."""
+"""``python -m bench.lab.gateway_ab``: bad arguments are refused in one line, before any server starts."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 )
 def test_bad_arguments_are_named(args: list[str], message: str, tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "bench.gateway_ab", *args], cwd=REPO, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "bench.lab.gateway_ab", *args], cwd=REPO, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 2
     assert message in done.stderr

@@ -1,4 +1,4 @@
-"""``python -m bench.relay_floor``: bad arguments are refused in one line, before any server starts."""
+"""``python -m bench.lab.relay_floor``: bad arguments are refused in one line, before any server starts."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 )
 def test_bad_arguments_are_named(args: list[str], message: str) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "bench.relay_floor", *args], cwd=REPO, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "bench.lab.relay_floor", *args], cwd=REPO, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 2
     assert message in done.stderr

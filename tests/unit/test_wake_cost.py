@@ -1,4 +1,4 @@
-"""``python -m bench.wake_cost``: a wake-up's CPU per loop and sleep length, as JSON."""
+"""``python -m bench.lab.wake_cost``: a wake-up's CPU per loop and sleep length, as JSON."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_each_sleep_length_reports_both_loops_cpu_per_wake() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "bench.wake_cost", "--wakes", "20", "--sleep-ms", "2,0"],
+        [sys.executable, "-m", "bench.lab.wake_cost", "--wakes", "20", "--sleep-ms", "2,0"],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -5,7 +5,7 @@ sleep costs far more CPU than one after a short one, and that cost is charged to
 sleeps and wakes (``asyncio.sleep``, on asyncio and on uvloop) and reports the process's CPU microseconds per
 wake-up: the floor under any per-event cost measured one stream at a time on the same host.
 
-    python -m bench.wake_cost --wakes 300
+    python -m bench.lab.wake_cost --wakes 300
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Where an engine step's time goes: ``python -m bench.step_profile <lm dir> [--threads N] [--no-fused-decode]``.
+"""Where an engine step's time goes: ``python -m bench.lab.step_profile <lm dir> [--threads N] [--no-fused-decode]``.
 
 Decodes greedy requests (100-token prompts, 120 new tokens) at batch 1 and at 64 concurrent through
 ``LLMEngine.step`` and splits each step's wall time into scheduling, input preparation (the runner's work before

@@ -1,6 +1,6 @@
 """Edge LM artifact directories side by side: greedy decode tokens/s over alternating rounds, medians and ranges.
 
-    python -m bench.lm_rounds DIR [DIR ...] [--rounds 7] [--tokens 64]
+    python -m bench.lab.lm_rounds DIR [DIR ...] [--rounds 7] [--tokens 64]
 
 Each DIR is an edge LM artifact (``edge_model.json`` beside the model: ONNX, ONNX INT8, TFLite v1 or v2), loaded
 with the agent's own runtime (``load_causal_lm``). The prompt is the first 64 tokens of the first held-out file

@@ -1,6 +1,6 @@
 """What a gateway request costs beyond relaying it: the gateway's CPU against floors that only relay.
 
-On the platform of ``bench scale`` (``bench.gateway_profile.bench_platform``: one ``tierline engine serve``; a
+On the platform of ``bench scale`` (``bench.lab.gateway_profile.bench_platform``: one ``tierline engine serve``; a
 tenant with a rate limit in Redis, a budget, a price and exactly-once metering in PostgreSQL), each path is
 loaded by one streaming client at a time at two completion lengths, rounds alternated, and its server's CPU per
 request is split into a fixed part and a part per token (the line through the two lengths):
@@ -14,7 +14,7 @@ request is split into a fixed part and a part per token (the line through the tw
 
 All floors use the gateway's upstream client (``cloud.backends.http1``) and no authentication or billing.
 
-    python -m bench.relay_floor --rounds 2 --requests 300 --tokens 2,32
+    python -m bench.lab.relay_floor --rounds 2 --requests 300 --tokens 2,32
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def _serve_floor(mode: str, upstream: str, port: int) -> None:
 
 def run(rounds: int, requests: int, tokens: tuple[int, int], paths: list[str]) -> dict[str, Any]:
     from bench.common import free_port, served, tierline_server
-    from bench.gateway_profile import bench_platform
+    from bench.lab.gateway_profile import bench_platform
     from bench.scale_bench import _load, _summary
 
     cpu: dict[str, dict[int, list[float]]] = {p: {t: [] for t in tokens} for p in paths}
@@ -125,7 +125,7 @@ def run(rounds: int, requests: int, tokens: tuple[int, int], paths: list[str]) -
             if path == "gateway":
                 proc = stack.enter_context(tierline_server(["cloud", "serve"], platform.envs[0], port, "/readyz"))
             else:
-                cmd = [sys.executable, "-m", "bench.relay_floor", "--serve", path, "--upstream", platform.upstream]
+                cmd = [sys.executable, "-m", "bench.lab.relay_floor", "--serve", path, "--upstream", platform.upstream]
                 floor = served([*cmd, "--port", str(port)], os.environ.copy(), f"{url}/healthz", f"the {path} relay")
                 proc = stack.enter_context(floor)
             servers[path] = (url, proc.pid)

@@ -7,9 +7,9 @@ alternate A, B then B, A, so both see the same host load in turn; each point's g
 request is reported per round, with the medians and their ratio. One process per point loads one gateway at a
 time, as ``bench scale`` does.
 
-    python -m bench.gateway_ab --b-tree /work/base --rounds 4 --concurrency 1,64
-    python -m bench.gateway_ab --b-env TIERLINE_CLOUD_USAGE_CHECKPOINT_TOKENS=0      # what a setting costs
-    python -m bench.gateway_ab --b-tree /work/base --paced 20,10     # before a model server at a set pace
+    python -m bench.lab.gateway_ab --b-tree /work/base --rounds 4 --concurrency 1,64
+    python -m bench.lab.gateway_ab --b-env TIERLINE_CLOUD_USAGE_CHECKPOINT_TOKENS=0      # what a setting costs
+    python -m bench.lab.gateway_ab --b-tree /work/base --paced 20,10     # before a model server at a set pace
 
 Needs ``TIERLINE_BENCH_DATABASE_URL`` (PostgreSQL) and Redis (``TIERLINE_BENCH_REDIS_URL``, default local).
 """
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import free_port, tierline_server
-from bench.gateway_profile import bench_platform
+from bench.lab.gateway_profile import bench_platform
 from bench.scale_bench import _load, _summary
 
 

@@ -1,6 +1,6 @@
 """What a draft could buy at batch 1: the arithmetic of speculative decoding on this CPU, measured.
 
-``python -m bench.spec_probe [--lm-dir DIR] [--max-k K] [--head-steps N]`` prints one JSON object; DIR holds
+``python -m bench.lab.spec_probe [--lm-dir DIR] [--max-k K] [--head-steps N]`` prints one JSON object; DIR holds
 ``lm-cloud`` and ``lm-draft`` (a built zoo's ``artifacts/``, or the committed ``shared/zoo/weights/demo``):
 
 1. The target's own greedy continuations (the engine, ``ignore_eos``) of held-out prompts: what speculation sees.

@@ -8,7 +8,7 @@ bind and execute together and waits once). On a fresh schema, for a tenant with 
 request also creates the month's row and is left out. The requests follow each other at once, as under load: a
 connection back in the pool a moment ago is not pinged (``controlplane.storage.database.PING_IDLE_S``).
 
-    TIERLINE_TEST_DATABASE_URL=postgresql://postgres@127.0.0.1:5432/test python -m bench.gateway_round_trips
+    TIERLINE_TEST_DATABASE_URL=postgresql://postgres@127.0.0.1:5432/test python -m bench.lab.gateway_round_trips
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """CPU seconds of fixed work, for comparing two checkouts on a host whose speed cannot be trusted.
 
 Wall-clock rates swing several-fold on a shared 2-core host; the CPU time a fixed piece of work costs moves far less.
-Run from each checkout in turn (``PYTHONPATH=<checkout> python -m bench.cpu_cost engine|api ...``), alternating,
+Run from each checkout in turn (``PYTHONPATH=<checkout> python -m bench.lab.cpu_cost engine|api ...``), alternating,
 and compare the medians (docs/benchmarks.md has the loop):
 
 - ``engine ZOO_PRESET_DIR {inproc,process} [N]``: N mixed requests (``bench engine``'s workload, greedy) through the
@@ -242,8 +242,8 @@ def hold_cost(money: str, num_requests: int = 300, url: str | None = None) -> di
 
 def main(argv: list[str]) -> None:
     usage = (
-        "usage: python -m bench.cpu_cost engine ZOO {inproc,process} [N] | api ZOO KEYS [N] [CONCURRENCY] [plain|money]"
-        " | hold {plain,money} [N] [DATABASE_URL]"
+        "usage: python -m bench.lab.cpu_cost engine ZOO {inproc,process} [N]"
+        " | api ZOO KEYS [N] [CONCURRENCY] [plain|money] | hold {plain,money} [N] [DATABASE_URL]"
     )
     if argv[:1] == ["hold"] and argv[1:2] in (["plain"], ["money"]):
         count = int(argv[2]) if len(argv) > 2 else 300

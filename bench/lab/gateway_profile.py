@@ -7,7 +7,7 @@ dependency). Each sample of the gateway's threads is put in the first stage of `
 matches; the report gives each stage's share of the samples and its CPU milliseconds per request (the share of
 the gateway's CPU seconds, from /proc, over the requests served).
 
-    python -m bench.gateway_profile --requests 300 --concurrency 8,64
+    python -m bench.lab.gateway_profile --requests 300 --concurrency 8,64
 
 A second run without py-spy gives the unperturbed CPU per request (``--no-profile``).
 """

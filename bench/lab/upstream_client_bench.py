@@ -8,7 +8,7 @@ upstream stream (``UpstreamClient.post``, the body through ``_sse_batches``, ``a
 got every event. CPU milliseconds per call (``time.process_time``: this process, all threads) per round, and
 their medians; on uvloop by default, as the gateway runs.
 
-    python -m bench.upstream_client_bench --requests 400 --concurrency 8 --rounds 5
+    python -m bench.lab.upstream_client_bench --requests 400 --concurrency 8 --rounds 5
 """
 
 from __future__ import annotations
