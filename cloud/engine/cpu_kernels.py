@@ -127,10 +127,13 @@ DECODE_SOURCE = r"""
 /* y[b, :] = (bias or 0) + x[b, :] @ wt for b < rows; wt: [n_in, n_out] row-major (the engine's transposed weights).
    Four input rows per pass over y, added in input order (the same sums as one row at a time), for four (or two) rows
    of x at once where there are as many (each weight loaded once for all of them: a verify step's k + 1 rows cost
-   little more memory traffic than one). Columns are split across threads when num_threads > 1. */
+   little more memory traffic than one). Columns are split across threads in chunks of 256 when num_threads > 1; on
+   one thread a pass covers whole rows, so the weights stream in memory order (the hardware prefetcher follows;
+   a 256-column chunk read 1 KB of each row, a row's length apart): the demo cloud LM's step 1.64-1.74 -> 1.54-1.63 ms
+   in fp32, 1.07-1.10 -> 0.88-0.90 ms in int8 (min of 5x50 calls, alternating). Each output's sum is the same. */
 static void linear(const float *restrict x, int64_t rows, int64_t n_in, const float *restrict wt,
                    const float *restrict bias, int64_t n_out, float *restrict y, int num_threads) {
-    const int64_t chunk = 256, num_chunks = (n_out + chunk - 1) / chunk;
+    const int64_t chunk = num_threads > 1 ? 256 : n_out, num_chunks = (n_out + chunk - 1) / chunk;
 #pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && num_chunks > 1) schedule(static)
     for (int64_t c = 0; c < num_chunks; ++c) {
         const int64_t j0 = c * chunk, j1 = j0 + chunk < n_out ? j0 + chunk : n_out;
@@ -199,7 +202,7 @@ static void linear(const float *restrict x, int64_t rows, int64_t n_in, const fl
 static void qlinear(const float *restrict x, int64_t rows, int64_t n_in, const int8_t *restrict wq,
                     const float *restrict scale, const float *restrict bias, int64_t n_out, float *restrict y,
                     int num_threads) {
-    const int64_t chunk = 256, num_chunks = (n_out + chunk - 1) / chunk;
+    const int64_t chunk = num_threads > 1 ? 256 : n_out, num_chunks = (n_out + chunk - 1) / chunk;
 #pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && num_chunks > 1) schedule(static)
     for (int64_t c = 0; c < num_chunks; ++c) {
         const int64_t j0 = c * chunk, j1 = j0 + chunk < n_out ? j0 + chunk : n_out;
