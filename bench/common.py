@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -102,30 +103,42 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def served(cmd: list[str], env: dict[str, str], ready_url: str, what: str) -> Iterator[subprocess.Popen[bytes]]:
-    """``cmd`` running until ``ready_url`` answers 200 (5 min at most; ``what`` names it in errors), output
-    discarded; SIGTERM after (SIGKILL a minute later)."""
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{what} exited with {proc.returncode} during start-up")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(ready_url, timeout=1).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{what} did not start")
-            time.sleep(0.2)
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+def served(
+    cmd: list[str],
+    env: dict[str, str] | None,
+    ready_url: str,
+    what: str,
+    *,
+    headers: dict[str, str] | None = None,
+    log: Path | None = None,
+    start_timeout_s: float = 300.0,
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``cmd`` running until ``ready_url`` answers 200 (``headers`` sent; ``start_timeout_s`` at most; ``what`` names
+    it in errors, which quote the tail of its output); SIGTERM after (SIGKILL a minute later). Its output goes to
+    ``log``, else a temporary file."""
+    with log.open("w+b") if log is not None else tempfile.TemporaryFile() as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + start_timeout_s
+            while True:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    out.seek(0)
+                    tail = out.read()[-2000:].decode(errors="replace")
+                    how = f"exited with {proc.returncode}" if proc.poll() is not None else "did not start"
+                    raise RuntimeError(f"{what} {how} during start-up: {tail}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(ready_url, headers=headers, timeout=1).status_code == 200:
+                        break
+                time.sleep(0.2)
+            yield proc
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
 
 
 def tierline_server(

@@ -18,7 +18,6 @@ import hashlib
 import os
 import platform
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from bench.common import served
 from shared.errors import ConfigurationError
 
 LLAMA_SERVER_ENV = "TIERLINE_LLAMA_SERVER"
@@ -97,28 +97,12 @@ def llama_server_command(binary: Path, model: Path, port: int, slots: int, max_l
 def llama_server(cmd: list[str], port: int, log: Path | None = None) -> Iterator[subprocess.Popen[bytes]]:
     """``cmd`` (a :func:`llama_server_command`) until ``/health`` answers 200; SIGTERM after. Its output goes to
     ``log`` (else a temporary file), whose tail a failed start quotes."""
-    with log.open("w+b") if log is not None else tempfile.TemporaryFile() as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + START_TIMEOUT_S
-            while True:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    out.seek(0)
-                    tail = out.read()[-2000:].decode(errors="replace")
-                    raise ConfigurationError(f"llama-server did not start on port {port}: {tail}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                        break
-                time.sleep(0.2)
+    ready = f"http://127.0.0.1:{port}/health"
+    try:
+        with served(cmd, None, ready, f"llama-server on port {port}", log=log, start_timeout_s=START_TIMEOUT_S) as proc:
             yield proc
-        finally:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+    except RuntimeError as exc:
+        raise ConfigurationError(str(exc)) from exc
 
 
 def _request(kind: str, prompt: list[int], num_tokens: int, model: str, salt: str) -> tuple[str, dict[str, Any]]:

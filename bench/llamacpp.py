@@ -15,16 +15,15 @@ import importlib.util
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 
+from bench.common import served
 from shared.errors import ConfigurationError
 from shared.native_output import quiet_stderr
 from shared.zoo.export_gguf import GGUF_FILES
@@ -204,26 +203,10 @@ def llamacpp_server(
     if api_key:
         env["API_KEY"] = api_key
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    with log.open("w+b") if log is not None else tempfile.TemporaryFile() as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-            while True:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    out.seek(0)
-                    tail = out.read()[-2000:].decode(errors="replace")
-                    raise ConfigurationError(f"llama_cpp.server did not start on port {port}: {tail}")
-                with contextlib.suppress(httpx.HTTPError):
-                    url = f"http://127.0.0.1:{port}/v1/models"
-                    if httpx.get(url, headers=headers, timeout=1).status_code == 200:
-                        break
-                time.sleep(0.2)
+    ready = f"http://127.0.0.1:{port}/v1/models"
+    what = f"llama_cpp.server on port {port}"
+    try:
+        with served(cmd, env, ready, what, headers=headers, log=log, start_timeout_s=SERVER_START_TIMEOUT_S) as proc:
             yield proc
-        finally:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+    except RuntimeError as exc:
+        raise ConfigurationError(str(exc)) from exc
