@@ -24,7 +24,7 @@ from controlplane.storage.tables import BudgetWindow
 from controlplane.tenancy.service import create_tenant
 from shared.edge_protocol import UsageItem
 from shared.escalation import EdgePolicy, save_policy
-from tests.conftest import REPO, base_env, free_port, run_server, seed_data_dir, tierline_cmd
+from tests.conftest import REPO, base_env, free_port, seed_data_dir, server_process, tierline_cmd
 from tests.integration.edge_support import ZOO_PAIRS_ENV
 
 pytestmark = pytest.mark.integration
@@ -71,12 +71,17 @@ def test_each_edge_record_counts_against_its_own_end_users_budget(
     )
     try:
         expected = {"erin": 2 * EDGE_CALL, "frank": EDGE_CALL + CLOUD_CALL, "dave": EDGE_CALL}
-        with run_server(["cloud", "serve"], cloud_env, free_port(), timeout=120) as cloud_url:
+        cloud_port = free_port()
+        cloud_url = f"http://127.0.0.1:{cloud_port}"
+        logs = {"cloud": tmp_path / "cloud.log", "agent": tmp_path / "agent.log"}  # quoted when an answer is not 200
+        with server_process(["cloud", "serve"], cloud_env, cloud_port, timeout=120, log=logs["cloud"]):
             enroll = tierline_cmd("edge", "enroll", "--cloud", cloud_url, "--token", token, "--name", "kiosk-1")
             proc = subprocess.run(enroll, env=agent_env, cwd=REPO, capture_output=True, text=True, check=False)
             assert proc.returncode == 0, proc.stderr
             save_policy(state / "policies", EdgePolicy("tierline/lm-edge", threshold=-1e9))  # always answers locally
-            with run_server(["edge", "run"], agent_env, free_port()) as edge_url:
+            edge_port = free_port()
+            edge_url = f"http://127.0.0.1:{edge_port}"
+            with server_process(["edge", "run"], agent_env, edge_port, log=logs["agent"]):
                 sent = [
                     ({**BODY, "user": "erin"}, {}),
                     ({**BODY, "user": "erin", "stream": True}, {}),
@@ -86,7 +91,7 @@ def test_each_edge_record_counts_against_its_own_end_users_budget(
                 ]
                 for body, headers in sent:
                     r = httpx.post(f"{edge_url}/v1/completions", json=body, headers=headers, timeout=60)
-                    assert r.status_code == 200, r.text
+                    assert r.status_code == 200, (r.text, {k: p.read_text()[-4000:] for k, p in logs.items()})
                     assert r.headers["x-tierline-tier"] == ("cloud" if "x-tierline-tier" in headers else "edge")
                 deadline = time.monotonic() + 60
                 while True:  # the agent syncs every 0.3 s
