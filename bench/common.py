@@ -96,6 +96,14 @@ def tree_cpu_seconds(pid: int, *, root: bool = True, descendants: bool = True) -
     return total
 
 
+def tokens_before_divergence(tokens: list[int], reference: list[int]) -> int:
+    """How many leading tokens two greedy outputs share."""
+    for i, (a, b) in enumerate(zip(tokens, reference, strict=False)):
+        if a != b:
+            return i
+    return min(len(tokens), len(reference))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -16,11 +16,7 @@ from __future__ import annotations
 import json
 import os
 import platform
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -32,7 +28,7 @@ import click
 import httpx
 import numpy as np
 
-from bench.common import emit, zoo_root
+from bench.common import emit, free_port, served, tokens_before_divergence, zoo_root
 from edge_agent.runtime.lm import CausalLMRuntime, OnnxCausalLM, load_causal_lm
 from shared.errors import ConfigurationError, ValidationError
 from shared.zoo.registry import ZooLayout
@@ -157,19 +153,6 @@ def _model_bytes(artifact_dir: Path) -> int:
     return sum(p.stat().st_size for p in artifact_dir.glob("model.*") if p.is_file())
 
 
-def _tokens_before_divergence(tokens: list[int], reference: list[int]) -> int:
-    for i, (a, b) in enumerate(zip(tokens, reference, strict=False)):
-        if a != b:
-            return i
-    return min(len(tokens), len(reference))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _vm_rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -195,35 +178,15 @@ def _running_agent(zoo_root: Path, data_dir: Path, threads: int) -> Iterator[tup
             "TIERLINE_EDGE_NUM_THREADS": str(threads),
         }
     )
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "tierline.cli", "edge", "run", "--host", "127.0.0.1", "--port", str(port)]
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + AGENT_START_TIMEOUT_S
-            while not _is_healthy(url):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    tail = log.read().decode(errors="replace").strip().splitlines()[-1:]
-                    raise ConfigurationError(f"the edge agent did not start on {url}: {' '.join(tail) or 'no output'}")
-                time.sleep(0.1)
-            yield proc.pid, url
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-
-
-def _is_healthy(url: str) -> bool:
     try:
-        return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
+        what = f"the edge agent on {url}"
+        with served(cmd, env, f"{url}/healthz", what, start_timeout_s=AGENT_START_TIMEOUT_S) as proc:
+            yield proc.pid, url
+    except RuntimeError as exc:
+        raise ConfigurationError(str(exc)) from exc
 
 
 def agent_idle_rss_mb(zoo_root: Path, data_dir: Path, threads: int = 1) -> tuple[float, int]:
@@ -351,7 +314,7 @@ def _vs_llamacpp(rates: dict[str, float], tokens: dict[str, list[int]]) -> dict[
         "best_onnx_vs_llamacpp_q8_0": round(max(rates["fp32"], rates["int8"]) / rates["llamacpp_q8_0"], 2),
         # same weights in f32 on both: greedy must agree token for token
         "llamacpp_f32_outputs_identical_to_fp32": tokens["llamacpp_f32"] == tokens["fp32"],
-        "llamacpp_q8_0_tokens_before_divergence_from_fp32": _tokens_before_divergence(
+        "llamacpp_q8_0_tokens_before_divergence_from_fp32": tokens_before_divergence(
             tokens["llamacpp_q8_0"], tokens["fp32"]
         ),
     }
@@ -443,7 +406,7 @@ def run_edge_bench(
         "agreement_positions": int(windows.size),
         "agreement_where_fp32_margin_ge_0_05": round(agreement_decisive, 4),
         "fp32_near_tie_share": round(float(1 - decisive.mean()), 4),
-        "fp32_tokens_before_divergence_from_torch": _tokens_before_divergence(tokens["fp32"], tokens["torch"]),
+        "fp32_tokens_before_divergence_from_torch": tokens_before_divergence(tokens["fp32"], tokens["torch"]),
         "agent_idle_rss_mb": round(rss_mb, 1),
         "agent_models": num_models,
     }

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import tokens_before_divergence
 from cloud.engine.llm import LLM
 from cloud.engine.sampling_params import SamplingParams
 from shared.zoo.build import committed_weights
@@ -64,7 +65,7 @@ def main() -> None:
             rates[weights].append(sum(map(len, got)) / (time.perf_counter() - started))
             outputs.setdefault(weights, got)
     pairs = list(zip(outputs["fp32"], outputs["int8"], strict=True))
-    prefixes = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a)) for a, b in pairs]
+    prefixes = [tokens_before_divergence(a, b) for a, b in pairs]
     same_positions = sum(x == y for a, b in pairs for x, y in zip(a, b, strict=True))
     result = {
         "lm": str(args.lm_dir),

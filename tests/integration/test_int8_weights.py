@@ -12,6 +12,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from bench.common import tokens_before_divergence
+from bench.lab.int8_agreement import PROMPTS as INT8_PROMPTS
 from cloud.engine import EngineConfig, SamplingParams
 from cloud.engine.cpu_kernels import quantize_int8
 from cloud.engine.llm import LLM
@@ -22,25 +24,12 @@ from shared.zoo.presets import DEMO
 
 DEMO_LM = committed_weights(DEMO) / "lm-cloud"
 DEMO_DRAFT = committed_weights(DEMO) / "lm-draft"
-PROMPTS = [
-    "import os\n",
-    "def main():\n    ",
-    "class Config:\n",
-    "for i in range(",
-    "# Licensed under",
-    "if __name__ ==",
-    "return self.",
-    "with open(",
-]
+PROMPTS = INT8_PROMPTS[:8]  # code openings: the zoo's LMs are trained on Python
 GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 
 
 def _generate(llm: LLM) -> list[list[int]]:
     return [list(out.outputs[0].token_ids) for out in llm.generate(PROMPTS, GREEDY)]
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
 
 
 def test_quantization_is_within_half_a_step_of_each_weight() -> None:
@@ -96,7 +85,7 @@ def test_int8_greedy_agrees_with_fp32_on_the_demo_lm() -> None:
     fp32 = _generate(LLM(DEMO_LM, kv_cache_bytes=32 << 20, speculation="off"))
     int8 = _generate(LLM(DEMO_LM, kv_cache_bytes=32 << 20, speculation="off", cpu_weights="int8"))
     identical = sum(a == b for a, b in zip(fp32, int8, strict=True))
-    prefixes = [_common_prefix(a, b) for a, b in zip(fp32, int8, strict=True)]
+    prefixes = [tokens_before_divergence(a, b) for a, b in zip(fp32, int8, strict=True)]
     assert identical >= 4, (identical, prefixes)
     assert sum(prefixes) / len(prefixes) >= 24, prefixes
 
