@@ -68,7 +68,7 @@ from controlplane.storage.tables import (
 from tests.conftest import REPO, base_env, free_port, tierline_cmd
 from tests.e2e.promise import lm_policy_keeps_its_promise
 from tests.e2e.test_up import _start_up
-from tests.e2e.tour import CHROMIUM, CHROMIUM_ARGS, _device_version, _shot_dirs
+from tests.e2e.tour import CHROMIUM, CHROMIUM_ARGS, _device_version, _shot_dirs, sign_in
 
 # The zoo build (minutes, once), `tierline up`, the traffic and the walk: past the suite's 600 s default.
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -318,11 +318,7 @@ def _browse(
                 for d in dirs:
                     page.screenshot(path=str(d / f"{name}.png"), full_page=True)
 
-            page.goto("/login")
-            page.fill("#username", info["console_admin"])
-            page.fill("#password", info["console_admin_password"])
-            page.click("button[type=submit]")
-            page.wait_for_url(f"{base}/")
+            sign_in(page, base, info)
 
             # 3. The overview, once the device's first answers reached the ledger (a sync or two).
             deadline = time.monotonic() + 90
@@ -465,11 +461,7 @@ def _one_spend_figure(env: dict[str, str], info: dict[str, Any], db: str, tenant
         try:
             base = info["console_url"]
             page = browser.new_context(viewport={"width": 1280, "height": 900}, base_url=base).new_page()
-            page.goto("/login")
-            page.fill("#username", info["console_admin"])
-            page.fill("#password", info["console_admin_password"])
-            page.click("button[type=submit]")
-            page.wait_for_url(f"{base}/")
+            sign_in(page, base, info)
             page.goto("/tenants/demo")
             figures["tenant page"] = _amount(page.locator("#month-spend").inner_text(), "tenant page")
             counted = page.locator("dt:text-is('Counted by the budget') + dd")

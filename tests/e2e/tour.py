@@ -30,6 +30,15 @@ CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-backg
 TOUR_DOCS = REPO / "docs" / "tour"
 
 
+def sign_in(page: Any, base: str, info: dict[str, Any]) -> None:
+    """Sign in to the console of ``tierline up`` (its up.json ``info``) as its admin; on the overview after."""
+    page.goto("/login")
+    page.fill("#username", info["console_admin"])
+    page.fill("#password", info["console_admin_password"])
+    page.click("button[type=submit]")
+    page.wait_for_url(f"{base}/")
+
+
 def _shot_dirs(*, docs: bool = False) -> list[Path]:
     """Where screenshots go: the test's artifacts, and ``docs/tour/`` for a ``docs`` run with
     ``TIERLINE_TOUR_SCREENSHOTS=1``."""
@@ -122,11 +131,7 @@ def _console(env: dict[str, str], info: dict[str, Any], db: str, device: str) ->
                 for d in dirs:
                     page.screenshot(path=str(d / f"{name}.png"), full_page=True)
 
-            page.goto("/login")
-            page.fill("#username", info["console_admin"])
-            page.fill("#password", info["console_admin_password"])
-            page.click("button[type=submit]")
-            page.wait_for_url(f"{base}/")
+            sign_in(page, base, info)
             tile = page.locator(".tile:has(.label:text-is('Answered on the edge')) .value")
             share = float(tile.inner_text().rstrip(" %"))
             assert share > 0, f"the overview shows {share} % answered on the edge"
