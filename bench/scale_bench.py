@@ -294,7 +294,7 @@ class _Platform:
 def _setup(tmp: Path, zoo: Path, data_dir: Path, db_url: str, redis_url: str, upstream: str) -> _Platform:
     from sqlmodel import Session
 
-    from cloud.ids import ID_SECRET_FILE, load_or_create_id_secret
+    from cloud.gateway.ids import ID_SECRET_FILE, load_or_create_id_secret
     from controlplane.storage.database import create_db
     from controlplane.storage.migrate import upgrade
     from controlplane.tenancy.service import create_api_key, create_tenant

@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from cloud.tensor.batcher import DynamicBatcher
-from cloud.tensor.onnx_runner import OnnxRunner
+from cloud.serving.tensor.batcher import DynamicBatcher
+from cloud.serving.tensor.onnx_runner import OnnxRunner
 from shared.zoo.registry import ZooLayout
 
 MODEL = "digits-large"
@@ -106,7 +106,7 @@ async def _registry_load(model: Path, cycles: int, num_threads: int) -> dict[str
 
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from cloud.tensor_models import TensorPool, TensorVersion
+    from cloud.serving.tensor_models import TensorPool, TensorVersion
     from controlplane.registry.store import LocalArtifactStore
     from shared.artifacts import build_manifest, sign_manifest
 

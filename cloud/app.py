@@ -26,34 +26,34 @@ from pydantic import BaseModel
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from cloud.auth_cache import AuthCache
-from cloud.backends.upstream import Backends
-from cloud.budget_watch import BudgetAlerts, ReservationSweeper
-from cloud.canary import CanaryRouter
-from cloud.completions import Caller, CompletionService
-from cloud.edge_gateway import ROUTES as EDGE_ROUTES
-from cloud.edge_gateway import EdgeGateway
-from cloud.edge_releases import ARTIFACT_ROUTES, LEGACY_DIR, ReleaseStore
-from cloud.engine_pool import EnginePool, split_model
-from cloud.idempotency import IdempotencyStore, request_hash
-from cloud.ids import CloudIds
-from cloud.job_routes import JOB_ROUTES, JobIntake
-from cloud.job_worker import running_jobs
-from cloud.jobs import CHAT, COMPLETIONS, INFERENCE, JobSettings, JobStore
-from cloud.jwt_auth import JwtVerifier, looks_like_jwt
-from cloud.limits import RateLimiter
-from cloud.metering import UsageWriter
-from cloud.models_catalog import ServedModel, find, load_catalog, registry_catalog
-from cloud.observability import Metrics
-from cloud.quality_monitor import ShadowIntake
-from cloud.registry_models import CACHE_DIR, RegistryModels, is_enabled, parse_names
-from cloud.responses import respond
-from cloud.responses_route import responses_route
+from cloud.edge.gateway import ROUTES as EDGE_ROUTES
+from cloud.edge.gateway import EdgeGateway
+from cloud.edge.quality_monitor import ShadowIntake
+from cloud.edge.releases import ARTIFACT_ROUTES, LEGACY_DIR, ReleaseStore
+from cloud.gateway.auth_cache import AuthCache
+from cloud.gateway.budget_watch import BudgetAlerts, ReservationSweeper
+from cloud.gateway.idempotency import IdempotencyStore, request_hash
+from cloud.gateway.ids import CloudIds
+from cloud.gateway.job_routes import JOB_ROUTES, JobIntake
+from cloud.gateway.job_worker import running_jobs
+from cloud.gateway.jobs import CHAT, COMPLETIONS, INFERENCE, JobSettings, JobStore
+from cloud.gateway.jwt_auth import JwtVerifier, looks_like_jwt
+from cloud.gateway.limits import RateLimiter
+from cloud.gateway.metering import UsageWriter
+from cloud.gateway.observability import Metrics
+from cloud.gateway.responses_route import responses_route
+from cloud.gateway.tenant_routes import TENANT_ROUTES
+from cloud.gateway.webhooks import WebhookStore
+from cloud.serving.backends.upstream import Backends
+from cloud.serving.canary import CanaryRouter
+from cloud.serving.completions import Caller, CompletionService
+from cloud.serving.engine_pool import EnginePool, split_model
+from cloud.serving.models_catalog import ServedModel, find, load_catalog, registry_catalog
+from cloud.serving.registry_models import CACHE_DIR, RegistryModels, is_enabled, parse_names
+from cloud.serving.responses import respond
+from cloud.serving.tensor_models import CACHE_DIR as TENSOR_CACHE_DIR
+from cloud.serving.tensor_models import BatchSettings, TensorPool, TensorRegistry, unknown_model
 from cloud.settings import CloudSettings
-from cloud.tenant_routes import TENANT_ROUTES
-from cloud.tensor_models import CACHE_DIR as TENSOR_CACHE_DIR
-from cloud.tensor_models import BatchSettings, TensorPool, TensorRegistry, unknown_model
-from cloud.webhooks import WebhookStore
 from controlplane.billing.budgets import PriceBook
 from controlplane.fleet.devices import UsageBounds, UsageWindow
 from controlplane.registry.store import store_from_settings

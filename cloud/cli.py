@@ -60,7 +60,7 @@ def engine_serve(model_dir: Path, name: str | None, host: str, port: int, api_ke
     """
     if not (model_dir / "config.json").is_file():
         raise click.BadParameter(f"{model_dir} has no config.json", param_hint="--model")
-    from cloud.engine_server import create_engine_app, load_engine, read_key_file
+    from cloud.serving.engine_server import create_engine_app, load_engine, read_key_file
     from shared.http import serve as run
     from shared.settings import CoreSettings
 
@@ -71,7 +71,7 @@ def engine_serve(model_dir: Path, name: str | None, host: str, port: int, api_ke
 
 
 def _register() -> None:
-    from cloud.edge_releases import publish_command
+    from cloud.edge.releases import publish_command
 
     cloud.add_command(publish_command)
 

@@ -21,7 +21,7 @@ from litestar.static_files import create_static_files_router
 from litestar.template.config import TemplateConfig
 from sqlalchemy.engine import Engine
 
-from console.auth import ConsoleAuth, ConsoleAuthSettings, security_headers
+from console.auth import security_headers
 from console.billing_api import BILLING_ROUTER
 from console.fleet_api import FLEET_ROUTER
 from console.management_api import OPENAPI_CONFIG
@@ -32,6 +32,7 @@ from console.policies_api import POLICIES_ROUTER
 from console.registry_api import REGISTRY_ROUTER, derive_jobs
 from console.rollout_controller import rollout_controller
 from console.rollouts_api import ROLLOUTS_ROUTER
+from console.session_cookie import ConsoleAuth, ConsoleAuthSettings
 from console.state import ConsoleState
 from controlplane.billing.invoices import minor_unit
 from controlplane.registry.store import store_from_settings

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # annotations only: console.auth reads this state in its guard and stays light to import
     from sqlalchemy.engine import Engine
 
-    from console.auth import ConsoleAuth
+    from console.session_cookie import ConsoleAuth
     from controlplane.registry.edge_derive import DeriveRunner
     from controlplane.registry.store import ArtifactStore
 

@@ -2,7 +2,7 @@
 
 One schema for both places a backend is declared, at two levels of trust:
 
-- the gateway's static backends file (``cloud.backends.config``, ``TIERLINE_CLOUD_BACKENDS``) is written by the
+- the gateway's static backends file (``cloud.serving.backends.config``, ``TIERLINE_CLOUD_BACKENDS``) is written by the
   operator, who owns the host: its upstream key may come from any environment variable or any file (mode 0600 or
   stricter), and its endpoints may be any address (``UpstreamSpec``);
 - a registry version's serving spec (``controlplane.registry.service.set_serving``, ``tierline models serving``,

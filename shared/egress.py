@@ -1,7 +1,7 @@
 """Where the cloud may send a request that someone other than the operator named: the address rules.
 
-Two callers name such places. A tenant names a webhook receiver (``cloud.webhooks``): public addresses only, unless
-the operator allows private networks. A console admin names the upstream servers of a registry version's serving
+Two callers name such places. A tenant names a webhook receiver (``cloud.gateway.webhooks``): public addresses only,
+unless the operator allows private networks. A console admin names the upstream servers of a registry version's serving
 spec (``shared.backend_spec.ServingSpec``): checked against the operator's ``EgressPolicy``.
 
 Shared rules (``numeric_host_problem``): a host that is a number the resolver reads as IPv4 (``2130706433``,

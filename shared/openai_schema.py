@@ -497,7 +497,8 @@ class CompletionRequest(_Sampling):
 
 class AsyncJobFields(BaseModel):
     """The cloud's async-job fields (``"async": true`` queues a job, ``webhook_url`` gets its result; read by
-    ``cloud/job_routes.py``). Only the cloud's routes accept them; a stored job's request is dumped without them."""
+    ``cloud/gateway/job_routes.py``). Only the cloud's routes accept them; a stored job's request is dumped without
+    them."""
 
     async_: Annotated[bool | None, _BOOLEAN] = Field(None, alias="async")
     webhook_url: str | None = Field(None, max_length=2048)

@@ -209,7 +209,7 @@ def hold_cost(money: str, num_requests: int = 300, url: str | None = None) -> di
             s.commit()
             tenant_id, key_id, project_id = tenant.id or 0, key.id, key.project_id
 
-        def one() -> None:  # as cloud.completions does per request: _reserve, _settle, after_credit
+        def one() -> None:  # as cloud.serving.completions does per request: _reserve, _settle, after_credit
             now = datetime.now(UTC)
             with Session(engine) as s:
                 windows = applicable(s, tenant_id, now, key_id=key_id, project_id=project_id)

@@ -25,7 +25,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from bench.billing_bench import _postgres, _postgres_url
-from cloud.pg_async import conninfo_of
+from cloud.gateway.pg_async import conninfo_of
 from controlplane.billing import budgets, hotpath, ledger
 from controlplane.billing.scopes import Attribution
 from controlplane.storage.database import create_db

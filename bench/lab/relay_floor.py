@@ -12,7 +12,7 @@ request is split into a fixed part and a part per token (the line through the tw
   rewritten), as the gateway's relay does;
 - ``raw``: the same app passing the upstream's bytes through.
 
-All floors use the gateway's upstream client (``cloud.backends.http1``) and no authentication or billing.
+All floors use the gateway's upstream client (``cloud.serving.backends.http1``) and no authentication or billing.
 
     python -m bench.lab.relay_floor --rounds 2 --requests 300 --tokens 2,32
 """
@@ -38,8 +38,8 @@ PATHS = ("gateway", "litestar", "json", "raw")
 def _floor_app(mode: str, upstream: str) -> Any:
     import msgspec
 
-    from cloud.backends.http1 import Http1Client
-    from cloud.backends.upstream import _sse_batches
+    from cloud.serving.backends.http1 import Http1Client
+    from cloud.serving.backends.upstream import _sse_batches
     from shared.openai_responses import SSE_DONE, sse
 
     decode = msgspec.json.Decoder().decode

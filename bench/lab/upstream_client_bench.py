@@ -1,4 +1,4 @@
-"""CPU per streamed upstream call: httpx (the gateway's client before) against ``cloud.backends.http1``.
+"""CPU per streamed upstream call: httpx (the gateway's client before) against ``cloud.serving.backends.http1``.
 
 One local upstream in a child process (its CPU is not counted) answers every POST with a model server's stream:
 ``chunked``, one server-sent event per write (a chat chunk of one token each), a usage chunk, ``[DONE]``. In
@@ -26,7 +26,7 @@ import httpx
 import uvloop
 
 from bench.common import free_port
-from cloud.backends.http1 import Http1Client, HttpxUpstream, UpstreamClient
+from cloud.serving.backends.http1 import Http1Client, HttpxUpstream, UpstreamClient
 
 TIMEOUT_S = 30.0
 _EVENT = (
@@ -81,7 +81,7 @@ def _serve(port: int, events: int, gap_s: float) -> None:
 
 
 async def _call(client: UpstreamClient, url: str, body: bytes, events: int) -> None:
-    from cloud.backends.upstream import _sse_batches  # here: the upstream's child process imports none of cloud
+    from cloud.serving.backends.upstream import _sse_batches  # here: the upstream's child process imports none of cloud
 
     response = await client.post(url, body, {"Content-Type": "application/json", "Authorization": "Bearer sk-x"})
     try:

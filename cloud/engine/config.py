@@ -21,7 +21,7 @@ class EngineConfig:
     ``grammar_jump_forward``: a token a request's grammar forces is appended without sampling and computed in the
     next forward together with the token before it (off: one forward per token, as unconstrained decoding).
     ``fused_decode``: on CPU in fp32, a decode step small enough for one thread (a few sequences) runs the whole
-    forward as one compiled C call instead of ~30 torch ops a layer (``cpu_kernels.FusedDecoder``; the same greedy
+    forward as one compiled C call instead of ~30 torch ops a layer (``fused_decoder.FusedDecoder``; the same greedy
     tokens, logits equal to float rounding). Off, or without a C compiler, every step runs the torch model.
     ``cpu_weights``: ``int8`` runs those fused steps on weight-only int8 projections (one scale per output column;
     a quarter of the bytes a batch-1 step reads), and the torch model's larger steps on the same values dequantized:

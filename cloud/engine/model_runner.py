@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from cloud.engine.attention import AttentionGroup, AttentionMetadata, build_group, split_by_context
-from cloud.engine.cpu_kernels import FusedDecoder, decode_step_function, dequantize_in_place, paged_attention_kernel
+from cloud.engine.cpu_kernels import decode_step_function, paged_attention_kernel
+from cloud.engine.fused_decoder import FusedDecoder, dequantize_in_place
 from cloud.engine.loader import load_model
 from cloud.engine.model_config import ModelConfig
 

@@ -18,16 +18,9 @@ from sqlalchemy import update
 from sqlalchemy.engine import Engine
 from sqlmodel import col
 
-from console.auth import (
-    CSRF_FIELD,
-    SESSION_COOKIE,
-    ConsoleAuth,
-    SessionData,
-    check_password,
-    new_session,
-    password_fingerprint,
-)
+from console.auth import CSRF_FIELD, SESSION_COOKIE, check_password
 from console.pages.common import Form
+from console.session_cookie import ConsoleAuth, SessionData, new_session, password_fingerprint
 from controlplane.accounts import sessions
 from controlplane.accounts.login_throttle import throttle_key
 from controlplane.storage.session import session_scope

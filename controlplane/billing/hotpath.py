@@ -3,7 +3,7 @@
 The general path (``budgets.reserve_request``, ``ledger.checkpoint``, ``ledger.settle_checkpointed``) runs each
 phase as a transaction of several ORM statements in a worker thread: about 14 round trips per streamed request.
 Here each phase is one autocommit statement (data-modifying ``WITH``), run on a psycopg connection (awaited on
-the event loop through ``cloud.pg_async``, or blocking), with the same effects:
+the event loop through ``cloud.gateway.pg_async``, or blocking), with the same effects:
 
 - **reserve**: the tenant's month row takes the amount only while ``spent + reserved + amount <= budget`` (the
   row is re-checked under its lock, as in ``budgets._hold_in``) and the ``budget_reservation`` row (same lease)

@@ -1,6 +1,6 @@
 """The usage ledger: the one writer of usage records. Batched, idempotent ingestion with rating, and usage totals.
 
-Cloud metering (``cloud.metering.UsageWriter``) and edge sync (``controlplane.fleet.devices.ingest``) both hand
+Cloud metering (``cloud.gateway.metering.UsageWriter``) and edge sync (``controlplane.fleet.devices.ingest``) both hand
 their records to ``ingest_usage``. Ingestion is one multi-row ``INSERT ... ON CONFLICT (id) DO NOTHING
 RETURNING id`` per batch: a record id the ledger already holds is never overwritten. A replay of the same record
 (a retried sync batch) is a silent duplicate, so replaying a batch changes nothing; the same id with a different

@@ -1,7 +1,7 @@
 """The live quality monitor: agreement between the edge's answers and the cloud's, per model, policy version and
 device group, checked against what the policy's calibration promised.
 
-A share of edge-answered requests is answered again by the cloud in the background (``cloud.quality_monitor``);
+A share of edge-answered requests is answered again by the cloud in the background (``cloud.edge.quality_monitor``);
 each input becomes a ``shadow_sample`` row: whether the cloud agreed, and the edge's confidence. After each batch
 the monitor checks the group it belongs to:
 

@@ -76,7 +76,7 @@ def fuzz_api(
 ) -> Iterator[dict[str, str]]:
     """The cloud server on the tiny zoo with a published edge artifact, an API key, an enrolled device's
     credential and one finished async job."""
-    from cloud.edge_releases import publish_command
+    from cloud.edge.releases import publish_command
 
     data = seed_data_dir(tmp_path_factory.mktemp("api-fuzz"), tiny_zoo, session_data_dir)
     env = base_env(

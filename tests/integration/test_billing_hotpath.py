@@ -1,5 +1,5 @@
-"""The billing hot path on PostgreSQL (``controlplane.billing.hotpath`` through ``cloud.metering.UsageWriter``, each
-phase one statement awaited on the event loop) leaves the database as the general path (ORM transactions in
+"""The billing hot path on PostgreSQL (``controlplane.billing.hotpath`` through ``cloud.gateway.metering.UsageWriter``,
+each phase one statement awaited on the event loop) leaves the database as the general path (ORM transactions in
 threads) does: month totals, reservations, checkpoints and records; a replayed settle writes nothing twice, a
 conflicting one is counted, concurrent reserves never overspend, and a stale reservation's lease still expires.
 PostgreSQL only: SQLite keeps the general path, which the other billing tests cover."""
@@ -18,7 +18,7 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from cloud.metering import UsageWriter
+from cloud.gateway.metering import UsageWriter
 from controlplane.billing import budgets, credit, ledger
 from controlplane.billing.budget_admin import set_budget
 from controlplane.billing.budgets import BudgetExceededError, BudgetHold, reclaim_expired

@@ -23,7 +23,7 @@ import pytest
 from sqlalchemy import create_engine, update
 from sqlmodel import Session, col, select
 
-from cloud.webhooks import is_valid_signature
+from cloud.gateway.webhooks import is_valid_signature
 from controlplane.billing.pricing import period_of
 from controlplane.storage.tables import BudgetAlert, BudgetPeriod, BudgetReservation, Tenant
 from tests.conftest import REPO, base_env, free_port, seed_data_dir, tierline_cmd

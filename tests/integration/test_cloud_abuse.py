@@ -13,8 +13,8 @@ import httpx
 import pytest
 from sqlmodel import Session, select
 
-from cloud.idempotency import request_hash
-from cloud.ids import CloudIds
+from cloud.gateway.idempotency import request_hash
+from cloud.gateway.ids import CloudIds
 from controlplane.storage.database import create_db
 from controlplane.storage.tables import IdempotentResponse, UsageRecord
 from controlplane.tenancy.service import create_api_key, create_tenant

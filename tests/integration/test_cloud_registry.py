@@ -15,8 +15,8 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from cloud.engine_pool import EnginePool
-from cloud.registry_models import RegistryModels
+from cloud.serving.engine_pool import EnginePool
+from cloud.serving.registry_models import RegistryModels
 from cloud.settings import CloudSettings
 from controlplane.registry import service as registry
 from controlplane.registry.artifacts import push_path

@@ -253,8 +253,8 @@ def test_the_session_cookie_is_secure_behind_tls_or_when_configured(
     from litestar.testing import TestClient
 
     from console.app import create_app
-    from console.auth import ConsoleAuthSettings
     from console.passwords import create_user
+    from console.session_cookie import ConsoleAuthSettings
     from controlplane.storage.database import create_db
     from controlplane.storage.migrate import upgrade
 

@@ -23,7 +23,7 @@ from click.testing import CliRunner
 from sqlalchemy import create_engine
 from sqlmodel import Session, select
 
-from cloud.edge_releases import publish_command
+from cloud.edge.releases import publish_command
 from controlplane.registry import service as registry
 from controlplane.storage.tables import DeviceEvent
 from edge_agent.model_store import ModelStore

@@ -246,7 +246,7 @@ def _events(p: Platform) -> list[dict[str, Any]]:
 
 
 def test_a_release_targeted_at_beta_reaches_the_beta_device_and_not_a_dev_device(platform: Platform) -> None:
-    from cloud.edge_releases import publish_command
+    from cloud.edge.releases import publish_command
 
     p = platform
     token = p.cli("devices", "enrollment-token", "--tenant", "acme", "--label", "ring=dev")

@@ -15,7 +15,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from moto.server import ThreadedMotoServer
 
-from cloud.edge_releases import MANIFEST_FILE, ReleaseStore
+from cloud.edge.releases import MANIFEST_FILE, ReleaseStore
 from controlplane.registry.store import ArtifactStore, LocalArtifactStore, S3ArtifactStore
 from controlplane.storage.database import create_db
 from controlplane.storage.tables import Device

@@ -25,7 +25,7 @@ from sqlalchemy import update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from cloud.edge_releases import ReleaseStore, publish_command
+from cloud.edge.releases import ReleaseStore, publish_command
 from controlplane.registry.store import LocalArtifactStore
 from controlplane.storage.database import create_db
 from controlplane.storage.tables import EdgeRelease

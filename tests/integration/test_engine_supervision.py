@@ -24,7 +24,7 @@ from sqlalchemy import create_engine
 from sqlmodel import Session, select
 
 from cloud.engine.sampling_params import SamplingParams
-from cloud.engine_pool import EnginePool, EngineRestartingError, ServedLM, engine_config, start_engine
+from cloud.serving.engine_pool import EnginePool, EngineRestartingError, ServedLM, engine_config, start_engine
 from cloud.settings import CloudSettings
 from controlplane.storage.tables import UsageRecord
 from shared.zoo.registry import ZooLayout
@@ -227,5 +227,5 @@ def test_a_restart_that_fails_is_retried_with_a_doubling_wait(
         await pool.close()
         pool.shutdown()
 
-    with caplog.at_level(logging.INFO, logger="cloud.engine_pool"):
+    with caplog.at_level(logging.INFO, logger="cloud.serving.engine_pool"):
         asyncio.run(main())

@@ -336,7 +336,7 @@ def test_a_policy_rollout_from_the_management_api_and_the_form(
 def test_publish_with_a_target_sets_it_in_the_same_transaction(
     tmp_path: Path, tiny_zoo: Path, session_data_dir: Path
 ) -> None:
-    from cloud.edge_releases import publish_command
+    from cloud.edge.releases import publish_command
 
     data = seed_data_dir(tmp_path / "data", tiny_zoo, session_data_dir)
     db_url = migrated_sqlite(data)

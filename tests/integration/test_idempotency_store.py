@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from sqlmodel import Session
 
-from cloud.idempotency import IdempotencyInProgressError, IdempotencyStore
+from cloud.gateway.idempotency import IdempotencyInProgressError, IdempotencyStore
 from controlplane.storage.database import create_db
 from controlplane.storage.tables import IdempotentResponse, utcnow
 from controlplane.tenancy.service import create_tenant

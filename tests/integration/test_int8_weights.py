@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from bench.common import tokens_before_divergence
 from bench.lab.int8_agreement import PROMPTS as INT8_PROMPTS
 from cloud.engine import EngineConfig, SamplingParams
-from cloud.engine.cpu_kernels import quantize_int8
+from cloud.engine.fused_decoder import quantize_int8
 from cloud.engine.llm import LLM
 from cloud.engine.model_runner import ModelRunner
 from cloud.settings import CloudSettings

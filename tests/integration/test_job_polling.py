@@ -16,8 +16,8 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from cloud.job_worker import JobWorker
-from cloud.jobs import CHAT, JOBS_CHANNEL, LISTEN_RETRY_S, JobSettings, JobStore
+from cloud.gateway.job_worker import JobWorker
+from cloud.gateway.jobs import CHAT, JOBS_CHANNEL, LISTEN_RETRY_S, JobSettings, JobStore
 from controlplane.storage.migrate import upgrade
 from controlplane.storage.tables import Job, Tenant, utcnow
 from tests.conftest import PG_URL, _postgres_schema, migrated_sqlite

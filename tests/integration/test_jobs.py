@@ -24,8 +24,8 @@ from openai.types.chat import ChatCompletion
 from sqlalchemy import create_engine
 from sqlmodel import Session, col, select
 
-from cloud.jobs import JobStore
-from cloud.webhooks import is_valid_signature
+from cloud.gateway.jobs import JobStore
+from cloud.gateway.webhooks import is_valid_signature
 from controlplane.storage.database import create_db
 from controlplane.storage.tables import Job, UsageRecord, WebhookDelivery, utcnow
 from controlplane.tenancy.service import create_api_key, create_tenant

@@ -15,7 +15,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519, rsa
 
-from cloud.jwt_auth import JwtVerifier
+from cloud.gateway.jwt_auth import JwtVerifier
 from shared.errors import AuthenticationError, ConfigurationError
 from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, seed_data_dir, tierline_cmd
 

@@ -24,7 +24,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from cloud.backends.config import BackendsFile
+from cloud.serving.backends.config import BackendsFile
 from tests.conftest import REPO, base_env, tierline_cmd
 
 KUBERNETES = REPO / "deploy" / "kubernetes"

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from sqlmodel import Session, col, select
 
-from cloud.edge_releases import ReleaseStore
+from cloud.edge.releases import ReleaseStore
 from console.management_api import create_token
 from controlplane.fleet.devices import create_enrollment_token
 from controlplane.registry.artifacts import push_path

@@ -1,4 +1,4 @@
-"""The event loop's PostgreSQL pool of the billing hot path (``cloud.pg_async``), on a real PostgreSQL."""
+"""The event loop's PostgreSQL pool of the billing hot path (``cloud.gateway.pg_async``), on a real PostgreSQL."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import psycopg
 import pytest
 from sqlalchemy import create_engine
 
-from cloud.pg_async import AsyncPostgres
+from cloud.gateway.pg_async import AsyncPostgres
 from tests.conftest import PG_URL
 
 pytestmark = [

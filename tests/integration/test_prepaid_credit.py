@@ -18,7 +18,7 @@ from sqlalchemy import create_engine, func
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from cloud.webhooks import is_valid_signature
+from cloud.gateway.webhooks import is_valid_signature
 from controlplane.billing import credit
 from controlplane.billing.budgets import (
     BudgetExceededError,

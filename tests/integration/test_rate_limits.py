@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from cloud.limits import RateLimiter
+from cloud.gateway.limits import RateLimiter
 from cloud.settings import CloudSettings
 from controlplane.storage.tables import ApiKey, Tenant
 from shared.errors import RateLimitError
@@ -123,7 +123,7 @@ def test_a_refused_request_counts_against_no_scope(redis_url: str | None) -> Non
 def test_shadow_inputs_are_bounded_per_device_across_replicas(redis_url: str | None) -> None:
     """The quality monitor's bound on a device's shadow inputs: counted in the limiter's storage, so two gateways
     on one Redis hold a device to one bound; a refused batch counts nothing."""
-    from cloud.quality_monitor import ShadowIntake
+    from cloud.edge.quality_monitor import ShadowIntake
 
     async def main() -> None:
         settings = CloudSettings()

@@ -1,4 +1,4 @@
-"""The rate limiter's pipelined Redis client (``cloud.redis_pipe``) against a real Redis on 127.0.0.1:6379."""
+"""The rate limiter's pipelined Redis client (``cloud.gateway.redis_pipe``) against a real Redis on 127.0.0.1:6379."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from cloud.redis_pipe import PipelinedScripts, supports
+from cloud.gateway.redis_pipe import PipelinedScripts, supports
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 

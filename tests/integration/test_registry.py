@@ -268,7 +268,7 @@ def test_the_models_commands(tmp_path: Path, checkpoint: Path) -> None:
 
 
 def test_an_exported_edge_artifact_publishes_to_the_fleet(tmp_path: Path) -> None:
-    from cloud.edge_releases import publish_command
+    from cloud.edge.releases import publish_command
 
     data = tmp_path / "data"
     env = base_env(data, TIERLINE_DATABASE_URL=migrated_sqlite(data))

@@ -277,7 +277,7 @@ def test_every_load_checks_the_signature_and_the_bytes(tmp_path: Path) -> None:
 
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from cloud.tensor_models import TensorPool, TensorVersion
+    from cloud.serving.tensor_models import TensorPool, TensorVersion
     from controlplane.registry.store import LocalArtifactStore
     from shared.artifacts import build_manifest, sign_manifest
     from shared.errors import ServiceUnavailableError
@@ -335,7 +335,7 @@ def test_a_version_with_a_call_in_flight_is_never_unloaded(tmp_path: Path) -> No
 
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from cloud.tensor_models import TensorPool, TensorVersion
+    from cloud.serving.tensor_models import TensorPool, TensorVersion
     from controlplane.registry.store import LocalArtifactStore
     from shared.artifacts import build_manifest, sign_manifest
     from shared.errors import ServiceUnavailableError

@@ -24,7 +24,7 @@ import pytest
 from click.testing import CliRunner
 from sqlmodel import Session, col, select
 
-from cloud.edge_releases import publish_command
+from cloud.edge.releases import publish_command
 from console.management_api import create_token
 from console.passwords import create_user
 from controlplane.fleet.devices import create_enrollment_token

@@ -28,7 +28,7 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from cloud.quality_monitor import ShadowIntake
+from cloud.edge.quality_monitor import ShadowIntake
 from controlplane.billing import budget_admin, credit
 from controlplane.billing.budgets import PriceBook
 from controlplane.billing.invoicing import PriceSpec, add_price

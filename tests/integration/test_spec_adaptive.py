@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cloud.engine import LLM, SamplingParams
-from cloud.engine.cpu_kernels import FusedDecoder
+from cloud.engine.fused_decoder import FusedDecoder
 from shared.zoo.registry import ZooLayout
 
 PROMPTS = ["def main(argv):\n", "import os\n\n\nclass Config:\n    ", "    for i in range(len(", "# Copyright"]

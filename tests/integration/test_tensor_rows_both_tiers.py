@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from cloud.tensor_models import TensorPool
+from cloud.serving.tensor_models import TensorPool
 from edge_agent.tensors import LocalClassifier
 from shared.errors import ValidationError
 from shared.tensor_rows import MAX_ROWS

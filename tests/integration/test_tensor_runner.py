@@ -13,9 +13,15 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from cloud.tensor.batcher import DynamicBatcher
-from cloud.tensor.onnx_runner import CPU_PROVIDER, CUDA_PROVIDER, TENSORRT_PROVIDER, OnnxRunner, select_providers
-from cloud.tensor.tensorrt_runner import TensorRTRunner, build_plan
+from cloud.serving.tensor.batcher import DynamicBatcher
+from cloud.serving.tensor.onnx_runner import (
+    CPU_PROVIDER,
+    CUDA_PROVIDER,
+    TENSORRT_PROVIDER,
+    OnnxRunner,
+    select_providers,
+)
+from cloud.serving.tensor.tensorrt_runner import TensorRTRunner, build_plan
 from shared.errors import ConfigurationError, ValidationError
 from shared.zoo.registry import ZooLayout
 

@@ -34,8 +34,8 @@ from click.testing import CliRunner
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from cloud.edge_releases import publish_command
-from cloud.ids import ID_SECRET_FILE, load_or_create_id_secret
+from cloud.edge.releases import publish_command
+from cloud.gateway.ids import ID_SECRET_FILE, load_or_create_id_secret
 from controlplane.fleet.devices import create_enrollment_token
 from controlplane.storage.database import create_db
 from controlplane.storage.migrate import upgrade

@@ -1,5 +1,5 @@
-"""The gateway's HTTP/1.1 client to its model servers (``cloud.backends.http1``) against raw asyncio socket servers
-on 127.0.0.1: every body framing a server may use, 1xx answers, keep-alive reuse, the one retry on a connection
+"""The gateway's HTTP/1.1 client to its model servers (``cloud.serving.backends.http1``) against raw asyncio socket
+servers on 127.0.0.1: every body framing a server may use, 1xx answers, keep-alive reuse, the one retry on a connection
 the server closed before answering (and none once bytes arrived), and httpx's exception types for the failures
 the failover and the endpoint breakers act on."""
 
@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from cloud.backends.http1 import Http1Client, HttpxUpstream, upstream_client
+from cloud.serving.backends.http1 import Http1Client, HttpxUpstream, upstream_client
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.integration

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from sqlmodel import Session, select
 
-from cloud.ids import ID_SECRET_FILE, CloudIds
+from cloud.gateway.ids import ID_SECRET_FILE, CloudIds
 from controlplane.fleet.devices import create_enrollment_token, device_usage_id
 from controlplane.storage.database import create_db
 from controlplane.storage.tables import UsageRecord

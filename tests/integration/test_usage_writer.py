@@ -11,8 +11,8 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from cloud.metering import UsageWriter
-from cloud.observability import Metrics
+from cloud.gateway.metering import UsageWriter
+from cloud.gateway.observability import Metrics
 from controlplane.storage.database import create_db
 from controlplane.storage.tables import Tenant, UsageRecord
 

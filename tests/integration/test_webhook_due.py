@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from cloud.jobs import JobSettings
-from cloud.webhook_dispatcher import WebhookDispatcher
+from cloud.gateway.jobs import JobSettings
+from cloud.gateway.webhook_dispatcher import WebhookDispatcher
 from controlplane.storage.database import create_db
 from tests.conftest import migrated_sqlite
 from tests.integration.webhook_support import queue_delivery

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 from sqlmodel import Session, select
 
-from cloud import webhook_dispatcher
-from cloud.jobs import JobSettings
-from cloud.webhook_dispatcher import WebhookDispatcher
-from cloud.webhooks import is_valid_signature
+from cloud.gateway import webhook_dispatcher
+from cloud.gateway.jobs import JobSettings
+from cloud.gateway.webhook_dispatcher import WebhookDispatcher
+from cloud.gateway.webhooks import is_valid_signature
 from controlplane.storage.database import create_db
 from controlplane.storage.tables import WebhookAttempt, WebhookDelivery, WebhookSecret
 from tests.integration.webhook_support import queue_delivery

@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from cloud.webhooks import WebhookStore, new_delivery_id
+from cloud.gateway.webhooks import WebhookStore, new_delivery_id
 from controlplane.storage.tables import WebhookDelivery
 from controlplane.tenancy.service import create_tenant
 

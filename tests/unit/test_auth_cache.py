@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from cloud.auth_cache import AuthCache
+from cloud.gateway.auth_cache import AuthCache
 from controlplane.storage.tables import ApiKey, Tenant
 from shared.errors import AuthenticationError
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from cloud.backends.config import load_backends
-from cloud.backends.pool import Endpoint, PoolCollector, ReplicaPool, UpstreamUnavailableError
+from cloud.serving.backends.config import load_backends
+from cloud.serving.backends.pool import Endpoint, PoolCollector, ReplicaPool, UpstreamUnavailableError
 from shared.errors import ConfigurationError
 
 

@@ -9,9 +9,9 @@ from typing import cast
 
 import pytest
 
-from cloud.canary import canary_arm, route_registry, routed_versions
 from cloud.engine.async_engine import AsyncLLMEngine
-from cloud.engine_pool import EnginePool, RegistryEntry, ServedLM, split_model
+from cloud.serving.canary import canary_arm, route_registry, routed_versions
+from cloud.serving.engine_pool import EnginePool, RegistryEntry, ServedLM, split_model
 from controlplane.rollouts.service import RolloutPlan
 from shared.errors import NotFoundError
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cloud.ids import ID_SECRET_FILE, CloudIds, load_or_create_id_secret
+from cloud.gateway.ids import ID_SECRET_FILE, CloudIds, load_or_create_id_secret
 from shared.errors import ConfigurationError
 
 

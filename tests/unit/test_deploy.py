@@ -7,7 +7,7 @@ import tomllib
 from pathlib import Path
 
 from cloud.settings import CloudSettings
-from console.auth import ConsoleAuthSettings
+from console.session_cookie import ConsoleAuthSettings
 from edge_agent.settings import EdgeSettings
 from shared.backend_spec import UpstreamSettings
 from shared.settings import CoreSettings, DatabaseSettings, SecretSettings, ServiceSettings

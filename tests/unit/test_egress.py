@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from cloud.backends.pool import ReplicaPool, pinned_roots
-from cloud.backends.upstream import make_pool
+from cloud.serving.backends.pool import ReplicaPool, pinned_roots
+from cloud.serving.backends.upstream import make_pool
 from controlplane.registry.service import check_serving
 from shared.backend_spec import KeySources, ServingSpec, UpstreamSettings, UpstreamSpec
 from shared.egress import EgressPolicy, own_listeners

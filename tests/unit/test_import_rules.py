@@ -2,9 +2,9 @@
 
 Over the project's own modules: each top-level package imports only the packages its layer allows, ``shared``
 outside its zoo needs nothing a device lacks, and no two files import each other, directly or around a longer
-circle. Imports inside functions count; imports under ``if TYPE_CHECKING:`` count for the layer rules (a type
-still ties the packages) but not for circles (they never run). The edge agent is also imported for real with
-torch and the database stack blocked.
+circle. Inside ``cloud/`` each room imports only the rooms below it. Imports inside functions count, and so do imports
+under ``if TYPE_CHECKING:``: a type still ties two files (read one, you must read the other), so a type-only circle
+is a circle. The edge agent is also imported for real with torch and the database stack blocked.
 """
 
 from __future__ import annotations
@@ -32,6 +32,16 @@ ALLOWED: dict[str, frozenset[str]] = {
     "bench": frozenset(PACKAGES) - {"bench"},
 }
 
+# The rooms of cloud/ (docs/architecture.md): room -> the rooms it may import. Modules directly in cloud/ other than
+# its settings (the app that wires the rooms together, the CLI) are imported by no room.
+ROOMS: dict[str, frozenset[str]] = {
+    "cloud.engine": frozenset(),
+    "cloud.serving": frozenset({"cloud.engine"}),
+    "cloud.gateway": frozenset({"cloud.serving", "cloud.engine"}),
+    "cloud.edge": frozenset({"cloud.gateway", "cloud.serving", "cloud.engine"}),
+}
+ROOM_COMMONS = frozenset({"cloud", "cloud.settings"})  # what every room may read
+
 # What a device does not install: only shared/zoo/ (build-time tooling) in shared/ may import these.
 SERVER_STACK = frozenset({"torch", "transformers", "sqlalchemy", "sqlmodel", "alembic", "psycopg"})
 
@@ -43,7 +53,6 @@ class Import:
     source: str  # the importing module
     target: str
     line: int
-    type_checking: bool
 
 
 def module_names(root: Path, packages: tuple[str, ...]) -> dict[str, Path]:
@@ -58,24 +67,11 @@ def module_names(root: Path, packages: tuple[str, ...]) -> dict[str, Path]:
     return found
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
-def _statements(tree: ast.AST, type_checking: bool = False) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
-    """Every import statement under ``tree`` at any depth, with whether it sits in an ``if TYPE_CHECKING:`` body."""
-    for node in ast.iter_child_nodes(tree):
+def _statements(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement under ``tree`` at any depth: in functions and under ``if TYPE_CHECKING:`` too."""
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import | ast.ImportFrom):
-            yield node, type_checking
-        elif isinstance(node, ast.If) and _is_type_checking(node.test):
-            for child in node.body:
-                yield from _statements(ast.Module(body=[child], type_ignores=[]), True)
-            for child in node.orelse:
-                yield from _statements(ast.Module(body=[child], type_ignores=[]), type_checking)
-        else:
-            yield from _statements(node, type_checking)
+            yield node
 
 
 def imports_of(module: str, path: Path, modules: dict[str, Path]) -> list[Import]:
@@ -87,7 +83,7 @@ def imports_of(module: str, path: Path, modules: dict[str, Path]) -> list[Import
     is_package = path.name == "__init__.py"
     project = {name.split(".")[0] for name in modules}
     found: list[Import] = []
-    for node, type_checking in _statements(ast.parse(path.read_text(), filename=str(path))):
+    for node in _statements(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         else:
@@ -104,7 +100,7 @@ def imports_of(module: str, path: Path, modules: dict[str, Path]) -> list[Import
         for target in targets:
             while target not in modules and "." in target and target.split(".")[0] in project:
                 target = target.rsplit(".", 1)[0]
-            found.append(Import(module, target, node.lineno, type_checking))
+            found.append(Import(module, target, node.lineno))
     return found
 
 
@@ -124,6 +120,26 @@ def layer_violations(root: Path, packages: tuple[str, ...] = PACKAGES) -> list[s
             where = modules[imp.source].relative_to(root)
             found.append(f"{where}:{imp.line} imports {imp.target} ({source_top} may import {_allowed(source_top)})")
     return found
+
+
+def _room(module: str) -> str | None:
+    return next((room for room in ROOMS if module == room or module.startswith(room + ".")), None)
+
+
+def room_violations(root: Path) -> list[str]:
+    """``file:line imports module`` for every import between the rooms of ``cloud/`` that ``ROOMS`` forbids."""
+    modules, edges = import_graph(root)
+    found: set[str] = set()
+    for imp in edges:
+        source, target = _room(imp.source), _room(imp.target)
+        if source is None or target == source or imp.target.split(".")[0] != "cloud":
+            continue
+        if target in ROOMS[source] or (target is None and imp.target in ROOM_COMMONS):
+            continue
+        allowed = "the rooms " + (", ".join(sorted(ROOMS[source])) or "none") + " and cloud.settings"
+        where = modules[imp.source].relative_to(root)
+        found.add(f"{where}:{imp.line} imports {imp.target} ({source} may import {allowed})")
+    return sorted(found)
 
 
 def server_stack_in_shared(root: Path) -> list[str]:
@@ -189,7 +205,7 @@ def import_circles(root: Path, packages: tuple[str, ...] = PACKAGES) -> list[str
     edges: dict[str, set[str]] = {}
     lines: dict[tuple[str, str], int] = {}
     for imp in imports:
-        if imp.type_checking or imp.target not in modules or imp.target == imp.source:
+        if imp.target not in modules or imp.target == imp.source:
             continue
         edges.setdefault(imp.source, set()).add(imp.target)
         lines.setdefault((imp.source, imp.target), imp.line)
@@ -211,6 +227,36 @@ def import_circles(root: Path, packages: tuple[str, ...] = PACKAGES) -> list[str
 def test_packages_import_only_what_their_layer_allows() -> None:
     found = layer_violations(REPO)
     assert not found, "imports against docs/architecture.md:\n" + "\n".join(found)
+
+
+def test_cloud_rooms_import_only_the_rooms_below() -> None:
+    found = room_violations(REPO)
+    assert not found, "imports between the rooms of cloud/ against docs/architecture.md:\n" + "\n".join(found)
+
+
+def test_room_checker_catches_an_import_upwards(tmp_path: Path) -> None:
+    root = _tree(
+        tmp_path,
+        {
+            "cloud/engine/model.py": (
+                "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from cloud.gateway import app\n"
+            ),
+            "cloud/serving/pool.py": (
+                "from cloud.engine import model\nfrom cloud import settings\nfrom cloud.edge import sync\n"
+            ),
+            "cloud/gateway/app.py": "from cloud.serving import pool\n",
+            "cloud/edge/sync.py": "from cloud.gateway import app\nfrom cloud.serving.pool import x\nimport cloud.cli\n",
+            "cloud/settings.py": "",
+            "cloud/cli.py": "from cloud.edge import sync\n",
+        },
+    )
+    assert sorted(room_violations(root)) == [
+        "cloud/edge/sync.py:3 imports cloud.cli (cloud.edge may import the rooms cloud.engine, cloud.gateway, "
+        "cloud.serving and cloud.settings)",
+        "cloud/engine/model.py:3 imports cloud.gateway.app (cloud.engine may import the rooms none and cloud.settings)",
+        "cloud/serving/pool.py:3 imports cloud.edge.sync (cloud.serving may import the rooms cloud.engine and "
+        "cloud.settings)",
+    ]
 
 
 def test_shared_outside_the_zoo_needs_no_server_stack() -> None:
@@ -302,7 +348,7 @@ def test_circle_checker_finds_a_circle_through_a_function_level_import(tmp_path:
     assert "cloud/b.py:2 -> cloud.c" in circles[0] and "cloud/d.py" not in circles[0]
 
 
-def test_circle_checker_ignores_type_checking_imports(tmp_path: Path) -> None:
+def test_circle_checker_finds_a_type_only_circle(tmp_path: Path) -> None:
     root = _tree(
         tmp_path,
         {
@@ -310,9 +356,12 @@ def test_circle_checker_ignores_type_checking_imports(tmp_path: Path) -> None:
             "cloud/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from cloud.a import X\n",
         },
     )
-    assert import_circles(root) == []
+    circles = import_circles(root)
+    assert len(circles) == 1 and "cloud/b.py:3 -> cloud.a" in circles[0], circles
     (root / "cloud/b.py").write_text("import typing\nif typing.TYPE_CHECKING:\n    pass\nelse:\n    import cloud.a\n")
     assert len(import_circles(root)) == 1
+    (root / "cloud/b.py").write_text("X = 1\n")
+    assert import_circles(root) == []
 
 
 # Runs in a fresh interpreter where `import torch` (and the database stack) fails, as on a device.

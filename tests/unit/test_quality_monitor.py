@@ -195,7 +195,7 @@ def test_the_shadow_request_takes_classifier_batches_as_before_and_lm_batches() 
 
 
 def test_an_lm_sample_agrees_as_its_policy_defines_agreement() -> None:
-    from cloud.quality_monitor import lm_agrees, min_token_share
+    from cloud.edge.quality_monitor import lm_agrees, min_token_share
 
     assert lm_agrees([1, 2, 3], [1, 2, 3]) == (True, 1.0)
     assert lm_agrees([1, 2, 3, 4], [1, 2, 3, 5]) == (False, 0.75)  # exact by default: one token differs

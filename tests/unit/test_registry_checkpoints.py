@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cloud.registry_models import is_enabled, parse_names
+from cloud.serving.registry_models import is_enabled, parse_names
 from controlplane.registry.service import check_checkpoint, read_checkpoint_config, release_model
 from shared.architectures import ENGINE_ARCHITECTURES, support_for, supported_list
 from shared.errors import ValidationError

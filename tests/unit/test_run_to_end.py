@@ -8,7 +8,7 @@ import asyncio
 
 import anyio
 
-from cloud.completions import run_to_end
+from cloud.serving.completions import run_to_end
 
 
 def _settle_in_a_cancelled_scope(finish: bool) -> list[str]:

@@ -11,10 +11,10 @@ from typing import Any, cast
 import pytest
 from sqlalchemy.engine import Engine
 
-from cloud.canary import shadow_target
 from cloud.engine.async_engine import AsyncLLMEngine
-from cloud.engine_pool import RegistryEntry, ServedLM
-from cloud.shadow import Mirror, ShadowMirror
+from cloud.serving.canary import shadow_target
+from cloud.serving.engine_pool import RegistryEntry, ServedLM
+from cloud.serving.shadow import Mirror, ShadowMirror
 from controlplane.rollouts.analysis import ShadowStats, analyse_shadow, token_agreement
 from controlplane.rollouts.service import RolloutPlan, RolloutSpec, validate_spec
 from shared.errors import ValidationError

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from cloud.backends.upstream import _aclose, _sse_batches
+from cloud.serving.backends.upstream import _aclose, _sse_batches
 
 
 def _batches(*reads: bytes) -> list[list[bytes]]:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from cloud.tensor.batcher import DynamicBatcher
+from cloud.serving.tensor.batcher import DynamicBatcher
 from shared.errors import ApplicationError, ConfigurationError, RateLimitError, ServiceUnavailableError, ValidationError
 
 WEIGHTS = np.arange(12, dtype=np.float32).reshape(4, 3)

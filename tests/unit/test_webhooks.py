@@ -9,9 +9,9 @@ import random
 
 import pytest
 
-from cloud.ids import CloudIds
-from cloud.jobs import job_json
-from cloud.webhooks import is_valid_signature, new_secret, retry_delay, sign, validate_webhook_url
+from cloud.gateway.ids import CloudIds
+from cloud.gateway.jobs import job_json
+from cloud.gateway.webhooks import is_valid_signature, new_secret, retry_delay, sign, validate_webhook_url
 from controlplane.storage.tables import Job
 from shared.errors import ValidationError
 
