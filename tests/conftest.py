@@ -3,6 +3,7 @@ and real servers started as subprocesses on free ports."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
@@ -37,14 +38,26 @@ def session_data_dir(request: pytest.FixtureRequest) -> Path:
     return Path(request.config.cache.mkdir("tierline-data"))
 
 
+@contextmanager
+def _cache_lock(session_data_dir: Path) -> Iterator[None]:
+    """Held while the zoo cache is checked or built: the suite's xdist workers share it, and one builds it."""
+    with open(session_data_dir / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="session")
 def tiny_zoo(session_data_dir: Path) -> Path:
     """The tiny preset, built once per test session with the session's signing key."""
     from shared.zoo.build import build_zoo
     from shared.zoo.presets import TINY
 
-    key = load_or_create_signing_key(session_data_dir / "keys" / "artifact-signing.ed25519")
-    build_zoo(TINY, session_data_dir / "zoo", key)
+    with _cache_lock(session_data_dir):
+        key = load_or_create_signing_key(session_data_dir / "keys" / "artifact-signing.ed25519")
+        build_zoo(TINY, session_data_dir / "zoo", key)
     return session_data_dir / "zoo" / "tiny"
 
 
@@ -55,8 +68,9 @@ def demo_zoo(session_data_dir: Path) -> Path:
     from shared.zoo.build import build_zoo
     from shared.zoo.presets import DEMO
 
-    key = load_or_create_signing_key(session_data_dir / "keys" / "artifact-signing.ed25519")
-    build_zoo(DEMO, session_data_dir / "zoo", key)
+    with _cache_lock(session_data_dir):
+        key = load_or_create_signing_key(session_data_dir / "keys" / "artifact-signing.ed25519")
+        build_zoo(DEMO, session_data_dir / "zoo", key)
     return session_data_dir / "zoo" / "demo"
 
 
