@@ -16,14 +16,51 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
 
 from shared.artifacts import load_or_create_signing_key
 
+if TYPE_CHECKING:
+    from shared.zoo.presets import Preset
+
 REPO = Path(__file__).resolve().parent.parent
 PG_URL = os.environ.get("TIERLINE_TEST_DATABASE_URL")
+
+
+# `make test` runs files on several xdist workers (--dist loadfile hands them out in collection order). The
+# longest go first, so that no worker is left alone with a long file at the end while the others idle: by the
+# seconds each file took in the last run here (pytest's cache), else by folder (end to end, integration, unit).
+_FILE_SECONDS = "tierline/file-seconds"
+_FOLDER_ORDER = {"e2e": 0, "integration": 1, "unit": 2}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    seconds: dict[str, float] = config.cache.get(_FILE_SECONDS, {}) if config.cache is not None else {}
+
+    def key(item: pytest.Item) -> tuple[int, float]:
+        return (_FOLDER_ORDER.get(item.path.parent.name, 1), -seconds.get(item.nodeid.split("::")[0], 0.0))
+
+    items.sort(key=key)  # stable: a file's tests stay together and in their order
+
+
+_seconds: dict[str, float] = {}  # this run's seconds per file
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Seconds per file (setup, call and teardown), gathered where the reports arrive: the xdist controller, or
+    the one process without xdist."""
+    path = report.nodeid.split("::")[0]
+    _seconds[path] = _seconds.get(path, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    cache = session.config.cache
+    if _seconds and cache is not None and not hasattr(session.config, "workerinput"):
+        known: dict[str, float] = cache.get(_FILE_SECONDS, {})
+        cache.set(_FILE_SECONDS, known | {path: round(s, 1) for path, s in _seconds.items()})
 
 
 def free_port() -> int:
@@ -39,9 +76,9 @@ def session_data_dir(request: pytest.FixtureRequest) -> Path:
 
 
 @contextmanager
-def _cache_lock(session_data_dir: Path) -> Iterator[None]:
-    """Held while the zoo cache is checked or built: the suite's xdist workers share it, and one builds it."""
-    with open(session_data_dir / ".build.lock", "w") as lock:
+def _locked(path: Path) -> Iterator[None]:
+    """``path`` held as an exclusive lock: the suite's xdist workers share pytest's cache dir."""
+    with open(path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
@@ -49,29 +86,33 @@ def _cache_lock(session_data_dir: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def _built_zoo(session_data_dir: Path, preset: Preset) -> Path:
+    """``preset`` built (or found, by its fingerprint) with the session's signing key: one worker builds it while
+    the others wait; the presets build side by side (each in a folder of its own)."""
+    from shared.zoo.build import build_zoo
+
+    with _locked(session_data_dir / ".keys.lock"):
+        key = load_or_create_signing_key(session_data_dir / "keys" / "artifact-signing.ed25519")
+    with _locked(session_data_dir / f".build-{preset.name}.lock"):
+        build_zoo(preset, session_data_dir / "zoo", key)
+    return session_data_dir / "zoo" / preset.name
+
+
 @pytest.fixture(scope="session")
 def tiny_zoo(session_data_dir: Path) -> Path:
     """The tiny preset, built once per test session with the session's signing key."""
-    from shared.zoo.build import build_zoo
     from shared.zoo.presets import TINY
 
-    with _cache_lock(session_data_dir):
-        key = load_or_create_signing_key(session_data_dir / "keys" / "artifact-signing.ed25519")
-        build_zoo(TINY, session_data_dir / "zoo", key)
-    return session_data_dir / "zoo" / "tiny"
+    return _built_zoo(session_data_dir, TINY)
 
 
 @pytest.fixture(scope="session")
 def demo_zoo(session_data_dir: Path) -> Path:
     """The demo preset (``make demo``'s zoo), built beside the tiny one with the session's signing key: minutes on
     the first use, then cached in pytest's cache dir until the zoo's code or preset changes (its fingerprint)."""
-    from shared.zoo.build import build_zoo
     from shared.zoo.presets import DEMO
 
-    with _cache_lock(session_data_dir):
-        key = load_or_create_signing_key(session_data_dir / "keys" / "artifact-signing.ed25519")
-        build_zoo(DEMO, session_data_dir / "zoo", key)
-    return session_data_dir / "zoo" / "demo"
+    return _built_zoo(session_data_dir, DEMO)
 
 
 @pytest.fixture(scope="session")
