@@ -97,11 +97,11 @@ chromium:
 		|| apt-get install -y -q chromium || (apt-get update -q && apt-get install -y -q chromium) \
 		|| echo "chromium is not installed: the console's browser test will be skipped"
 
-# Files run on TEST_WORKERS processes (pytest-xdist): most of the suite waits on the servers it starts, so four
-# workers keep two cores busy; each file stays on one worker (its module fixtures are started once).
+# Files run on TEST_WORKERS processes (pytest-xdist), each file on one worker (its module fixtures start once), in
+# the order tests/conftest.py gives them (longest first; xdist's own reorder would put one-test files last).
 TEST_WORKERS ?= 4
 test: install chromium
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check .

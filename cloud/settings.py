@@ -24,6 +24,11 @@ class CloudSettings(BaseSettings):
         description="the CPU engine's weights: int8 is weight-only int8 (one scale per output column) read by the "
         "fused small steps, faster at batch 1 and no longer exact (docs/engine.md)",
     )
+    draft_cpu_weights: Literal["fp32", "int8"] = Field(
+        "int8",
+        description="the speculative draft's CPU weights: int8 makes its steps cheaper; the target verifies every "
+        "token it proposes, so outputs do not change",
+    )
     num_threads: int | None = Field(
         None, ge=1, description="torch threads per engine (default: all cores but one with engine_process, else all)"
     )

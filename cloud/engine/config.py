@@ -26,7 +26,9 @@ class EngineConfig:
     ``cpu_weights``: ``int8`` runs those fused steps on weight-only int8 projections (one scale per output column;
     a quarter of the bytes a batch-1 step reads), and the torch model's larger steps on the same values dequantized:
     faster at batch 1, logits no longer equal to fp32's (docs/engine.md states the greedy agreement). ``fp32``
-    (default): the checkpoint's own weights.
+    (default): the checkpoint's own weights. ``draft_cpu_weights``: the same for the draft model, ``int8`` by
+    default: a draft only proposes tokens the target then verifies, so its weights change how many are accepted,
+    never the output, and a cheaper draft step is what speculation at batch 1 pays for.
     """
 
     model_dir: Path
@@ -50,6 +52,7 @@ class EngineConfig:
     grammar_jump_forward: bool = True
     fused_decode: bool = True
     cpu_weights: str = "fp32"
+    draft_cpu_weights: str = "int8"
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)
@@ -59,6 +62,8 @@ class EngineConfig:
             self.speculation = "draft" if self.draft_model_dir is not None else "off"
         if self.cpu_weights not in CPU_WEIGHTS:
             raise ValueError(f"cpu_weights must be one of {CPU_WEIGHTS}, got {self.cpu_weights!r}")
+        if self.draft_cpu_weights not in CPU_WEIGHTS:
+            raise ValueError(f"draft_cpu_weights must be one of {CPU_WEIGHTS}, got {self.draft_cpu_weights!r}")
         if self.speculation not in SPECULATION_METHODS:
             raise ValueError(f"speculation must be one of {SPECULATION_METHODS}, got {self.speculation!r}")
         if self.speculation == "draft" and self.draft_model_dir is None:

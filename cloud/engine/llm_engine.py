@@ -102,7 +102,7 @@ class LLMEngine:
         self.dtype = dtype
         self.num_blocks = self._num_kv_blocks()
 
-        def runner(model_dir: Path) -> ModelRunner:  # the target and its draft share the KV geometry
+        def runner(model_dir: Path, weights: str) -> ModelRunner:  # the target and its draft share the KV geometry
             return ModelRunner(
                 model_dir,
                 self.device,
@@ -111,11 +111,12 @@ class LLMEngine:
                 self.num_blocks,
                 self.max_model_len,
                 fused_decode=config.fused_decode,
-                int8_weights=config.cpu_weights == "int8",
+                int8_weights=weights == "int8",
             )
 
-        self.runner = runner(config.model_dir)
-        self.draft_runner = runner(config.draft_model_dir) if config.draft_model_dir is not None else None
+        self.runner = runner(config.model_dir, config.cpu_weights)
+        draft_dir = config.draft_model_dir
+        self.draft_runner = runner(draft_dir, config.draft_cpu_weights) if draft_dir is not None else None
         self.sampler = Sampler(self.device)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
