@@ -109,6 +109,20 @@ def test_speculation_changes_no_int8_output() -> None:
     assert outputs["draft"] == outputs["off"] and outputs["ngram"] == outputs["off"]
 
 
+def test_an_int8_draft_proposes_and_the_fp32_target_decides() -> None:
+    """The draft's weights are int8 by default (``draft_cpu_weights``) and the target's stay fp32: the draft only
+    proposes, so greedy outputs are exactly plain fp32 decoding's, and most proposals are still accepted."""
+    plain = _generate(LLM(DEMO_LM, kv_cache_bytes=32 << 20, speculation="off"))
+    llm = LLM(DEMO_LM, draft_model_dir=DEMO_DRAFT, kv_cache_bytes=32 << 20, adaptive_speculation=False)
+    engine = llm.engine
+    assert engine.draft_runner is not None and engine.draft_runner.fused_decoder is not None
+    assert engine.runner.fused_decoder is not None
+    assert engine.draft_runner.fused_decoder.int8_weights and not engine.runner.fused_decoder.int8_weights
+    assert _generate(llm) == plain
+    proposed, accepted = engine.stats.spec_proposed["draft"], engine.stats.spec_accepted["draft"]
+    assert proposed > 0 and accepted / proposed > 0.5, (accepted, proposed)
+
+
 def test_an_unknown_weight_format_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="cpu_weights must be one of"):
         EngineConfig(model_dir=DEMO_LM, cpu_weights="int4")
@@ -117,3 +131,6 @@ def test_an_unknown_weight_format_is_refused(monkeypatch: pytest.MonkeyPatch) ->
         CloudSettings()
     monkeypatch.setenv("TIERLINE_CLOUD_CPU_WEIGHTS", "int8")
     assert CloudSettings().cpu_weights == "int8"
+    with pytest.raises(ValueError, match="draft_cpu_weights must be one of"):
+        EngineConfig(model_dir=DEMO_LM, draft_cpu_weights="int4")
+    assert CloudSettings().draft_cpu_weights == "int8"
