@@ -295,7 +295,13 @@ def reserve_request(
             return None
         known = _known(engine)
         missing = [w.key for w in windows if ("window", *w.key) not in known]
-        _insert_windows(session.connection(), missing)
+        if missing:
+            # Committed before the hold, never inside it: the hold takes its rows in one order (month, then
+            # windows), and a sync's spend does too (``add_spend``). A window row inserted and not yet committed
+            # here would make a sync that holds the month wait on this transaction while it waits on the month.
+            _insert_windows(session.connection(), missing)
+            session.commit()
+            _remember(engine, *(("window", *key) for key in missing))
         reservation_id, _, on_credit = _hold_in(
             session, tenant_id, period, budget, amount, lease_s, windows, is_prepaid=is_prepaid
         )
@@ -303,7 +309,6 @@ def reserve_request(
             session.rollback()
         else:
             session.commit()
-            _remember(engine, *(("window", *key) for key in missing))
     if reservation_id is None:
         return reserve(engine, tenant_id, budget, amount, at=at, lease_s=lease_s, windows=windows)
     keys = tuple(w.key for w in windows)

@@ -21,14 +21,21 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import create_engine
+from sqlalchemy import create_engine, update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from controlplane.billing import budget_admin
-from controlplane.billing.budgets import BudgetExceededError, add_spend, reserve, settle, tightest_remaining
-from controlplane.billing.scopes import applicable
-from controlplane.storage.tables import ApiKey, Budget, BudgetWindow, Tenant, UsageRecord
+from controlplane.billing.budgets import (
+    BudgetExceededError,
+    add_spend,
+    reserve,
+    reserve_request,
+    settle,
+    tightest_remaining,
+)
+from controlplane.billing.scopes import Attribution, applicable
+from controlplane.storage.tables import ApiKey, Budget, BudgetPeriod, BudgetWindow, Tenant, UsageRecord
 from tests.conftest import REPO, base_env, free_port, run_server, seed_data_dir, tierline_cmd
 
 pytestmark = pytest.mark.integration
@@ -291,3 +298,54 @@ def test_a_window_row_gone_since_it_was_seen_is_made_again(migrated_db: str) -> 
     row = _window(engine, budget_id)
     assert (row.spent, row.reserved) == (Decimal("0.10"), Decimal(0))
     engine.dispose()
+
+
+def test_a_sync_holding_the_month_and_a_request_making_its_windows_never_deadlock(migrated_db: str) -> None:
+    """A device's sync books its spend in one order, the tenant's month and then its end user's windows, and so does
+    a cloud request's hold. A request that must first make the end user's window rows makes and commits them
+    before it holds: left uncommitted, a sync holding the month would wait on them while the request waits on the
+    month (PostgreSQL: "deadlock detected", the escalation a 500). Both finish and both amounts are counted."""
+    engine = _engine(migrated_db)
+    with Session(engine) as s:
+        tenant = Tenant(name="crosswise", monthly_budget=Decimal("50.00"))
+        s.add(tenant)
+        s.flush()
+        daily = budget_admin.set_budget(
+            s, tenant, scope="user", ref="frank", period="day", amount=Decimal("5.00"), is_hard=True, actor="t"
+        )
+        s.commit()
+        tenant_id, daily_id = tenant.id or 0, daily.id or 0
+    now = datetime.now(UTC)
+    with Session(engine) as s:  # the month's row exists; frank's window rows do not yet
+        add_spend(s, tenant_id, now, Decimal("0.01"))
+        s.commit()
+    assert not _windows(engine, daily_id)
+    frank = Attribution(subject="frank")
+    outcome: dict[str, Any] = {}
+
+    def request() -> None:
+        try:
+            outcome["hold"] = reserve_request(engine, tenant_id, Decimal("50.00"), Decimal("0.10"), frank)
+        except Exception as exc:
+            outcome["error"] = exc
+
+    with Session(engine) as sync:
+        sync.execute(  # the sync holds the month's row, as add_spend does first
+            update(BudgetPeriod).where(col(BudgetPeriod.tenant_id) == tenant_id).values(spent=BudgetPeriod.spent)
+        )
+        thread = threading.Thread(target=request)
+        thread.start()
+        time.sleep(1.5)  # the request has made frank's window rows and waits on the month
+        add_spend(sync, tenant_id, now, Decimal("0.02"), frank)
+        sync.commit()
+    thread.join(60)
+    assert "error" not in outcome, outcome
+    assert outcome.get("hold") is not None
+    [row] = _windows(engine, daily_id)  # frank's day
+    assert (row.spent, row.reserved) == (Decimal("0.02"), Decimal("0.10"))
+    engine.dispose()
+
+
+def _windows(engine: Engine, budget_id: int) -> list[BudgetWindow]:
+    with Session(engine) as s:
+        return list(s.exec(select(BudgetWindow).where(BudgetWindow.budget_id == budget_id)))
