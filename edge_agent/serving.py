@@ -238,8 +238,9 @@ async def prepare(models: LocalModels, endpoint: Endpoint, req: ChatCompletionRe
         raise ValidationError("prompt: the edge agent takes one prompt per request", param="prompt")
     prompt = prompts[0]
     ids = lm.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    local = _request(lm, ids, req, req.max_tokens, req.logprobs)  # checked first: ids outside the vocabulary are a 400
     echo = lm.tokenizer.decode(ids) if req.echo else ""
-    return Prepared(endpoint, req, lm, _request(lm, ids, req, req.max_tokens, req.logprobs), echo)
+    return Prepared(endpoint, req, lm, local, echo)
 
 
 def steps(p: Prepared) -> AsyncGenerator[LocalStep, None]:
