@@ -116,7 +116,8 @@ class LLMEngine:
 
         self.runner = runner(config.model_dir, config.cpu_weights)
         draft_dir = config.draft_model_dir
-        self.draft_runner = runner(draft_dir, config.draft_cpu_weights) if draft_dir is not None else None
+        draft_weights = config.draft_cpu_weights if self.device.type == "cpu" else "fp32"  # a CPU layout only
+        self.draft_runner = runner(draft_dir, draft_weights) if draft_dir is not None else None
         self.sampler = Sampler(self.device)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
