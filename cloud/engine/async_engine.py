@@ -22,10 +22,9 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cloud.engine.config import EngineConfig
-from cloud.engine.llm_engine import LLMEngine
 from cloud.engine.outputs import RequestOutput
 from cloud.engine.protocol import (
     AbortRequest,
@@ -39,6 +38,9 @@ from cloud.engine.protocol import (
 from cloud.engine.sampling_params import SamplingParams
 from cloud.engine.tokenizer import ChatTokenizer
 from shared.errors import ServiceUnavailableError
+
+if TYPE_CHECKING:
+    from cloud.engine.llm_engine import LLMEngine  # torch: imported where an engine is built, not by the API
 
 logger = logging.getLogger(__name__)
 
@@ -211,6 +213,8 @@ class AsyncLLMEngine(EngineClient):
 
     @classmethod
     def from_config(cls, config: EngineConfig, name: str | None = None) -> AsyncLLMEngine:
+        from cloud.engine.llm_engine import LLMEngine
+
         return cls(LLMEngine(config), name or config.model_dir.name)
 
     @property
