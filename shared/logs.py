@@ -18,9 +18,10 @@ import uuid
 from collections.abc import Callable
 from contextvars import ContextVar
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from litestar.types import ASGIApp, Message, Receive, Scope, Send
+if TYPE_CHECKING:  # (types only: a CLI command or an engine process need not import the web framework)
+    from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 REQUEST_ID: ContextVar[str | None] = ContextVar("tierline_request_id", default=None)
 CLIENT_CHOSE_ID: ContextVar[bool] = ContextVar("tierline_client_chose_request_id", default=False)

@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import inspect, text
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, SQLModel
 
 from controlplane.storage.database import create_db
-from controlplane.storage.migrate import current_revision, downgrade, head_revision, upgrade
+from controlplane.storage.migrate import alembic_config, current_revision, downgrade, head_revision, upgrade
 from controlplane.storage.tables import UsageRecord
 from controlplane.tenancy.service import authenticate, create_api_key, create_tenant, revoke_api_key
 from shared.errors import AuthenticationError, ConflictError, NotFoundError, ValidationError
@@ -35,9 +36,13 @@ EXPECTED_TABLES = {
 
 
 def test_migrations_apply_from_empty_and_match_the_models(db_url: str) -> None:
-    upgrade(db_url)
     engine = create_db(db_url)
-    assert current_revision(engine) == head_revision()
+    assert current_revision(engine) is None  # never migrated
+    upgrade(db_url)
+    with engine.connect() as conn:  # the revision read without Alembic is Alembic's own
+        assert current_revision(engine) == MigrationContext.configure(conn).get_current_revision()
+    script_head = ScriptDirectory.from_config(alembic_config(db_url)).get_current_head()
+    assert current_revision(engine) == head_revision() == script_head
     assert set(inspect(engine).get_table_names()) >= EXPECTED_TABLES
     with engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), SQLModel.metadata)
