@@ -315,10 +315,15 @@ class LLMEngine:
             return
         by_method: dict[str, list[Sequence]] = {"draft": [], "ngram": []}
         num_decoding = 0
+        # A step with prompt tokens (a sequence prefilling, or one the scheduler has room to admit) is not of a shape
+        # the controller measures: it speculates there only with a k already measured.
+        scheduler = self.scheduler
+        measured = not (scheduler.waiting and len(scheduler.running) < scheduler.config.max_num_seqs)
         for seq in self.scheduler.running:
             seq.num_lookahead = 0
             method = seq.params.speculation or self.config.speculation or "off"
             if seq.num_uncomputed_tokens != 1:
+                measured = False
                 continue
             num_decoding += 1
             # Penalties depend on every accepted token, and a seeded sampled request must draw the same random
@@ -333,14 +338,15 @@ class LLMEngine:
                 continue
             seq.spec_method = method
             by_method[method].append(seq)
+        measured = measured and not (by_method["draft"] and by_method["ngram"])  # (two methods: not measured either)
         for method, seqs in by_method.items():
             if seqs:
-                self._step_plan[method] = self._plan_lookahead(method, seqs, num_decoding)
+                self._step_plan[method] = self._plan_lookahead(method, seqs, num_decoding, measured)
 
-    def _plan_lookahead(self, method: str, seqs: list[Sequence], num_decoding: int) -> int:
+    def _plan_lookahead(self, method: str, seqs: list[Sequence], num_decoding: int, measured: bool) -> int:
         """Proposal slots for ``seqs`` (n-gram proposals looked up now); the k the controller chose."""
         assert self.spec is not None
-        k = self.spec.choose_k(method, len(seqs), num_decoding)
+        k = self.spec.choose_k(method, len(seqs), num_decoding, measured)
         num_lookups = num_found = 0
         for seq in seqs:
             room = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1

@@ -71,8 +71,9 @@ class SpecController:
     proposals a sequence — and its concurrency bucket (``concurrency_bucket``), as an exponentially weighted mean.
     Those are the steps it actually runs: the fused one-token step when plain, the draft's steps and the
     verification when speculating. Where a k is not measured yet in a bucket its cost is extrapolated linearly
-    in k from the bucket's plain cost and its nearest measured k (before any, ``PRIOR_COST_PER_TOKEN`` of a plain
-    step per proposal), so a promising k gets tried; a bucket's first steps are plain, to measure the reference.
+    in k from the bucket's plain cost and its nearest measured k (before any, ``prior_cost_per_token``: what a
+    proposal added in the nearest smaller bucket, at least ``PRIOR_COST_PER_TOKEN`` of a plain step), so a promising
+    k gets tried; a bucket's first steps are plain, to measure the reference.
     Now and then a decision explores instead — while plain wins, the best speculative k; while speculation wins,
     plain and the runner-up k in turn — so that the estimates not being refreshed follow the host's load and the
     contexts' growth. Exploring is paid from a budget of ``EXPLORE_SHARE`` of the time (per method and bucket):
@@ -176,9 +177,30 @@ class SpecController:
             return measured.seconds * (1.0 + self.CAUTION * (error**2 + plain_error**2) ** 0.5)
         nearest = [j for j in range(1, self.max_k + 1) if (method, bucket, j) in self._costs]
         if not nearest:
-            return plain * (1.0 + self.PRIOR_COST_PER_TOKEN * k)
+            return plain * (1.0 + self.prior_cost_per_token(method, bucket) * k)
         j = min(nearest, key=lambda j: (abs(j - k), j))
         return plain + max(0.0, self.estimated_cost(method, num_seqs, j, plain) - plain) * k / j
+
+    def prior_cost_per_token(self, method: str, bucket: int) -> float:
+        """What a proposal is assumed to add to a step of ``bucket`` sequences, in plain steps, before any k is
+        measured there: at least ``PRIOR_COST_PER_TOKEN``, and at least what one added in the nearest smaller bucket
+        measured (its dearest k). A step's rows cost more, relative to its weights, the larger the batch (the weights
+        are read once a step, every row is computed), so the ratio measured at a smaller batch is a floor for a larger
+        one: the first steps of a large batch do not try a k that smaller batches showed to lose."""
+        smaller = sorted(
+            {b for (m, b, k) in self._costs if m == method and k > 0 and b < bucket and ("plain", b, 0) in self._costs},
+            reverse=True,
+        )
+        if not smaller:
+            return self.PRIOR_COST_PER_TOKEN
+        b = smaller[0]
+        plain = self._costs[("plain", b, 0)].seconds
+        measured = [
+            (self._costs[(method, b, j)].seconds / plain - 1.0) / j
+            for j in range(1, self.max_k + 1)
+            if (method, b, j) in self._costs
+        ]
+        return max([self.PRIOR_COST_PER_TOKEN, *measured])
 
     def tokens_per_seq(self, method: str, k: int) -> float:
         """Expected tokens a sequence gets from a step with k proposals planned."""
@@ -202,9 +224,12 @@ class SpecController:
             for k in range(self.max_k + 1)
         ]
 
-    def choose_k(self, method: str, num_seqs: int, num_decoding: int | None = None) -> int:
+    def choose_k(self, method: str, num_seqs: int, num_decoding: int | None = None, measured: bool = True) -> int:
         """k for the ``num_seqs`` sequences speculating with ``method`` this step, among ``num_decoding`` decoding
-        sequences in all (default: only them)."""
+        sequences in all (default: only them). ``measured``: whether this step's cost will be recorded (it decodes
+        only). A step that will not be (prompt tokens in it) takes a k only where that k's cost is measured in the
+        bucket, and never explores: an untried k taken there would not be learnt from, and the step would take it
+        again, as each step of a batch's prefill did."""
         if not self.adaptive:
             return self.max_k
         num_decoding = max(num_seqs, num_decoding or 0)
@@ -212,10 +237,12 @@ class SpecController:
         if estimates is None:
             return 0
         rates = [tokens / seconds for tokens, seconds in estimates]
-        best = max(range(1, self.max_k + 1), key=lambda k: rates[k], default=0)
+        bucket = concurrency_bucket(num_decoding)
+        known = [k for k in range(1, self.max_k + 1) if measured or (method, bucket, k) in self._costs]
+        best = max(known, key=lambda k: rates[k], default=0)
         if best and rates[best] < self.MIN_GAIN * rates[0]:
             best = 0
-        if self.max_k < 1:
+        if self.max_k < 1 or not measured:
             return best
         # Exploring: while plain wins, the best speculative k; while speculation wins, plain (the reference) and
         # the runner-up k in turn. Each decision adds EXPLORE_SHARE of a step's time to a budget; an exploration

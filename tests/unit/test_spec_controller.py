@@ -131,6 +131,33 @@ def test_a_bucket_starts_plain_and_a_k_is_tried_only_once_plain_is_measured() ->
     assert controller.choose_k("draft", 8) == 0  # another bucket: not measured
 
 
+def test_a_large_batch_does_not_try_a_k_that_a_smaller_batch_showed_to_lose() -> None:
+    """Issue 42's 64 concurrent: the first steps of a large batch (and its steps with prompts, which are not
+    measured) took k from the prior, a proposal a quarter of a plain step, although at 16 a proposal had been
+    measured to cost a whole one; those few dear steps cost the draft 6-11 % against plain. The smaller bucket's
+    measured ratio is now the prior's floor."""
+
+    def measured_at_16(controller: SpecController) -> None:
+        simulate(controller, compute_bound, 16, 0.85, steps=300)
+        assert any(controller.cost("draft", 16, k) is not None for k in range(1, 5))  # a k was tried, and lost
+
+    controller = SpecController(max_k=4)
+    measured_at_16(controller)
+    controller.record_step(None, 0, 64, compute_bound(64, 0))  # the large bucket's plain reference
+    assert controller.prior_cost_per_token("draft", 64) == pytest.approx(1.0, rel=0.3)
+    assert controller.choose_k("draft", 64) == 0
+    rate, ks = simulate(controller, compute_bound, 64, 0.85, steps=300)
+    assert ks[:8] == [0] * 8  # k = 1 (the least dear) only once the exploring budget pays for it
+    assert rate >= 0.98 * 64 / compute_bound(64, 0)
+
+    alone = SpecController(max_k=4)  # the same acceptance, no smaller bucket measured: the prior alone tries a k
+    for _ in range(100):
+        alone.record("draft", 4, 3)
+    alone.record_step(None, 0, 64, compute_bound(64, 0))
+    assert alone.prior_cost_per_token("draft", 64) == SpecController.PRIOR_COST_PER_TOKEN
+    assert alone.choose_k("draft", 64) > 0
+
+
 def test_the_controller_follows_costs_that_change() -> None:
     """Verification dear, then (the host's other load gone) cheap: exploring finds it within a few hundred steps."""
     controller = SpecController(max_k=4)

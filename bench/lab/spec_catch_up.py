@@ -1,0 +1,82 @@
+"""Where draft speculation's time goes at each concurrency: the draft's catch-up on prompts against the gain, in the
+engine (docs/engine.md, "What a draft can buy at batch 1").
+
+    python -m bench.lab.spec_catch_up [ZOO_OR_WEIGHTS_DIR] [--concurrency 1 --concurrency 64 --concurrency 64]
+                                      [--threads 2] [--tokens 96]
+
+``lm-cloud`` plain and with ``lm-draft`` (adaptive controller), the prompts and workload of ``tierline bench spec``,
+each concurrency in the order given (repeat one to see a bucket the controller has already measured), plain first.
+Prints one JSON line per batch: both engines' seconds, the draft's proposing calls and seconds, the tokens it had to
+catch up on first, and the prompts' share of that catch-up (what the controller leaves out of a step's cost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.engine_bench import KV_BYTES, _corpus_ids, _lm, _run_batches, _spec_workload, _workload
+from cloud.engine.config import EngineConfig
+from cloud.engine.llm_engine import LLMEngine
+from cloud.engine.sequence import Sequence
+from shared.zoo.build import committed_weights
+from shared.zoo.presets import DEMO
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("zoo", nargs="?", type=Path, default=committed_weights(DEMO))
+    parser.add_argument("--concurrency", type=int, action="append")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=96)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    target, draft = _lm(args.zoo, "lm-cloud"), _lm(args.zoo, "lm-draft")
+    plain = LLMEngine(EngineConfig(target, kv_cache_bytes=KV_BYTES))
+    spec = LLMEngine(EngineConfig(target, draft_model_dir=draft, kv_cache_bytes=KV_BYTES))
+    assert spec.drafter is not None
+    drafter = spec.drafter
+    concurrency = args.concurrency or [1, 2, 4, 8, 16, 64, 64, 64]
+    work = _workload(_corpus_ids(plain), max(8, *concurrency), (64, 192), (1, 1), 1, plain.max_model_len)
+    prompts = [p for p, _ in work][:8]
+    seen: dict[str, Any] = {"catch_up_tokens": 0, "propose_s": 0.0, "prompt_catch_up_s": 0.0, "propose_calls": 0}
+    propose = drafter.propose
+
+    def timed_propose(seqs: list[Sequence]) -> dict[int, torch.Tensor | None]:
+        seen["catch_up_tokens"] += sum(
+            s.num_tokens - 1 - s.draft_num_computed_tokens
+            for s in seqs
+            if s.num_tokens - s.draft_num_computed_tokens > drafter.MAX_LAG
+        )
+        started = time.perf_counter()
+        try:
+            return propose(seqs)
+        finally:
+            seen["propose_s"] += time.perf_counter() - started
+            seen["prompt_catch_up_s"] += drafter.catch_up_seconds
+            seen["propose_calls"] += 1
+
+    drafter.propose = timed_propose  # type: ignore[method-assign]
+    for engine in (plain, spec):  # warm up: the kernels, the allocator, the controller's first plain steps
+        _run_batches(engine, _spec_workload(prompts[:1], 1, 8))
+    for c in concurrency:
+        batches = _spec_workload(prompts, c, args.tokens)
+        seen.update(catch_up_tokens=0, propose_s=0.0, prompt_catch_up_s=0.0, propose_calls=0)
+        started = time.perf_counter()
+        _run_batches(plain, batches)
+        plain_s = time.perf_counter() - started
+        started = time.perf_counter()
+        _run_batches(spec, batches)
+        spec_s = time.perf_counter() - started
+        row = {"concurrency": c, "plain_s": round(plain_s, 3), "draft_s": round(spec_s, 3)}
+        row |= {"draft_x": round(plain_s / spec_s, 3), **{k: round(v, 3) for k, v in seen.items()}}
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
