@@ -369,6 +369,12 @@ SPEC_CONCURRENCY = (1, 2, 4, 8, 16, 64)
 NEVER_SLOWER_TOLERANCE = 0.98
 
 
+def spec_prompts(engine: LLMEngine, pool: int, num_prompts: int = 8, seed: int = 1) -> list[list[int]]:
+    """``bench spec``'s prompts: held-out text of 64-192 tokens, the first ``num_prompts`` of a pool of ``pool``."""
+    work = _workload(_corpus_ids(engine), pool, (64, 192), (1, 1), seed, engine.max_model_len)
+    return [p for p, _ in work][:num_prompts]
+
+
 def _spec_workload(prompts: list[list[int]], concurrency: int, num_tokens: int) -> list[list[tuple[list[int], int]]]:
     """Batches of requests arriving together: at concurrency 1 each prompt alone, in turn; above, ``concurrency``
     requests at once (the prompts cycled)."""
@@ -434,9 +440,7 @@ def bench_spec(
     also the edge LM as the draft and transformers assisted generation; the cost of a verification in forwards."""
     target, draft = _lm(zoo_root, "lm-cloud"), _lm(zoo_root, "lm-draft")
     plain = LLMEngine(EngineConfig(target, kv_cache_bytes=KV_BYTES))
-    pool = max(num_prompts, max(concurrency))
-    work = _workload(_corpus_ids(plain), pool, (64, 192), (1, 1), seed, plain.max_model_len)
-    prompts = [p for p, _ in work][:num_prompts]
+    prompts = spec_prompts(plain, max(num_prompts, max(concurrency)), num_prompts, seed)
     engines = {
         "plain": plain,
         "draft": LLMEngine(EngineConfig(target, draft_model_dir=draft, kv_cache_bytes=KV_BYTES)),

@@ -21,11 +21,10 @@ import torch
 from bench.engine_bench import (
     KV_BYTES,
     _acceptance,
-    _corpus_ids,
     _lm,
     _run_batches,
     _spec_workload,
-    _workload,
+    spec_prompts,
     spec_sweep,
 )
 from cloud.engine.config import EngineConfig
@@ -49,8 +48,7 @@ def main() -> None:
     target, draft = _lm(args.zoo, "lm-cloud"), _lm(args.zoo, "lm-draft")
     plain = LLMEngine(EngineConfig(target, kv_cache_bytes=KV_BYTES))
     concurrency = tuple(args.concurrency or (1,))
-    work = _workload(_corpus_ids(plain), max(8, *concurrency), (64, 192), (1, 1), 1, plain.max_model_len)
-    prompts = [p for p, _ in work][:8]
+    prompts = spec_prompts(plain, max(8, *concurrency))
     engines = {"plain": plain} | {
         name: LLMEngine(
             EngineConfig(

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from bench.engine_bench import KV_BYTES, _corpus_ids, _lm, _run_batches, _spec_workload, _workload
+from bench.engine_bench import KV_BYTES, _lm, _run_batches, _spec_workload, spec_prompts
 from cloud.engine.config import EngineConfig
 from cloud.engine.llm_engine import LLMEngine
 from cloud.engine.sequence import Sequence
@@ -42,8 +42,7 @@ def main() -> None:
     assert spec.drafter is not None
     drafter = spec.drafter
     concurrency = args.concurrency or [1, 2, 4, 8, 16, 64, 64, 64]
-    work = _workload(_corpus_ids(plain), max(8, *concurrency), (64, 192), (1, 1), 1, plain.max_model_len)
-    prompts = [p for p, _ in work][:8]
+    prompts = spec_prompts(plain, max(8, *concurrency))
     seen: dict[str, Any] = {"catch_up_tokens": 0, "propose_s": 0.0, "prompt_catch_up_s": 0.0, "propose_calls": 0}
     propose = drafter.propose
 
