@@ -12,9 +12,7 @@ equals plain's; the draft's acceptance per engine.
 
 from __future__ import annotations
 
-import argparse
 import json
-from pathlib import Path
 
 import torch
 
@@ -27,22 +25,17 @@ from bench.engine_bench import (
     spec_prompts,
     spec_sweep,
 )
+from bench.lab import spec_lab_parser
 from cloud.engine.config import EngineConfig
 from cloud.engine.llm_engine import LLMEngine
-from shared.zoo.build import committed_weights
-from shared.zoo.presets import DEMO
 
 # name -> (draft weights, the largest k the controller may pick)
 VARIANTS = {"fp32_k4": ("fp32", 4), "int8_k4": ("int8", 4), "fp32_k8": ("fp32", 8), "int8_k8": ("int8", 8)}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("zoo", nargs="?", type=Path, default=committed_weights(DEMO))
-    parser.add_argument("--concurrency", type=int, action="append")
+    parser = spec_lab_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=96)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, draft = _lm(args.zoo, "lm-cloud"), _lm(args.zoo, "lm-draft")

@@ -12,28 +12,21 @@ catch up on first, and the prompts' share of that catch-up (what the controller 
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from bench.engine_bench import KV_BYTES, _lm, _run_batches, _spec_workload, spec_prompts
+from bench.lab import spec_lab_parser
 from cloud.engine.config import EngineConfig
 from cloud.engine.llm_engine import LLMEngine
 from cloud.engine.sequence import Sequence
-from shared.zoo.build import committed_weights
-from shared.zoo.presets import DEMO
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("zoo", nargs="?", type=Path, default=committed_weights(DEMO))
-    parser.add_argument("--concurrency", type=int, action="append")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=96)
+    parser = spec_lab_parser(__doc__)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, draft = _lm(args.zoo, "lm-cloud"), _lm(args.zoo, "lm-draft")

@@ -62,8 +62,7 @@ def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     sequences fill it (``torch.zeros`` writes every byte: ~0.5 s and 5 GiB resident for the default budget here)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = torch.from_numpy(np.zeros(math.prod(shape) * itemsize, dtype=np.uint8))
+    raw = torch.from_numpy(np.zeros(math.prod(shape) * dtype.itemsize, dtype=np.uint8))
     return raw.view(dtype).view(shape)
 
 

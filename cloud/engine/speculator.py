@@ -187,13 +187,12 @@ class SpecController:
         measured (its dearest k). A step's rows cost more, relative to its weights, the larger the batch (the weights
         are read once a step, every row is computed), so the ratio measured at a smaller batch is a floor for a larger
         one: the first steps of a large batch do not try a k that smaller batches showed to lose."""
-        smaller = sorted(
-            {b for (m, b, k) in self._costs if m == method and k > 0 and b < bucket and ("plain", b, 0) in self._costs},
-            reverse=True,
+        b = max(
+            (b for (m, b, k) in self._costs if m == method and k > 0 and b < bucket and ("plain", b, 0) in self._costs),
+            default=None,
         )
-        if not smaller:
+        if b is None:
             return self.PRIOR_COST_PER_TOKEN
-        b = smaller[0]
         plain = self._costs[("plain", b, 0)].seconds
         measured = [
             (self._costs[(method, b, j)].seconds / plain - 1.0) / j
