@@ -168,6 +168,26 @@ def migrated_db(db_url: str) -> str:
     return db_url
 
 
+def engine_processes(server_pid: int) -> list[int]:
+    """The engine processes of a cloud (or ``engine serve``) running as ``server_pid``, oldest first: the children of
+    its multiprocessing fork server, which starts each engine as a fork of itself (``cloud.engine.process``)."""
+    procs: dict[int, tuple[int, int, bytes]] = {}  # pid -> (parent, start time, command line)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state ppid ... starttime is field 22
+        if fields[0] != "Z":
+            procs[int(entry.name)] = (int(fields[1]), int(fields[19]), cmdline)
+    servers = {pid for pid, (parent, _, cmd) in procs.items() if parent == server_pid and b"forkserver" in cmd}
+    engines = [(started, pid) for pid, (parent, started, _) in procs.items() if parent in servers]
+    return [pid for _, pid in sorted(engines)]
+
+
 def tierline_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "tierline.cli", *args]
 

@@ -90,12 +90,13 @@ class EngineProcess(EngineClient):
         self._processor = OutputProcessor(self.tokenizer, config.stream_interval)
         self._requests = RequestCodec()
         self._responses = ResponseCodec()
-        ctx = multiprocessing.get_context("spawn")  # never fork a process that runs threads and torch
+        ctx = _start_context()
+        log_format = os.environ.get("TIERLINE_LOG_FORMAT", "text")  # the fork server's environment is from its start
         commands_in, self._commands = ctx.Pipe(duplex=False)
         self._updates, updates_out = ctx.Pipe(duplex=False)
         self._process = ctx.Process(
             target=_child_main,
-            args=(config, commands_in, updates_out, self.name, log_level),
+            args=(config, commands_in, updates_out, self.name, log_level, log_format),
             name=f"tierline-engine-{self.name}",
             daemon=True,
         )
@@ -413,7 +414,25 @@ def _unfinished(update: RequestOutput) -> bool:
     return not update.finished
 
 
-def _child_main(config: EngineConfig, commands: Connection, updates: Connection, name: str, log_level: str) -> None:
+def _start_context() -> multiprocessing.context.BaseContext:
+    """How engine children start: forked from a fork server that has imported the engine's code (torch, the model,
+    the kernels) once, so a child costs a fork instead of an interpreter and ~1.5 s of imports (one engine per served
+    LM at start, and again for each restart of one that died). Never a fork of the API process itself, which runs
+    threads; the fork server imports and runs nothing else (no torch thread pool yet, CUDA not initialised), as
+    PyTorch's own ``forkserver`` advice has it. ``spawn`` where the platform has no fork server."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([_ENGINE_MODULE, __name__])
+    return ctx
+
+
+_ENGINE_MODULE = "cloud.engine.llm_engine"
+
+
+def _child_main(
+    config: EngineConfig, commands: Connection, updates: Connection, name: str, log_level: str, log_format: str
+) -> None:
     """The child: load the engine's core, then requests and steps until told to stop or the parent is gone."""
     from cloud.engine.llm_engine import LLMEngine
     from shared.logs import configure
@@ -422,7 +441,7 @@ def _child_main(config: EngineConfig, commands: Connection, updates: Connection,
     # first and then stops us (or we see the pipe close when it is gone).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    configure(log_level, os.environ.get("TIERLINE_LOG_FORMAT", "text"))
+    configure(log_level, log_format)
     requests, responses = RequestCodec(), ResponseCodec()
     try:
         engine = LLMEngine(config, process_outputs=False)

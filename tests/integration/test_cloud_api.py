@@ -24,6 +24,7 @@ from controlplane.storage.tables import Tenant, UsageRecord
 from tests.conftest import (
     REPO,
     base_env,
+    engine_processes,
     free_port,
     migrated_sqlite,
     run_server,
@@ -343,16 +344,6 @@ def test_a_reused_request_id_is_billed_for_every_request(cloud_api: dict[str, st
     assert bad.status_code == 400 and bad.headers["x-request-id"] == "same-id-twice"
 
 
-def _engine_processes(pid: int) -> list[int]:
-    """The server's engine children (multiprocessing's spawned processes; not its resource tracker)."""
-    found: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
-                found.append(int(child))
-    return found
-
-
 def test_an_engine_that_dies_mid_stream_ends_the_stream_with_an_error_and_the_cloud_is_not_ready(
     tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_data_dir: Path
 ) -> None:
@@ -373,7 +364,7 @@ def test_an_engine_that_dies_mid_stream_ends_the_stream_with_an_error_and_the_cl
     port = free_port()
     url, headers = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {key}"}
     with server_process(["cloud", "serve"], env, port, ready_path="/readyz", timeout=120) as server:
-        engines = _engine_processes(server.pid)
+        engines = engine_processes(server.pid)
         assert len(engines) == 2  # lm-cloud and lm-edge, each stepping in a process of its own
         body = {"model": MODEL, "prompt": "import sys\n", "max_tokens": 200, "ignore_eos": True, "stream": True}
         events: list[str] = []

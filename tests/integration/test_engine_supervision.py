@@ -28,30 +28,22 @@ from cloud.serving.engine_pool import EnginePool, EngineRestartingError, ServedL
 from cloud.settings import CloudSettings
 from controlplane.storage.tables import UsageRecord
 from shared.zoo.registry import ZooLayout
-from tests.conftest import REPO, base_env, free_port, migrated_sqlite, seed_data_dir, server_process, tierline_cmd
+from tests.conftest import (
+    REPO,
+    base_env,
+    engine_processes,
+    free_port,
+    migrated_sqlite,
+    seed_data_dir,
+    server_process,
+    tierline_cmd,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 KILLED, SPARED = "tierline/lm-cloud", "tierline/lm-edge"  # the pool starts lm-cloud's child first
 RESTART_DEADLINE_S = 120.0
 BACKOFF_S = 2.0  # long enough that a request right after the kill deterministically meets the restart
-
-
-def engine_children(server_pid: int) -> list[int]:
-    """The server's multiprocessing children that run engines (not its resource tracker), oldest first."""
-    children: list[tuple[int, int]] = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state ppid ... starttime is field 22
-        if int(fields[1]) == server_pid and fields[0] != "Z" and b"spawn_main" in cmdline:
-            children.append((int(fields[19]), int(entry.name)))
-    return [pid for _, pid in sorted(children)]
 
 
 def gone(pid: int) -> bool:
@@ -108,7 +100,7 @@ def usage_row(db_url: str, usage_id: str, timeout: float = 10.0) -> UsageRecord 
 
 def test_a_sigkilled_engine_child_is_restarted_and_serves_again(cloud: dict[str, str]) -> None:
     url, headers = cloud["url"], {"Authorization": f"Bearer {cloud['key']}"}
-    children = engine_children(int(cloud["pid"]))
+    children = engine_processes(int(cloud["pid"]))
     assert len(children) == 2, children
     pids = dict(zip((KILLED, SPARED), children, strict=True))
     chat = {"messages": [{"role": "user", "content": "def main(argv):\n"}], "max_tokens": 200, "temperature": 1.0}
@@ -173,7 +165,7 @@ def test_a_sigkilled_engine_child_is_restarted_and_serves_again(cloud: dict[str,
             time.sleep(0.5)
         assert answer.json()["choices"][0]["message"]["role"] == "assistant"
         assert http.get("/readyz").status_code == 200
-        now = engine_children(int(cloud["pid"]))
+        now = engine_processes(int(cloud["pid"]))
         assert pids[SPARED] in now and pids[KILLED] not in now and len(now) == 2
         deadline = time.monotonic() + RESTART_DEADLINE_S
         while (done := http.get(f"/v1/jobs/{job.json()['id']}").json())["status"] not in ("succeeded", "failed"):
