@@ -248,17 +248,18 @@ def server_process(
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + timeout
-            while True:
-                if proc.poll() is not None:
-                    raise AssertionError(f"server exited with {proc.returncode}:\n{output()}")
-                try:
-                    if httpx.get(f"{url}{ready_path}", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"server on {url} did not become ready:\n{output()}")
-                time.sleep(0.1)
+            with httpx.Client(timeout=1) as poll:  # one client for every poll: each new one loads the CA bundle
+                while True:
+                    if proc.poll() is not None:
+                        raise AssertionError(f"server exited with {proc.returncode}:\n{output()}")
+                    try:
+                        if poll.get(f"{url}{ready_path}").status_code == 200:
+                            break
+                    except httpx.HTTPError:
+                        pass
+                    if time.monotonic() > deadline:
+                        raise AssertionError(f"server on {url} did not become ready:\n{output()}")
+                    time.sleep(0.1)
             yield proc
         finally:
             if proc.poll() is None:

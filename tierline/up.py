@@ -168,15 +168,16 @@ def _start(name: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen[b
 
 def _wait_healthy(name: str, url: str, proc: subprocess.Popen[bytes], log_path: Path) -> None:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise ConfigurationError(f"{name} exited with code {proc.returncode} during start-up (see {log_path})")
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
+    with httpx.Client(timeout=1.0) as client:  # one client for every poll: each new one loads the CA bundle
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise ConfigurationError(f"{name} exited with code {proc.returncode} during start-up (see {log_path})")
+            try:
+                if client.get(f"{url}/healthz").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
     raise ConfigurationError(f"{name} did not answer {url}/healthz within {STARTUP_TIMEOUT_S:.0f}s (see {log_path})")
 
 
