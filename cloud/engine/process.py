@@ -414,7 +414,7 @@ def _unfinished(update: RequestOutput) -> bool:
     return not update.finished
 
 
-def _start_context() -> multiprocessing.context.BaseContext:
+def _start_context() -> multiprocessing.context.ForkServerContext | multiprocessing.context.SpawnContext:
     """How engine children start: forked from a fork server that has imported the engine's code (torch, the model,
     the kernels) once, so a child costs a fork instead of an interpreter and ~1.5 s of imports (one engine per served
     LM at start, and again for each restart of one that died). Never a fork of the API process itself, which runs
