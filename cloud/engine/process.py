@@ -414,20 +414,20 @@ def _unfinished(update: RequestOutput) -> bool:
     return not update.finished
 
 
+_ENGINE_MODULE = "cloud.engine.llm_engine"  # what the fork server imports before it forks
+
+
 def _start_context() -> multiprocessing.context.ForkServerContext | multiprocessing.context.SpawnContext:
     """How engine children start: forked from a fork server that has imported the engine's code (torch, the model,
     the kernels) once, so a child costs a fork instead of an interpreter and ~1.5 s of imports (one engine per served
     LM at start, and again for each restart of one that died). Never a fork of the API process itself, which runs
-    threads; the fork server imports and runs nothing else (no torch thread pool yet, CUDA not initialised), as
-    PyTorch's own ``forkserver`` advice has it. ``spawn`` where the platform has no fork server."""
+    threads; the fork server only imports (no torch thread pool yet, CUDA not initialised), so a fork of it is safe.
+    ``spawn`` where the platform has no fork server."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload([_ENGINE_MODULE, __name__])
     return ctx
-
-
-_ENGINE_MODULE = "cloud.engine.llm_engine"
 
 
 def _child_main(
