@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from shared.artifacts import load_or_create_signing_key
+from tests.forkserver import start_tierline
 
 if TYPE_CHECKING:
     from shared.zoo.presets import Preset
@@ -232,13 +233,7 @@ def server_process(
     than a pipe holds would block on its next write and hang the test instead of failing it.
     """
     with log.open("w+b") if log is not None else tempfile.TemporaryFile() as out:
-        proc = subprocess.Popen(
-            tierline_cmd(*args, "--host", "127.0.0.1", "--port", str(port)),
-            env=env,
-            cwd=REPO,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+        proc = start_tierline([*args, "--host", "127.0.0.1", "--port", str(port)], env, out)
 
         def output() -> str:
             out.flush()

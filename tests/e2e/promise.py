@@ -7,10 +7,9 @@ policy is calibrated on ``demo traffic``'s own generator (``bench cascade --task
 from __future__ import annotations
 
 import json
-import subprocess
 from typing import Any
 
-from tests.conftest import REPO, tierline_cmd
+from tests.forkserver import run_tierline
 
 LM_POLICY = "tierline/lm-edge"
 
@@ -18,14 +17,7 @@ LM_POLICY = "tierline/lm-edge"
 def lm_policy_keeps_its_promise(env: dict[str, str], summary: dict[str, Any]) -> dict[str, Any]:
     """Assert it for the traffic ``summary`` (``demo traffic --json``) once its usage is in the ledger; returns the
     live numbers (to print)."""
-    proc = subprocess.run(
-        tierline_cmd("policies", "list", "--model", LM_POLICY, "--json"),
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_tierline("policies", "list", "--model", LM_POLICY, "--json", env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     newest = json.loads(proc.stdout)[0]
     live = newest["live"]

@@ -11,7 +11,6 @@ Content-Security-Policy violation. A screenshot of each page is saved under ``$T
 from __future__ import annotations
 
 import os
-import subprocess
 import uuid
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -21,7 +20,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, tierline_cmd
+from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server
+from tests.forkserver import run_tierline
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
@@ -97,15 +97,16 @@ def test_console_in_headless_chromium(tmp_path: Path) -> None:
     shots = _artifacts()
     db_url = migrated_sqlite(tmp_path)
     env = base_env(tmp_path, TIERLINE_DATABASE_URL=db_url)
-    subprocess.run(
-        tierline_cmd("console", "create-admin", "--username", "ops", "--password-stdin"),
-        input=f"{PASSWORD}\n",
+    run_tierline(
+        "console",
+        "create-admin",
+        "--username",
+        "ops",
+        "--password-stdin",
         env=env,
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-        text=True,
+        input=f"{PASSWORD}\n",
         timeout=60,
+        check=True,
     )
     _calibrated_policy(tmp_path / "edge" / "policies")  # where `tierline up`'s agent keeps them
     tenant = f"browser-{uuid.uuid4().hex[:6]}"

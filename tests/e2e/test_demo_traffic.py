@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, base_env, free_port, run_server, seed_data_dir, tierline_cmd
+from tests.conftest import base_env, free_port, run_server, seed_data_dir
+from tests.forkserver import run_tierline
 
 pytestmark = pytest.mark.e2e
 LOCAL_KEY = "a-local-agent-key"
@@ -28,14 +29,7 @@ def agent(
 
 
 def _traffic(data: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        tierline_cmd("demo", "traffic", *args),
-        env=base_env(data, **env),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_tierline("demo", "traffic", *args, env=base_env(data, **env), timeout=120)
 
 
 def test_every_kind_is_answered_and_counted(agent: tuple[str, Path]) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -35,7 +34,8 @@ from sqlmodel import Session, col, select
 from controlplane.billing.pricing import COST_QUANTUM, MILLION, period_of
 from controlplane.fleet.devices import device_usage_id
 from controlplane.storage.tables import Device, ModelArtifact, ModelVersion, Price, Tenant, UsageRecord
-from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, tierline_cmd
+from tests.conftest import base_env, free_port, migrated_sqlite, run_server
+from tests.forkserver import run_tierline
 from tests.integration.test_edge_derive import make_checkpoint
 from tests.integration.test_own_models import Cloud, until_not_loading
 
@@ -204,7 +204,7 @@ def wait_for(what: str, check: Callable[[], T | None], timeout: float = 120.0, w
 
 
 def cli(env: dict[str, str], *args: str) -> str:
-    proc = subprocess.run(tierline_cmd(*args), env=env, cwd=REPO, capture_output=True, text=True, check=False)
+    proc = run_tierline(*args, env=env)
     assert proc.returncode == 0, f"tierline {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout.strip()
 

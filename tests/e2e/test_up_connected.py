@@ -29,9 +29,10 @@ from controlplane.storage.tables import (
     Tenant,
     UsageRecord,
 )
-from tests.conftest import REPO, base_env, free_port, tierline_cmd
+from tests.conftest import base_env, free_port
 from tests.e2e.test_up import _pid_alive, _start_up
 from tests.e2e.tour import demo_traffic_reaches_ledger_and_console
+from tests.forkserver import run_tierline
 
 pytestmark = pytest.mark.e2e
 INT8 = "tierline/lm-edge-onnx-int8"
@@ -144,9 +145,7 @@ def test_up_is_connected_idempotent_and_quiet(tmp_path: Path, tiny_zoo: Path, se
             assert time.monotonic() < deadline, "the edge's answer never reached the cloud's ledger"
             time.sleep(0.5)
         assert rows[0].tier == "edge" and rows[0].model == INT8
-        listed = subprocess.run(
-            tierline_cmd("devices", "list", "--tenant", "demo"), env=env, cwd=REPO, capture_output=True, text=True
-        )
+        listed = run_tierline("devices", "list", "--tenant", "demo", env=env)
         assert listed.returncode == 0 and device.id in listed.stdout, listed.stderr
         demo_traffic_reaches_ledger_and_console(env, info, db, device.id)
     finally:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -22,8 +21,9 @@ from sqlmodel import Session, col, select
 
 from controlplane.billing.pricing import Tokens, cost
 from controlplane.storage.tables import Device, Price, UsageRecord
-from tests.conftest import REPO, tierline_cmd
+from tests.conftest import REPO
 from tests.e2e.promise import lm_policy_keeps_its_promise
+from tests.forkserver import run_tierline
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking"]
@@ -64,14 +64,7 @@ def _ledger(db: str, since: datetime) -> tuple[list[UsageRecord], dict[int, Pric
 
 def demo_traffic_reaches_ledger_and_console(env: dict[str, str], info: dict[str, Any], db: str, device: str) -> None:
     since = datetime.now(UTC)
-    proc = subprocess.run(
-        tierline_cmd("demo", "traffic", "--duration", "20", "--rate", "2/s", "--json"),
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    proc = run_tierline("demo", "traffic", "--duration", "20", "--rate", "2/s", "--json", env=env, timeout=240)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
     print("demo traffic:", json.dumps(summary))
@@ -202,7 +195,7 @@ def _console(env: dict[str, str], info: dict[str, Any], db: str, device: str) ->
 
 
 def _cli(env: dict[str, str], *args: str) -> str:
-    proc = subprocess.run(tierline_cmd(*args), env=env, cwd=REPO, capture_output=True, text=True, timeout=180)
+    proc = run_tierline(*args, env=env, timeout=180)
     assert proc.returncode == 0, f"tierline {' '.join(args)}: {proc.stderr}"
     print(f"$ tierline {' '.join(args)}\n{proc.stdout.strip()}")
     return proc.stdout
@@ -251,14 +244,7 @@ def _canary(env: dict[str, str], info: dict[str, Any], db: str, device: str) -> 
     _cli(env, "rollouts", "pin", str(rollout), "--device", device, "--arm", "candidate")
     if "pending" in _cli(env, "rollouts", "get", str(rollout)).splitlines()[0]:  # else the controller started it
         # The controller may start it between the read and the resume; then resume refuses, and that is fine.
-        proc = subprocess.run(
-            tierline_cmd("rollouts", "resume", str(rollout)),
-            env=env,
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=180,
-        )
+        proc = run_tierline("rollouts", "resume", str(rollout), env=env, timeout=180)
         assert proc.returncode == 0 or f"rollout {rollout} is running" in proc.stderr, proc.stderr
     deadline = time.monotonic() + 90
     while _device_version(db, device, "lm-edge-onnx-int8") != candidate:

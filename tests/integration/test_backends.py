@@ -26,7 +26,8 @@ from cloud.engine.llm import LLM
 from cloud.engine.sampling_params import SamplingParams
 from controlplane.storage.tables import UsageRecord
 from shared.zoo.registry import ZooLayout
-from tests.conftest import REPO, base_env, free_port, migrated_sqlite, seed_data_dir, server_process, tierline_cmd
+from tests.conftest import base_env, free_port, migrated_sqlite, seed_data_dir, server_process
+from tests.forkserver import run_tierline
 
 pytestmark = pytest.mark.integration
 MODEL = "remote-lm"
@@ -105,7 +106,7 @@ def gateway(
     )
 
     def cli(*args: str) -> str:
-        proc = subprocess.run(tierline_cmd(*args), env=env, cwd=REPO, capture_output=True, text=True, check=True)
+        proc = run_tierline(*args, env=env, check=True)
         return proc.stdout.strip()
 
     cli("tenants", "create", "acme")

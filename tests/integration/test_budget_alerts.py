@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -26,7 +25,8 @@ from sqlmodel import Session, col, select
 from cloud.gateway.webhooks import is_valid_signature
 from controlplane.billing.pricing import period_of
 from controlplane.storage.tables import BudgetAlert, BudgetPeriod, BudgetReservation, Tenant
-from tests.conftest import REPO, base_env, free_port, seed_data_dir, tierline_cmd
+from tests.conftest import base_env, free_port, seed_data_dir
+from tests.forkserver import run_tierline
 from tests.integration.test_jobs import Receiver, cloud_process, receiver
 
 pytestmark = pytest.mark.integration
@@ -39,7 +39,7 @@ BODY = {"model": MODEL, "prompt": "def f(x):", "max_tokens": 8, "ignore_eos": Tr
 
 
 def _cli(env: dict[str, str], *args: str) -> str:
-    proc = subprocess.run(tierline_cmd(*args), env=env, cwd=REPO, capture_output=True, text=True, check=False)
+    proc = run_tierline(*args, env=env)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip()
 

@@ -8,7 +8,6 @@ budget itself.
 
 from __future__ import annotations
 
-import subprocess
 import time
 from collections.abc import Iterator
 from decimal import Decimal
@@ -23,7 +22,8 @@ from sqlmodel import Session, col, select
 from controlplane.fleet.devices import device_usage_id
 from controlplane.storage.tables import BudgetAlert, BudgetPeriod, Tenant, UsageRecord
 from shared.escalation import EdgePolicy, save_policy
-from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, seed_data_dir, tierline_cmd
+from tests.conftest import base_env, free_port, migrated_sqlite, run_server, seed_data_dir
+from tests.forkserver import run_tierline
 from tests.integration.edge_support import ZOO_PAIRS_ENV
 
 pytestmark = pytest.mark.integration
@@ -33,7 +33,7 @@ BUDGET = Decimal("40")  # at 1 per token, a few local answers
 
 
 def _cli(env: dict[str, str], *args: str) -> str:
-    proc = subprocess.run(tierline_cmd(*args), env=env, cwd=REPO, capture_output=True, text=True, check=False)
+    proc = run_tierline(*args, env=env)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip()
 

@@ -27,7 +27,8 @@ from sqlmodel import Session, select
 
 from controlplane.billing.budgets import BudgetExceededError, reclaim_expired, reserve, settle
 from controlplane.storage.tables import BudgetPeriod, BudgetReservation, Tenant, UsageRecord
-from tests.conftest import REPO, base_env, free_port, run_server, seed_data_dir, tierline_cmd
+from tests.conftest import REPO, base_env, free_port, run_server, seed_data_dir
+from tests.forkserver import run_tierline
 
 pytestmark = pytest.mark.integration
 
@@ -174,7 +175,7 @@ def test_the_cloud_api_refuses_what_the_budget_cannot_cover(
     )
 
     def cli(*args: str) -> str:
-        proc = subprocess.run(tierline_cmd(*args), env=env, cwd=REPO, capture_output=True, text=True)
+        proc = run_tierline(*args, env=env)
         assert proc.returncode == 0, proc.stderr
         return proc.stdout.strip()
 

@@ -13,7 +13,8 @@ from sqlmodel import Session, col, select
 from controlplane.fleet.devices import enroll
 from controlplane.storage.database import create_db
 from controlplane.storage.tables import AuditLog
-from tests.conftest import REPO, base_env, migrated_sqlite, tierline_cmd
+from tests.conftest import base_env, migrated_sqlite
+from tests.forkserver import run_tierline
 
 pytestmark = pytest.mark.integration
 
@@ -23,7 +24,7 @@ def test_cli_changes_write_audit_rows_without_secrets(tmp_path: Path) -> None:
     env = base_env(tmp_path, TIERLINE_DATABASE_URL=db_url)
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run(tierline_cmd(*args), env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+        proc = run_tierline(*args, env=env, timeout=120)
         assert proc.returncode == 0, proc.stderr
         return proc
 

@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +21,6 @@ from sqlmodel import Session, select
 
 from controlplane.storage.tables import Tenant, UsageRecord
 from tests.conftest import (
-    REPO,
     base_env,
     engine_processes,
     free_port,
@@ -30,8 +28,8 @@ from tests.conftest import (
     run_server,
     seed_data_dir,
     server_process,
-    tierline_cmd,
 )
+from tests.forkserver import run_tierline
 
 pytestmark = pytest.mark.integration
 MODEL = "tierline/lm-cloud"
@@ -56,7 +54,7 @@ def cloud_api(
     )
 
     def cli(*args: str) -> str:
-        proc = subprocess.run(tierline_cmd(*args), env=env, cwd=REPO, capture_output=True, text=True, check=True)
+        proc = run_tierline(*args, env=env, check=True)
         return proc.stdout.strip()
 
     cli("tenants", "create", "acme")
@@ -358,7 +356,7 @@ def test_an_engine_that_dies_mid_stream_ends_the_stream_with_an_error_and_the_cl
         TIERLINE_CLOUD_SPECULATION="off",
         TIERLINE_CLOUD_ENGINE_RESTART_BACKOFF_S="60",  # the restarts wait: what this test sees is the gap
     )
-    run = lambda *a: subprocess.run(tierline_cmd(*a), env=env, cwd=REPO, capture_output=True, text=True, check=True)  # noqa: E731
+    run = lambda *a: run_tierline(*a, env=env, check=True)  # noqa: E731
     run("tenants", "create", "acme")
     key = run("keys", "create", "--tenant", "acme").stdout.strip()
     port = free_port()

@@ -23,7 +23,8 @@ from console.pages import PAGES_ROUTER
 from console.pages.rollouts import ACTIONS
 from controlplane.storage.session import session_scope
 from controlplane.storage.tables import AuditLog, ConsoleSession, ConsoleUser, Tenant
-from tests.conftest import DB_BACKENDS, REPO, base_env, free_port, run_server, tierline_cmd
+from tests.conftest import DB_BACKENDS, base_env, free_port, run_server
+from tests.forkserver import run_tierline
 from tests.integration.console_support import PASSWORD, Console, console_server, csrf_of, login, post_form
 
 pytestmark = pytest.mark.integration
@@ -309,9 +310,7 @@ def copy_session(source: httpx.Client, dest: httpx.Client) -> None:
 def cli(console: Console, *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
     """``tierline console ...`` as an operator runs it, against the console's database."""
     env = base_env(console.data_dir, TIERLINE_DATABASE_URL=console.engine.url.render_as_string(hide_password=False))
-    return subprocess.run(
-        tierline_cmd("console", *args), env=env, input=stdin, capture_output=True, text=True, timeout=120, cwd=REPO
-    )
+    return run_tierline("console", *args, env=env, input=stdin, timeout=120)
 
 
 def test_a_stolen_cookie_is_refused_after_sign_out(console: Console) -> None:

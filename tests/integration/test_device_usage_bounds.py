@@ -12,7 +12,6 @@ records of a batch past it.
 
 from __future__ import annotations
 
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -45,7 +44,8 @@ from controlplane.storage.tables import (
 )
 from controlplane.tenancy.service import create_api_key, create_tenant
 from shared.edge_protocol import UsageItem
-from tests.conftest import REPO, base_env, free_port, run_server, tierline_cmd
+from tests.conftest import base_env, free_port, run_server
+from tests.forkserver import run_tierline
 
 pytestmark = pytest.mark.integration
 
@@ -186,14 +186,7 @@ def test_a_record_beyond_its_models_context_is_quarantined_never_billed_and_list
     assert cloud.metric("tierline_usage_quarantined_total") == 2.0
 
     # The operator lists them, with the bound each broke.
-    proc = subprocess.run(
-        tierline_cmd("billing", "quarantined", "--tenant", "fieldco"),
-        env=cloud.env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    proc = run_tierline("billing", "quarantined", "--tenant", "fieldco", env=cloud.env)
     assert proc.returncode == 0, proc.stderr
     listed = proc.stdout
     stored_id = device_usage_id(cloud.tenant_id, cloud.device["device_id"], absurd["id"])

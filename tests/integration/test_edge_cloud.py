@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import stat
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -26,7 +25,8 @@ from sqlmodel import Session, select
 from controlplane.fleet.devices import device_usage_id
 from controlplane.storage.tables import Device, DeviceEvent, UsageRecord
 from shared.escalation import EdgePolicy, save_policy
-from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, seed_data_dir, tierline_cmd
+from tests.conftest import base_env, free_port, migrated_sqlite, run_server, seed_data_dir
+from tests.forkserver import run_tierline
 from tests.integration.edge_support import ZOO_PAIRS_ENV
 
 pytestmark = pytest.mark.integration
@@ -46,9 +46,7 @@ class Fleet:
         self._cloud: ExitStack | None = None
 
     def cli(self, *args: str, env: dict[str, str] | None = None) -> str:
-        proc = subprocess.run(
-            tierline_cmd(*args), env=env or self.cloud_env, cwd=REPO, capture_output=True, text=True, check=False
-        )
+        proc = run_tierline(*args, env=env or self.cloud_env)
         assert proc.returncode == 0, proc.stderr
         return proc.stdout.strip()
 
@@ -104,13 +102,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_data
     try:
         out = f.cli("edge", "enroll", "--cloud", f.cloud_url, "--token", token, "--name", "bench-1", env=agent_env)
         assert "enrolled as device dev-" in out
-        reused = subprocess.run(
-            tierline_cmd("edge", "enroll", "--cloud", f.cloud_url, "--token", token),
-            env=agent_env,
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-        )
+        reused = run_tierline("edge", "enroll", "--cloud", f.cloud_url, "--token", token, env=agent_env)
         assert reused.returncode == 1 and "already been used" in reused.stderr and "Traceback" not in reused.stderr
         save_policy(state / "policies", EdgePolicy("tierline/lm-edge", threshold=-1e9, stream_window=4))
         save_policy(state / "policies", EdgePolicy(FP32, threshold=1.0, stream_window=4))

@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import REPO, base_env, free_port, seed_data_dir, tierline_cmd
+from tests.conftest import base_env, free_port, seed_data_dir
+from tests.forkserver import start_tierline
 
 pytestmark = pytest.mark.integration
 INT8 = "tierline/lm-edge-onnx-int8"
@@ -22,13 +23,7 @@ INT8 = "tierline/lm-edge-onnx-int8"
 def _start(env: dict[str, str], port: int) -> subprocess.Popen[bytes]:
     log = Path(env["TIERLINE_EDGE_STATE_DIR"]).parent / f"agent-{port}-{time.monotonic_ns()}.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen(
-            tierline_cmd("edge", "run", "--host", "127.0.0.1", "--port", str(port)),
-            env=env,
-            cwd=REPO,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+        proc = start_tierline(["edge", "run", "--host", "127.0.0.1", "--port", str(port)], env, out)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         assert proc.poll() is None, log.read_text()

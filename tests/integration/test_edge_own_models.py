@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,7 +41,8 @@ from shared.reference_answers import REFERENCE_FILE, ReferenceAnswers
 from shared.zoo.export_lm import export_onnx
 from shared.zoo.registry import ZooLayout
 from shared.zoo.verify import make_reference
-from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, seed_data_dir, tierline_cmd
+from tests.conftest import base_env, free_port, migrated_sqlite, run_server, seed_data_dir
+from tests.forkserver import run_tierline
 
 pytestmark = pytest.mark.integration
 
@@ -183,7 +183,7 @@ def world(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_data
     agent_env = base_env(data, TIERLINE_EDGE_ZOO_DIR=str(data / "zoo" / "tiny"), TIERLINE_EDGE_STATE_DIR=str(state))
 
     def cli(*args: str, env: dict[str, str]) -> str:
-        proc = subprocess.run(tierline_cmd(*args), env=env, cwd=REPO, capture_output=True, text=True, check=False)
+        proc = run_tierline(*args, env=env)
         assert proc.returncode == 0, proc.stderr
         return proc.stdout.strip()
 

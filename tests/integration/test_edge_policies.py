@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -29,7 +28,8 @@ from controlplane.registry import service as registry
 from controlplane.storage.session import session_scope
 from controlplane.storage.tables import Device, DeviceEvent, EscalationPolicy
 from shared.escalation import EdgePolicy, classifier_signals, save_policy
-from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, seed_data_dir, tierline_cmd
+from tests.conftest import base_env, free_port, migrated_sqlite, run_server, seed_data_dir
+from tests.forkserver import run_tierline
 from tests.integration.console_support import PASSWORD, login, post_form
 from tests.integration.edge_support import ZOO_PAIRS_ENV
 from tests.integration.test_policies import digits_validation
@@ -51,7 +51,7 @@ class Platform:
     validation: Path
 
     def cli(self, *args: str) -> str:
-        proc = subprocess.run(tierline_cmd(*args), env=self.env, cwd=REPO, capture_output=True, text=True, check=False)
+        proc = run_tierline(*args, env=self.env)
         assert proc.returncode == 0, proc.stderr
         return proc.stdout.strip()
 
@@ -109,12 +109,8 @@ def platform(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_d
     token = p.cli("devices", "enrollment-token", "--tenant", "acme", "--label", "ring=beta")
     with ExitStack() as stack:
         p.cloud_url = stack.enter_context(run_server(["cloud", "serve"], env, free_port(), timeout=120))
-        subprocess.run(
-            tierline_cmd("edge", "enroll", "--cloud", p.cloud_url, "--token", token, "--name", "beta-1"),
-            env=agent_env,
-            cwd=REPO,
-            check=True,
-            capture_output=True,
+        run_tierline(
+            "edge", "enroll", "--cloud", p.cloud_url, "--token", token, "--name", "beta-1", env=agent_env, check=True
         )
         p.edge_url = stack.enter_context(run_server(["edge", "run"], agent_env, free_port()))
         # The console on the same database and data directory (the same signing key), as `tierline up` runs it.

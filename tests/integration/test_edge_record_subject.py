@@ -7,7 +7,6 @@ one counts against the device's ``billing.user`` label. An escalation names the 
 
 from __future__ import annotations
 
-import subprocess
 import time
 from decimal import Decimal
 from pathlib import Path
@@ -24,7 +23,8 @@ from controlplane.storage.tables import BudgetWindow
 from controlplane.tenancy.service import create_tenant
 from shared.edge_protocol import UsageItem
 from shared.escalation import EdgePolicy, save_policy
-from tests.conftest import REPO, base_env, free_port, seed_data_dir, server_process, tierline_cmd
+from tests.conftest import base_env, free_port, seed_data_dir, server_process
+from tests.forkserver import run_tierline
 from tests.integration.edge_support import ZOO_PAIRS_ENV
 
 pytestmark = pytest.mark.integration
@@ -75,8 +75,8 @@ def test_each_edge_record_counts_against_its_own_end_users_budget(
         cloud_url = f"http://127.0.0.1:{cloud_port}"
         logs = {"cloud": tmp_path / "cloud.log", "agent": tmp_path / "agent.log"}  # quoted when an answer is not 200
         with server_process(["cloud", "serve"], cloud_env, cloud_port, timeout=120, log=logs["cloud"]):
-            enroll = tierline_cmd("edge", "enroll", "--cloud", cloud_url, "--token", token, "--name", "kiosk-1")
-            proc = subprocess.run(enroll, env=agent_env, cwd=REPO, capture_output=True, text=True, check=False)
+            enroll = ("edge", "enroll", "--cloud", cloud_url, "--token", token, "--name", "kiosk-1")
+            proc = run_tierline(*enroll, env=agent_env)
             assert proc.returncode == 0, proc.stderr
             save_policy(state / "policies", EdgePolicy("tierline/lm-edge", threshold=-1e9))  # always answers locally
             edge_port = free_port()

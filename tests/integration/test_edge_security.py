@@ -8,7 +8,6 @@ from __future__ import annotations
 import hmac
 import json
 import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,7 +22,8 @@ from sqlmodel import Session, select
 from controlplane.storage.tables import DeviceEvent
 from edge_agent.app import _local_key_guard
 from shared.errors import AuthenticationError
-from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, seed_data_dir, tierline_cmd
+from tests.conftest import base_env, free_port, migrated_sqlite, run_server, seed_data_dir
+from tests.forkserver import run_tierline
 from tests.integration.edge_support import ZOO_PAIRS_ENV
 
 pytestmark = pytest.mark.integration
@@ -176,7 +176,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_data
     )
 
     def cli(*args: str, env: dict[str, str] = cloud_env) -> str:
-        proc = subprocess.run(tierline_cmd(*args), env=env, cwd=REPO, capture_output=True, text=True, check=False)
+        proc = run_tierline(*args, env=env)
         assert proc.returncode == 0, proc.stderr
         return proc.stdout.strip()
 

@@ -44,7 +44,8 @@ from shared.artifacts import (
 from shared.chat_tokenizer import ChatTokenizer
 from shared.edge_protocol import DesiredModel
 from shared.errors import ArtifactVerificationError
-from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, seed_data_dir, tierline_cmd
+from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, seed_data_dir
+from tests.forkserver import run_tierline
 
 pytestmark = pytest.mark.integration
 
@@ -119,7 +120,7 @@ def cloud(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_data
     )
 
     def cli(*args: str) -> str:
-        proc = subprocess.run(tierline_cmd(*args), env=env, cwd=REPO, capture_output=True, text=True, check=True)
+        proc = run_tierline(*args, env=env, check=True)
         return proc.stdout.strip()
 
     cli("tenants", "create", "acme")

@@ -13,7 +13,6 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,15 +28,14 @@ from cloud.settings import CloudSettings
 from controlplane.storage.tables import UsageRecord
 from shared.zoo.registry import ZooLayout
 from tests.conftest import (
-    REPO,
     base_env,
     engine_processes,
     free_port,
     migrated_sqlite,
     seed_data_dir,
     server_process,
-    tierline_cmd,
 )
+from tests.forkserver import run_tierline
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -73,11 +71,8 @@ def cloud(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_data
         TIERLINE_CLOUD_NUM_THREADS="1",
         TIERLINE_CLOUD_ENGINE_RESTART_BACKOFF_S=str(BACKOFF_S),
     )
-    subprocess.run(tierline_cmd("tenants", "create", "acme"), env=env, cwd=REPO, check=True, capture_output=True)
-    created = subprocess.run(
-        tierline_cmd("keys", "create", "--tenant", "acme"), env=env, cwd=REPO, check=True, capture_output=True
-    )
-    key = created.stdout.decode().strip()
+    run_tierline("tenants", "create", "acme", env=env, check=True)
+    key = run_tierline("keys", "create", "--tenant", "acme", env=env, check=True).stdout.strip()
     port = free_port()
     log = data / "cloud.log"
     with server_process(["cloud", "serve"], env, port, ready_path="/readyz", timeout=120, log=log) as proc:

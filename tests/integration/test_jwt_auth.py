@@ -4,7 +4,6 @@ fixes the algorithm, and the audience is checked unless explicitly switched off.
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,8 @@ from cryptography.hazmat.primitives.asymmetric import ed25519, rsa
 
 from cloud.gateway.jwt_auth import JwtVerifier
 from shared.errors import AuthenticationError, ConfigurationError
-from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, seed_data_dir, tierline_cmd
+from tests.conftest import base_env, free_port, migrated_sqlite, run_server, seed_data_dir
+from tests.forkserver import run_tierline
 
 ISSUER = "https://login.example.test/"
 AUDIENCE = "https://api.tierline.test"
@@ -81,7 +81,7 @@ def test_cloud_api_serves_a_tenant_named_by_a_jwt(
         TIERLINE_CLOUD_JWT_JWKS_FILE=str(keys["jwks"]),
         TIERLINE_CLOUD_JWT_AUDIENCE=AUDIENCE,
     )
-    subprocess.run(tierline_cmd("tenants", "create", "acme"), env=env, cwd=REPO, check=True, capture_output=True)
+    run_tierline("tenants", "create", "acme", env=env, check=True)
     with run_server(["cloud", "serve"], env, free_port(), timeout=120) as url:
         token = jwt.encode(_claims(), keys["ed"], algorithm="EdDSA", headers={"kid": "ed-1"})
         body = {"model": "tierline/lm-cloud", "prompt": "x", "max_tokens": 2}

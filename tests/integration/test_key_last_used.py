@@ -4,7 +4,6 @@ PostgreSQL), against a real ``tierline cloud serve`` on SQLite and PostgreSQL.""
 
 from __future__ import annotations
 
-import subprocess
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -15,7 +14,8 @@ from sqlalchemy import create_engine
 from sqlmodel import Session, select
 
 from controlplane.storage.tables import ApiKey
-from tests.conftest import REPO, base_env, free_port, run_server, seed_data_dir, tierline_cmd
+from tests.conftest import base_env, free_port, run_server, seed_data_dir
+from tests.forkserver import run_tierline
 
 pytestmark = pytest.mark.integration
 
@@ -33,7 +33,7 @@ def test_a_keys_last_use_is_recorded_on_both_billing_paths(
     )
 
     def cli(*args: str) -> str:
-        proc = subprocess.run(tierline_cmd(*args), env=env, cwd=REPO, capture_output=True, text=True)
+        proc = run_tierline(*args, env=env)
         assert proc.returncode == 0, proc.stderr
         return proc.stdout.strip()
 

@@ -25,7 +25,8 @@ import pytest
 import yaml
 
 from cloud.serving.backends.config import BackendsFile
-from tests.conftest import REPO, base_env, tierline_cmd
+from tests.conftest import REPO, base_env
+from tests.forkserver import run_tierline
 
 KUBERNETES = REPO / "deploy" / "kubernetes"
 OVERLAYS = ("cpu-demo", "gpu-vllm")
@@ -503,12 +504,12 @@ def test_db_wait_waits_for_the_head_revision(db_url: str, tmp_path: Path) -> Non
     from controlplane.storage.migrate import head_revision, upgrade
 
     env = base_env(tmp_path, TIERLINE_DATABASE_URL=db_url)
-    args = tierline_cmd("db", "wait", "--timeout", "1", "--interval", "0.2")
-    behind = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
+    args = ("db", "wait", "--timeout", "1", "--interval", "0.2")
+    behind = run_tierline(*args, env=env, timeout=60)
     assert behind.returncode == 1
     assert f"code at {head_revision()}" in behind.stderr and "tierline db upgrade" in behind.stderr
     upgrade(db_url)
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
+    done = run_tierline(*args, env=env, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"database at head {head_revision()}"
 

@@ -31,7 +31,8 @@ from shared.artifacts import load_public_key, public_path, read_manifest, verify
 from shared.zoo.corpus import held_out_files
 from shared.zoo.export_gguf import GGUF_F32, GGUF_Q8_0
 from shared.zoo.registry import ZooLayout
-from tests.conftest import REPO, base_env, free_port, migrated_sqlite, seed_data_dir, server_process, tierline_cmd
+from tests.conftest import REPO, base_env, free_port, migrated_sqlite, seed_data_dir, server_process
+from tests.forkserver import run_tierline
 
 pytestmark = [
     pytest.mark.integration,
@@ -208,7 +209,7 @@ def gateway(
     )
 
     def cli(*args: str) -> str:
-        proc = subprocess.run(tierline_cmd(*args), env=env, cwd=REPO, capture_output=True, text=True, check=True)
+        proc = run_tierline(*args, env=env, check=True)
         return proc.stdout.strip()
 
     cli("tenants", "create", "acme")
@@ -374,7 +375,7 @@ def test_bench_engine_shape_runs_each_contender_apart_with_identical_f32_outputs
         pytest.skip("llama.cpp's converter is not unpacked here: make gguf-converter")
     env = {**base_env(tmp_path), "TIERLINE_DATA_DIR": str(tmp_path / "data")}
     args = ("bench", "engine", "--vs", "llamacpp", "--shape", "test-qwen2", "--rounds", "2", "--json")
-    done = subprocess.run(tierline_cmd(*args), env=env, cwd=REPO, capture_output=True, text=True, check=False)
+    done = run_tierline(*args, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout)
     assert result["shape"] == "test-qwen2" and result["config"]["model_type"] == "qwen2"

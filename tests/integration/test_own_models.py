@@ -28,7 +28,8 @@ from controlplane.storage.tables import AuditLog, ModelArtifact
 from controlplane.tenancy.service import create_api_key, create_tenant
 from shared.architectures import supported_list
 from shared.artifacts import FileEntry, Manifest, load_or_create_signing_key, sha256_file, sign_manifest
-from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, tierline_cmd
+from tests.conftest import base_env, free_port, migrated_sqlite, run_server
+from tests.forkserver import run_tierline
 from tests.integration.console_support import Console, console_server
 from tests.integration.test_registry import make_checkpoint
 
@@ -89,7 +90,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
 
 
 def run_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(tierline_cmd(*args), env=env, cwd=REPO, capture_output=True, text=True, check=False)
+    return run_tierline(*args, env=env)
 
 
 def test_cli_push_on_a_fresh_data_dir_says_what_serves_it_and_refuses_what_nothing_serves(

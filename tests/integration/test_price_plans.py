@@ -20,7 +20,8 @@ from controlplane.billing.invoicing import PriceSpec, add_price, finalize, invoi
 from controlplane.billing.ledger import NewUsage, ingest_usage, load_prices
 from controlplane.storage.tables import Price, PricePlan, Tenant, TenantPlan, UsageRecord
 from shared.errors import ValidationError
-from tests.conftest import REPO, base_env, tierline_cmd
+from tests.conftest import base_env
+from tests.forkserver import run_tierline
 
 pytestmark = pytest.mark.integration
 
@@ -131,7 +132,7 @@ def test_plans_from_the_command_line(migrated_db: str, tmp_path: Path) -> None:
     env = base_env(tmp_path, TIERLINE_DATABASE_URL=migrated_db)
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(tierline_cmd(*args), env=env, cwd=REPO, capture_output=True, text=True)
+        return run_tierline(*args, env=env)
 
     assert cli("tenants", "create", "cli-co").returncode == 0
     assert cli("billing", "plans", "create", "team", "--description", "for teams").returncode == 0

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,15 +21,14 @@ import torch
 from shared.chat_tokenizer import ChatTokenizer
 from shared.zoo.registry import ZooLayout
 from tests.conftest import (
-    REPO,
     base_env,
     free_port,
     migrated_sqlite,
     run_server,
     seed_data_dir,
     server_process,
-    tierline_cmd,
 )
+from tests.forkserver import run_tierline
 
 pytestmark = pytest.mark.integration
 MODEL = "tierline/lm-cloud"
@@ -77,7 +75,7 @@ def cloud(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_data
     )
 
     def cli(*args: str) -> str:
-        proc = subprocess.run(tierline_cmd(*args), env=env, cwd=REPO, capture_output=True, text=True, check=True)
+        proc = run_tierline(*args, env=env, check=True)
         return proc.stdout.strip()
 
     cli("tenants", "create", "acme")

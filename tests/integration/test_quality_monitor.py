@@ -10,7 +10,6 @@ billed once per batch, as tier ``shadow``, and never changes what the client got
 from __future__ import annotations
 
 import dataclasses
-import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -33,7 +32,8 @@ from controlplane.storage.session import session_scope
 from controlplane.storage.tables import AuditLog, EscalationPolicy, QualityAlert, ShadowSample, UsageRecord
 from edge_agent.cloud_link import Credentials
 from shared.escalation import EdgePolicy
-from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, seed_data_dir, tierline_cmd
+from tests.conftest import base_env, free_port, migrated_sqlite, run_server, seed_data_dir
+from tests.forkserver import run_tierline
 from tests.integration.console_support import PASSWORD, login, post_form
 from tests.integration.edge_support import ZOO_PAIRS_ENV
 
@@ -54,7 +54,7 @@ class Platform:
     db: str
 
     def cli(self, *args: str) -> str:
-        proc = subprocess.run(tierline_cmd(*args), env=self.env, cwd=REPO, capture_output=True, text=True, check=False)
+        proc = run_tierline(*args, env=self.env)
         assert proc.returncode == 0, proc.stderr
         return proc.stdout.strip()
 
@@ -117,12 +117,8 @@ def platform(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_d
     assert f"{MICRO} v1:" in out
     with ExitStack() as stack:
         p.cloud_url = stack.enter_context(run_server(["cloud", "serve"], env, free_port(), timeout=120))
-        subprocess.run(
-            tierline_cmd("edge", "enroll", "--cloud", p.cloud_url, "--token", token, "--name", "lab-1"),
-            env=agent_env,
-            cwd=REPO,
-            check=True,
-            capture_output=True,
+        run_tierline(
+            "edge", "enroll", "--cloud", p.cloud_url, "--token", token, "--name", "lab-1", env=agent_env, check=True
         )
         p.edge_url = stack.enter_context(run_server(["edge", "run"], agent_env, free_port()))
         console_env = {**env, "TIERLINE_SECRET_KEY": "test-" + uuid.uuid4().hex}
@@ -295,9 +291,7 @@ def test_a_mis_set_policy_raises_an_alert_within_200_samples_and_a_correct_one_n
     # The CLI lists it resolved; a second accept is refused by name.
     assert p.cli("policies", "alerts") == "no quality alerts"
     assert f"alert {alert.id} (accepted): {MICRO} v2 group lab" in p.cli("policies", "alerts", "--all")
-    again_accepted = subprocess.run(
-        tierline_cmd("policies", "accept-alert", str(alert.id)), env=p.env, cwd=REPO, capture_output=True, text=True
-    )
+    again_accepted = run_tierline("policies", "accept-alert", str(alert.id), env=p.env)
     assert again_accepted.returncode != 0 and "already accepted" in again_accepted.stderr
     wait_for("v3 reaches the agent", lambda: p.agent()["policies"] == {MICRO: "3"})
     # The recalibrated threshold sends the doubtful digits up again.

@@ -14,7 +14,6 @@ in tokens, and never changes what the client got."""
 from __future__ import annotations
 
 import dataclasses
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -37,7 +36,8 @@ from controlplane.storage.session import session_scope
 from controlplane.storage.tables import QualityAlert, ShadowSample, UsageRecord
 from edge_agent.cloud_link import Credentials
 from shared.escalation import EdgePolicy
-from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, seed_data_dir, tierline_cmd
+from tests.conftest import base_env, free_port, migrated_sqlite, run_server, seed_data_dir
+from tests.forkserver import run_tierline
 from tests.integration.console_support import PASSWORD, login
 from tests.integration.edge_support import ZOO_PAIRS_ENV
 from tests.integration.test_quality_monitor import Platform as BasePlatform
@@ -122,12 +122,8 @@ def platform(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_d
     assert f"{LM} v1:" in out
     with ExitStack() as stack:
         p.cloud_url = stack.enter_context(run_server(["cloud", "serve"], env, free_port(), timeout=180))
-        subprocess.run(
-            tierline_cmd("edge", "enroll", "--cloud", p.cloud_url, "--token", token, "--name", "lab-1"),
-            env=agent_env,
-            cwd=REPO,
-            check=True,
-            capture_output=True,
+        run_tierline(
+            "edge", "enroll", "--cloud", p.cloud_url, "--token", token, "--name", "lab-1", env=agent_env, check=True
         )
         p.edge_url = stack.enter_context(run_server(["edge", "run"], agent_env, free_port()))
         console_env = {**env, "TIERLINE_SECRET_KEY": "test-" + uuid.uuid4().hex}

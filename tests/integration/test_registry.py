@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 import threading
 from pathlib import Path
 
@@ -22,7 +21,8 @@ from controlplane.storage.session import session_scope
 from controlplane.storage.tables import AuditLog
 from shared.artifacts import FileEntry, Manifest, load_or_create_signing_key, verify_signature
 from shared.errors import ConflictError, ValidationError
-from tests.conftest import REPO, base_env, migrated_sqlite, tierline_cmd
+from tests.conftest import base_env, migrated_sqlite
+from tests.forkserver import run_tierline
 
 pytestmark = pytest.mark.integration
 
@@ -263,7 +263,7 @@ def test_the_models_commands(tmp_path: Path, checkpoint: Path) -> None:
     (junk / "b.txt").write_text("b")
     assert "not an HF checkpoint" in str(run("push", str(junk), "--name", "x", ok=False).exception)
     # As a user sees an error: one line on stderr, exit code 1, no traceback.
-    proc = subprocess.run(tierline_cmd("models", "show", "nope"), env=env, cwd=REPO, capture_output=True, text=True)
+    proc = run_tierline("models", "show", "nope", env=env)
     assert proc.returncode == 1 and "no model named 'nope'" in proc.stderr and "Traceback" not in proc.stderr
 
 

@@ -41,7 +41,8 @@ from controlplane.tenancy.service import create_api_key, create_tenant
 from shared.artifacts import load_or_create_signing_key
 from shared.errors import ApplicationError
 from shared.zoo.registry import ZooLayout
-from tests.conftest import REPO, base_env, free_port, migrated_sqlite, seed_data_dir, server_process, tierline_cmd
+from tests.conftest import base_env, free_port, migrated_sqlite, seed_data_dir, server_process
+from tests.forkserver import run_tierline
 
 pytestmark = pytest.mark.integration
 CANARY = "tiny-lm"  # v1 built-in (a checkpoint), v2 an openai version: the rollout's two arms
@@ -125,7 +126,7 @@ class Platform:
         return httpx.Client(base_url=self.url, timeout=120, headers={"Authorization": f"Bearer {self.key}"})
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run(tierline_cmd(*args), env=self.env, cwd=REPO, capture_output=True, text=True)
+        proc = run_tierline(*args, env=self.env)
         if check:
             assert proc.returncode == 0, proc.stderr
         return proc

@@ -25,7 +25,8 @@ from controlplane.fleet.devices import create_enrollment_token
 from controlplane.storage.database import create_db
 from controlplane.storage.tables import ApiKey, UsageRecord
 from controlplane.tenancy.service import create_api_key, create_tenant
-from tests.conftest import base_env, free_port, run_server, seed_data_dir, tierline_cmd
+from tests.conftest import base_env, free_port, run_server, seed_data_dir
+from tests.forkserver import run_tierline
 
 pytestmark = pytest.mark.integration
 
@@ -69,7 +70,7 @@ class Cloud:
     models: Path
 
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
-        done = subprocess.run(tierline_cmd(*args), env=self.env, cwd=REPO, capture_output=True, text=True, timeout=120)
+        done = run_tierline(*args, env=self.env, timeout=120)
         assert done.returncode == 0, done.stderr
         return done
 
@@ -137,11 +138,8 @@ def cloud(migrated_db: str, tmp_path: Path, tiny_zoo: Path, session_data_dir: Pa
     )
     models = tmp_path / "models"
     models.mkdir()
-    priced = subprocess.run(
-        tierline_cmd("billing", "prices", "set", "--model", "scorer", "--prompt", "0", "--completion", "0",
-                     "--per-call", str(PER_CALL), "--per-row", str(PER_ROW)),
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    priced = run_tierline("billing", "prices", "set", "--model", "scorer", "--prompt", "0", "--completion", "0",
+                     "--per-call", str(PER_CALL), "--per-row", str(PER_ROW), env=env, timeout=120)  # fmt: skip
     assert priced.returncode == 0, priced.stderr  # before the server starts: its price book is read at start
     with (
         run_server(["cloud", "serve"], env, free_port(), timeout=120) as url,

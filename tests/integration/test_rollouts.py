@@ -8,7 +8,6 @@ Plus the controller pass on SQLite and PostgreSQL straight against the database:
 
 from __future__ import annotations
 
-import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -41,7 +40,8 @@ from controlplane.rollouts.service import (
 from controlplane.storage.database import create_db
 from controlplane.storage.tables import AuditLog, Device, DeviceEvent, Rollout, RolloutEvent, UsageRecord
 from controlplane.tenancy.service import create_tenant
-from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, seed_data_dir, tierline_cmd
+from tests.conftest import base_env, free_port, migrated_sqlite, run_server, seed_data_dir
+from tests.forkserver import run_tierline
 
 pytestmark = pytest.mark.integration
 
@@ -166,7 +166,7 @@ def platform(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_d
     engine.dispose()
 
     def cli(*args: str) -> str:
-        proc = subprocess.run(tierline_cmd(*args), env=env, cwd=REPO, capture_output=True, text=True)
+        proc = run_tierline(*args, env=env)
         assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
         return proc.stdout.strip()
 
@@ -441,13 +441,7 @@ def test_cloud_traffic_is_judged_from_usage_records_by_arm(migrated_db: str, tmp
         s.add(usage(tenant_id, "baseline", 1, status="error"))
         s.commit()
 
-    proc = subprocess.run(
-        tierline_cmd("rollouts", "tick"),
-        env=base_env(tmp_path, TIERLINE_DATABASE_URL=migrated_db),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
+    proc = run_tierline("rollouts", "tick", env=base_env(tmp_path, TIERLINE_DATABASE_URL=migrated_db))
     assert proc.returncode == 0, proc.stderr
     assert f"{rollout_id}\trollback\trolled_back\tcandidate 0%\tcheck failed: cloud p95_latency_ms 250" in proc.stdout
     with Session(engine) as s:

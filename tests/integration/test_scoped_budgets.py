@@ -36,7 +36,8 @@ from controlplane.billing.budgets import (
 )
 from controlplane.billing.scopes import Attribution, applicable
 from controlplane.storage.tables import ApiKey, Budget, BudgetPeriod, BudgetWindow, Tenant, UsageRecord
-from tests.conftest import REPO, base_env, free_port, run_server, seed_data_dir, tierline_cmd
+from tests.conftest import base_env, free_port, run_server, seed_data_dir
+from tests.forkserver import run_tierline
 
 pytestmark = pytest.mark.integration
 
@@ -192,7 +193,7 @@ def test_the_cloud_api_holds_keys_projects_and_end_users_to_their_budgets(
     )
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run(tierline_cmd(*args), env=env, cwd=REPO, capture_output=True, text=True)
+        proc = run_tierline(*args, env=env)
         assert proc.returncode == 0, proc.stderr
         return proc
 

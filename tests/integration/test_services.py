@@ -14,7 +14,8 @@ import pytest
 
 from controlplane.storage.migrate import upgrade
 from controlplane.storage.session import session_scope
-from tests.conftest import REPO, base_env, free_port, run_server, seed_data_dir, tierline_cmd
+from tests.conftest import base_env, free_port, run_server, seed_data_dir
+from tests.forkserver import run_tierline
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +33,7 @@ def cloud_env(data_dir: Path, db_url: str) -> dict[str, str]:
 
 
 def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(tierline_cmd(*args), env=env, cwd=REPO, capture_output=True, text=True, check=False)
+    return run_tierline(*args, env=env)
 
 
 @pytest.fixture
@@ -110,23 +111,11 @@ def test_console_create_admin_stores_an_argon2id_hash(data_dir: Path, db_url: st
 
     upgrade(db_url)
     env = base_env(data_dir, TIERLINE_DATABASE_URL=db_url)
-    proc = subprocess.run(
-        tierline_cmd("console", "create-admin", "--username", "ops", "--password-stdin"),
-        env=env,
-        cwd=REPO,
-        input="correct horse battery\n",
-        text=True,
-        capture_output=True,
+    proc = run_tierline(
+        "console", "create-admin", "--username", "ops", "--password-stdin", env=env, input="correct horse battery\n"
     )
     assert proc.returncode == 0, proc.stderr
-    short = subprocess.run(
-        tierline_cmd("console", "create-admin", "--username", "x", "--password-stdin"),
-        env=env,
-        cwd=REPO,
-        input="short\n",
-        text=True,
-        capture_output=True,
-    )
+    short = run_tierline("console", "create-admin", "--username", "x", "--password-stdin", env=env, input="short\n")
     assert short.returncode == 1 and "at least 12 characters" in short.stderr
     engine = create_db(db_url)
     with session_scope(engine) as s:
@@ -180,12 +169,6 @@ def test_edge_local_api_key(data_dir: Path) -> None:
 def test_edge_config_file_errors_are_one_line(tmp_path: Path) -> None:
     bad = tmp_path / "edge.toml"
     bad.write_text("port = 'not a port'\n")
-    proc = subprocess.run(
-        tierline_cmd("edge", "run", "--config", str(bad)),
-        env=base_env(tmp_path),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
+    proc = run_tierline("edge", "run", "--config", str(bad), env=base_env(tmp_path))
     assert proc.returncode == 1
     assert proc.stderr.startswith("error: invalid edge config") and "Traceback" not in proc.stderr

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -37,7 +36,8 @@ from controlplane.storage.tables import ModelVersion
 from controlplane.tenancy.service import create_api_key, create_tenant
 from shared.artifacts import load_or_create_signing_key
 from shared.zoo.registry import ZooLayout
-from tests.conftest import REPO, base_env, free_port, migrated_sqlite, seed_data_dir, server_process, tierline_cmd
+from tests.conftest import base_env, free_port, migrated_sqlite, seed_data_dir, server_process
+from tests.forkserver import run_tierline
 
 pytestmark = pytest.mark.integration
 ACTOR = "test"
@@ -255,13 +255,7 @@ def test_the_console_refuses_a_spec_that_reaches_past_the_operators_designations
 def test_the_cli_refuses_the_clouds_secret_as_an_upstream_key(platform: Platform) -> None:
     bad = platform.data / "bad.json"
     bad.write_text(json.dumps(spec(platform.allowed.url, api_key_env="TIERLINE_SECRET_KEY")))
-    proc = subprocess.run(
-        tierline_cmd("models", "serving", FILE_KEY, "1", str(bad)),
-        env=platform.env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
+    proc = run_tierline("models", "serving", FILE_KEY, "1", str(bad), env=platform.env)
     assert proc.returncode != 0
     assert "serving.api_key_env: 'TIERLINE_SECRET_KEY' is not an upstream key variable" in proc.stderr
     assert "TIERLINE_UPSTREAM_KEY_" in proc.stderr and CLOUD_SECRET not in proc.stderr + proc.stdout
@@ -276,13 +270,7 @@ def test_a_spec_with_a_designated_key_reaches_an_allowed_upstream_with_that_key(
     # A key file by its bare name in the secrets directory, through the CLI.
     good_file = platform.data / "file.json"
     good_file.write_text(json.dumps(spec(platform.allowed.url, api_key_file="x.key")))
-    proc = subprocess.run(
-        tierline_cmd("models", "serving", FILE_KEY, "1", str(good_file)),
-        env=platform.env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
+    proc = run_tierline("models", "serving", FILE_KEY, "1", str(good_file), env=platform.env)
     assert proc.returncode == 0, proc.stderr
     until(lambda: platform.chat(FILE_KEY).status_code == 200, "the file-key version is served")
 

@@ -14,7 +14,6 @@ until its pause ends or a sync says the allowance is back.
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import time
 import uuid
 from datetime import UTC, datetime
@@ -49,7 +48,8 @@ from controlplane.tenancy.service import create_tenant
 from edge_agent.shadow_sampler import ShadowSampler
 from shared.edge_protocol import Allowance, ShadowRequest, UsageItem
 from shared.errors import RateLimitError
-from tests.conftest import REPO, base_env, free_port, run_server, seed_data_dir, tierline_cmd
+from tests.conftest import base_env, free_port, run_server, seed_data_dir
+from tests.forkserver import run_tierline
 
 pytestmark = pytest.mark.integration
 
@@ -139,9 +139,7 @@ def test_shadow_batches_are_held_against_every_budget_and_the_share(
         TIERLINE_CLOUD_SPECULATION="off",
         TIERLINE_CLOUD_EDGE_SHADOW_SHARE="1.0",
     )
-    off = subprocess.run(
-        tierline_cmd("tenants", "shadow-share", "quiet", "0"), env=env, cwd=REPO, capture_output=True, text=True
-    )
+    off = run_tierline("tenants", "shadow-share", "quiet", "0", env=env)
     assert off.returncode == 0, off.stderr
     with run_server(["cloud", "serve"], env, free_port(), timeout=180) as url:
         auth = {}

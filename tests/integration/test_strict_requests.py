@@ -4,7 +4,6 @@ fields documented as no-ops (``NO_OP_FIELDS``) are accepted."""
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,8 @@ import httpx
 import pytest
 
 from shared.openai_schema import NO_OP_FIELDS
-from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, seed_data_dir, tierline_cmd
+from tests.conftest import base_env, free_port, migrated_sqlite, run_server, seed_data_dir
+from tests.forkserver import run_tierline
 
 pytestmark = pytest.mark.integration
 CLOUD_LM = "tierline/lm-cloud"
@@ -33,9 +33,7 @@ def cloud(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_data
     )
 
     def cli(*args: str) -> str:
-        return subprocess.run(
-            tierline_cmd(*args), env=env, cwd=REPO, capture_output=True, text=True, check=True
-        ).stdout.strip()
+        return run_tierline(*args, env=env, check=True).stdout.strip()
 
     cli("tenants", "create", "acme")
     key = cli("keys", "create", "--tenant", "acme")

@@ -7,7 +7,6 @@ The zoo's LMs are tiny and near-random: the shape of the output is what is guara
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,8 @@ import pytest
 from pydantic import BaseModel, Field
 
 from shared.openai_schema import ChatCompletionRequest
-from tests.conftest import REPO, base_env, free_port, migrated_sqlite, run_server, seed_data_dir, tierline_cmd
+from tests.conftest import base_env, free_port, migrated_sqlite, run_server, seed_data_dir
+from tests.forkserver import run_tierline
 
 pytestmark = pytest.mark.integration
 CLOUD_LM = "tierline/lm-cloud"
@@ -46,9 +46,7 @@ def cloud(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_data
     )
 
     def cli(*args: str) -> str:
-        return subprocess.run(
-            tierline_cmd(*args), env=env, cwd=REPO, capture_output=True, text=True, check=True
-        ).stdout.strip()
+        return run_tierline(*args, env=env, check=True).stdout.strip()
 
     cli("tenants", "create", "acme")
     key = cli("keys", "create", "--tenant", "acme")

@@ -10,7 +10,6 @@ with ``billing.subjects=any`` may name her.
 
 from __future__ import annotations
 
-import subprocess
 import time
 from decimal import Decimal
 from pathlib import Path
@@ -30,7 +29,8 @@ from controlplane.storage.tables import BudgetWindow
 from controlplane.tenancy.service import create_tenant
 from shared.errors import ValidationError
 from shared.escalation import EdgePolicy, save_policy
-from tests.conftest import REPO, base_env, free_port, run_server, seed_data_dir, tierline_cmd
+from tests.conftest import base_env, free_port, run_server, seed_data_dir
+from tests.forkserver import run_tierline
 from tests.integration.edge_support import ZOO_PAIRS_ENV
 
 pytestmark = pytest.mark.integration
@@ -181,8 +181,8 @@ def test_an_agent_refuses_a_request_naming_an_end_user_its_device_may_not_name(
     body = {"model": "tierline/lm-edge-onnx-int8", "prompt": "def main():\n", "max_tokens": 2, "temperature": 0}
     try:
         with run_server(["cloud", "serve"], cloud_env, free_port(), timeout=180) as cloud_url:
-            enroll = tierline_cmd("edge", "enroll", "--cloud", cloud_url, "--token", tokens["agent"], "--name", "a")
-            proc = subprocess.run(enroll, env=agent_env, cwd=REPO, capture_output=True, text=True, check=False)
+            enroll = ("edge", "enroll", "--cloud", cloud_url, "--token", tokens["agent"], "--name", "a")
+            proc = run_tierline(*enroll, env=agent_env)
             assert proc.returncode == 0, proc.stderr
             save_policy(state / "policies", EdgePolicy(EDGE_LM, threshold=-1e9))  # always answers locally
             with run_server(["edge", "run"], agent_env, free_port()) as edge_url:

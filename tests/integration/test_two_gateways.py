@@ -42,7 +42,8 @@ from controlplane.storage.migrate import upgrade
 from controlplane.storage.tables import ApiKey, BudgetPeriod, Job, UsageRecord
 from controlplane.tenancy.service import create_api_key, create_tenant, hash_api_key
 from shared.artifacts import read_manifest
-from tests.conftest import PG_URL, REPO, _postgres_schema, base_env, free_port, server_process, tierline_cmd
+from tests.conftest import PG_URL, _postgres_schema, base_env, free_port, server_process
+from tests.forkserver import run_tierline
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres]
 
@@ -131,7 +132,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_data_
             )
         # The price book is read at start-up (and every 30 s): priced before the gateways start.
         price = ["billing", "prices", "set", "--model", MODEL, "--prompt", "1000", "--completion", "2000"]
-        subprocess.run(tierline_cmd(*price), env=envs[0], cwd=REPO, check=True, capture_output=True)
+        run_tierline(*price, env=envs[0], check=True)
         stack.enter_context(
             server_process(
                 ["engine", "serve", "--model", str(model_dir), "--name", "lm-cloud"],

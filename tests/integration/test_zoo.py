@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
@@ -18,7 +17,8 @@ from shared.zoo.build import build_zoo
 from shared.zoo.export_lm import cache_shape, load_export_llama
 from shared.zoo.presets import DEMO, TINY
 from shared.zoo.registry import ZooLayout
-from tests.conftest import REPO, base_env, tierline_cmd
+from tests.conftest import base_env
+from tests.forkserver import run_tierline
 
 pytestmark = pytest.mark.integration
 
@@ -194,12 +194,12 @@ def test_verify_cli_passes_then_names_a_tampered_file(tiny_zoo: Path, session_da
     copy = tmp_path / "tiny"
     shutil.copytree(tiny_zoo, copy)
     env = base_env(session_data_dir)
-    ok = subprocess.run(tierline_cmd("zoo", "verify", str(copy)), env=env, cwd=REPO, capture_output=True, text=True)
+    ok = run_tierline("zoo", "verify", str(copy), env=env)
     assert ok.returncode == 0, ok.stderr
     assert f"{len(EXPECTED_ARTIFACTS)} of {len(EXPECTED_ARTIFACTS)} artifacts verified" in ok.stdout
     target = copy / "artifacts" / "digits-small" / "model.onnx"
     target.write_bytes(target.read_bytes()[:-1] + b"\x00")
-    bad = subprocess.run(tierline_cmd("zoo", "verify", str(copy)), env=env, cwd=REPO, capture_output=True, text=True)
+    bad = run_tierline("zoo", "verify", str(copy), env=env)
     assert bad.returncode == 1
     assert f"FAIL {copy / 'artifacts' / 'digits-small'}" in bad.stderr
     assert "model.onnx: sha256 mismatch" in bad.stderr
@@ -211,9 +211,7 @@ def test_verify_refuses_a_zoo_signed_by_another_key(tiny_zoo: Path, tmp_path: Pa
     from shared.artifacts import load_or_create_signing_key
 
     load_or_create_signing_key(tmp_path / "keys" / "artifact-signing.ed25519")
-    proc = subprocess.run(
-        tierline_cmd("zoo", "verify", str(tiny_zoo)), env=env, cwd=REPO, capture_output=True, text=True
-    )
+    proc = run_tierline("zoo", "verify", str(tiny_zoo), env=env)
     assert proc.returncode == 1
     assert "untrusted key" in proc.stderr
 
