@@ -89,6 +89,8 @@ def _become(request: Mapping[str, Any], fds: Sequence[int], sock: socket.socket)
     code = 1
     try:
         sock.close()
+        if request.get("new_session"):
+            os.setsid()
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
@@ -309,23 +311,35 @@ class _Handed(subprocess.Popen[bytes]):
 
 
 def start_tierline(
-    args: Sequence[str], env: Mapping[str, str], stdout: IO[bytes], cwd: str | os.PathLike[str] = REPO
+    args: Sequence[str],
+    env: Mapping[str, str],
+    stdout: IO[bytes],
+    cwd: str | os.PathLike[str] = REPO,
+    *,
+    start_new_session: bool = False,
 ) -> subprocess.Popen[bytes]:
-    """``subprocess.Popen(["tierline", *args], env=env, cwd=cwd, stdout=stdout, stderr=subprocess.STDOUT)``, the
-    process forked from the fork server and handed to this one as its child."""
+    """``subprocess.Popen(["tierline", *args], env=env, cwd=cwd, stdout=stdout, stderr=subprocess.STDOUT,
+    start_new_session=start_new_session)``, the process forked from the fork server and handed to this one as its
+    child."""
     with _lock:
         server = _fork_server(env)
         if server is None:
             command = [sys.executable, "-m", "tierline.cli", *args]
-            return subprocess.Popen(command, env=env, cwd=cwd, stdout=stdout, stderr=subprocess.STDOUT)
+            return subprocess.Popen(
+                command,
+                env=env,
+                cwd=cwd,
+                stdout=stdout,
+                stderr=subprocess.STDOUT,
+                start_new_session=start_new_session,
+            )
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
         try:
             with open(os.devnull, "rb") as stdin:
-                pid = server.request(
-                    _request(args, env, cwd, "start"), [stdin.fileno(), stdout.fileno(), stdout.fileno()]
-                )
+                request = {**_request(args, env, cwd, "start"), "new_session": start_new_session}
+                pid = server.request(request, [stdin.fileno(), stdout.fileno(), stdout.fileno()])
         finally:  # only the server just started is handed here; later orphans go where they always went
             libc.prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
         return _Handed(pid, ["tierline", *args])

@@ -31,7 +31,8 @@ from controlplane.storage.database import create_db
 from controlplane.storage.tables import BudgetPeriod, BudgetReservation, Price, Tenant, UsageCheckpoint, UsageRecord
 from controlplane.tenancy.service import create_api_key, create_tenant
 from shared.zoo.registry import ZooLayout
-from tests.conftest import REPO, base_env, free_port, seed_data_dir, server_process, tierline_cmd
+from tests.conftest import base_env, free_port, seed_data_dir, server_process
+from tests.forkserver import start_tierline
 
 pytestmark = pytest.mark.integration
 MODEL = "tierline/lm-cloud"
@@ -45,13 +46,8 @@ BUDGET = Decimal("1000")
 def _cloud(env: dict[str, str], port: int, log: Path) -> Iterator[subprocess.Popen[bytes]]:
     """``tierline cloud serve`` in a process group of its own (the engine processes are its children), ready."""
     with log.open("ab") as out:
-        proc = subprocess.Popen(
-            tierline_cmd("cloud", "serve", "--host", "127.0.0.1", "--port", str(port)),
-            env=env,
-            cwd=REPO,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+        proc = start_tierline(
+            ["cloud", "serve", "--host", "127.0.0.1", "--port", str(port)], env, out, start_new_session=True
         )
     try:
         deadline = time.monotonic() + 180
