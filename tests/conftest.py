@@ -21,6 +21,12 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 
+# The suite runs several workers, each with its servers, on few cores: OpenMP threads (torch's) that spin while they
+# wait for work burn the CPU the other processes need (a tiny zoo build beside two busy cores: 88 s of CPU spinning,
+# 41 s waiting passively, the same weights either way). Set before torch loads OpenMP, here and in every process the
+# tests start (they copy this environment).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from shared.artifacts import load_or_create_signing_key
 from tests.forkserver import start_tierline
 
