@@ -79,7 +79,7 @@ PRELOAD = (
     "edge_agent.cli",
     "edge_agent.app",
 )
-_STARTUP_PREFIXES = ("PYTHON", "LD_")
+_STARTUP_PREFIXES = ("PYTHON", "LD_", "OMP_", "OPENBLAS_")  # read as an interpreter or a library it loaded starts
 _PR_SET_CHILD_SUBREAPER = 36
 _MAX_MESSAGE = 1 << 20
 
@@ -178,7 +178,8 @@ def serve(fd: int) -> None:
 
 
 def _startup(env: Mapping[str, str]) -> dict[str, str]:
-    """The variables an interpreter reads as it starts (PYTHONPATH, sitecustomize's, the loader's)."""
+    """The variables read as an interpreter starts (PYTHONPATH, the loader's) or as the fork server's imports load
+    a native library (numpy's OpenBLAS): a process whose own differ starts fresh."""
     return {k: v for k, v in env.items() if k.startswith(_STARTUP_PREFIXES)}
 
 
