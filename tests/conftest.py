@@ -9,7 +9,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -193,10 +192,6 @@ def engine_processes(server_pid: int) -> list[int]:
     servers = {pid for pid, (parent, _, cmd) in procs.items() if parent == server_pid and b"forkserver" in cmd}
     engines = [(started, pid) for pid, (parent, started, _) in procs.items() if parent in servers]
     return [pid for _, pid in sorted(engines)]
-
-
-def tierline_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "tierline.cli", *args]
 
 
 def seed_data_dir(dest: Path, tiny_zoo: Path, session_data_dir: Path) -> Path:

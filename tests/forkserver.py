@@ -177,6 +177,11 @@ def serve(fd: int) -> None:
             _send(sock, {"pid": server})
 
 
+def tierline_cmd(*args: str) -> list[str]:
+    """The command line of a fresh ``tierline`` process."""
+    return [sys.executable, "-m", "tierline.cli", *args]
+
+
 def _startup(env: Mapping[str, str]) -> dict[str, str]:
     """The variables read as an interpreter starts (PYTHONPATH, the loader's) or as the fork server's imports load
     a native library (numpy's OpenBLAS): a process whose own differ starts fresh."""
@@ -259,9 +264,15 @@ def run_tierline(
     with _lock:
         server = _fork_server(env)
         if server is None:
-            command = [sys.executable, "-m", "tierline.cli", *args]
             return subprocess.run(
-                command, env=env, cwd=cwd, input=input, capture_output=True, text=True, timeout=timeout, check=check
+                tierline_cmd(*args),
+                env=env,
+                cwd=cwd,
+                input=input,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=check,
             )
         with tempfile.TemporaryFile() as stdin, tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
             stdin.write((input or "").encode())
@@ -325,9 +336,8 @@ def start_tierline(
     with _lock:
         server = _fork_server(env)
         if server is None:
-            command = [sys.executable, "-m", "tierline.cli", *args]
             return subprocess.Popen(
-                command,
+                tierline_cmd(*args),
                 env=env,
                 cwd=cwd,
                 stdout=stdout,

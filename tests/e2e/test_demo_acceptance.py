@@ -65,10 +65,11 @@ from controlplane.storage.tables import (
     UsageCheckpoint,
     UsageRecord,
 )
-from tests.conftest import REPO, base_env, free_port, tierline_cmd
+from tests.conftest import REPO, base_env, free_port
 from tests.e2e.promise import lm_policy_keeps_its_promise
 from tests.e2e.test_up import _start_up
 from tests.e2e.tour import CHROMIUM, CHROMIUM_ARGS, _device_version, _shot_dirs, sign_in
+from tests.forkserver import tierline_cmd
 
 # The zoo build (minutes, once), `tierline up`, the traffic and the walk: past the suite's 600 s default.
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]

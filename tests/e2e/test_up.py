@@ -15,7 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import REPO, base_env, free_port, tierline_cmd
+from tests.conftest import REPO, base_env, free_port
+from tests.forkserver import tierline_cmd
 
 pytestmark = pytest.mark.e2e
 
