@@ -56,6 +56,35 @@ class Feed:
     num_logits: int
 
 
+# torch's thread count is the process's: a runner that went to one thread for a small step leaves it so. What it
+# was before any runner adapted it is kept here, so that a runner built afterwards (another engine in the process: a
+# bench's contenders, tests) still gets the process's threads for its large steps, not the one a step left.
+_threads_before_adapting: int | None = None
+
+
+def adapt_threads(threads: int) -> None:
+    """Set torch's threads for a step (a runner adapting them to the step's size)."""
+    global _threads_before_adapting
+    current = torch.get_num_threads()
+    if current != threads:
+        if _threads_before_adapting is None:
+            _threads_before_adapting = current
+        torch.set_num_threads(threads)
+
+
+def set_process_threads(threads: int) -> None:
+    """The threads the process's runners use for large steps from now on (an engine's ``num_threads``)."""
+    global _threads_before_adapting
+    _threads_before_adapting = None
+    torch.set_num_threads(threads)
+
+
+def process_threads() -> int:
+    """The threads a runner built now uses for its large steps: torch's, unless a runner adapted them, then what
+    they were before."""
+    return _threads_before_adapting or torch.get_num_threads()
+
+
 def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The KV cache, all zeros. On CPU from ``calloc`` (numpy's zeros): the OS maps zero pages and commits each on
     first write, so a cache sized to a quarter of RAM costs neither the seconds of writing it nor its RSS until
@@ -107,7 +136,7 @@ class ModelRunner:
         self.forward_seconds = 0.0
         self.num_forwards = 0
         # Threads a large step uses (the engine's ``num_threads``, set before the runner is built); small steps use 1.
-        self.max_threads = torch.get_num_threads()
+        self.max_threads = process_threads()
         self.parallel_min_macs = PARALLEL_MIN_MACS  # (a draft model's runner raises it)
         self.adapt_threads = device.type == "cpu"
         h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -138,8 +167,7 @@ class ModelRunner:
         if not self.adapt_threads:
             return torch.get_num_threads()
         threads = self.max_threads if self.step_macs(feeds) >= self.parallel_min_macs else 1
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
+        adapt_threads(threads)
         return threads
 
     def fuses(self, feeds: list[Feed]) -> bool:
@@ -179,8 +207,8 @@ class ModelRunner:
         """Run one forward over all feeds; returns logits [sum(num_logits), V] in feed order."""
         started = time.perf_counter()
         if self.fused_decoder is not None and self.fuses(feeds):
-            if self.adapt_threads and torch.get_num_threads() != 1:
-                torch.set_num_threads(1)
+            if self.adapt_threads:
+                adapt_threads(1)
             logits = self._run_fused(self.fused_decoder, feeds)
             self.forward_seconds += time.perf_counter() - started
             self.num_forwards += 1
