@@ -28,7 +28,9 @@ class EngineConfig:
     faster at batch 1, logits no longer equal to fp32's (docs/engine.md states the greedy agreement). ``fp32``
     (default): the checkpoint's own weights. ``draft_cpu_weights``: the same for the draft model, ``int8`` by
     default: a draft only proposes tokens the target then verifies, so its weights change how many are accepted,
-    never the output, and a cheaper draft step is what speculation at batch 1 pays for.
+    never the output, and a cheaper draft step is what speculation at batch 1 pays for. ``warm_up``: where the
+    adaptive speculation controller times steps, each forward path runs once at load, so that first calls' one-off
+    costs are not taken for what speculating costs.
     """
 
     model_dir: Path
@@ -53,6 +55,7 @@ class EngineConfig:
     fused_decode: bool = True
     cpu_weights: str = "fp32"
     draft_cpu_weights: str = "int8"
+    warm_up: bool = True
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)

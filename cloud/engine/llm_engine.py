@@ -19,7 +19,7 @@ from cloud.engine.block_manager import BlockManager
 from cloud.engine.config import EngineConfig
 from cloud.engine.loader import resolve_dtype
 from cloud.engine.model_config import ModelConfig
-from cloud.engine.model_runner import Feed, ModelRunner
+from cloud.engine.model_runner import Feed, ModelRunner, set_process_threads
 from cloud.engine.output_processor import OutputProcessor
 from cloud.engine.outputs import RequestOutput
 from cloud.engine.prompts import check_context_length, encode_prompt
@@ -69,6 +69,8 @@ class EngineStats:
     num_preemptions: int = 0
     spec_proposed: dict[str, int] = field(default_factory=dict)
     spec_accepted: dict[str, int] = field(default_factory=dict)
+    spec_steps: dict[str, int] = field(default_factory=dict)  # steps in which a method proposed (k > 0)
+    draft_catch_up_tokens: int = 0  # tokens the draft read before proposing, in catch-ups
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -90,7 +92,7 @@ class LLMEngine:
         turned into text elsewhere (``EngineProcess`` does so in the API process)."""
         self.config = config
         if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+            set_process_threads(config.num_threads)
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigurationError("device 'cuda' requested but torch sees no CUDA device")
@@ -145,6 +147,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval) if process_outputs else None
         self._seq_ids = itertools.count()
         self.stats = EngineStats()
+        if self.spec is not None and self.spec.adaptive and config.warm_up:
+            self._warm_up()
         logger.info(
             "engine ready: %s (%s, %s), %d KV blocks of %d tokens, speculation %s",
             config.model_dir.name,
@@ -154,6 +158,30 @@ class LLMEngine:
             config.block_size,
             config.speculation,
         )
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """Run each forward path of the target and the draft once before serving (as ``llama-server`` does): a first
+        call pays one-off costs (code loaded, buffers allocated, packed weights touched), ten times a step's, and the
+        speculation controller would take them for what a step or a catch-up costs here — speculation then looked
+        dear, and staying plain kept it from being measured again. The forwards write KV blocks no sequence holds
+        yet (each position is written before it is read); nothing else is kept."""
+        block = self.config.block_size
+        prompt = min(2 * block, self.max_model_len - self.config.num_speculative_tokens - 2)
+        if prompt < 1:
+            return
+        per_seq = -(-(prompt + self.config.num_speculative_tokens + 1) // block)
+        num_seqs = max(1, min(16, self.config.max_num_seqs, self.num_blocks // per_seq))
+        tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(num_seqs)]
+        token = min(self.eos_token_ids, default=0)
+        verify = self.config.num_speculative_tokens + 1
+        for runner in (self.runner, self.draft_runner):
+            if runner is None:
+                continue
+            runner.execute([Feed(t, [token] * prompt, 0, 1) for t in tables[:2]])  # prefill, a catch-up
+            runner.execute([Feed(tables[0], [token], prompt, 1)])  # a decode step alone (fused on CPU)
+            runner.execute([Feed(t, [token], prompt, 1) for t in tables])  # a batch's
+            runner.execute([Feed(tables[0], [token] * verify, prompt, verify)])  # a verification
 
     def _num_kv_blocks(self) -> int:
         """As many blocks (of the model's K/V and the draft's) as the budget holds; at least one max-length
@@ -346,10 +374,13 @@ class LLMEngine:
     def _plan_lookahead(self, method: str, seqs: list[Sequence], num_decoding: int, measured: bool) -> int:
         """Proposal slots for ``seqs`` (n-gram proposals looked up now); the k the controller chose."""
         assert self.spec is not None
-        k = self.spec.choose_k(method, len(seqs), num_decoding, measured)
+        rooms = [min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1 for seq in seqs]
+        catch_up = sum(DraftProposer.lag(seq) for seq in seqs) if method == "draft" else 0
+        k = self.spec.choose_k(method, len(seqs), num_decoding, measured, catch_up, sum(rooms) + len(seqs))
+        if k:
+            self.stats.spec_steps[method] = self.stats.spec_steps.get(method, 0) + 1
         num_lookups = num_found = 0
-        for seq in seqs:
-            room = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+        for seq, room in zip(seqs, rooms, strict=True):
             look = max(0, min(k, room))
             if method == "ngram" and look:
                 seq.spec_token_ids = ngram_proposal(seq.token_ids, look)
@@ -372,7 +403,7 @@ class LLMEngine:
             return
         method, k = speculating[0] if speculating else (None, 0)
         catch_up = self.drafter.catch_up_seconds if self.drafter is not None and method == "draft" else 0.0
-        self.spec.record_step(method, k, len(batch.scheduled), seconds - catch_up)
+        self.spec.record_step(method, k, len(batch.scheduled), seconds - catch_up)  # the catch-up: priced apart
 
     def _run(self, batch: SchedulerOutput) -> tuple[list[_Work], torch.Tensor]:
         """Draft proposals, one forward over every scheduled sequence, then sampling or verification."""
@@ -396,7 +427,13 @@ class LLMEngine:
                 drafts.append(item.seq)
             elif not item.num_lookahead:
                 item.seq.spec_token_ids = []
-        return self.drafter.propose(drafts) if drafts and self.drafter is not None else {}
+        if not drafts or self.drafter is None:
+            return {}
+        probs = self.drafter.propose(drafts)
+        self.stats.draft_catch_up_tokens += self.drafter.catch_up_tokens
+        if self.spec is not None:
+            self.spec.record_catch_up(self.drafter.catch_up_tokens, self.drafter.catch_up_seconds)
+        return probs
 
     @staticmethod
     def _check_drafts(batch: SchedulerOutput) -> None:
@@ -610,4 +647,6 @@ class LLMEngine:
             "kv_cache_usage": round(self.block_manager.usage(), 4),
             "prefix_cache_hit_rate": round(self.block_manager.prefix_cache_hit_rate(), 4),
             "spec_acceptance": {m: round(s.spec_accepted.get(m, 0) / p, 4) for m, p in s.spec_proposed.items() if p},
+            "spec_steps": dict(s.spec_steps),
+            "draft_catch_up_tokens": s.draft_catch_up_tokens,
         }

@@ -80,6 +80,13 @@ class SpecController:
     an exploration spends what the estimates say it loses, so a choice far worse than the best is re-checked
     rarely and one nearly as good often (at most one decision in ``MIN_EXPLORE_GAP``).
 
+    A draft that has not read its sequences' tokens (their prompts, or tokens decoded while speculation was off) reads
+    them first, in a forward of its own: a catch-up, priced apart from the steps (``record_catch_up``: seconds a token,
+    an exponentially weighted mean). Switching speculation on pays it once, so it is switched on only where the steps
+    left to the sequences (their ``max_tokens``) are expected to save more than the catch-up costs; an exploration
+    that makes the draft catch up spends that from its budget too. A batch where speculation loses thus never pays a
+    whole batch's catch-up for one step of it, and a small batch where it wins still switches on at once.
+
     Tokens per step come from the per-token acceptance alpha, estimated from verification rounds: each accepted
     proposal is a success and each round that stopped at a rejection is one failure (later proposals of that round
     were never tested), with exponential forgetting; n-gram lookups that find nothing (``record_lookups``) count as
@@ -98,6 +105,7 @@ class SpecController:
     PRIOR_COST_PER_TOKEN = 0.25
     CAUTION = 1.0  # standard errors added to a speculative step's measured cost
     PRIOR_ERROR = 0.3  # relative error of a cost measured once
+    CATCH_UP_WEIGHT = 0.25  # of a new catch-up in the decayed sums behind a catch-up's cost
 
     def __init__(self, max_k: int, adaptive: bool = True) -> None:
         self.max_k = max_k
@@ -109,6 +117,7 @@ class SpecController:
         # (method, bucket) -> [exploration budget in seconds, decisions since the last, explorations so far]
         self._explore: dict[tuple[str, int], list[float]] = {}
         self._clock = 0
+        self._catch_up = [0.0, 0.0]  # a draft's catch-ups: decayed (seconds, tokens)
 
     # -- evidence ----------------------------------------------------------------------------------------------
     def acceptance(self, method: str) -> float:
@@ -156,6 +165,20 @@ class SpecController:
         cost.updated = self._clock
         cost.count += 1
 
+    def record_catch_up(self, num_tokens: int, seconds: float) -> None:
+        """The draft read ``num_tokens`` tokens it was behind on in ``seconds`` before proposing."""
+        if num_tokens <= 0 or seconds <= 0:
+            return
+        decay = 1.0 - self.CATCH_UP_WEIGHT
+        self._catch_up = [decay * self._catch_up[0] + seconds, decay * self._catch_up[1] + num_tokens]
+
+    def catch_up_cost(self, num_tokens: int) -> float:
+        """Seconds the draft is expected to take to read ``num_tokens`` it is behind on: the recent catch-ups'
+        seconds over their tokens (a few-token catch-up's fixed cost weighs by its tokens, not as a rate of its own);
+        0 before one is measured (the first one is tried, and measured)."""
+        seconds, tokens = self._catch_up
+        return seconds / tokens * num_tokens if tokens else 0.0
+
     # -- the decision ------------------------------------------------------------------------------------------
     def cost(self, method: str, num_seqs: int, k: int) -> float | None:
         """The measured seconds a sequence of a step (plain for k 0), or None where not measured."""
@@ -184,9 +207,11 @@ class SpecController:
     def prior_cost_per_token(self, method: str, bucket: int) -> float:
         """What a proposal is assumed to add to a step of ``bucket`` sequences, in plain steps, before any k is
         measured there: at least ``PRIOR_COST_PER_TOKEN``, and at least what one added in the nearest smaller bucket
-        measured (its dearest k). A step's rows cost more, relative to its weights, the larger the batch (the weights
-        are read once a step, every row is computed), so the ratio measured at a smaller batch is a floor for a larger
-        one: the first steps of a large batch do not try a k that smaller batches showed to lose."""
+        measured (its k's ratios, each weighed by the steps it was measured on: one step a noisy host made dear, never
+        measured again, does not stand for the bucket). A step's rows cost more, relative to its weights, the larger
+        the batch (the weights are read once a step, every row is computed), so the ratio measured at a smaller batch
+        is a floor for a larger one: the first steps of a large batch do not try a k that smaller batches showed to
+        lose."""
         b = max(
             (b for (m, b, k) in self._costs if m == method and k > 0 and b < bucket and ("plain", b, 0) in self._costs),
             default=None,
@@ -195,11 +220,12 @@ class SpecController:
             return self.PRIOR_COST_PER_TOKEN
         plain = self._costs[("plain", b, 0)].seconds
         measured = [
-            (self._costs[(method, b, j)].seconds / plain - 1.0) / j
+            (self._costs[(method, b, j)].count, (self._costs[(method, b, j)].seconds / plain - 1.0) / j)
             for j in range(1, self.max_k + 1)
             if (method, b, j) in self._costs
         ]
-        return max([self.PRIOR_COST_PER_TOKEN, *measured])
+        ratio = sum(n * r for n, r in measured) / sum(n for n, _ in measured)
+        return max(self.PRIOR_COST_PER_TOKEN, ratio)
 
     def tokens_per_seq(self, method: str, k: int) -> float:
         """Expected tokens a sequence gets from a step with k proposals planned."""
@@ -223,12 +249,23 @@ class SpecController:
             for k in range(self.max_k + 1)
         ]
 
-    def choose_k(self, method: str, num_seqs: int, num_decoding: int | None = None, measured: bool = True) -> int:
+    def choose_k(
+        self,
+        method: str,
+        num_seqs: int,
+        num_decoding: int | None = None,
+        measured: bool = True,
+        catch_up_tokens: int = 0,
+        horizon_tokens: float = float("inf"),
+    ) -> int:
         """k for the ``num_seqs`` sequences speculating with ``method`` this step, among ``num_decoding`` decoding
         sequences in all (default: only them). ``measured``: whether this step's cost will be recorded (it decodes
         only). A step that will not be (prompt tokens in it) takes a k only where that k's cost is measured in the
         bucket, and never explores: an untried k taken there would not be learnt from, and the step would take it
-        again, as each step of a batch's prefill did."""
+        again, as each step of a batch's prefill did. ``catch_up_tokens``: what the draft must read before it can
+        propose for these sequences; ``horizon_tokens``: the tokens they may still produce, all told (their
+        ``max_tokens`` left). Speculation that needs a catch-up is chosen only where what it is expected to save over
+        that horizon pays for it."""
         if not self.adaptive:
             return self.max_k
         num_decoding = max(num_seqs, num_decoding or 0)
@@ -241,6 +278,9 @@ class SpecController:
         best = max(known, key=lambda k: rates[k], default=0)
         if best and rates[best] < self.MIN_GAIN * rates[0]:
             best = 0
+        catch_up = self.catch_up_cost(catch_up_tokens)
+        if best and catch_up > horizon_tokens * (1.0 / rates[0] - 1.0 / rates[best]):
+            best = 0  # the steps left would not save what the draft's catch-up costs
         if self.max_k < 1 or not measured:
             return best
         # Exploring: while plain wins, the best speculative k; while speculation wins, plain (the reference) and
@@ -248,18 +288,22 @@ class SpecController:
         # spends what it is expected to lose (its time beyond what its tokens would take at the best rate).
         state = self._explore.setdefault((method, concurrency_bucket(num_decoding)), [0.0, 0.0, 0.0])
         budget, since, turns = state
-        # (Saved up for at most MAX_SAVED_STEPS steps' time: what goes unspent while nothing is worth exploring
-        # is not spent in a burst later.)
-        budget = min(budget + self.EXPLORE_SHARE * estimates[best][1], self.MAX_SAVED_STEPS * estimates[best][1])
-        since += 1
-        if best and since >= self.PLAIN_EVERY:
+        if best and since + 1 >= self.PLAIN_EVERY:
             # Plain, the reference, is re-measured at a fixed rate while speculation wins: it can cost speculation
             # some of its gain, never speed against plain decoding; a stale reference could.
+            budget = min(budget + self.EXPLORE_SHARE * estimates[best][1], self.MAX_SAVED_STEPS * estimates[best][1])
             state[:] = [budget, 0.0, turns]
             return 0
+        since += 1
         others = [k for k in range(1, self.max_k + 1) if k != best]
         candidate = max(others, key=lambda k: rates[k], default=best)
         loss = max(0.0, estimates[candidate][1] * (1.0 - rates[candidate] / rates[best]))
+        if candidate and not best:
+            loss += catch_up  # the draft reads what it is behind on first
+        # (What goes unspent while nothing is worth exploring is not spent in a burst later: at most MAX_SAVED_STEPS
+        # steps' time is saved, or one exploration's cost where a catch-up makes it dearer than that.)
+        cap = max(self.MAX_SAVED_STEPS * estimates[best][1], loss)
+        budget = min(budget + self.EXPLORE_SHARE * estimates[best][1], cap)
         if candidate != best and since >= self.MIN_EXPLORE_GAP and budget >= loss:
             state[:] = [budget - loss, 0.0, turns + 1]
             return candidate
@@ -283,19 +327,25 @@ class DraftProposer:
         runner.parallel_min_macs = 16 * PARALLEL_MIN_MACS
         self.sampler = sampler
         self.clock = clock  # the engine's step clock (``LLMEngine.step_clock``)
-        self.catch_up_seconds = 0.0  # of the last ``propose``
+        self.catch_up_seconds = 0.0  # of the last ``propose``: its catch-up's time and tokens
+        self.catch_up_tokens = 0
+
+    @classmethod
+    def lag(cls, seq: Sequence) -> int:
+        """The tokens the draft must read first, in a catch-up, before it proposes for ``seq`` (0 when it is at most
+        ``MAX_LAG`` behind: those it reads in its first proposing step)."""
+        behind = seq.num_tokens - seq.draft_num_computed_tokens
+        return behind - 1 if behind > cls.MAX_LAG else 0
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence]) -> dict[int, torch.Tensor | None]:
         """Fill ``seq.spec_token_ids`` (``seq.num_lookahead`` tokens); returns draft probs [k, V] per
         sampled sequence (None for greedy ones)."""
-        self.catch_up_seconds = 0.0
-        lagging = [s for s in seqs if s.num_tokens - s.draft_num_computed_tokens > self.MAX_LAG]
+        self.catch_up_seconds, self.catch_up_tokens = 0.0, 0
+        lagging = [s for s in seqs if self.lag(s)]
         if lagging:
-            # The prompt's share of it is a one-off, not what a round of k proposals costs: ``catch_up_seconds``.
-            # Tokens decoded while speculation was off are what switching it on costs, and stay in the step's cost.
-            fed = sum(s.num_tokens - 1 - s.draft_num_computed_tokens for s in lagging)
-            prompt = sum(max(0, s.num_prompt_tokens - s.draft_num_computed_tokens) for s in lagging)
+            # A one-off, not what a round of k proposals costs: the controller prices it apart
+            # (``SpecController.record_catch_up``), and the step's cost is recorded without it.
             started = self.clock()
             self.runner.execute(
                 [
@@ -303,9 +353,10 @@ class DraftProposer:
                     for s in lagging
                 ]
             )
+            self.catch_up_seconds = self.clock() - started
+            self.catch_up_tokens = sum(self.lag(s) for s in lagging)
             for s in lagging:
                 s.draft_num_computed_tokens = s.num_tokens - 1
-            self.catch_up_seconds = (self.clock() - started) * min(1.0, prompt / fed)
         probs: dict[int, list[torch.Tensor]] = {s.seq_id: [] for s in seqs}
         feeds = [
             Feed(s.block_table, s.token_ids[s.draft_num_computed_tokens :], s.draft_num_computed_tokens, 1)

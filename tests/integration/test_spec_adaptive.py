@@ -70,3 +70,37 @@ def test_the_draft_and_the_verification_take_the_fused_step(lm_dirs: tuple[Path,
     assert engine.stats.spec_proposed["draft"] > 0 and len(outs[0].token_ids) == 40
     assert target_rows.count(k + 1) >= 5  # verifications of k proposals, one C call each
     assert len(draft_rows) >= 5 * k  # the draft's k steps a round
+
+
+def test_the_warm_up_runs_each_path_before_serving_and_keeps_nothing(lm_dirs: tuple[Path, Path]) -> None:
+    """A first forward pays one-off costs the controller would take for a step's; the engine runs each path once at
+    load (the draft's and the target's: prefill, decode alone and batched, a verification), then serves as if it had
+    not: no KV block held, no step counted, no cost measured, and greedy outputs equal plain decoding's, although
+    the warm-up wrote into the blocks the requests then take."""
+    cold = LLM(lm_dirs[0], kv_cache_bytes=KV, draft_model_dir=lm_dirs[1], warm_up=False).engine
+    assert cold.runner.num_forwards == 0 and cold.draft_runner is not None and cold.draft_runner.num_forwards == 0
+    llm = LLM(lm_dirs[0], kv_cache_bytes=KV, draft_model_dir=lm_dirs[1])
+    engine = llm.engine
+    assert engine.draft_runner is not None
+    assert engine.runner.num_forwards == 4 and engine.draft_runner.num_forwards == 4
+    spec = engine.spec
+    assert spec is not None and spec.catch_up_cost(1000) == 0.0
+    assert all(spec.cost("draft", n, k) is None for n in (1, 16) for k in range(spec.max_k + 1))
+    assert engine.stats.num_steps == 0
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
+    base = [o.token_ids for o in LLM(lm_dirs[0], kv_cache_bytes=KV).generate(PROMPTS, greedy(32))]
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy(32))] == base
+    assert spec.catch_up_cost(1000) > 0.0  # the draft caught up on the prompts, and that was measured
+
+
+def test_an_engine_built_after_another_ran_steps_gets_the_processs_threads(lm_dirs: tuple[Path, Path]) -> None:
+    """torch's thread count is the process's, and a small step runs on one thread: an engine built after another
+    had run one (a warm-up does) took that one thread for its large steps too — in ``bench spec`` the n-gram engine,
+    built after the draft engine's warm-up, ran 64 concurrent requests on one core of two (0.77x plain)."""
+    first = LLM(lm_dirs[0], kv_cache_bytes=KV, draft_model_dir=lm_dirs[1])  # warms up: small steps, one thread
+    if first.engine.runner.max_threads < 2:
+        pytest.skip("torch runs on one thread on this host: nothing for a small step to narrow")
+    first.generate(PROMPTS[:1], greedy(4))
+    assert torch.get_num_threads() == 1  # what the last small step left
+    second = LLM(lm_dirs[0], kv_cache_bytes=KV, speculation="ngram")
+    assert second.engine.runner.max_threads == first.engine.runner.max_threads

@@ -186,3 +186,94 @@ def test_acceptance_counts_untested_proposals_as_neither_success_nor_failure() -
 def test_without_adaptation_k_is_the_maximum() -> None:
     controller = SpecController(max_k=3, adaptive=False)
     assert controller.choose_k("ngram", num_seqs=256) == 3
+
+
+def simulate_batches(
+    controller: SpecController,
+    step_seconds: StepSeconds,
+    num_seqs: int,
+    alpha: float,
+    catch_up_per_token: float,
+    batches: int = 6,
+    prompt_tokens: int = 128,
+    max_tokens: int = 96,
+    seed: int = 0,
+) -> tuple[float, int]:
+    """``bench spec``'s workload through the engine's decisions: batches of ``num_seqs`` fresh requests (prompts the
+    draft has not read), ``max_tokens`` each. A speculative step first makes the draft read what it is behind on
+    (``catch_up_per_token`` seconds a token), priced apart as the engine does. Tokens per second, and how many tokens
+    the draft caught up on."""
+    rng = random.Random(seed)
+    tokens, seconds, caught_up = 0, 0.0, 0
+    for _ in range(batches):
+        lag, produced = prompt_tokens, 0  # (all the batch's sequences alike)
+        while produced < max_tokens:
+            behind = num_seqs * lag if lag > 2 else 0
+            k = controller.choose_k(
+                "draft", num_seqs, catch_up_tokens=behind, horizon_tokens=num_seqs * (max_tokens - produced)
+            )
+            k = min(k, max_tokens - produced - 1)
+            if k and behind:
+                controller.record_catch_up(behind, catch_up_per_token * behind)
+                seconds += catch_up_per_token * behind
+                caught_up += behind
+                lag = 0
+            elapsed = step_seconds(num_seqs, k)
+            controller.record_step("draft", k, num_seqs, elapsed)
+            seconds += elapsed
+            accepted = 0
+            while accepted < k and rng.random() < alpha:
+                accepted += 1
+            for _ in range(num_seqs):
+                controller.record("draft", k, accepted)
+            produced += accepted + 1
+            tokens += num_seqs * (accepted + 1)
+            lag = lag + 1 if k == 0 else 1
+    return tokens / seconds, caught_up
+
+
+def cpu_like(num_seqs: int, k: int) -> float:
+    """A CPU host as ``bench spec`` saw it: 2 ms a step, 0.3 ms a token fed, a draft step 0.3 ms and 0.2 ms a
+    sequence: speculation wins at batch 1, loses at 64 (a proposal dearer than what it saves)."""
+    return 0.002 + 0.0003 * num_seqs * (k + 1) + k * (0.0003 + 0.0002 * num_seqs)
+
+
+def test_a_batch_where_speculation_loses_does_not_pay_the_drafts_catch_up() -> None:
+    """Issue 42's 64 concurrent: the controller chose plain for nearly every step, but its few speculative steps (a
+    first try, explorations) each made the draft read all 64 prompts first, and the steps' costs left that out: the
+    draft ran at 0.86x plain. The catch-up is now priced: tried once at most, then explored only when the budget
+    covers it, so plain's rate holds."""
+    controller = SpecController(max_k=4)
+    for num_seqs in (1, 2, 4, 8, 16):  # the sweep's smaller batches first, as bench spec runs them
+        simulate_batches(controller, cpu_like, num_seqs, 0.82, catch_up_per_token=0.00005, batches=2)
+    simulate_batches(controller, cpu_like, 64, 0.82, catch_up_per_token=0.00005, batches=1)  # (its first try)
+    rate, caught_up = simulate_batches(controller, cpu_like, 64, 0.82, catch_up_per_token=0.00005, batches=8)
+    assert rate >= 0.98 * plain_rate(cpu_like, 64)
+    assert caught_up <= 64 * 130  # one batch's prompts at most, not one per batch
+
+
+@pytest.mark.parametrize("num_seqs", [1, 2, 4, 8, 16])
+def test_a_batch_where_speculation_wins_switches_on_despite_the_catch_up(num_seqs: int) -> None:
+    """Fresh prompts every batch (a catch-up each): where speculation pays, it is switched on at once all the same,
+    because the tokens left save far more than the draft's catch-up costs."""
+    controller = SpecController(max_k=4)
+    simulate_batches(controller, fused_cpu, num_seqs, 0.85, catch_up_per_token=0.00005, batches=1)  # learning
+    rate, caught_up = simulate_batches(controller, fused_cpu, num_seqs, 0.85, catch_up_per_token=0.00005, batches=4)
+    assert caught_up >= 4 * num_seqs * 128
+    assert rate >= 1.3 * plain_rate(fused_cpu, num_seqs)
+    # Against the best k's rate with a catch-up a batch paid on top:
+    batch_tokens = num_seqs * 96
+    best = batch_tokens / (batch_tokens / best_rate(fused_cpu, num_seqs, 0.85) + 0.00005 * num_seqs * 128)
+    assert rate >= 0.9 * best
+
+
+def test_a_short_horizon_does_not_pay_for_a_long_catch_up() -> None:
+    controller = SpecController(max_k=4)
+    controller.record_step(None, 0, 1, 0.002)
+    for _ in range(50):
+        controller.record_step("draft", 4, 1, 0.003)
+        controller.record("draft", 4, 4)
+    controller.record_catch_up(1000, 0.05)  # 50 us a token
+    assert controller.choose_k("draft", 1, catch_up_tokens=0) == 4  # caught up: speculation wins
+    assert controller.choose_k("draft", 1, catch_up_tokens=200, horizon_tokens=500) == 4  # 10 ms to save ~0.7 s
+    assert controller.choose_k("draft", 1, catch_up_tokens=4000, horizon_tokens=5) == 0  # 0.2 s to save ~7 ms
