@@ -7,7 +7,8 @@ engine (docs/engine.md, "What a draft can buy at batch 1").
 ``lm-cloud`` plain and with ``lm-draft`` (adaptive controller), the prompts and workload of ``tierline bench spec``,
 each concurrency in the order given (repeat one to see a bucket the controller has already measured), plain first.
 Prints one JSON line per batch: both engines' seconds, the draft's proposing calls and seconds, the tokens it had to
-catch up on first, and the prompts' share of that catch-up (what the controller leaves out of a step's cost).
+catch up on first and the seconds that catch-up took (what the controller prices apart from a step's cost), and the
+controller's estimate of a catch-up's seconds a token.
 """
 
 from __future__ import annotations
@@ -36,21 +37,17 @@ def main() -> None:
     drafter = spec.drafter
     concurrency = args.concurrency or [1, 2, 4, 8, 16, 64, 64, 64]
     prompts = spec_prompts(plain, max(8, *concurrency))
-    seen: dict[str, Any] = {"catch_up_tokens": 0, "propose_s": 0.0, "prompt_catch_up_s": 0.0, "propose_calls": 0}
+    seen: dict[str, Any] = {"catch_up_tokens": 0, "propose_s": 0.0, "catch_up_s": 0.0, "propose_calls": 0}
     propose = drafter.propose
 
     def timed_propose(seqs: list[Sequence]) -> dict[int, torch.Tensor | None]:
-        seen["catch_up_tokens"] += sum(
-            s.num_tokens - 1 - s.draft_num_computed_tokens
-            for s in seqs
-            if s.num_tokens - s.draft_num_computed_tokens > drafter.MAX_LAG
-        )
+        seen["catch_up_tokens"] += sum(drafter.lag(s) for s in seqs)
         started = time.perf_counter()
         try:
             return propose(seqs)
         finally:
             seen["propose_s"] += time.perf_counter() - started
-            seen["prompt_catch_up_s"] += drafter.catch_up_seconds
+            seen["catch_up_s"] += drafter.catch_up_seconds
             seen["propose_calls"] += 1
 
     drafter.propose = timed_propose  # type: ignore[method-assign]
@@ -58,7 +55,7 @@ def main() -> None:
         _run_batches(engine, _spec_workload(prompts[:1], 1, 8))
     for c in concurrency:
         batches = _spec_workload(prompts, c, args.tokens)
-        seen.update(catch_up_tokens=0, propose_s=0.0, prompt_catch_up_s=0.0, propose_calls=0)
+        seen.update(catch_up_tokens=0, propose_s=0.0, catch_up_s=0.0, propose_calls=0)
         started = time.perf_counter()
         _run_batches(plain, batches)
         plain_s = time.perf_counter() - started
@@ -67,6 +64,8 @@ def main() -> None:
         spec_s = time.perf_counter() - started
         row = {"concurrency": c, "plain_s": round(plain_s, 3), "draft_s": round(spec_s, 3)}
         row |= {"draft_x": round(plain_s / spec_s, 3), **{k: round(v, 3) for k, v in seen.items()}}
+        assert spec.spec is not None
+        row["catch_up_us_a_token"] = round(spec.spec.catch_up_cost(1_000_000), 1)
         print(json.dumps(row), flush=True)
 
 
