@@ -82,10 +82,11 @@ class SpecController:
 
     A draft that has not read its sequences' tokens (their prompts, or tokens decoded while speculation was off) reads
     them first, in a forward of its own: a catch-up, priced apart from the steps (``record_catch_up``: seconds a token,
-    an exponentially weighted mean). Switching speculation on pays it once, so it is switched on only where the steps
-    left to the sequences (their ``max_tokens``) are expected to save more than the catch-up costs; an exploration
-    that makes the draft catch up spends that from its budget too. A batch where speculation loses thus never pays a
-    whole batch's catch-up for one step of it, and a small batch where it wins still switches on at once.
+    the recent catch-ups' decayed seconds over their tokens). Switching speculation on pays it once, so it is switched
+    on only where the steps left to the sequences (their ``max_tokens``) are expected to save more than the catch-up
+    costs; an exploration that makes the draft catch up spends that from its budget too. A batch where speculation
+    loses thus never pays a whole batch's catch-up for one step of it, and a small batch where it wins still switches
+    on at once.
 
     Tokens per step come from the per-token acceptance alpha, estimated from verification rounds: each accepted
     proposal is a success and each round that stopped at a rejection is one failure (later proposals of that round
