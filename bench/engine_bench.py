@@ -34,6 +34,7 @@ from cloud.engine.config import EngineConfig
 from cloud.engine.llm_engine import LLMEngine
 from cloud.engine.model_runner import Feed, ModelRunner, process_threads
 from cloud.engine.sampling_params import SamplingParams
+from cloud.engine.speculator import METHODS
 from shared.zoo.corpus import held_out_files
 from shared.zoo.registry import ZooLayout
 
@@ -440,7 +441,7 @@ def spec_sweep(
             ratios = [a / b for a, b in zip(rates[(c, name)], rates[(c, "plain")], strict=True)]
             row[f"{name}_x"] = round(statistics.median(ratios), 3)
             row[f"{name}_x_range"] = [round(min(ratios), 3), round(max(ratios), 3)]
-            if last[(c, name)]["spec_steps"] or name in ("draft", "ngram"):
+            if name in METHODS:
                 row[f"{name}_last_round"] = last[(c, name)]
         row["outputs_identical"] = all(identical[(c, name)] for name in list(engines)[1:])
         sweep[c] = row
@@ -523,7 +524,7 @@ def slower_than_plain(result: dict[str, Any]) -> list[dict[str, Any]]:
     for key, row in result.items():
         if key.startswith("at_") and key.endswith("_concurrent"):
             floor = NEVER_SLOWER_TOLERANCE * min(1.0, row.get("plain_again_x", 1.0))
-            for method in ("draft", "ngram"):
+            for method in METHODS:
                 if row[f"{method}_x"] < floor:
                     lost.append({"concurrency": int(key[3:-11]), "method": method, "x_plain": row[f"{method}_x"]})
     return sorted(lost, key=lambda x: (x["concurrency"], x["method"]))
