@@ -117,136 +117,168 @@ int tl_paged_attention(const float *q, const float *k_cache, const float *v_cach
 
 DECODE_SOURCE = r"""
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* y[b, :] = (bias or 0) + x[b, :] @ wt for b < rows; wt: [n_in, n_out] row-major (the engine's transposed weights).
-   Four input rows per pass over y, added in input order (the same sums as one row at a time), for four (or two) rows
-   of x at once where there are as many (each weight loaded once for all of them: a verify step's k + 1 rows cost
-   little more memory traffic than one). Columns are split across threads in chunks of 256 when num_threads > 1; on
-   one thread a pass covers whole rows, so the weights stream in memory order (the hardware prefetcher follows;
-   a 256-column chunk read 1 KB of each row, a row's length apart): the demo cloud LM's step 1.64-1.74 -> 1.54-1.63 ms
-   in fp32, 1.07-1.10 -> 0.88-0.90 ms in int8 (min of 5x50 calls, alternating). Each output's sum is the same. */
-static void linear(const float *restrict x, int64_t rows, int64_t n_in, const float *restrict wt,
-                   const float *restrict bias, int64_t n_out, float *restrict y, int num_threads) {
-    const int64_t chunk = num_threads > 1 ? 256 : n_out, num_chunks = (n_out + chunk - 1) / chunk;
-#pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && num_chunks > 1) schedule(static)
-    for (int64_t c = 0; c < num_chunks; ++c) {
-        const int64_t j0 = c * chunk, j1 = j0 + chunk < n_out ? j0 + chunk : n_out;
-        for (int64_t b = 0; b < rows; ++b) {
-            float *restrict yb = y + b * n_out;
-            for (int64_t j = j0; j < j1; ++j) yb[j] = bias ? bias[j] : 0.f;
-        }
-        int64_t i = 0;
-        for (; i + 4 <= n_in; i += 4) {
-            const float *restrict w0 = wt + i * n_out, *restrict w1 = w0 + n_out, *restrict w2 = w1 + n_out;
-            const float *restrict w3 = w2 + n_out;
-            int64_t b = 0;
-            for (; b + 4 <= rows; b += 4) {
-                const float *xa = x + b * n_in + i, *xb = xa + n_in, *xc = xb + n_in, *xd = xc + n_in;
-                const float a0 = xa[0], a1 = xa[1], a2 = xa[2], a3 = xa[3];
-                const float b0 = xb[0], b1 = xb[1], b2 = xb[2], b3 = xb[3];
-                const float c0 = xc[0], c1 = xc[1], c2 = xc[2], c3 = xc[3];
-                const float d0 = xd[0], d1 = xd[1], d2 = xd[2], d3 = xd[3];
-                float *restrict ya = y + b * n_out, *restrict yb = ya + n_out, *restrict yc = yb + n_out;
-                float *restrict yd = yc + n_out;
-#pragma omp simd
-                for (int64_t j = j0; j < j1; ++j) {
-                    const float v0 = w0[j], v1 = w1[j], v2 = w2[j], v3 = w3[j];
-                    ya[j] = (((ya[j] + a0 * v0) + a1 * v1) + a2 * v2) + a3 * v3;
-                    yb[j] = (((yb[j] + b0 * v0) + b1 * v1) + b2 * v2) + b3 * v3;
-                    yc[j] = (((yc[j] + c0 * v0) + c1 * v1) + c2 * v2) + c3 * v3;
-                    yd[j] = (((yd[j] + d0 * v0) + d1 * v1) + d2 * v2) + d3 * v3;
-                }
-            }
-            for (; b + 2 <= rows; b += 2) {
-                const float *xa = x + b * n_in + i, *xb = xa + n_in;
-                const float a0 = xa[0], a1 = xa[1], a2 = xa[2], a3 = xa[3];
-                const float b0 = xb[0], b1 = xb[1], b2 = xb[2], b3 = xb[3];
-                float *restrict ya = y + b * n_out, *restrict yb = ya + n_out;
-#pragma omp simd
-                for (int64_t j = j0; j < j1; ++j) {
-                    const float v0 = w0[j], v1 = w1[j], v2 = w2[j], v3 = w3[j];
-                    ya[j] = (((ya[j] + a0 * v0) + a1 * v1) + a2 * v2) + a3 * v3;
-                    yb[j] = (((yb[j] + b0 * v0) + b1 * v1) + b2 * v2) + b3 * v3;
-                }
-            }
-            for (; b < rows; ++b) {
-                const float *xb = x + b * n_in + i;
-                const float x0 = xb[0], x1 = xb[1], x2 = xb[2], x3 = xb[3];
-                float *restrict yb = y + b * n_out;
-#pragma omp simd
-                for (int64_t j = j0; j < j1; ++j)
-                    yb[j] = (((yb[j] + x0 * w0[j]) + x1 * w1[j]) + x2 * w2[j]) + x3 * w3[j];
-            }
-        }
-        for (; i < n_in; ++i) {
-            const float *w0 = wt + i * n_out;
-            for (int64_t b = 0; b < rows; ++b) {
-                const float x0 = x[b * n_in + i];
-                float *restrict yb = y + b * n_out;
-#pragma omp simd
-                for (int64_t j = j0; j < j1; ++j) yb[j] += x0 * w0[j];
-            }
-        }
-    }
-}
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
-/* y = bias + (x @ wq) * scale, the weight-only int8 twin of linear: wq int8 [n_in, n_out] (the weights quantized
-   per output column, symmetric), scale [n_out]. A quarter of the bytes to read, for a batch-1 step that reads every
-   weight from the cache hierarchy once. Two rows (or one) per pass, each row's sums in input order. */
-static void qlinear(const float *restrict x, int64_t rows, int64_t n_in, const int8_t *restrict wq,
-                    const float *restrict scale, const float *restrict bias, int64_t n_out, float *restrict y,
-                    int num_threads) {
+#ifndef TILE_PREFETCH
+#define TILE_PREFETCH 16
+#endif
+
+/* VL floats (int8 weights widened to floats): GCC's vector extension at the host's register width, and the column
+   vectors of a tile for R rows, COLS_R (R x COLS_R sums and COLS_R weights in registers: 32 registers with AVX-512
+   or NEON, 16 with AVX2). */
+#if defined(__AVX512F__)
+#define VL 16
+#elif defined(__AVX__)
+#define VL 8
+#else
+#define VL 4
+#endif
+#if defined(__AVX__) && !defined(__AVX512F__)
+#define COLS_1 4
+#define COLS_2 4
+#define COLS_3 3
+#define COLS_4 2
+#define COLS_5 2
+#define COLS_6 2
+#define COLS_7 1
+#define COLS_8 1
+#else
+#define COLS_1 8
+#define COLS_2 8
+#define COLS_3 6
+#define COLS_4 4
+#define COLS_5 4
+#define COLS_6 4
+#define COLS_7 3
+#define COLS_8 3
+#endif
+typedef float vf __attribute__((vector_size(4 * VL)));
+static inline vf load_f32(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline vf load_i8(const int8_t *p) {
+    vf v;
+#if VL == 16 && defined(__AVX512F__)
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    memcpy(&v, &f, sizeof v);
+#elif VL == 8 && defined(__AVX2__)
+    const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    memcpy(&v, &f, sizeof v);
+#else /* (GCC widens a vector of int8 one value at a time: a loop it vectorizes instead) */
+    float f[VL];
+    for (int t = 0; t < VL; ++t) f[t] = (float)p[t];
+    memcpy(&v, f, sizeof v);
+#endif
+    return v;
+}
+static inline void store_f32(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+/* y[r, j .. j + VL C) += x[r, :] @ w[:, j .. j + VL C) for r < R (R and C constants where inlined): the R x C vector
+   sums stay in registers over every input i, added in input order (y[r, j] + x[r, 0] w[0, j] + x[r, 1] w[1, j] + ...,
+   the same sum for any R), and each weight vector is loaded once for all R rows. The weights are read row by row
+   down the column tile, a row's length apart: prefetched TILE_PREFETCH rows ahead for three rows or more. */
+#define TILE(NAME, W, LOAD, VALUES_PER_LINE)                                                                       \
+    static inline __attribute__((always_inline)) void NAME(const int R, const int C, const float *restrict x,     \
+                                                           int64_t n_in, const W *restrict w, int64_t n_out,       \
+                                                           float *restrict y) {                                    \
+        vf acc[8][8];                                                                                               \
+        for (int r = 0; r < R; ++r)                                                                                 \
+            for (int c = 0; c < C; ++c) acc[r][c] = load_f32(y + r * n_out + VL * c);                               \
+        for (int64_t i = 0; i < n_in; ++i) {                                                                        \
+            const W *restrict wi = w + i * n_out;                                                                   \
+            if (R >= 3 && i + TILE_PREFETCH < n_in) /* (one or two rows: faster without) */                      \
+                for (int c = 0; c < VL * C; c += VALUES_PER_LINE)                                                   \
+                    __builtin_prefetch(wi + TILE_PREFETCH * n_out + c, 0, 0);                                       \
+            vf v[8];                                                                                                \
+            for (int c = 0; c < C; ++c) v[c] = LOAD(wi + VL * c);                                                   \
+            for (int r = 0; r < R; ++r) {                                                                           \
+                const float xr = x[r * n_in + i];                                                                   \
+                for (int c = 0; c < C; ++c) acc[r][c] = acc[r][c] + xr * v[c];                                     \
+            }                                                                                                       \
+        }                                                                                                           \
+        for (int r = 0; r < R; ++r)                                                                                 \
+            for (int c = 0; c < C; ++c) store_f32(y + r * n_out + VL * c, acc[r][c]);                               \
+    }
+TILE(tile_f32, float, load_f32, 16)
+TILE(tile_i8, int8_t, load_i8, 64)
+
+/* Rows b .. b + R of x and y (R = min(8, rows - b)) over columns [j0, j1): tiles of COLS_R vectors, then a vector at a
+   time, then single columns (in the same order of sums). */
+#define TILES_OF(TILE_FN, R, WIDTH)                                                                                 \
+    case R:                                                                                                         \
+        for (; j + WIDTH * VL <= j1; j += WIDTH * VL) TILE_FN(R, WIDTH, xb, n_in, w + j, n_out, yb + j);            \
+        break;
+#define TILES(TILE_FN, W, WEIGHTS)                                                                                  \
+    for (int64_t b = 0; b < rows; b += 8) {                                                                         \
+        const W *restrict w = WEIGHTS;                                                                              \
+        const int R = rows - b < 8 ? (int)(rows - b) : 8;                                                           \
+        const float *xb = x + b * n_in;                                                                             \
+        float *yb = y + b * n_out;                                                                                  \
+        int64_t j = j0;                                                                                             \
+        switch (R) {                                                                                                \
+            TILES_OF(TILE_FN, 1, COLS_1)                                                                            \
+            TILES_OF(TILE_FN, 2, COLS_2)                                                                            \
+            TILES_OF(TILE_FN, 3, COLS_3)                                                                            \
+            TILES_OF(TILE_FN, 4, COLS_4)                                                                            \
+            TILES_OF(TILE_FN, 5, COLS_5)                                                                            \
+            TILES_OF(TILE_FN, 6, COLS_6)                                                                            \
+            TILES_OF(TILE_FN, 7, COLS_7)                                                                            \
+            TILES_OF(TILE_FN, 8, COLS_8)                                                                            \
+        }                                                                                                           \
+        switch (R) {                                                                                                \
+            TILES_OF(TILE_FN, 1, 1)                                                                                 \
+            TILES_OF(TILE_FN, 2, 1)                                                                                 \
+            TILES_OF(TILE_FN, 3, 1)                                                                                 \
+            TILES_OF(TILE_FN, 4, 1)                                                                                 \
+            TILES_OF(TILE_FN, 5, 1)                                                                                 \
+            TILES_OF(TILE_FN, 6, 1)                                                                                 \
+            TILES_OF(TILE_FN, 7, 1)                                                                                 \
+            TILES_OF(TILE_FN, 8, 1)                                                                                 \
+        }                                                                                                           \
+        for (; j < j1; ++j)                                                                                         \
+            for (int r = 0; r < R; ++r) {                                                                           \
+                float acc = yb[r * n_out + j];                                                                      \
+                for (int64_t i = 0; i < n_in; ++i) acc = acc + xb[r * n_in + i] * (float)w[i * n_out + j];          \
+                yb[r * n_out + j] = acc;                                                                            \
+            }                                                                                                       \
+    }
+
+/* y[b, :] = (bias or 0) + x[b, :] @ wt for b < rows; wt: [n_in, n_out] row-major (the engine's transposed weights),
+   fp32, or int8 with per-column scales (``scale``: y = bias + (x @ wq) * scale, the weight-only int8 layout). Up to
+   eight rows of x share each weight read (a verification's k + 1 rows cost little more memory traffic than one
+   row), and each output's sum is in input order whatever the rows: a token's logits are the same decoded alone or
+   verified among others. Columns are split across threads in chunks of 256 when num_threads > 1. */
+static void matmul(const float *restrict x, int64_t rows, int64_t n_in, const void *restrict weight,
+                   const float *restrict scale, const float *restrict bias, int64_t n_out, float *restrict y,
+                   int num_threads) {
     const int64_t chunk = num_threads > 1 ? 256 : n_out, num_chunks = (n_out + chunk - 1) / chunk;
+    const float *restrict wf = scale == NULL ? (const float *)weight : NULL;
+    const int8_t *restrict wq = scale != NULL ? (const int8_t *)weight : NULL;
 #pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && num_chunks > 1) schedule(static)
     for (int64_t c = 0; c < num_chunks; ++c) {
         const int64_t j0 = c * chunk, j1 = j0 + chunk < n_out ? j0 + chunk : n_out;
         for (int64_t b = 0; b < rows; ++b) {
             float *restrict yb = y + b * n_out;
-            for (int64_t j = j0; j < j1; ++j) yb[j] = 0.f;
+            for (int64_t j = j0; j < j1; ++j) yb[j] = bias && !wq ? bias[j] : 0.f;
         }
-        int64_t i = 0;
-        for (; i + 4 <= n_in; i += 4) {
-            const int8_t *restrict w0 = wq + i * n_out, *restrict w1 = w0 + n_out, *restrict w2 = w1 + n_out;
-            const int8_t *restrict w3 = w2 + n_out;
-            int64_t b = 0;
-            for (; b + 2 <= rows; b += 2) {
-                const float *xa = x + b * n_in + i, *xb = xa + n_in;
-                const float a0 = xa[0], a1 = xa[1], a2 = xa[2], a3 = xa[3];
-                const float b0 = xb[0], b1 = xb[1], b2 = xb[2], b3 = xb[3];
-                float *restrict ya = y + b * n_out, *restrict yb = ya + n_out;
-#pragma omp simd
-                for (int64_t j = j0; j < j1; ++j) {
-                    const float v0 = w0[j], v1 = w1[j], v2 = w2[j], v3 = w3[j];
-                    ya[j] = (((ya[j] + a0 * v0) + a1 * v1) + a2 * v2) + a3 * v3;
-                    yb[j] = (((yb[j] + b0 * v0) + b1 * v1) + b2 * v2) + b3 * v3;
-                }
-            }
-            for (; b < rows; ++b) {
-                const float *xb = x + b * n_in + i;
-                const float x0 = xb[0], x1 = xb[1], x2 = xb[2], x3 = xb[3];
-                float *restrict yb = y + b * n_out;
-#pragma omp simd
-                for (int64_t j = j0; j < j1; ++j)
-                    yb[j] = (((yb[j] + x0 * (float)w0[j]) + x1 * (float)w1[j]) + x2 * (float)w2[j]) +
-                            x3 * (float)w3[j];
-            }
-        }
-        for (; i < n_in; ++i) {
-            const int8_t *w0 = wq + i * n_out;
+        if (wq) {
+            TILES(tile_i8, int8_t, wq)
             for (int64_t b = 0; b < rows; ++b) {
-                const float x0 = x[b * n_in + i];
                 float *restrict yb = y + b * n_out;
 #pragma omp simd
-                for (int64_t j = j0; j < j1; ++j) yb[j] += x0 * (float)w0[j];
+                for (int64_t j = j0; j < j1; ++j) yb[j] = yb[j] * scale[j] + (bias ? bias[j] : 0.f);
             }
-        }
-        for (int64_t b = 0; b < rows; ++b) {
-            float *restrict yb = y + b * n_out;
-#pragma omp simd
-            for (int64_t j = j0; j < j1; ++j) yb[j] = yb[j] * scale[j] + (bias ? bias[j] : 0.f);
+        } else {
+            TILES(tile_f32, float, wf)
         }
     }
 }
@@ -255,10 +287,7 @@ static void qlinear(const float *restrict x, int64_t rows, int64_t n_in, const i
 static void project(const float *const *weights, const float *const *scales, int64_t idx, const float *restrict x,
                     int64_t rows, int64_t n_in, const float *restrict bias, int64_t n_out, float *restrict y,
                     int num_threads) {
-    if (scales != NULL && scales[idx] != NULL)
-        qlinear(x, rows, n_in, (const int8_t *)weights[idx], scales[idx], bias, n_out, y, num_threads);
-    else
-        linear(x, rows, n_in, weights[idx], bias, n_out, y, num_threads);
+    matmul(x, rows, n_in, weights[idx], scales != NULL ? scales[idx] : NULL, bias, n_out, y, num_threads);
 }
 
 /* out = weight * (x * rsqrt(mean(x^2) + eps)), one row of n. */
@@ -286,6 +315,104 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
     return s;
 }
 
+/* The sum of a vector's lanes, as a tree (a lane at a time is a chain of VL dependent adds). */
+static inline float hsum(vf v) {
+#if VL == 16 && defined(__AVX512F__)
+    __m512 m;
+    memcpy(&m, &v, sizeof m);
+    return _mm512_reduce_add_ps(m);
+#elif VL == 8 && defined(__AVX__)
+    __m256 m;
+    memcpy(&m, &v, sizeof m);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+#else
+    float f[VL], s = 0.f;
+    memcpy(f, &v, sizeof f);
+    for (int t = 0; t < VL; ++t) s += f[t];
+    return s;
+#endif
+}
+
+/* Softmax in place over each of the group's rows of scores p [group, ctx]. */
+static void softmax_rows(float *p, int64_t group, int64_t ctx) {
+    for (int64_t r = 0; r < group; ++r) {
+        float *pr = p + r * ctx, m = -INFINITY, sum = 0.f;
+        for (int64_t t = 0; t < ctx; ++t) m = pr[t] > m ? pr[t] : m;
+        for (int64_t t = 0; t < ctx; ++t) {
+            pr[t] = expf(pr[t] - m);
+            sum += pr[t];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < ctx; ++t) pr[t] *= inv;
+    }
+}
+
+/* Attention of the `group` query heads q [group, hd] that share one KV head (kvh's slice of each cached token, kvs
+   floats a token) over the positions 0 .. ctx - 1 of a sequence's block table, into out [group, hd]; p: scratch for
+   [group, ctx] scores. With hd = C vectors (C a constant where inlined): a score is C multiply-adds and one tree sum,
+   and each output head's C vector sums stay in registers over the positions. */
+static inline __attribute__((always_inline)) void attend_vectors(const int C, const float *restrict q,
+                                                                 float *restrict out, const float *k_cache,
+                                                                 const float *v_cache, const int64_t *table,
+                                                                 int64_t ctx, int64_t bs, int64_t kvs, int64_t group,
+                                                                 float scale, float *restrict p) {
+    const int64_t hd = (int64_t)C * VL;
+    for (int64_t t = 0; t < ctx; ++t) {
+        const float *k = k_cache + (table[t / bs] * bs + t % bs) * kvs;
+        vf kv[8];
+        for (int c = 0; c < C; ++c) kv[c] = load_f32(k + c * VL);
+        for (int64_t r = 0; r < group; ++r) {
+            const float *qr = q + r * hd;
+            vf s = load_f32(qr) * kv[0];
+            for (int c = 1; c < C; ++c) s = s + load_f32(qr + c * VL) * kv[c];
+            p[r * ctx + t] = hsum(s) * scale;
+        }
+    }
+    softmax_rows(p, group, ctx);
+    for (int64_t r = 0; r < group; ++r) {
+        vf acc[8];
+        for (int c = 0; c < C; ++c) acc[c] = (vf){0};
+        const float *pr = p + r * ctx;
+        for (int64_t t = 0; t < ctx; ++t) {
+            const float *v = v_cache + (table[t / bs] * bs + t % bs) * kvs;
+            const float wgt = pr[t];
+            for (int c = 0; c < C; ++c) acc[c] = acc[c] + wgt * load_f32(v + c * VL);
+        }
+        for (int c = 0; c < C; ++c) store_f32(out + r * hd + c * VL, acc[c]);
+    }
+}
+
+static void attend(const float *restrict q, float *restrict out, const float *k_cache, const float *v_cache,
+                   const int64_t *table, int64_t ctx, int64_t bs, int64_t kvs, int64_t hd, int64_t group, float scale,
+                   float *restrict p) {
+    switch (hd % VL == 0 ? hd / VL : 0) {
+#define ATTEND_CASE(C)                                                                                         \
+    case C:                                                                                                    \
+        attend_vectors(C, q, out, k_cache, v_cache, table, ctx, bs, kvs, group, scale, p);                    \
+        return;
+        ATTEND_CASE(1) ATTEND_CASE(2) ATTEND_CASE(3) ATTEND_CASE(4) ATTEND_CASE(5) ATTEND_CASE(6) ATTEND_CASE(7)
+        ATTEND_CASE(8)
+        default: break;
+    }
+    for (int64_t t = 0; t < ctx; ++t) { /* a head of any other width */
+        const float *k = k_cache + (table[t / bs] * bs + t % bs) * kvs;
+        for (int64_t r = 0; r < group; ++r) p[r * ctx + t] = dot(q + r * hd, k, hd) * scale;
+    }
+    softmax_rows(p, group, ctx);
+    memset(out, 0, sizeof(float) * (size_t)(group * hd));
+    for (int64_t t = 0; t < ctx; ++t) {
+        const float *v = v_cache + (table[t / bs] * bs + t % bs) * kvs;
+        for (int64_t r = 0; r < group; ++r) {
+            const float wgt = p[r * ctx + t];
+            float *restrict o = out + r * hd;
+#pragma omp simd
+            for (int64_t d = 0; d < hd; ++d) o[d] += wgt * v[d];
+        }
+    }
+}
+
 enum { L_IN_NORM, L_QKV, L_QKV_BIAS, L_O, L_POST_NORM, L_GATE_UP, L_GATE_UP_BIAS, L_DOWN, L_DOWN_BIAS, L_FIELDS };
 enum { W_EMBED, W_NORM, W_LM_HEAD, W_COS, W_SIN, W_LAYERS };
 enum { D_LAYERS, D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_VOCAB, D_BLOCK, D_NUM_BLOCKS, D_MAX_BLOCKS,
@@ -299,7 +426,7 @@ enum { D_LAYERS, D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_VOCAB, D_
    of the same sequence are not seen). Logits [num_logits, vocab] for rows logit_rows (the final norm and the LM head
    run for those only). dims and weights: the D_ and W_/L_ fields above (a NULL bias is none). The same operations
    as the torch model in one call; sums may be ordered differently. A matrix whose scales entry is set is int8
-   (qlinear); scales may be NULL (every matrix fp32). Returns 0, or -1 when out of memory. */
+   (matmul); scales may be NULL (every matrix fp32). Returns 0, or -1 when out of memory. */
 int tl_decode_step(const int64_t *dims, const float *const *weights, const float *const *scales, float *kv,
                    const int64_t *token_ids,
                    const int64_t *positions, const int64_t *row_seqs, const int64_t *block_tables, int64_t num_rows,
@@ -312,7 +439,8 @@ int tl_decode_step(const int64_t *dims, const float *const *weights, const float
     const int64_t B = num_rows, cache_half = nb * bs * kvs; /* floats in one layer's K (or V) cache */
     int64_t max_ctx = 0;
     for (int64_t b = 0; b < B; ++b) max_ctx = positions[b] + 1 > max_ctx ? positions[b] + 1 : max_ctx;
-    const size_t need = (size_t)(B * (2 * H + qkv_n + qs + 2 * I + I) + group * max_ctx);
+    const int nt = num_threads > 1 ? num_threads : 1; /* each thread's scratch for scores */
+    const size_t need = (size_t)(B * (2 * H + qkv_n + qs + 2 * I + I) + nt * group * max_ctx);
     float *buf = malloc(sizeof(float) * need);
     if (buf == NULL) return -1;
     float *x = buf, *h = x + B * H, *qkv = h + B * H, *att = qkv + B * qkv_n, *gu = att + B * qs, *act = gu + B * 2 * I;
@@ -336,42 +464,20 @@ int tl_decode_step(const int64_t *dims, const float *const *weights, const float
             memcpy(k_cache + slot * kvs, row + qs, sizeof(float) * (size_t)kvs);
             memcpy(v_cache + slot * kvs, row + qs + kvs, sizeof(float) * (size_t)kvs);
         }
-        for (int64_t b = 0; b < B; ++b) {
-            const int64_t ctx = positions[b] + 1;
+        /* One task per (row, KV head), over the threads when there are several. */
+#pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && B * nkv > 1) schedule(dynamic, 1)
+        for (int64_t task = 0; task < B * nkv; ++task) {
+            const int64_t b = task / nkv, kvh = task % nkv;
             const int64_t *table = block_tables + row_seqs[b] * max_blocks;
-            const float *row = qkv + b * qkv_n;
-            for (int64_t kvh = 0; kvh < nkv; ++kvh) {
-                for (int64_t t = 0; t < ctx; ++t) {
-                    const float *k = k_cache + (table[t / bs] * bs + t % bs) * kvs + kvh * hd;
-                    for (int64_t r = 0; r < group; ++r)
-                        p[r * ctx + t] = dot(row + (kvh * group + r) * hd, k, hd) * scale;
-                }
-                for (int64_t r = 0; r < group; ++r) {
-                    float *pr = p + r * ctx, m = -INFINITY, sum = 0.f;
-                    for (int64_t t = 0; t < ctx; ++t) m = pr[t] > m ? pr[t] : m;
-                    for (int64_t t = 0; t < ctx; ++t) {
-                        pr[t] = expf(pr[t] - m);
-                        sum += pr[t];
-                    }
-                    const float inv = 1.f / sum;
-                    for (int64_t t = 0; t < ctx; ++t) pr[t] *= inv;
-                    memset(att + b * qs + (kvh * group + r) * hd, 0, sizeof(float) * (size_t)hd);
-                }
-                for (int64_t t = 0; t < ctx; ++t) {
-                    const float *v = v_cache + (table[t / bs] * bs + t % bs) * kvs + kvh * hd;
-                    for (int64_t r = 0; r < group; ++r) {
-                        const float wgt = p[r * ctx + t];
-                        float *restrict o = att + b * qs + (kvh * group + r) * hd;
-#pragma omp simd
-                        for (int64_t d = 0; d < hd; ++d) o[d] += wgt * v[d];
-                    }
-                }
-            }
+            attend(qkv + b * qkv_n + kvh * group * hd, att + b * qs + kvh * group * hd, k_cache + kvh * hd,
+                   v_cache + kvh * hd, table, positions[b] + 1, bs, kvs, hd, group, scale,
+                   p + (int64_t)omp_get_thread_num() * group * max_ctx);
         }
         project(weights, scales, lw + L_O, att, B, qs, NULL, H, h, num_threads);
         for (int64_t j = 0; j < B * H; ++j) x[j] += h[j];
         for (int64_t b = 0; b < B; ++b) rms_norm(x + b * H, w[L_POST_NORM], H, eps, h + b * H);
         project(weights, scales, lw + L_GATE_UP, h, B, H, w[L_GATE_UP_BIAS], 2 * I, gu, num_threads);
+#pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && B > 1) schedule(static)
         for (int64_t b = 0; b < B; ++b)
             for (int64_t j = 0; j < I; ++j) {
                 const float g = gu[b * 2 * I + j];

@@ -22,7 +22,7 @@ class FusedDecoder:
     layer with its cache writes and attention, the final norm and the LM head) without a torch op. At batch 1 the
     torch forward is ~30 ops a layer, each a few microseconds of dispatch around less work than that; this is the
     same arithmetic with none of it (the sums ordered differently, so logits agree to float rounding, not bitwise).
-    A step's rows share every weight read (``linear`` takes four rows at once), so verifying k + 1 tokens costs
+    A step's rows share every weight read (``matmul`` takes up to eight at once), so verifying k + 1 tokens costs
     little more than decoding one where reading the weights bounds the step. For the CPU in fp32, with the CPU
     layout (``TransposedLinear``), for models that are exactly the Llama computation (``CausalLM.is_llama_layout``:
     no soft-caps, sliding windows that matter, q/k norms, GELU, learned positions or partial rotary), with RoPE from

@@ -36,13 +36,14 @@ GROUP_COST_TOKENS_CUDA = 8192
 # under load (docs/engine-step.md): batch 1 at 2 threads 248 ms a step, at 1 thread 22 ms.
 PARALLEL_MIN_MACS = 32 << 20
 
-# At most this many sequences decode in one ``FusedDecoder`` call (each weight is read once for all of them); more
-# run the torch model, whose BLAS wins at larger batches.
-FUSED_DECODE_MAX_SEQS = 8
-# A fused step of several tokens a sequence (``ModelRunner.fuses``) feeds at most this many tokens a sequence (a
-# verification of up to 15 proposals) and this many in all (5 sequences verifying 4 proposals each).
+# A ``FusedDecoder`` call feeds at most this many tokens a sequence (a decode: one; a verification of up to 15
+# proposals; a draft catching up; a short prompt) and this many rows in all (64 sequences verifying 7 proposals each).
+# Within those it runs every such step, whatever the batch: on the demo cloud LM (2-core AMD EPYC with AVX-512,
+# 2026-12-07) a decode of 64 sequences took 14.0 ms fused against 26.1 through the torch model, a verification of
+# 5 tokens for each of 16 sequences 11.7 against 21.0, and every smaller step less in proportion
+# (docs/engine.md, "The fused step at every batch size").
 FUSED_MAX_FEED_TOKENS = 16
-FUSED_MAX_ROWS = 25
+FUSED_MAX_ROWS = 512
 
 
 @dataclass(slots=True)
@@ -171,20 +172,21 @@ class ModelRunner:
         return threads
 
     def fuses(self, feeds: list[Feed]) -> bool:
-        """Whether a forward over ``feeds`` runs as one ``FusedDecoder`` call, on one thread: a decode step of a
-        few sequences small enough for one thread (below ``PARALLEL_MIN_MACS``), or a step of a few tokens a
-        sequence (a speculative verification: k + 1 rows a sequence; a draft model catching up; a short prompt),
-        at most ``FUSED_MAX_ROWS`` rows in all. The rows share every weight read, where the torch model pays its ~30
-        ops a layer and, on all threads, their hand-offs: measured on the demo cloud LM (2 cores under load),
-        verifying 5 tokens cost 1.4x a one-token step fused on one thread, 14x through the torch model on two."""
-        if self.fused_decoder is None or not feeds or len(feeds) > FUSED_DECODE_MAX_SEQS:
-            return False
-        if any(not 0 < f.num_logits <= len(f.token_ids) <= FUSED_MAX_FEED_TOKENS for f in feeds):
-            return False
-        num_rows = sum(len(f.token_ids) for f in feeds)
-        if num_rows > len(feeds):
-            return num_rows <= FUSED_MAX_ROWS
-        return not self.adapt_threads or self.max_threads == 1 or self.step_macs(feeds) < self.parallel_min_macs
+        """Whether a forward over ``feeds`` runs as one ``FusedDecoder`` call: every feed a few tokens (at most
+        ``FUSED_MAX_FEED_TOKENS``: a decode, a speculative verification, a draft catching up, a short prompt) with
+        logits wanted, at most ``FUSED_MAX_ROWS`` rows in all. Up to eight rows share each weight read and a row
+        costs no op dispatch, where the torch model pays ~30 ops a layer: measured on the demo cloud LM (2 cores),
+        the fused step was faster at every batch from 1 to 64 sequences, decoding or verifying."""
+        return (
+            self.fused_decoder is not None
+            and bool(feeds)
+            and all(self._fusable(f) for f in feeds)
+            and sum(len(f.token_ids) for f in feeds) <= FUSED_MAX_ROWS
+        )
+
+    @staticmethod
+    def _fusable(feed: Feed) -> bool:
+        return 0 < feed.num_logits <= len(feed.token_ids) <= FUSED_MAX_FEED_TOKENS
 
     @staticmethod
     def _run_fused(fused: FusedDecoder, feeds: list[Feed]) -> torch.Tensor:
@@ -206,13 +208,36 @@ class ModelRunner:
     def execute(self, feeds: list[Feed]) -> torch.Tensor:
         """Run one forward over all feeds; returns logits [sum(num_logits), V] in feed order."""
         started = time.perf_counter()
-        if self.fused_decoder is not None and self.fuses(feeds):
-            if self.adapt_threads:
-                adapt_threads(1)
-            logits = self._run_fused(self.fused_decoder, feeds)
-            self.forward_seconds += time.perf_counter() - started
-            self.num_forwards += 1
-            return logits
+        fused = self.fused_decoder
+        if fused is not None:
+            if self.fuses(feeds):
+                self.use_threads_for(feeds)  # (the fused step's threads: one for a small step, as the torch model's)
+                logits = self._run_fused(fused, feeds)
+                self.forward_seconds += time.perf_counter() - started
+                self.num_forwards += 1
+                return logits
+            small = [i for i, f in enumerate(feeds) if self._fusable(f)]
+            if small and len(small) < len(feeds) and self.fuses([feeds[i] for i in small]):
+                # A step of prompts and decodes (continuous batching): the prompts through the torch model, the
+                # rest fused; logits back in feed order.
+                return self._execute_split(feeds, small)
+        return self._execute_torch(feeds, started)
+
+    def _execute_split(self, feeds: list[Feed], small: list[int]) -> torch.Tensor:
+        rest = [i for i in range(len(feeds)) if i not in set(small)]
+        parts = {
+            tuple(small): self.execute([feeds[i] for i in small]),
+            tuple(rest): self.execute([feeds[i] for i in rest]),
+        }
+        chunks: dict[int, torch.Tensor] = {}
+        for idxs, logits in parts.items():
+            row = 0
+            for i in idxs:
+                chunks[i] = logits[row : row + feeds[i].num_logits]
+                row += feeds[i].num_logits
+        return torch.cat([chunks[i] for i in range(len(feeds))])
+
+    def _execute_torch(self, feeds: list[Feed], started: float) -> torch.Tensor:
         self.use_threads_for(feeds)
         # Group small feeds by length so each group is one batched attention; large ones (prefill) go alone.
         by_len: dict[int, list[int]] = {}

@@ -110,3 +110,31 @@ def test_what_the_fused_step_takes_and_refuses(tmp_path: Path) -> None:
         fused.run([5, 6], [3, 4], [[0]], [0, 0], [2])
     with pytest.raises(ValueError, match="does not cover"):
         fused.run([5, 6], [7, 8], [[0]], [0, 0], [1])
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
+def test_a_token_verified_among_others_gets_the_bits_it_gets_decoded_alone(tmp_path: Path, int8: bool) -> None:
+    """Greedy speculation returns exactly plain decoding's tokens only if a token's logits do not depend on how many
+    rows share the step: fed 1 to 12 tokens at once (each weight read once for up to eight rows), every row's logits
+    equal, bit for bit, those of the same token decoded alone; on a model whose widths are no multiple of a vector
+    (72 hidden, 100 intermediate, a 250-token vocabulary: the kernel's column tails), in fp32 and int8. The fused
+    step against the torch model, on the same odd widths, stays within the oracle's tolerance."""
+    torch.manual_seed(0)
+    odd: dict[str, Any] = {**GQA, "vocab_size": 250, "hidden_size": 72, "intermediate_size": 100}
+    config = LlamaConfig(**odd, num_hidden_layers=2)
+    LlamaForCausalLM(config).eval().save_pretrained(tmp_path / "odd")
+    runner = ModelRunner(
+        tmp_path / "odd", torch.device("cpu"), torch.float32, BLOCK, num_blocks=40, max_model_len=128, int8_weights=int8
+    )
+    fused = runner.fused_decoder
+    assert fused is not None and fused.int8_weights == int8
+    ids = torch.randint(3, 250, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    table = TABLES[0]
+    runner.execute([Feed(table, ids[:20], 0, 1)])  # the prompt, through the torch model
+    alone = torch.cat([fused.run([ids[p]], [p], [table]) for p in range(20, 32)])  # decoded one by one
+    for rows in range(1, 13):
+        together = fused.run(ids[20 : 20 + rows], list(range(20, 20 + rows)), [table], [0] * rows, list(range(rows)))
+        assert torch.equal(together, alone[:rows]), f"{rows} rows at once differ from decoding them one by one"
+    runner.fused_decoder = None
+    reference = runner.execute([Feed(table, ids[20:32], 20, 12)])
+    torch.testing.assert_close(alone, reference, atol=ATOL, rtol=0)
