@@ -491,6 +491,60 @@ int tl_decode_step(const int64_t *dims, const float *const *weights, const float
     free(buf);
     return 0;
 }
+
+/* A draft model's greedy proposals for num_seqs sequences in one call: the step tl_decode_step runs on the given rows
+   (each sequence's unseen tokens, row_seqs and block_tables as there; last_rows[s]: sequence s's last row) gives each
+   sequence its first proposal, the argmax of its last row's logits (the lowest id among equal maxima, as
+   torch.argmax); then sequence s feeds its proposal i - 1 at the next position to get proposal i, for i < ks[s]
+   (every sequence still proposing, one row each, in one step). proposals: [num_seqs, max_k], row s filled up to
+   ks[s] (1 <= ks[s] <= max_k). Returns 0, or -1 when out of memory. */
+int tl_draft_greedy(const int64_t *dims, const float *const *weights, const float *const *scales, float *kv,
+                    const int64_t *token_ids, const int64_t *positions, const int64_t *row_seqs,
+                    const int64_t *block_tables, int64_t num_rows, const int64_t *last_rows, int64_t num_seqs,
+                    const int64_t *ks, int64_t max_k, int64_t *proposals, float eps, float scale, int num_threads) {
+    const int64_t V = dims[D_VOCAB];
+    float *logits = malloc(sizeof(float) * (size_t)(num_seqs * V));
+    int64_t *ids = malloc(sizeof(int64_t) * (size_t)(5 * num_seqs));
+    if (logits == NULL || ids == NULL) {
+        free(logits);
+        free(ids);
+        return -1;
+    }
+    int64_t *tok = ids, *pos = tok + num_seqs, *seq = pos + num_seqs, *rows = seq + num_seqs, *next = rows + num_seqs;
+    int rc = 0;
+    int64_t n = num_seqs;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        seq[s] = s;
+        next[s] = positions[last_rows[s]] + 1;
+    }
+    for (int64_t i = 0; i < max_k && n > 0 && rc == 0; ++i) {
+        if (i == 0)
+            rc = tl_decode_step(dims, weights, scales, kv, token_ids, positions, row_seqs, block_tables, num_rows,
+                                last_rows, num_seqs, logits, eps, scale, num_threads);
+        else
+            rc = tl_decode_step(dims, weights, scales, kv, tok, pos, seq, block_tables, n, rows, n, logits, eps, scale,
+                                num_threads);
+        int64_t m = 0;
+        for (int64_t r = 0; r < n; ++r) {
+            const int64_t s = seq[r];
+            const float *l = logits + r * V;
+            int64_t best = 0;
+            for (int64_t v = 1; v < V; ++v) best = l[v] > l[best] ? v : best;
+            proposals[s * max_k + i] = best;
+            if (i + 1 < ks[s]) { /* it proposes on: its proposal at the next position */
+                tok[m] = best;
+                pos[m] = next[s] + i;
+                seq[m] = s;
+                rows[m] = m;
+                ++m;
+            }
+        }
+        n = m;
+    }
+    free(logits);
+    free(ids);
+    return rc;
+}
 """
 
 # -ffp-contract=fast: a multiply-add is one rounding (FMA), as in BLAS and llama.cpp (ISO C mode would keep them
@@ -603,12 +657,22 @@ def decode_step_function() -> ctypes._NamedFuncPointer | None:
             return _loaded_decode["decode_step"]
         lib = _library("decode_step", DECODE_SOURCE, "small decode steps run the torch model")
         fn = lib.tl_decode_step if lib is not None else None
-        if fn is not None:
-            fn.restype = ctypes.c_int
+        greedy = lib.tl_draft_greedy if lib is not None else None
+        if fn is not None and greedy is not None:
             void, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+            fn.restype = greedy.restype = ctypes.c_int
             fn.argtypes = [void, void, void, void, void, void, void, void, i64, void, i64, void, f32, f32, ctypes.c_int]
+            greedy.argtypes = [void] * 8 + [i64, void, i64, void, i64, void, f32, f32, ctypes.c_int]
         _loaded_decode["decode_step"] = fn
+        _loaded_decode["draft_greedy"] = greedy
         return fn
+
+
+def draft_greedy_function() -> ctypes._NamedFuncPointer | None:
+    """``tl_draft_greedy`` of ``DECODE_SOURCE`` (built with ``decode_step_function``), or None."""
+    if decode_step_function() is None:
+        return None
+    return _loaded_decode.get("draft_greedy")
 
 
 def _wrap(fn: ctypes._NamedFuncPointer) -> PagedAttention:

@@ -39,10 +39,16 @@ class FusedDecoder:
     LM_HEAD, LAYERS, LAYER_FIELDS = 2, 5, 9  # W_LM_HEAD, W_LAYERS, L_FIELDS
 
     def __init__(
-        self, fn: ctypes._NamedFuncPointer, model: CausalLM, kv_cache: torch.Tensor, int8_weights: bool = False
+        self,
+        fn: ctypes._NamedFuncPointer,
+        model: CausalLM,
+        kv_cache: torch.Tensor,
+        int8_weights: bool = False,
+        greedy_fn: ctypes._NamedFuncPointer | None = None,
     ) -> None:
         cfg = model.config
         self.fn = fn
+        self.greedy_fn = greedy_fn  # ``tl_draft_greedy``: ``propose_greedy``
         self.vocab_size = cfg.vocab_size
         self.kv_cache = kv_cache
         self.num_blocks = kv_cache.shape[2]  # [layers, 2 (k, v), blocks, block size, kv heads, head dim]
@@ -138,26 +144,9 @@ class FusedDecoder:
         n = len(token_ids)
         seqs = list(range(n)) if row_seqs is None else row_seqs
         wanted = list(range(n)) if logit_rows is None else logit_rows
-        # The C code trusts its indices: what the torch model would refuse with an IndexError is refused here.
-        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
-            raise ValueError(f"token ids must be in [0, {self.vocab_size}), got {token_ids}")
-        if max(positions) >= self.max_positions:
-            raise ValueError(f"position {max(positions)} is past the model's {self.max_positions} positions")
-        if len(positions) != n or len(seqs) != n or not all(0 <= s < len(block_tables) for s in seqs):
-            raise ValueError("every row needs a position and a sequence with a block table")
         if not wanted or not all(0 <= r < n for r in wanted):
             raise ValueError(f"logit rows must be in [0, {n}), got {wanted}")
-        block_size = self.dims[7]
-        if any(p < 0 or len(block_tables[s]) * block_size <= p for p, s in zip(positions, seqs, strict=True)):
-            raise ValueError("a block table does not cover its sequence's position")
-        if any(b < 0 or b >= self.num_blocks for t in block_tables for b in t):
-            raise ValueError(f"block ids must be in [0, {self.num_blocks}), got {block_tables}")
-        max_blocks = max(len(t) for t in block_tables)
-        flat: list[int] = []
-        for t in block_tables:
-            flat += t
-            flat += [0] * (max_blocks - len(t))
-        self.dims[self.MAX_BLOCKS] = max_blocks
+        flat = self._checked_tables(token_ids, positions, block_tables, seqs)
         logits = torch.empty(len(wanted), self.vocab_size, dtype=torch.float32)
         rc = self.fn(
             self.dims,
@@ -179,6 +168,82 @@ class FusedDecoder:
         if rc != 0:
             raise MemoryError("fused decode step: out of memory for its activations")
         return logits
+
+    def _checked_tables(
+        self, token_ids: list[int], positions: list[int], block_tables: list[list[int]], seqs: list[int]
+    ) -> list[int]:
+        """The block tables flattened (padded to the longest, which ``dims`` records), after refusing what the C code
+        would read out of bounds: what the torch model would refuse with an IndexError is refused here."""
+        n = len(token_ids)
+        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size}), got {token_ids}")
+        if max(positions) >= self.max_positions:
+            raise ValueError(f"position {max(positions)} is past the model's {self.max_positions} positions")
+        if len(positions) != n or len(seqs) != n or not all(0 <= s < len(block_tables) for s in seqs):
+            raise ValueError("every row needs a position and a sequence with a block table")
+        block_size = self.dims[7]
+        if any(p < 0 or len(block_tables[s]) * block_size <= p for p, s in zip(positions, seqs, strict=True)):
+            raise ValueError("a block table does not cover its sequence's position")
+        if any(b < 0 or b >= self.num_blocks for t in block_tables for b in t):
+            raise ValueError(f"block ids must be in [0, {self.num_blocks}), got {block_tables}")
+        max_blocks = max(len(t) for t in block_tables)
+        flat: list[int] = []
+        for t in block_tables:
+            flat += t
+            flat += [0] * (max_blocks - len(t))
+        self.dims[self.MAX_BLOCKS] = max_blocks
+        return flat
+
+    def propose_greedy(
+        self,
+        token_ids: list[int],
+        positions: list[int],
+        block_tables: list[list[int]],
+        row_seqs: list[int],
+        num_proposals: list[int],
+    ) -> list[list[int]]:
+        """A draft model's greedy proposals, all in one C call (``tl_draft_greedy``): the rows as in ``run`` (each
+        sequence's unseen tokens, its last row last), then sequence s proposes ``num_proposals[s]`` tokens, each
+        the argmax of the logits after the one before (fed at the next position, its K/V written as a step's). The
+        same tokens as ``run`` a step at a time with ``torch.argmax`` (the same logits, the lowest id of equal
+        maxima), without a return to Python between them."""
+        assert self.greedy_fn is not None
+        num_seqs = len(block_tables)
+        last_rows = [-1] * num_seqs
+        for r, s in enumerate(row_seqs):
+            last_rows[s] = r
+        if min(last_rows) < 0 or len(num_proposals) != num_seqs or min(num_proposals) < 1:
+            raise ValueError("every sequence needs a row and at least one proposal")
+        # The proposals' positions, too, must be in the model and the block tables.
+        last_positions = [positions[r] + k - 1 for r, k in zip(last_rows, num_proposals, strict=True)]
+        flat = self._checked_tables(
+            token_ids + [0] * num_seqs, positions + last_positions, block_tables, row_seqs + list(range(num_seqs))
+        )
+        max_k = max(num_proposals)
+        out = (ctypes.c_int64 * (num_seqs * max_k))()
+        n = len(token_ids)
+        rc = self.greedy_fn(
+            self.dims,
+            self.weights,
+            self.scales,
+            self.kv_cache.data_ptr(),
+            (ctypes.c_int64 * n)(*token_ids),
+            (ctypes.c_int64 * n)(*positions),
+            (ctypes.c_int64 * n)(*row_seqs),
+            (ctypes.c_int64 * len(flat))(*flat),
+            n,
+            (ctypes.c_int64 * num_seqs)(*last_rows),
+            num_seqs,
+            (ctypes.c_int64 * num_seqs)(*num_proposals),
+            max_k,
+            out,
+            self.eps,
+            self.scale,
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise MemoryError("fused draft proposals: out of memory for their activations")
+        return [list(out[s * max_k : s * max_k + k]) for s, k in enumerate(num_proposals)]
 
 
 def quantize_int8(weight_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from cloud.engine.attention import AttentionGroup, AttentionMetadata, build_group, split_by_context
-from cloud.engine.cpu_kernels import decode_step_function, paged_attention_kernel
+from cloud.engine.cpu_kernels import decode_step_function, draft_greedy_function, paged_attention_kernel
 from cloud.engine.fused_decoder import FusedDecoder, dequantize_in_place
 from cloud.engine.loader import load_model
 from cloud.engine.model_config import ModelConfig
@@ -131,7 +131,11 @@ class ModelRunner:
                 # The torch model (larger steps) computes with the same int8 values, dequantized: one model whatever
                 # path a step takes, so batching and speculation change no output.
                 dequantize_in_place(self.model)
-            self.fused_decoder = FusedDecoder(fn, self.model, self.kv_cache, int8_weights) if fn is not None else None
+            self.fused_decoder = (
+                FusedDecoder(fn, self.model, self.kv_cache, int8_weights, draft_greedy_function())
+                if fn is not None
+                else None
+            )
         elif int8_weights:
             logger.warning("int8 weights need the fused CPU step (fp32, a Llama-layout model): serving fp32")
         self.forward_seconds = 0.0
@@ -204,6 +208,27 @@ class ModelRunner:
             return fused.run(token_ids, positions, [f.block_table for f in feeds])
         return fused.run(token_ids, positions, [f.block_table for f in feeds], row_seqs, logit_rows)
 
+    def propose_greedy(self, feeds: list[Feed], num_proposals: list[int]) -> list[list[int]] | None:
+        """A draft's greedy proposals for each feed's sequence in one fused call (``FusedDecoder.propose_greedy``):
+        ``num_proposals[i]`` tokens after feed i's, each fed back at the next position. None where the fused step
+        does not take the feeds (the caller steps the draft itself)."""
+        fused = self.fused_decoder
+        if fused is None or fused.greedy_fn is None or not self.fuses(feeds) or any(f.num_logits != 1 for f in feeds):
+            return None
+        started = time.perf_counter()
+        token_ids: list[int] = []
+        positions: list[int] = []
+        row_seqs: list[int] = []
+        for s, f in enumerate(feeds):
+            token_ids.extend(f.token_ids)
+            positions.extend(range(f.start, f.start + len(f.token_ids)))
+            row_seqs.extend([s] * len(f.token_ids))
+        self.use_threads_for(feeds)  # (its first step's size: the rest are one row a sequence)
+        proposals = fused.propose_greedy(token_ids, positions, [f.block_table for f in feeds], row_seqs, num_proposals)
+        self.forward_seconds += time.perf_counter() - started
+        self.num_forwards += max(num_proposals)
+        return proposals
+
     @torch.inference_mode()
     def execute(self, feeds: list[Feed]) -> torch.Tensor:
         """Run one forward over all feeds; returns logits [sum(num_logits), V] in feed order."""
@@ -211,7 +236,7 @@ class ModelRunner:
         fused = self.fused_decoder
         if fused is not None:
             if self.fuses(feeds):
-                self.use_threads_for(feeds)  # (the fused step's threads: one for a small step, as the torch model's)
+                self.use_threads_for(feeds)  # (one thread for a small step, as the torch model's)
                 logits = self._run_fused(fused, feeds)
                 self.forward_seconds += time.perf_counter() - started
                 self.num_forwards += 1

@@ -365,6 +365,14 @@ class DraftProposer:
         ]
         for seq in seqs:
             seq.spec_token_ids = []
+        if all(s.params.is_greedy for s in seqs):
+            # Greedy proposals: every draft step in one fused call where the draft's runner has it.
+            proposals = self.runner.propose_greedy(feeds, [s.num_lookahead for s in seqs])
+            if proposals is not None:
+                for seq, tokens in zip(seqs, proposals, strict=True):
+                    seq.spec_token_ids = tokens
+                    seq.draft_num_computed_tokens = seq.num_tokens + len(tokens) - 1
+                return {s.seq_id: None for s in seqs}
         active = list(seqs)
         while active:
             logits = self.runner.execute(feeds)

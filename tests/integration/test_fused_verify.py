@@ -138,3 +138,40 @@ def test_a_token_verified_among_others_gets_the_bits_it_gets_decoded_alone(tmp_p
     runner.fused_decoder = None
     reference = runner.execute([Feed(table, ids[20:32], 20, 12)])
     torch.testing.assert_close(alone, reference, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
+def test_a_drafts_greedy_proposals_in_one_call_are_its_steps_argmaxes(tmp_path: Path, int8: bool) -> None:
+    """``propose_greedy`` (every draft step of a round in one C call) proposes what stepping the draft one call at a
+    time and taking ``torch.argmax`` of each step's logits does, on a cache of its own (two runners, the same
+    prompts), and leaves the same K/V: two sequences, one feeding one unseen token and one three, proposing 4 and 2
+    tokens."""
+    _, path = _save(tmp_path, "llama-gqa")
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (21, 13)]
+    tables = [TABLES[0], TABLES[2]]
+    unseen = [1, 3]  # tokens of each prompt the draft has not read yet
+    ks = [4, 2]
+    runners = []
+    for _ in range(2):
+        runner = ModelRunner(
+            path, torch.device("cpu"), torch.float32, BLOCK, num_blocks=40, max_model_len=128, int8_weights=int8
+        )
+        assert runner.fused_decoder is not None and runner.fused_decoder.greedy_fn is not None
+        for table, prompt, u in zip(tables, prompts, unseen, strict=True):
+            runner.execute([Feed(table, prompt[:-u], 0, 1)])
+        runners.append(runner)
+    stepped = runners[1].fused_decoder
+    assert stepped is not None
+    expected: list[list[int]] = []
+    for table, prompt, u, k in zip(tables, prompts, unseen, ks, strict=True):
+        tokens, ids, pos = [], prompt[-u:], len(prompt) - u
+        for _ in range(k):
+            logits = stepped.run(ids, list(range(pos, pos + len(ids))), [table], [0] * len(ids), [len(ids) - 1])
+            tokens.append(int(torch.argmax(logits[0])))
+            pos, ids = pos + len(ids), [tokens[-1]]
+        expected.append(tokens)
+    feeds = [Feed(t, p[-u:], len(p) - u, 1) for t, p, u in zip(tables, prompts, unseen, strict=True)]
+    assert runners[0].propose_greedy(feeds, ks) == expected
+    # and it wrote the K/V the steps did, at the same positions (all but each sequence's last proposal)
+    assert torch.equal(runners[0].kv_cache, runners[1].kv_cache)
