@@ -41,7 +41,7 @@ PARALLEL_MIN_MACS = 32 << 20
 # Within those it runs every such step, whatever the batch: on the demo cloud LM (2-core AMD EPYC with AVX-512,
 # 2026-12-07) a decode of 64 sequences took 14.0 ms fused against 26.1 through the torch model, a verification of
 # 5 tokens for each of 16 sequences 11.7 against 21.0, and every smaller step less in proportion
-# (docs/engine.md, "The fused step at every batch size").
+# (docs/engine.md#paged-attention-on-cpu, its tables).
 FUSED_MAX_FEED_TOKENS = 16
 FUSED_MAX_ROWS = 512
 
@@ -249,7 +249,8 @@ class ModelRunner:
         return self._execute_torch(feeds, started)
 
     def _execute_split(self, feeds: list[Feed], small: list[int]) -> torch.Tensor:
-        rest = [i for i in range(len(feeds)) if i not in set(small)]
+        fused = set(small)
+        rest = [i for i in range(len(feeds)) if i not in fused]
         parts = {
             tuple(small): self.execute([feeds[i] for i in small]),
             tuple(rest): self.execute([feeds[i] for i in rest]),

@@ -175,3 +175,24 @@ def test_a_drafts_greedy_proposals_in_one_call_are_its_steps_argmaxes(tmp_path: 
     assert runners[0].propose_greedy(feeds, ks) == expected
     # and it wrote the K/V the steps did, at the same positions (all but each sequence's last proposal)
     assert torch.equal(runners[0].kv_cache, runners[1].kv_cache)
+
+
+def test_a_step_of_a_prompt_and_decodes_runs_each_part_on_its_path(tmp_path: Path) -> None:
+    """Continuous batching: a step with a prompt (more tokens than a fused feed takes) beside sequences decoding runs
+    the prompt through the torch model and the decodes fused, and returns every feed's logits in feed order — the
+    logits each part gives run alone."""
+    _, path = _save(tmp_path, "llama-gqa")
+    runners = [_runner(path, fused=True), _runner(path, fused=True)]
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (21, 6, 13)]
+    for runner in runners:
+        for table, prompt in zip(TABLES[1:], prompts[1:], strict=True):
+            runner.execute([Feed(table, prompt, 0, 1)])
+    decodes = [Feed(TABLES[1], [7], len(prompts[1]), 1), Feed(TABLES[2], [9, 11], len(prompts[2]), 2)]
+    prompt = Feed(TABLES[0], prompts[0], 0, 1)
+    mixed = runners[0].execute([decodes[0], prompt, decodes[1]])  # the prompt between the decodes
+    assert mixed.shape == (4, SMALL["vocab_size"])
+    alone_prompt = runners[1].execute([prompt])
+    alone_decodes = runners[1].execute(decodes)
+    assert torch.equal(mixed[0], alone_decodes[0]) and torch.equal(mixed[2:], alone_decodes[1:])
+    assert torch.equal(mixed[1], alone_prompt[0])
