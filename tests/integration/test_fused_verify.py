@@ -189,10 +189,10 @@ def test_a_step_of_a_prompt_and_decodes_runs_each_part_on_its_path(tmp_path: Pat
         for table, prompt in zip(TABLES[1:], prompts[1:], strict=True):
             runner.execute([Feed(table, prompt, 0, 1)])
     decodes = [Feed(TABLES[1], [7], len(prompts[1]), 1), Feed(TABLES[2], [9, 11], len(prompts[2]), 2)]
-    prompt = Feed(TABLES[0], prompts[0], 0, 1)
-    mixed = runners[0].execute([decodes[0], prompt, decodes[1]])  # the prompt between the decodes
+    long_prompt = Feed(TABLES[0], prompts[0], 0, 1)
+    mixed = runners[0].execute([decodes[0], long_prompt, decodes[1]])  # the prompt between the decodes
     assert mixed.shape == (4, SMALL["vocab_size"])
-    alone_prompt = runners[1].execute([prompt])
+    alone_prompt = runners[1].execute([long_prompt])
     alone_decodes = runners[1].execute(decodes)
     assert torch.equal(mixed[0], alone_decodes[0]) and torch.equal(mixed[2:], alone_decodes[1:])
     assert torch.equal(mixed[1], alone_prompt[0])
