@@ -276,12 +276,13 @@ def test_a_stale_reservation_is_released_when_its_lease_runs_out(engine: Engine)
     writer = UsageWriter(engine)
 
     async def hold_briefly() -> BudgetHold | None:
-        return await writer.reserve_request(tenant_id, Decimal(10), Decimal("0.5"), Attribution(), lease_s=0.05)
+        # (a lease long enough that a loaded host reaches the first check inside it: 50 ms was not, under the suite)
+        return await writer.reserve_request(tenant_id, Decimal(10), Decimal("0.5"), Attribution(), lease_s=1.0)
 
     hold = _run(writer, hold_briefly)
     assert hold is not None and writer.num_fast == 1
     assert reclaim_expired(engine, tenant_id=tenant_id) == 0, "not before its lease runs out"
-    time.sleep(0.1)
+    time.sleep(1.1)
     assert reclaim_expired(engine, tenant_id=tenant_id) == 1
     assert _state(engine, tenant_id)["month"] == (Decimal(0), Decimal(0))
 
