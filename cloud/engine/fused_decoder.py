@@ -149,15 +149,7 @@ class FusedDecoder:
         flat = self._checked_tables(token_ids, positions, block_tables, seqs)
         logits = torch.empty(len(wanted), self.vocab_size, dtype=torch.float32)
         rc = self.fn(
-            self.dims,
-            self.weights,
-            self.scales,
-            self.kv_cache.data_ptr(),
-            (ctypes.c_int64 * n)(*token_ids),
-            (ctypes.c_int64 * n)(*positions),
-            (ctypes.c_int64 * n)(*seqs),
-            (ctypes.c_int64 * len(flat))(*flat),
-            n,
+            *self._rows_args(token_ids, positions, seqs, flat),
             (ctypes.c_int64 * len(wanted))(*wanted),
             len(wanted),
             logits.data_ptr(),
@@ -194,6 +186,22 @@ class FusedDecoder:
         self.dims[self.MAX_BLOCKS] = max_blocks
         return flat
 
+    def _rows_args(
+        self, token_ids: list[int], positions: list[int], row_seqs: list[int], flat: list[int]
+    ) -> tuple[object, ...]:
+        """The arguments both C functions open with: the model (dims, weights, scales, the cache) and the rows."""
+        n = len(token_ids)
+        rows = [(ctypes.c_int64 * n)(*values) for values in (token_ids, positions, row_seqs)]
+        return (
+            self.dims,
+            self.weights,
+            self.scales,
+            self.kv_cache.data_ptr(),
+            *rows,
+            (ctypes.c_int64 * len(flat))(*flat),
+            n,
+        )
+
     def propose_greedy(
         self,
         token_ids: list[int],
@@ -221,17 +229,8 @@ class FusedDecoder:
         )
         max_k = max(num_proposals)
         out = (ctypes.c_int64 * (num_seqs * max_k))()
-        n = len(token_ids)
         rc = self.greedy_fn(
-            self.dims,
-            self.weights,
-            self.scales,
-            self.kv_cache.data_ptr(),
-            (ctypes.c_int64 * n)(*token_ids),
-            (ctypes.c_int64 * n)(*positions),
-            (ctypes.c_int64 * n)(*row_seqs),
-            (ctypes.c_int64 * len(flat))(*flat),
-            n,
+            *self._rows_args(token_ids, positions, row_seqs, flat),
             (ctypes.c_int64 * num_seqs)(*last_rows),
             num_seqs,
             (ctypes.c_int64 * num_seqs)(*num_proposals),
