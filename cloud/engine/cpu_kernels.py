@@ -256,14 +256,16 @@ TILE(tile_i8, int8_t, load_i8, 64)
    fp32, or int8 with per-column scales (``scale``: y = bias + (x @ wq) * scale, the weight-only int8 layout). Up to
    eight rows of x share each weight read (a verification's k + 1 rows cost little more memory traffic than one
    row), and each output's sum is in input order whatever the rows: a token's logits are the same decoded alone or
-   verified among others. Columns are split across threads in chunks of 256 when num_threads > 1. */
+   verified among others. With num_threads > 1 the columns go to the threads in chunks of one widest tile (VL COLS_1
+   columns: 128 with AVX-512), taken in turn: a 256-column projection (o and down of a model 256 wide) is two chunks,
+   not one thread's work. */
 static void matmul(const float *restrict x, int64_t rows, int64_t n_in, const void *restrict weight,
                    const float *restrict scale, const float *restrict bias, int64_t n_out, float *restrict y,
                    int num_threads) {
-    const int64_t chunk = num_threads > 1 ? 256 : n_out, num_chunks = (n_out + chunk - 1) / chunk;
+    const int64_t chunk = num_threads > 1 ? VL * COLS_1 : n_out, num_chunks = (n_out + chunk - 1) / chunk;
     const float *restrict wf = scale == NULL ? (const float *)weight : NULL;
     const int8_t *restrict wq = scale != NULL ? (const int8_t *)weight : NULL;
-#pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && num_chunks > 1) schedule(static)
+#pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && num_chunks > 1) schedule(dynamic, 1)
     for (int64_t c = 0; c < num_chunks; ++c) {
         const int64_t j0 = c * chunk, j1 = j0 + chunk < n_out ? j0 + chunk : n_out;
         for (int64_t b = 0; b < rows; ++b) {

@@ -15,6 +15,7 @@ import torch
 from cloud.engine.attention import AttentionGroup, AttentionMetadata, build_group, split_by_context
 from cloud.engine.cpu_kernels import decode_step_function, draft_greedy_function, paged_attention_kernel
 from cloud.engine.fused_decoder import FusedDecoder, dequantize_in_place
+from cloud.engine.host_load import HostLoad
 from cloud.engine.loader import load_model
 from cloud.engine.model_config import ModelConfig
 
@@ -35,6 +36,13 @@ GROUP_COST_TOKENS_CUDA = 8192
 # are busy (the waiting thread must first be scheduled: milliseconds). Measured on the demo cloud LM, 2 cores
 # under load (docs/engine-step.md): batch 1 at 2 threads 248 ms a step, at 1 thread 22 ms.
 PARALLEL_MIN_MACS = 32 << 20
+
+# A fused step (``FusedDecoder``: one C call, a few dozen thread meetings a step, not ~30 torch ops a layer) of at
+# least this many multiply-adds runs on as many threads as the host has idle cores for (``HostLoad``), up to the
+# engine's: reading the weights bounds a small step, and two cores read them faster than one. Measured on the demo
+# cloud LM (8 M multiply-adds a token; 2-core Xeon, idle host): one token 1.40 ms on one thread, 0.81 on two; with
+# the other core busy, two threads cost 1.5x one, so a busy host keeps one (docs/engine.md#threads-of-a-small-step).
+FUSED_PARALLEL_MIN_MACS = 1 << 20
 
 # A ``FusedDecoder`` call feeds at most this many tokens a sequence (a decode: one; a verification of up to 15
 # proposals; a draft catching up; a short prompt) and this many rows in all (64 sequences verifying 7 proposals each).
@@ -144,6 +152,8 @@ class ModelRunner:
         self.max_threads = process_threads()
         self.parallel_min_macs = PARALLEL_MIN_MACS  # (a draft model's runner raises it)
         self.adapt_threads = device.type == "cpu"
+        # Steps large enough for several threads take the cores the host leaves idle (``use_threads_for``).
+        self.host_load = HostLoad() if self.adapt_threads else None
         h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         mlp_matrices = 3 if cfg.is_gated_mlp else 2
         self.macs_per_token = cfg.num_layers * (h * (q + 2 * kv) + q * h + mlp_matrices * h * cfg.intermediate_size)
@@ -167,11 +177,19 @@ class ModelRunner:
             pairs += n * (f.start + n)
         return num_tokens * self.macs_per_token + pairs * self.attention_macs_per_pair
 
-    def use_threads_for(self, feeds: list[Feed]) -> int:
-        """Set (on CPU) and return the threads a forward over ``feeds`` runs on: 1 below ``parallel_min_macs``."""
+    def use_threads_for(self, feeds: list[Feed], fused: bool = False) -> int:
+        """Set (on CPU) and return the threads a forward over ``feeds`` runs on: 1 below ``parallel_min_macs``
+        (through the torch model) or ``FUSED_PARALLEL_MIN_MACS`` (a ``fused`` step); above, one for each core the
+        host leaves at least half idle (``HostLoad``), up to the engine's (all of the engine's where the host's load
+        cannot be read, through the torch model; 1 for a fused step below ``parallel_min_macs`` then)."""
         if not self.adapt_threads:
             return torch.get_num_threads()
-        threads = self.max_threads if self.step_macs(feeds) >= self.parallel_min_macs else 1
+        macs = self.step_macs(feeds)
+        idle = self.host_load.threads(self.max_threads) if self.host_load is not None else None
+        if idle is None:
+            threads = self.max_threads if macs >= self.parallel_min_macs else 1
+        else:
+            threads = idle if macs >= (FUSED_PARALLEL_MIN_MACS if fused else self.parallel_min_macs) else 1
         adapt_threads(threads)
         return threads
 
@@ -223,7 +241,7 @@ class ModelRunner:
             token_ids.extend(f.token_ids)
             positions.extend(range(f.start, f.start + len(f.token_ids)))
             row_seqs.extend([s] * len(f.token_ids))
-        self.use_threads_for(feeds)  # (its first step's size: the rest are one row a sequence)
+        self.use_threads_for(feeds, fused=True)  # (its first step's size: the rest are one row a sequence)
         proposals = fused.propose_greedy(token_ids, positions, [f.block_table for f in feeds], row_seqs, num_proposals)
         self.forward_seconds += time.perf_counter() - started
         self.num_forwards += max(num_proposals)
@@ -236,7 +254,7 @@ class ModelRunner:
         fused = self.fused_decoder
         if fused is not None:
             if self.fuses(feeds):
-                self.use_threads_for(feeds)  # (one thread for a small step, as the torch model's)
+                self.use_threads_for(feeds, fused=True)
                 logits = self._run_fused(fused, feeds)
                 self.forward_seconds += time.perf_counter() - started
                 self.num_forwards += 1

@@ -12,13 +12,15 @@ import torch
 from tokenizers import Tokenizer
 
 from cloud.engine import EngineConfig, SamplingParams
+from cloud.engine.host_load import HostLoad
 from cloud.engine.llm_engine import LLMEngine
 from cloud.engine.model import apply_rotary, rotary_factors
-from cloud.engine.model_runner import PARALLEL_MIN_MACS, Feed, ModelRunner
+from cloud.engine.model_runner import FUSED_PARALLEL_MIN_MACS, PARALLEL_MIN_MACS, Feed, ModelRunner
 from shared.zoo.build import committed_weights
 from shared.zoo.corpus import held_out_files
 from shared.zoo.presets import DEMO
 from shared.zoo.registry import ZooLayout
+from tests.host_stat import busy_host, idle_host
 
 
 @pytest.fixture
@@ -33,16 +35,31 @@ def engine(tiny_zoo: Path, two_threads: None) -> LLMEngine:
     return LLMEngine(EngineConfig(ZooLayout(tiny_zoo).artifact_dir("lm-cloud"), kv_cache_bytes=16 << 20, num_threads=2))
 
 
-def test_a_decode_step_runs_on_one_thread_and_a_long_prefill_on_all(engine: LLMEngine) -> None:
+def test_a_step_takes_the_cores_the_host_leaves_idle(engine: LLMEngine, tiny_zoo: Path, tmp_path: Path) -> None:
+    """On a host with an idle second core, a long prefill and a fused decode of a model large enough
+    (``FUSED_PARALLEL_MIN_MACS``) run on both threads; with the other core busy, on one; a decode of a model below
+    that size runs on one either way; where the host's load cannot be read, the size rule (``PARALLEL_MIN_MACS``)."""
     runner = engine.runner
     prompt = list(range(5, 5 + 200))
+    decode = Feed(list(range(13)), [7], 200, 1)
     assert runner.step_macs([Feed(list(range(13)), prompt, 0, 1)]) >= PARALLEL_MIN_MACS
-    runner.execute([Feed(list(range(13)), prompt, 0, 1)])
-    assert torch.get_num_threads() == 2
-    runner.execute([Feed(list(range(13)), [7], 200, 1)])
-    assert torch.get_num_threads() == 1  # what the forward (and the kernel, which follows torch) ran on
-    runner.execute([Feed(list(range(13, 26)), prompt, 0, 1)])
-    assert torch.get_num_threads() == 2
+    assert FUSED_PARALLEL_MIN_MACS <= runner.step_macs([decode]) < PARALLEL_MIN_MACS
+    assert runner.fuses([decode])
+    seen: list[int] = []
+    for load in (idle_host(tmp_path / "idle"), busy_host(tmp_path / "busy"), HostLoad(stat_path=tmp_path / "none")):
+        runner.host_load = load
+        runner.execute([Feed(list(range(13)), prompt, 0, 1)])
+        seen.append(torch.get_num_threads())
+        runner.execute([decode])
+        seen.append(torch.get_num_threads())  # what the step (and the kernel, which follows torch) ran on
+    assert seen == [2, 2, 1, 1, 2, 1]
+    small = LLMEngine(
+        EngineConfig(ZooLayout(tiny_zoo).artifact_dir("lm-edge"), kv_cache_bytes=16 << 20, num_threads=2)
+    ).runner
+    small.host_load = idle_host(tmp_path / "idle-small")
+    assert small.step_macs([decode]) < FUSED_PARALLEL_MIN_MACS and small.fuses([decode])
+    small.execute([decode])
+    assert torch.get_num_threads() == 1
 
 
 def test_outputs_do_not_depend_on_the_thread_switch(engine: LLMEngine) -> None:

@@ -141,6 +141,40 @@ def test_a_token_verified_among_others_gets_the_bits_it_gets_decoded_alone(tmp_p
 
 
 @pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
+def test_a_step_gives_the_same_bits_on_one_thread_as_on_two(tmp_path: Path, int8: bool) -> None:
+    """A step takes a second thread when the host has an idle core for it (``HostLoad``) and not when it has none:
+    that must not change a token. The threads split each projection's columns, never an output's sum, so a decode
+    and a verification give the same logits bit for bit on one thread as on two (on the odd widths: a chunk of
+    columns and a tail on each thread)."""
+    torch.manual_seed(0)
+    odd: dict[str, Any] = {**GQA, "vocab_size": 250, "hidden_size": 72, "intermediate_size": 100}
+    LlamaForCausalLM(LlamaConfig(**odd, num_hidden_layers=2)).eval().save_pretrained(tmp_path / "odd")
+    runner = ModelRunner(
+        tmp_path / "odd", torch.device("cpu"), torch.float32, BLOCK, num_blocks=40, max_model_len=128, int8_weights=int8
+    )
+    fused = runner.fused_decoder
+    assert fused is not None
+    ids = torch.randint(3, 250, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    table = TABLES[0]
+    runner.execute([Feed(table, ids[:20], 0, 1)])
+    before = torch.get_num_threads()
+    logits: dict[int, list[torch.Tensor]] = {}
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert torch.get_num_threads() == threads
+            logits[threads] = [
+                fused.run([ids[20]], [20], [table]),
+                fused.run(ids[20:25], list(range(20, 25)), [table], [0] * 5, list(range(5))),
+                fused.run(ids[20:29], [20] * 9, [table] * 9),  # nine sequences' decodes: rows past one tile
+            ]
+    finally:
+        torch.set_num_threads(before)
+    for one, two in zip(logits[1], logits[2], strict=True):
+        assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
 def test_a_drafts_greedy_proposals_in_one_call_are_its_steps_argmaxes(tmp_path: Path, int8: bool) -> None:
     """``propose_greedy`` (every draft step of a round in one C call) proposes what stepping the draft one call at a
     time and taking ``torch.argmax`` of each step's logits does, on a cache of its own (two runners, the same
