@@ -30,10 +30,11 @@ MAX_BATCHED_Q_LEN = 16
 GROUP_COST_TOKENS_CPU = 384
 GROUP_COST_TOKENS_CUDA = 8192
 
-# On CPU a step of fewer multiply-adds than this runs on one thread. Each parallel op hands work to the other
-# threads and waits for them; a small step's ops (a decode of one or a few sequences) are each worth a few
-# microseconds of work, less than that hand-off on a quiet host and far less than it when the host's other cores
-# are busy (the waiting thread must first be scheduled: milliseconds). Measured on the demo cloud LM, 2 cores
+# On CPU a torch step of fewer multiply-adds than this runs on one thread (a larger one on the cores the host leaves
+# idle: ``use_threads_for``). Each parallel op hands work to the other threads and waits for them; a small step's
+# ops (a decode of one or a few sequences) are each worth a few microseconds of work, less than that hand-off on a
+# quiet host and far less than it when the host's other cores are busy (the waiting thread must first be
+# scheduled: milliseconds). Measured on the demo cloud LM, 2 cores
 # under load (docs/engine-step.md): batch 1 at 2 threads 248 ms a step, at 1 thread 22 ms.
 PARALLEL_MIN_MACS = 32 << 20
 
