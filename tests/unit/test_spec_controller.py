@@ -277,3 +277,37 @@ def test_a_short_horizon_does_not_pay_for_a_long_catch_up() -> None:
     assert controller.choose_k("draft", 1, catch_up_tokens=0) == 4  # caught up: speculation wins
     assert controller.choose_k("draft", 1, catch_up_tokens=200, horizon_tokens=500) == 4  # 10 ms to save ~0.7 s
     assert controller.choose_k("draft", 1, catch_up_tokens=4000, horizon_tokens=5) == 0  # 0.2 s to save ~7 ms
+
+
+def test_the_estimates_are_each_ks_measured_or_extrapolated_cost() -> None:
+    """``estimates`` (every k in one pass: the engine asks at every step) gives, on controllers with random histories,
+    exactly what its definition does k by k: ``tokens_per_seq`` and ``estimated_cost`` (a measured k's cost raised by
+    its errors, an unmeasured one extrapolated through the nearest measured k, or the prior before any)."""
+    rng = random.Random(0)
+    checked = 0
+    for _ in range(500):
+        controller = SpecController(max_k=rng.choice([1, 4, 6, 8]))
+        for _ in range(rng.randint(0, 40)):
+            method, n = rng.choice(["draft", "ngram"]), rng.choice([1, 2, 3, 4, 7, 16, 64])
+            k = rng.randint(0, controller.max_k)
+            controller.record_step(method if k else None, k, n, rng.uniform(0.5e-3, 5e-3))
+            controller.record(method, rng.randint(1, 6), rng.randint(0, 6))
+            controller.record_lookups(method, rng.randint(1, 4), rng.randint(0, 4))
+        method, num_decoding = rng.choice(["draft", "ngram"]), rng.choice([1, 2, 3, 4, 7, 16, 64])
+        num_seqs = rng.randint(1, num_decoding)
+        estimates = controller.estimates(method, num_seqs, num_decoding)
+        plain = controller.cost(method, num_decoding, 0)
+        if plain is None:
+            assert estimates is None
+            continue
+        assert estimates is not None
+        expected = [
+            (
+                num_decoding - num_seqs + num_seqs * controller.tokens_per_seq(method, k),
+                num_decoding * controller.estimated_cost(method, num_decoding, k, plain),
+            )
+            for k in range(controller.max_k + 1)
+        ]
+        assert [v for row in estimates for v in row] == pytest.approx([v for row in expected for v in row], rel=1e-12)
+        checked += 1
+    assert checked > 200
