@@ -107,6 +107,11 @@ class SpecController:
     CAUTION = 1.0  # standard errors added to a speculative step's measured cost
     PRIOR_ERROR = 0.3  # relative error of a cost measured once
     CATCH_UP_WEIGHT = 0.25  # of a new catch-up in the decayed sums behind a catch-up's cost
+    # A decision for plain (not an exploration) stands for this many decisions of the same shape: deciding costs
+    # ~30-45 us (Python), 2-3 % of a 2-sequence step of the demo LM, which a speculating engine that decodes plainly
+    # would pay at every step (A/B at 2 concurrent, 9 rounds: 0.965x plain deciding every step, 0.994x with the
+    # decisions skipped; docs/engine.md#speculative-decoding).
+    HOLD_PLAIN = 4
 
     def __init__(self, max_k: int, adaptive: bool = True) -> None:
         self.max_k = max_k
@@ -117,6 +122,8 @@ class SpecController:
         self._costs: dict[tuple[str, int, int], _Cost] = {}  # (method or "plain", bucket, k) -> seconds a sequence
         # (method, bucket) -> [exploration budget in seconds, decisions since the last, explorations so far]
         self._explore: dict[tuple[str, int], list[float]] = {}
+        # (method, bucket) -> (the shape decided, decisions it still stands for, a step's seconds, the budget's cap)
+        self._held: dict[tuple[str, int], tuple[tuple[int, int, bool], int, float, float]] = {}
         self._clock = 0
         self._catch_up = [0.0, 0.0]  # a draft's catch-ups: decayed (seconds, tokens)
 
@@ -287,11 +294,20 @@ class SpecController:
         if not self.adaptive:
             return self.max_k
         num_decoding = max(num_seqs, num_decoding or 0)
+        bucket = concurrency_bucket(num_decoding)
+        shape = (num_seqs, num_decoding, measured)
+        held = self._held.pop((method, bucket), None)
+        if held is not None and held[0] == shape and held[1] > 0:
+            # Plain, as decided a step or a few ago: the exploration budget grows as that decision would have it.
+            self._held[(method, bucket)] = (shape, held[1] - 1, held[2], held[3])
+            state = self._explore.setdefault((method, bucket), [0.0, 0.0, 0.0])
+            state[0] = min(state[0] + self.EXPLORE_SHARE * held[2], held[3])
+            state[1] += 1
+            return 0
         estimates = self.estimates(method, num_seqs, num_decoding)
         if estimates is None:
             return 0
         rates = [tokens / seconds for tokens, seconds in estimates]
-        bucket = concurrency_bucket(num_decoding)
         known = [k for k in range(1, self.max_k + 1) if measured or (method, bucket, k) in self._costs]
         best = max(known, key=lambda k: rates[k], default=0)
         if best and rates[best] < self.MIN_GAIN * rates[0]:
@@ -304,7 +320,7 @@ class SpecController:
         # Exploring: while plain wins, the best speculative k; while speculation wins, plain (the reference) and
         # the runner-up k in turn. Each decision adds EXPLORE_SHARE of a step's time to a budget; an exploration
         # spends what it is expected to lose (its time beyond what its tokens would take at the best rate).
-        state = self._explore.setdefault((method, concurrency_bucket(num_decoding)), [0.0, 0.0, 0.0])
+        state = self._explore.setdefault((method, bucket), [0.0, 0.0, 0.0])
         budget, since, turns = state
         if best and since + 1 >= self.PLAIN_EVERY:
             # Plain, the reference, is re-measured at a fixed rate while speculation wins: it can cost speculation
@@ -326,6 +342,8 @@ class SpecController:
             state[:] = [budget - loss, 0.0, turns + 1]
             return candidate
         state[:] = [budget, since, turns]
+        if not best and self.HOLD_PLAIN > 1:
+            self._held[(method, bucket)] = (shape, self.HOLD_PLAIN - 1, estimates[0][1], cap)
         return best
 
 
