@@ -92,5 +92,6 @@ class HostLoad:
     def threads(self, wanted: int) -> int | None:
         """Up to ``wanted`` threads, one for each of this process's CPUs at least half idle (at least one); None
         where the load cannot be read."""
-        idle = self.idle_cores()
-        return None if math.isinf(self.other_cores()) else max(1, min(wanted, int(idle + 0.5)))
+        if math.isinf(self.other_cores()):
+            return None
+        return max(1, min(wanted, int(self.idle_cores() + 0.5)))

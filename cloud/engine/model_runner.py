@@ -34,8 +34,8 @@ GROUP_COST_TOKENS_CUDA = 8192
 # idle: ``use_threads_for``). Each parallel op hands work to the other threads and waits for them; a small step's
 # ops (a decode of one or a few sequences) are each worth a few microseconds of work, less than that hand-off on a
 # quiet host and far less than it when the host's other cores are busy (the waiting thread must first be
-# scheduled: milliseconds). Measured on the demo cloud LM, 2 cores
-# under load (docs/engine-step.md): batch 1 at 2 threads 248 ms a step, at 1 thread 22 ms.
+# scheduled: milliseconds). Measured on the demo cloud LM, 2 cores under load (docs/engine-step.md): batch 1 at 2
+# threads 248 ms a step, at 1 thread 22 ms.
 PARALLEL_MIN_MACS = 32 << 20
 
 # A fused step (``FusedDecoder``: one C call, a few dozen thread meetings a step, not ~30 torch ops a layer) of at

@@ -110,7 +110,7 @@ class SpecController:
     # A decision for plain (not an exploration) stands for this many decisions of the same shape: deciding costs
     # ~30-45 us (Python), 2-3 % of a 2-sequence step of the demo LM, which a speculating engine that decodes plainly
     # would pay at every step (A/B at 2 concurrent, 9 rounds: 0.965x plain deciding every step, 0.994x with the
-    # decisions skipped; docs/engine.md#speculative-decoding).
+    # decisions skipped; docs/benchmarks.md#bench-spec-speculative-decoding).
     HOLD_PLAIN = 4
 
     def __init__(self, max_k: int, adaptive: bool = True) -> None:
@@ -249,7 +249,7 @@ class SpecController:
         if plain is None:
             return None
         # ``estimated_cost`` and ``tokens_per_seq`` for every k in one pass (the engine asks every step: on the demo
-        # LM at 2 concurrent, k by k took ~60 us of a 2 ms step).
+        # LM at 2 concurrent, k by k made ``choose_k`` 37 us of a ~1.8 ms step; one pass, 15 us).
         bucket = concurrency_bucket(num_decoding)
         plain_error = self._costs[("plain", bucket, 0)].relative_error(self.COST_WEIGHT, self.PRIOR_ERROR)
         measured: dict[int, float] = {}
