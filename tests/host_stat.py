@@ -44,10 +44,7 @@ class Host:
         self.write()
 
     def load(self, cpus: set[int]) -> HostLoad:
-        load = HostLoad(clock=lambda: self.now, stat_path=self.path, own_cpu_seconds=lambda: self.own)
-        load.cpus = cpus
-        load._last = load._sample()  # (its CPUs set after construction: the first sample again)
-        return load
+        return HostLoad(clock=lambda: self.now, stat_path=self.path, own_cpu_seconds=lambda: self.own, cpus=cpus)
 
 
 def idle_host(path: Path, cpus: int = 2) -> HostLoad:

@@ -36,12 +36,13 @@ class HostLoad:
         clock: Callable[[], float] = time.monotonic,
         stat_path: Path = STAT,
         own_cpu_seconds: Callable[[], float] | None = None,
+        cpus: set[int] | None = None,
     ) -> None:
         self.refresh_seconds = refresh_seconds
         self.clock = clock
         self.stat_path = stat_path
         self.own_cpu_seconds = own_cpu_seconds or (lambda: sum(os.times()[:2]))
-        self.cpus = _affinity()
+        self.cpus = cpus if cpus is not None else _affinity()  # (default: this process's affinity)
         self._ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         self._last = self._sample()
         self._other = math.inf if self._last is None else 0.0
