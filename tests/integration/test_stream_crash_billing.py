@@ -5,6 +5,7 @@ with its exact counts and no checkpoint. SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -147,11 +148,50 @@ BODY = {
 }
 
 
-def _stream_until_killed(url: str, headers: dict[str, str], proc: subprocess.Popen[bytes]) -> tuple[str, int]:
-    """A long stream whose server process group is SIGKILLed once the client received 3 checkpoint intervals and
-    a bit: (the request's id, the tokens the client received)."""
+@contextmanager
+def _paced(proc: subprocess.Popen[bytes], group: bool, run_s: float = 0.002, stop_s: float = 0.03) -> Iterator[None]:
+    """The server making the tokens (``proc``, its process group where ``group``) stopped (SIGSTOP) most of the
+    time, let run ``run_s`` in every ``stop_s``: a fast engine would otherwise write the whole stream (the tiny
+    LM's context is 256 tokens) into the socket before a client on a loaded host has read the first 27, and the kill
+    would land after the end."""
+    done = threading.Event()
+
+    def send(sig: signal.Signals) -> None:
+        if group:
+            os.killpg(proc.pid, sig)
+        else:
+            os.kill(proc.pid, sig)
+
+    def pace() -> None:
+        while not done.is_set():
+            for sig, pause in ((signal.SIGSTOP, stop_s), (signal.SIGCONT, run_s)):
+                try:
+                    send(sig)
+                except ProcessLookupError:
+                    return
+                done.wait(pause)
+
+    pacer = threading.Thread(target=pace, daemon=True)
+    pacer.start()
+    try:
+        yield
+    finally:
+        done.set()
+        pacer.join()
+        if proc.poll() is None:
+            send(signal.SIGCONT)
+
+
+def _stream_until_killed(
+    url: str, headers: dict[str, str], proc: subprocess.Popen[bytes], paced: contextlib.AbstractContextManager[None]
+) -> tuple[str, int]:
+    """A long stream, its tokens ``paced`` (see ``_paced``), whose server process group is SIGKILLed once the client
+    received 3 checkpoint intervals and a bit: (the request's id, the tokens the client received)."""
     received, finished, killed_id = 0, False, ""
-    with httpx.stream("POST", url, json={**BODY, "max_tokens": 240}, headers=headers, timeout=60) as r:
+    with (
+        paced,
+        httpx.stream("POST", url, json={**BODY, "max_tokens": 240}, headers=headers, timeout=60) as r,
+    ):
         assert r.status_code == 200, r.read()
         try:
             for event in _events(r):
@@ -166,7 +206,7 @@ def _stream_until_killed(url: str, headers: dict[str, str], proc: subprocess.Pop
                 # what the server wrote before it died is still read: every token the client got counts
         except httpx.HTTPError:
             pass
-    assert not finished, "the stream finished before the kill: make it longer"
+    assert not finished, "the stream finished before the kill: pace the server slower"
     assert received >= 3 * EVERY_TOKENS + 3 and killed_id
     return killed_id, received
 
@@ -211,7 +251,7 @@ def test_tokens_streamed_before_a_kill_are_billed_after_the_restart(
         assert before.reserved == 0 and before.spent == normal.cost and normal.cost > 0
 
         # A long stream, killed (SIGKILL to the server's process group) after the client received some tokens.
-        killed_id, received = _stream_until_killed(url, headers, proc)
+        killed_id, received = _stream_until_killed(url, headers, proc, _paced(proc, group=True))
         killed_at = time.monotonic()
         assert _records(engine, killed_id) == []  # the process died before its end-of-stream record
         assert _budget(engine, tenant_id).reserved > 0  # and before settling its hold
@@ -274,10 +314,13 @@ def test_tokens_relayed_from_an_upstream_before_a_gateway_kill_are_billed(
     headers = {"Authorization": f"Bearer {key}"}
     log = tmp_path / "gateway.log"
     upstream = ["engine", "serve", "--model", str(lm_dir), "--name", "lm-cloud"]
-    with server_process(upstream, upstream_env, upstream_port, ready_path="/health", timeout=180):
+    with server_process(upstream, upstream_env, upstream_port, ready_path="/health", timeout=180) as up:
         port = free_port()
         with _cloud(env, port, log) as proc:
-            killed_id, received = _stream_until_killed(f"http://127.0.0.1:{port}/v1/completions", headers, proc)
+            # The upstream is paced, not the gateway: a gateway stopped while its upstream streams on relays what
+            # piled up in one write, checkpointed before it, and a kill between the two bills a batch unsent.
+            url = f"http://127.0.0.1:{port}/v1/completions"
+            killed_id, received = _stream_until_killed(url, headers, proc, _paced(up, group=False))
             killed_at = time.monotonic()
             assert _records(engine, killed_id) == []
             assert _budget(engine, tenant_id).reserved > 0
