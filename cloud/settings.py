@@ -47,6 +47,12 @@ class CloudSettings(BaseSettings):
         description="tokens per streamed event at least (a stream's first tokens and its end go out at once): "
         "fewer, larger events for less API work under load",
     )
+    decode_burst_ms: float = Field(
+        6.0,
+        ge=0,
+        description="greedy decoding with nothing waiting decodes several tokens a sequence in one fused CPU call, "
+        "as many as fit this many milliseconds (EngineConfig.decode_burst_ms); 0: one token a step",
+    )
     request_timeout_s: float = Field(300.0, gt=0, description="server-side deadline per request")
     idempotency_lease_s: float | None = Field(
         None,

@@ -116,11 +116,13 @@ class BlockManager:
         return num
 
     def register_full_blocks(self, seq: Sequence) -> None:
-        """Publish the blocks that are now fully computed so later requests can reuse them."""
+        """Publish the blocks that are now fully computed so later requests can reuse them: those whose tokens
+        are all computed and in ``seq.token_ids`` (a step counts accepted proposals computed before the engine
+        appends them; a block hashed then would be hashed over fewer tokens than it holds, and never match)."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        num_full = min(min(seq.num_computed_tokens, len(seq.token_ids)) // bs, len(seq.block_table))
         while len(seq.block_hashes) < num_full:
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if seq.block_hashes else None

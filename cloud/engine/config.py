@@ -33,6 +33,13 @@ class EngineConfig:
     never the output, and a cheaper draft step is what speculation at batch 1 pays for. ``warm_up``: where the
     adaptive speculation controller times steps, each forward path runs once at load, so that first calls' one-off
     costs are not taken for what speculating costs.
+    ``decode_burst_ms``: where every running sequence decodes greedily with nothing a token's logits are wanted for
+    (no logprobs, penalties, grammar or stop strings; speculation off for it), no request waits and the fused step
+    takes the batch, a step decodes several tokens a sequence in one C call (``tl_draft_greedy`` on the target: the
+    tokens step-by-step greedy decoding gives, each K/V written as a step's), as many as fit this many milliseconds
+    at the measured time a token, up to ``max_decode_burst``: the step's Python (scheduling, sampling, appending,
+    ~0.2-0.3 ms a step of the demo LM) is paid once a burst, as vLLM's multi-step scheduling does. A request that
+    arrives meanwhile waits for the burst's end. 0 turns bursts off.
     """
 
     model_dir: Path
@@ -58,6 +65,8 @@ class EngineConfig:
     cpu_weights: str = "fp32"
     draft_cpu_weights: str = "int8"
     warm_up: bool = True
+    decode_burst_ms: float = 6.0
+    max_decode_burst: int = 8
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)
@@ -81,6 +90,8 @@ class EngineConfig:
             raise ValueError("kv_cache_fraction must be in (0, 0.95]")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("num_speculative_tokens must be in [1, 16]")
+        if self.decode_burst_ms < 0 or not 1 <= self.max_decode_burst <= 64:
+            raise ValueError("decode_burst_ms must be >= 0 and max_decode_burst in [1, 64]")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -59,6 +59,7 @@ class _Work:
     prompt_pos: int = 0
     num_prompt_rows: int = 0
     new_token_ids: list[int] = field(default_factory=list)
+    burst: bool = False  # its tokens came from a decode burst (``LLMEngine._run_burst``), not from logits
 
 
 @dataclass(slots=True)
@@ -71,6 +72,7 @@ class EngineStats:
     spec_accepted: dict[str, int] = field(default_factory=dict)
     spec_steps: dict[str, int] = field(default_factory=dict)  # steps in which a method proposed (k > 0)
     draft_catch_up_tokens: int = 0  # tokens the draft read before proposing, in catch-ups
+    decode_bursts: int = 0  # steps that decoded several tokens a sequence in one fused call
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -143,6 +145,9 @@ class LLMEngine:
         )
         self.spec = self._spec_controller()
         self._step_plan: dict[str, int] = {}  # the k each speculating method was given this step
+        self._burst = 0  # tokens a sequence this step decodes in one fused call (0: not a burst step)
+        self._token_seconds: float | None = None  # a decode step's wall seconds a token a sequence, averaged
+        self._no_logits = torch.empty(0)
         self._requests: dict[str, _Request] = {}
         self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval) if process_outputs else None
         self._seq_ids = itertools.count()
@@ -319,7 +324,7 @@ class LLMEngine:
 
     def step_core(self) -> EngineCoreOutputs:
         """One step of model work: schedule → run → postprocess. Token ids out, no text."""
-        started = self.step_clock()
+        started, wall = self.step_clock(), time.perf_counter()
         batch = self._schedule()
         outputs: list[EngineCoreOutput] = []
         token_time = time.monotonic()
@@ -328,11 +333,13 @@ class LLMEngine:
             token_time = time.monotonic()
             outputs = self._postprocess(works, logits)
             self._record_step(batch, self.step_clock() - started)
+            self._time_decode(works, time.perf_counter() - wall)
         self.stats.num_steps += 1
         return EngineCoreOutputs(outputs, token_time, time.monotonic())
 
     def _schedule(self) -> SchedulerOutput:
         self._plan_speculation()
+        self._plan_burst()
         batch = self.scheduler.schedule()
         self.stats.num_preemptions = self.scheduler.num_preemptions
         return batch
@@ -371,6 +378,57 @@ class LLMEngine:
             if seqs:
                 self._step_plan[method] = self._plan_lookahead(method, seqs, num_decoding, measured)
 
+    def _plan_burst(self) -> None:
+        """A decode burst (``EngineConfig.decode_burst_ms``) where every running sequence may take one and nothing
+        waits: lookahead slots for the burst's tokens after the first (as many as the time budget allows at the
+        measured time a token; none before a decode step was timed)."""
+        self._burst = 0
+        config, running = self.config, self.scheduler.running
+        if self.spec is None:  # (otherwise ``_plan_speculation`` did)
+            for seq in running:
+                seq.num_lookahead = 0
+        if config.decode_burst_ms <= 0 or self._token_seconds is None or self.scheduler.waiting or not running:
+            return
+        fused = self.runner.fused_decoder
+        if fused is None or fused.greedy_fn is None or not all(self._bursts(seq) for seq in running):
+            return
+        n = min(config.max_decode_burst, int(config.decode_burst_ms / 1000.0 / self._token_seconds))
+        if n < 2:
+            return
+        for seq in running:
+            room = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+            seq.num_lookahead = max(0, min(n, room) - 1)
+        self._burst = n
+
+    def _bursts(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s next tokens may come from a burst: it decodes, greedily, not speculating this step
+        (speculation off, or its method's controller chose a plain step), and nothing but the argmax of its logits
+        decides a token (no penalties, grammar or logprobs), and no stop string could end it mid-burst (its tokens
+        past the stop would be counted)."""
+        p = seq.params
+        method = p.speculation or self.config.speculation or "off"
+        return (
+            seq.num_uncomputed_tokens == 1
+            and seq.num_lookahead == 0
+            and (method == "off" or self._step_plan.get(method, 0) == 0)
+            and p.is_greedy
+            and not p.has_penalties
+            and p.logprobs is None
+            and p.grammar is None
+            and seq.constraint is None
+            and not p.stop
+            and not seq.needs_prompt_logits
+        )
+
+    def _time_decode(self, works: list[_Work], seconds: float) -> None:
+        """Average a step's wall time a token a sequence, over steps where every sequence decoded without
+        speculating (plain steps and bursts): what sizes a burst."""
+        if any(w.num_base != 1 or w.spec or not w.samples for w in works):
+            return
+        per_token = seconds / max(1, max(1 + w.num_lookahead for w in works) if self._burst else 1)
+        previous = self._token_seconds
+        self._token_seconds = per_token if previous is None else previous + 0.25 * (per_token - previous)
+
     def _plan_lookahead(self, method: str, seqs: list[Sequence], num_decoding: int, measured: bool) -> int:
         """Proposal slots for ``seqs`` (n-gram proposals looked up now); the k the controller chose."""
         assert self.spec is not None
@@ -396,6 +454,9 @@ class LLMEngine:
         steps with prompt tokens, preemptions or two methods speculating are not of a shape it compares."""
         if self.spec is None or not self.spec.adaptive:
             return
+        if self._burst:  # plain decoding as it runs now: its seconds a token, the unit of a plain step's cost
+            self.spec.record_step(None, 0, len(batch.scheduled), seconds / self._burst)
+            return
         if any(item.num_new_tokens != 1 + item.num_lookahead for item in batch.scheduled):
             return
         speculating = [(m, k) for m, k in self._step_plan.items() if k > 0]
@@ -406,7 +467,13 @@ class LLMEngine:
         self.spec.record_step(method, k, len(batch.scheduled), seconds - catch_up)  # the catch-up: priced apart
 
     def _run(self, batch: SchedulerOutput) -> tuple[list[_Work], torch.Tensor]:
-        """Draft proposals, one forward over every scheduled sequence, then sampling or verification."""
+        """Draft proposals, one forward over every scheduled sequence, then sampling or verification (or a decode
+        burst)."""
+        if self._burst:
+            burst = self._run_burst(batch)
+            if burst is not None:
+                return burst
+            self._burst = 0
         draft_probs = self._propose_drafts(batch)
         self._check_drafts(batch)
         works = self._plan_work(batch)
@@ -419,6 +486,23 @@ class LLMEngine:
                 masks.bits()  # the mask thread is done with the matchers, whatever happened
         self._sample(works, logits, draft_probs, plain, masks)
         return works, logits
+
+    def _run_burst(self, batch: SchedulerOutput) -> tuple[list[_Work], torch.Tensor] | None:
+        """Each sequence's next 1 + lookahead greedy tokens in one fused call (``ModelRunner.propose_greedy`` on the
+        target: the argmax after each token, fed back at the next position); None where the fused step does not
+        take the batch (the step then decodes one token a sequence, its lookahead slots freed)."""
+        if any(item.num_new_tokens != 1 + item.num_lookahead for item in batch.scheduled):
+            return None
+        for item in batch.scheduled:
+            item.seq.spec_token_ids = []
+        works = self._plan_work(batch)
+        tokens = self.runner.propose_greedy([w.feed for w in works], [1 + w.num_lookahead for w in works])
+        if tokens is None:
+            return None
+        for w, new in zip(works, tokens, strict=True):
+            w.new_token_ids, w.burst = new, True
+        self.stats.decode_bursts += 1
+        return works, self._no_logits
 
     def _propose_drafts(self, batch: SchedulerOutput) -> dict[int, torch.Tensor | None]:
         drafts: list[Sequence] = []
@@ -528,7 +612,10 @@ class LLMEngine:
         if seq.is_prefilling or w.start < seq.num_prompt_tokens:
             self.stats.num_prompt_tokens_computed += min(w.num_base, max(0, seq.num_prompt_tokens - w.start))
         seq.num_computed_tokens = w.start + w.num_base
-        if w.spec and w.samples:
+        if w.burst:  # every token's K/V is written but the last's, which the next step feeds
+            seq.num_computed_tokens += len(w.new_token_ids) - 1
+            self.block_manager.trim(seq)
+        elif w.spec and w.samples:
             accepted = len(w.new_token_ids) - 1
             self._record_speculation(seq, len(w.spec), accepted)
             seq.num_computed_tokens += accepted
@@ -539,6 +626,8 @@ class LLMEngine:
             seq.draft_num_computed_tokens = min(seq.draft_num_computed_tokens, seq.num_computed_tokens)
             seq.spec_token_ids = []
             self.block_manager.trim(seq)
+        # (Accepted proposals and a burst's tokens are counted computed before ``_append`` adds them to the
+        # sequence: their blocks are published there, or at the next step.)
         self.block_manager.register_full_blocks(seq)
 
     def _record_speculation(self, seq: Sequence, proposed: int, accepted: int) -> None:
@@ -588,6 +677,7 @@ class LLMEngine:
             if reason is not None:
                 del seq.logprobs[seq.num_output_tokens :]
                 del tokens[i + 1 :]
+                self.block_manager.register_full_blocks(seq)  # its last blocks, before finishing frees them
                 self.scheduler.finish(seq, reason)
                 self.sampler.release(seq)
                 break
@@ -649,4 +739,5 @@ class LLMEngine:
             "spec_acceptance": {m: round(s.spec_accepted.get(m, 0) / p, 4) for m, p in s.spec_proposed.items() if p},
             "spec_steps": dict(s.spec_steps),
             "draft_catch_up_tokens": s.draft_catch_up_tokens,
+            "decode_bursts": s.decode_bursts,
         }

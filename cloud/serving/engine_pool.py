@@ -156,6 +156,7 @@ def engine_config(model_dir: Path, settings: CloudSettings, draft_dir: Path | No
         speculation="ngram" if settings.speculation == "ngram" else None,
         num_threads=threads,
         stream_interval=settings.stream_interval,
+        decode_burst_ms=settings.decode_burst_ms,
         cpu_weights=settings.cpu_weights,
         draft_cpu_weights=settings.draft_cpu_weights,
     )

@@ -96,7 +96,9 @@ DEMO_LM = committed_weights(DEMO) / "lm-cloud"
 def _greedy_tokens(fused: bool, prompts: list[list[int]], max_tokens: int) -> tuple[dict[str, list[int]], int]:
     """Every prompt decoded (all at once after the first, alone) by an engine with or without the fused decode
     step; returns each request's tokens and how many steps took the fused path."""
-    engine = LLMEngine(EngineConfig(DEMO_LM, kv_cache_bytes=32 << 20, num_threads=2, fused_decode=fused))
+    engine = LLMEngine(
+        EngineConfig(DEMO_LM, kv_cache_bytes=32 << 20, num_threads=2, fused_decode=fused, decode_burst_ms=0.0)
+    )
     assert (engine.runner.fused_decoder is not None) == fused, "the fused decode step did not build (see the log)"
     calls = 0
     if engine.runner.fused_decoder is not None:
