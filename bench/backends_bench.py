@@ -168,6 +168,7 @@ def run_backends_bench(
                 "TIERLINE_DATABASE_URL": db_url,
                 "TIERLINE_LOG_LEVEL": "WARNING",
                 "TIERLINE_CLOUD_SPECULATION": "off",  # the same engine work on every path
+                "TIERLINE_CLOUD_DECODE_BURST_MS": "0",  # an event a token: what each path relays, as before bursts
             }
         )
         subprocess.run([*CLI, "tenants", "create", "bench"], env=env, check=True, capture_output=True)

@@ -327,6 +327,7 @@ def _setup(tmp: Path, zoo: Path, data_dir: Path, db_url: str, redis_url: str, up
         "TIERLINE_CLOUD_ZOO_PRESET": "none",
         "TIERLINE_CLOUD_BACKENDS": str(backends),
         "TIERLINE_CLOUD_SPECULATION": "off",
+        "TIERLINE_CLOUD_DECODE_BURST_MS": "0",  # an event a token from the model server: the relays' worst case
         # A killed gateway's reservations are released when their lease (deadline + margin) ends: short here.
         "TIERLINE_CLOUD_REQUEST_TIMEOUT_S": str(REQUEST_TIMEOUT_S),
         "TIERLINE_CLOUD_BUDGET_LEASE_MARGIN_S": "5",

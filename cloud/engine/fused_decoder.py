@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
+from cloud.engine.cpu_kernels import panel_width
+
 if TYPE_CHECKING:
     from cloud.engine.model import CausalLM, DecoderLayer
 
@@ -29,7 +31,8 @@ class FusedDecoder:
     the model's tables (not ``dynamic``); ``supports`` says whether a model qualifies.
 
     ``int8_weights``: every projection and the LM head as weight-only int8 (``quantize_int8``: symmetric, one scale
-    per output column), a quarter of the bytes a step reads; activations, norms and the KV cache stay fp32.
+    per output column), a quarter of the bytes a step reads, packed in column panels (``pack_panels``) so that each
+    thread's share of a matrix is one run of memory; activations, norms and the KV cache stay fp32.
     ``ModelRunner`` first gives the torch model the same values (``dequantize_in_place``), so its larger steps
     compute the same model."""
 
@@ -89,10 +92,12 @@ class FusedDecoder:
             matrices = [self.LM_HEAD] + [
                 self.LAYERS + layer * self.LAYER_FIELDS + f for layer in range(len(layers)) for f in self.MATRIX_FIELDS
             ]
+            width = panel_width()
             for i in matrices:
                 weight = tensors[i]
                 assert weight is not None
-                tensors[i], scales[i] = quantize_int8(weight)
+                q, scales[i] = quantize_int8(weight)
+                tensors[i] = pack_panels(q, width)
         self._tensors = tensors  # the pointers below stay valid while these live
         self._scales = scales
         self.weights = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() if t is not None else None for t in tensors])
@@ -251,6 +256,14 @@ def quantize_int8(weight_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = (weight_t.abs().amax(dim=0).clamp(min=1e-12) / 127.0).to(torch.float32).contiguous()
     q = torch.round(weight_t / scale).clamp(-127, 127).to(torch.int8).contiguous()
     return q, scale
+
+
+def pack_panels(weight_t: torch.Tensor, width: int) -> torch.Tensor:
+    """A transposed weight [n_in, n_out] as the fused step reads an int8 matrix (``matmul``): panels of ``width``
+    columns one after another (the last may be narrower), each [n_in, its width] row-major, flat."""
+    if width <= 0:
+        raise ValueError("panel width must be positive (is the fused kernel built?)")
+    return torch.cat([weight_t[:, j : j + width].reshape(-1) for j in range(0, weight_t.shape[1], width)])
 
 
 def dequantize_in_place(model: torch.nn.Module) -> None:

@@ -148,19 +148,36 @@ BODY = {
 }
 
 
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (``/proc/<pid>/task/<tid>/children``)."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        for children in Path(f"/proc/{p}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                todo += [int(c) for c in children.read_text().split()]
+    return found
+
+
 @contextmanager
 def _paced(proc: subprocess.Popen[bytes], group: bool, run_s: float = 0.002, stop_s: float = 0.03) -> Iterator[None]:
-    """The server making the tokens (``proc``, its process group where ``group``) stopped (SIGSTOP) most of the
-    time, let run ``run_s`` in every ``stop_s``: a fast engine would otherwise write the whole stream (the tiny
-    LM's context is 256 tokens) into the socket before a client on a loaded host has read the first 27, and the kill
-    would land after the end."""
+    """The server making the tokens (``proc``: its process group where ``group``, else it and its descendants, the
+    engine process among them) stopped (SIGSTOP) most of the time, let run ``run_s`` in every ``stop_s``: a fast
+    engine would otherwise write the whole stream (the tiny LM's context is 256 tokens) into the socket before a
+    client on a loaded host has read the first 27, and the kill would land after the end."""
     done = threading.Event()
+    tree = [] if group else _tree(proc.pid)
 
     def send(sig: signal.Signals) -> None:
         if group:
             os.killpg(proc.pid, sig)
-        else:
-            os.kill(proc.pid, sig)
+            return
+        if proc.poll() is not None:
+            raise ProcessLookupError
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
 
     def pace() -> None:
         while not done.is_set():
@@ -310,7 +327,11 @@ def test_tokens_relayed_from_an_upstream_before_a_gateway_kill_are_billed(
     lm_dir = ZooLayout(tiny_zoo).artifact_dir("lm-cloud")
     upstream_port = free_port()
     env = _relay_env(data, migrated_db, lm_dir, upstream_port)
-    upstream_env = base_env(data, TIERLINE_CLOUD_KV_CACHE_MB="16", TIERLINE_CLOUD_SPECULATION="off")
+    # An event a token (no decode bursts): the gateway checkpoints before it relays an event, so a kill between the
+    # two bills that event's tokens unsent, and the bound below is one checkpoint interval.
+    upstream_env = base_env(
+        data, TIERLINE_CLOUD_KV_CACHE_MB="16", TIERLINE_CLOUD_SPECULATION="off", TIERLINE_CLOUD_DECODE_BURST_MS="0"
+    )
     headers = {"Authorization": f"Bearer {key}"}
     log = tmp_path / "gateway.log"
     upstream = ["engine", "serve", "--model", str(lm_dir), "--name", "lm-cloud"]
