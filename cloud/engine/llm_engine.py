@@ -425,7 +425,7 @@ class LLMEngine:
         speculating (plain steps and bursts): what sizes a burst."""
         if any(w.num_base != 1 or w.spec or not w.samples for w in works):
             return
-        per_token = seconds / max(1, max(1 + w.num_lookahead for w in works) if self._burst else 1)
+        per_token = seconds / (self._burst or 1)
         previous = self._token_seconds
         self._token_seconds = per_token if previous is None else previous + 0.25 * (per_token - previous)
 
