@@ -81,6 +81,31 @@ def test_greedy_generation_alone_and_batched_matches_transformers(tmp_path: Path
 
 
 @pytest.mark.parametrize("case", FAMILY_CASES)
+def test_a_decode_burst_gives_transformers_greedy_tokens(tmp_path: Path, case: str) -> None:
+    """A decode burst (``LLMEngine._run_burst``: ``ModelRunner.propose_greedy`` on the target, every token after the
+    first in one fused call, alone and for three sequences of different lengths together) gives transformers' greedy
+    tokens; where the fused step does not take the family, the runner refuses a burst and the engine decodes a token a
+    step (the path ``test_greedy_generation_alone_and_batched_matches_transformers`` checks)."""
+    hf, path = _save(tmp_path, case)
+    runner = ModelRunner(path, torch.device("cpu"), torch.float32, BLOCK, num_blocks=64, max_model_len=128)
+    prompts = _prompts((21, 9, 30), seed=7)
+    expected = [_hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    for group in (prompts, prompts[:1]):
+        blocks_each = -(-(max(map(len, group)) + NEW_TOKENS) // BLOCK)
+        tables = [list(range(i * blocks_each, (i + 1) * blocks_each))[::-1] for i in range(len(group))]
+        firsts = [
+            int(r.argmax()) for r in runner.execute([Feed(t, p, 0, 1) for t, p in zip(tables, group, strict=True)])
+        ]
+        feeds = [Feed(t, [f], len(p), 1) for t, p, f in zip(tables, group, firsts, strict=True)]
+        burst = runner.propose_greedy(feeds, [NEW_TOKENS - 1] * len(group))
+        if case not in FUSED_CASES:
+            assert burst is None
+            continue
+        assert burst is not None
+        assert [[f, *b] for f, b in zip(firsts, burst, strict=True)] == expected[: len(group)]
+
+
+@pytest.mark.parametrize("case", FAMILY_CASES)
 def test_bf16_on_cpu_runs_and_agrees_with_transformers_in_bf16(tmp_path: Path, case: str) -> None:
     hf, path = _save(tmp_path, case)
     hf = hf.to(torch.bfloat16)
