@@ -264,22 +264,23 @@ int tl_panel_width(void) { return PANEL; }
    row), and each output's sum is in input order whatever the rows: a token's logits are the same decoded alone or
    verified among others. With num_threads > 1 the columns go to the threads in chunks of one widest tile (PANEL
    columns: 128 with AVX-512), taken in turn: a 256-column projection (o and down of a model 256 wide) is two chunks,
-   not one thread's work. An int8 matrix is packed in panels of PANEL columns, one after another, each [n_in, its
-   width] row-major (``FusedDecoder`` packs them): a chunk's weights are one run of memory, read start to end,
+   not one thread's work. A ``packed`` matrix (every int8 one, and fp32 ones where ``FusedDecoder`` keeps a packed
+   copy) is laid out in panels of PANEL columns, one after another, each [n_in, its width] row-major: a chunk's
+   weights are one run of memory, read start to end,
    where the rows of the [n_in, n_out] layout are n_out apart (a stride the hardware prefetchers follow poorly across
    pages). The demo cloud LM's int8 decode step (2-core EPYC, 150 tokens of context, 3 alternating processes of 400
    calls): p10 0.309-0.317 ms -> 0.283-0.290 packed. */
 static void matmul(const float *restrict x, int64_t rows, int64_t n_in, const void *restrict weight,
                    const float *restrict scale, const float *restrict bias, int64_t n_out, float *restrict y,
-                   int num_threads) {
+                   int packed, int num_threads) {
     const float *restrict wf = scale == NULL ? (const float *)weight : NULL;
     const int8_t *restrict wq = scale != NULL ? (const int8_t *)weight : NULL;
-    const int64_t chunk = num_threads > 1 || wq ? PANEL : n_out, num_chunks = (n_out + chunk - 1) / chunk;
+    const int64_t chunk = num_threads > 1 || packed ? PANEL : n_out, num_chunks = (n_out + chunk - 1) / chunk;
 #pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && num_chunks > 1) schedule(dynamic, 1)
     for (int64_t c = 0; c < num_chunks; ++c) {
         const int64_t j0 = c * chunk, j1 = j0 + chunk < n_out ? j0 + chunk : n_out;
         /* where the weights of columns j0 .. j1 start, the column they start with and their row stride */
-        const int64_t jw = wq ? j0 : 0, w_stride = wq ? j1 - j0 : n_out;
+        const int64_t jw = packed ? j0 : 0, w_stride = packed ? j1 - j0 : n_out;
         for (int64_t b = 0; b < rows; ++b) {
             float *restrict yb = y + b * n_out;
             for (int64_t j = j0; j < j1; ++j) yb[j] = bias && !wq ? bias[j] : 0.f;
@@ -292,16 +293,18 @@ static void matmul(const float *restrict x, int64_t rows, int64_t n_in, const vo
                 for (int64_t j = j0; j < j1; ++j) yb[j] = yb[j] * scale[j] + (bias ? bias[j] : 0.f);
             }
         } else {
-            TILES(tile_f32, float, wf)
+            TILES(tile_f32, float, packed ? wf + c * n_in * PANEL : wf)
         }
     }
 }
 
-/* The matrix weights[idx] applied to rows of x: int8 when scales[idx] is set (its per-column scales), else fp32. */
+/* The matrix weights[idx] applied to rows of x: int8 when scales[idx] is set (its per-column scales; packed), else
+   fp32 (packed where ``packed``). */
 static void project(const float *const *weights, const float *const *scales, int64_t idx, const float *restrict x,
                     int64_t rows, int64_t n_in, const float *restrict bias, int64_t n_out, float *restrict y,
-                    int num_threads) {
-    matmul(x, rows, n_in, weights[idx], scales != NULL ? scales[idx] : NULL, bias, n_out, y, num_threads);
+                    int packed, int num_threads) {
+    const float *scale = scales != NULL ? scales[idx] : NULL;
+    matmul(x, rows, n_in, weights[idx], scale, bias, n_out, y, packed || scale != NULL, num_threads);
 }
 
 /* out = weight * (x * rsqrt(mean(x^2) + eps)), one row of n. */
@@ -430,7 +433,7 @@ static void attend(const float *restrict q, float *restrict out, const float *k_
 enum { L_IN_NORM, L_QKV, L_QKV_BIAS, L_O, L_POST_NORM, L_GATE_UP, L_GATE_UP_BIAS, L_DOWN, L_DOWN_BIAS, L_FIELDS };
 enum { W_EMBED, W_NORM, W_LM_HEAD, W_COS, W_SIN, W_LAYERS };
 enum { D_LAYERS, D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_VOCAB, D_BLOCK, D_NUM_BLOCKS, D_MAX_BLOCKS,
-       D_EMBED_ROW, D_EMBED_COL, D_FIELDS };
+       D_EMBED_ROW, D_EMBED_COL, D_PACKED, D_FIELDS };
 
 /* A small step of a Llama-family decoder: num_rows tokens (token_ids, positions), row r of sequence row_seqs[r]
    whose block table is row r_seq of block_tables [num_seqs, max_blocks] on the paged cache kv [layers, 2, num_blocks,
@@ -449,6 +452,7 @@ int tl_decode_step(const int64_t *dims, const float *const *weights, const float
     const int64_t L = dims[D_LAYERS], H = dims[D_HIDDEN], nh = dims[D_HEADS], nkv = dims[D_KV_HEADS];
     const int64_t hd = dims[D_HEAD_DIM], I = dims[D_INTER], V = dims[D_VOCAB], bs = dims[D_BLOCK];
     const int64_t nb = dims[D_NUM_BLOCKS], max_blocks = dims[D_MAX_BLOCKS];
+    const int packed = dims[D_PACKED] != 0; /* the fp32 matrices in panels (``matmul``) */
     const int64_t qs = nh * hd, kvs = nkv * hd, qkv_n = qs + 2 * kvs, group = nh / nkv, half = hd / 2;
     const int64_t B = num_rows, cache_half = nb * bs * kvs; /* floats in one layer's K (or V) cache */
     int64_t max_ctx = 0;
@@ -467,7 +471,7 @@ int tl_decode_step(const int64_t *dims, const float *const *weights, const float
         const float *const *w = weights + lw;
         float *k_cache = kv + (2 * l) * cache_half, *v_cache = k_cache + cache_half;
         for (int64_t b = 0; b < B; ++b) rms_norm(x + b * H, w[L_IN_NORM], H, eps, h + b * H);
-        project(weights, scales, lw + L_QKV, h, B, H, w[L_QKV_BIAS], qkv_n, qkv, num_threads);
+        project(weights, scales, lw + L_QKV, h, B, H, w[L_QKV_BIAS], qkv_n, qkv, packed, num_threads);
         for (int64_t b = 0; b < B; ++b) { /* every row's K/V into the cache before any row attends */
             const int64_t pos = positions[b];
             const int64_t *table = block_tables + row_seqs[b] * max_blocks;
@@ -487,21 +491,21 @@ int tl_decode_step(const int64_t *dims, const float *const *weights, const float
                    v_cache + kvh * hd, table, positions[b] + 1, bs, kvs, hd, group, scale,
                    p + (int64_t)omp_get_thread_num() * group * max_ctx);
         }
-        project(weights, scales, lw + L_O, att, B, qs, NULL, H, h, num_threads);
+        project(weights, scales, lw + L_O, att, B, qs, NULL, H, h, packed, num_threads);
         for (int64_t j = 0; j < B * H; ++j) x[j] += h[j];
         for (int64_t b = 0; b < B; ++b) rms_norm(x + b * H, w[L_POST_NORM], H, eps, h + b * H);
-        project(weights, scales, lw + L_GATE_UP, h, B, H, w[L_GATE_UP_BIAS], 2 * I, gu, num_threads);
+        project(weights, scales, lw + L_GATE_UP, h, B, H, w[L_GATE_UP_BIAS], 2 * I, gu, packed, num_threads);
 #pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && B > 1) schedule(static)
         for (int64_t b = 0; b < B; ++b)
             for (int64_t j = 0; j < I; ++j) {
                 const float g = gu[b * 2 * I + j];
                 act[b * I + j] = g / (1.f + expf(-g)) * gu[b * 2 * I + I + j];
             }
-        project(weights, scales, lw + L_DOWN, act, B, I, w[L_DOWN_BIAS], H, h, num_threads);
+        project(weights, scales, lw + L_DOWN, act, B, I, w[L_DOWN_BIAS], H, h, packed, num_threads);
         for (int64_t j = 0; j < B * H; ++j) x[j] += h[j];
     }
     for (int64_t i = 0; i < num_logits; ++i) rms_norm(x + logit_rows[i] * H, weights[W_NORM], H, eps, h + i * H);
-    project(weights, scales, W_LM_HEAD, h, num_logits, H, NULL, V, logits, num_threads);
+    project(weights, scales, W_LM_HEAD, h, num_logits, H, NULL, V, logits, packed, num_threads);
     free(buf);
     return 0;
 }

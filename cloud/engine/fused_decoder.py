@@ -31,12 +31,17 @@ class FusedDecoder:
     the model's tables (not ``dynamic``); ``supports`` says whether a model qualifies.
 
     ``int8_weights``: every projection and the LM head as weight-only int8 (``quantize_int8``: symmetric, one scale
-    per output column), a quarter of the bytes a step reads, packed in column panels (``pack_panels``) so that each
-    thread's share of a matrix is one run of memory; activations, norms and the KV cache stay fp32.
+    per output column), a quarter of the bytes a step reads; activations, norms and the KV cache stay fp32. The
+    matrices the step reads (int8 ones, and fp32 ones up to ``PACK_FP32_MAX_BYTES`` in all: a copy) are packed in
+    column panels (``pack_panels``), so that each thread's share of a matrix is one run of memory.
     ``ModelRunner`` first gives the torch model the same values (``dequantize_in_place``), so its larger steps
     compute the same model."""
 
-    DIMS = 12  # the D_ fields of DECODE_SOURCE
+    DIMS = 13  # the D_ fields of DECODE_SOURCE
+    # fp32 matrices up to this many bytes in all get a copy packed in panels (``pack_panels``): one row through the demo
+    # LM's matrices, 2-core EPYC, 2 threads, a C microbenchmark: 0.55 ms best (0.66-0.80 mean) as the torch layout,
+    # 0.41-0.42 (0.52-0.59) packed. A larger model reads the torch model's own tensors (a second copy would double it).
+    PACK_FP32_MAX_BYTES = 1 << 30
     MAX_BLOCKS = 9
     MATRIX_FIELDS = (1, 3, 5, 7)  # L_QKV, L_O, L_GATE_UP, L_DOWN of a layer's L_FIELDS
     LM_HEAD, LAYERS, LAYER_FIELDS = 2, 5, 9  # W_LM_HEAD, W_LAYERS, L_FIELDS
@@ -88,16 +93,20 @@ class FusedDecoder:
             raise ValueError("FusedDecoder: the LM head and o_proj have no bias in this model family")
         self.int8_weights = int8_weights
         scales: list[torch.Tensor | None] = [None] * len(tensors)
-        if int8_weights:
-            matrices = [self.LM_HEAD] + [
-                self.LAYERS + layer * self.LAYER_FIELDS + f for layer in range(len(layers)) for f in self.MATRIX_FIELDS
-            ]
-            width = panel_width()
-            for i in matrices:
-                weight = tensors[i]
-                assert weight is not None
+        matrices = [self.LM_HEAD] + [
+            self.LAYERS + layer * self.LAYER_FIELDS + f for layer in range(len(layers)) for f in self.MATRIX_FIELDS
+        ]
+        width = panel_width()
+        fp32_bytes = sum(cast("torch.Tensor", tensors[i]).nbytes for i in matrices)
+        self.packed = int8_weights or fp32_bytes <= self.PACK_FP32_MAX_BYTES
+        for i in matrices:
+            weight = tensors[i]
+            assert weight is not None
+            if int8_weights:
                 q, scales[i] = quantize_int8(weight)
                 tensors[i] = pack_panels(q, width)
+            elif self.packed:
+                tensors[i] = pack_panels(weight, width)
         self._tensors = tensors  # the pointers below stay valid while these live
         self._scales = scales
         self.weights = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() if t is not None else None for t in tensors])
@@ -115,6 +124,7 @@ class FusedDecoder:
             0,
             embed.stride(0),
             embed.stride(1),
+            int(self.packed),
         )
         assert kv_cache.is_contiguous() and kv_cache.shape[1] == 2 and kv_cache.dtype == torch.float32
 
