@@ -254,7 +254,7 @@ TILE(tile_i8, int8_t, load_i8, 64)
             }                                                                                                       \
     }
 
-/* One widest tile's columns: a chunk of the columns a thread takes, and the width of an int8 matrix's panels. */
+/* One widest tile's columns: a chunk of the columns a thread takes, and the width of a packed matrix's panels. */
 #define PANEL (VL * COLS_1)
 int tl_panel_width(void) { return PANEL; }
 
@@ -266,10 +266,10 @@ int tl_panel_width(void) { return PANEL; }
    columns: 128 with AVX-512), taken in turn: a 256-column projection (o and down of a model 256 wide) is two chunks,
    not one thread's work. A ``packed`` matrix (every int8 one, and fp32 ones where ``FusedDecoder`` keeps a packed
    copy) is laid out in panels of PANEL columns, one after another, each [n_in, its width] row-major: a chunk's
-   weights are one run of memory, read start to end,
-   where the rows of the [n_in, n_out] layout are n_out apart (a stride the hardware prefetchers follow poorly across
-   pages). The demo cloud LM's int8 decode step (2-core EPYC, 150 tokens of context, 3 alternating processes of 400
-   calls): p10 0.309-0.317 ms -> 0.283-0.290 packed. */
+   weights are one run of memory, read start to end, where the rows of the [n_in, n_out] layout are n_out apart (a
+   stride the hardware prefetchers follow poorly across pages). The demo cloud LM's decode step (2-core EPYC, 150
+   tokens of context, 3 alternating processes of 400 calls): int8 p10 0.309-0.317 ms -> 0.283-0.290 packed, fp32
+   median 0.98-1.26 -> 0.67-0.76. */
 static void matmul(const float *restrict x, int64_t rows, int64_t n_in, const void *restrict weight,
                    const float *restrict scale, const float *restrict bias, int64_t n_out, float *restrict y,
                    int packed, int num_threads) {
@@ -692,7 +692,7 @@ def decode_step_function() -> ctypes._NamedFuncPointer | None:
 
 
 def panel_width() -> int:
-    """The width of the panels ``tl_decode_step`` reads an int8 matrix in (``FusedDecoder`` packs them so): the
+    """The width of the panels ``tl_decode_step`` reads a packed matrix in (``FusedDecoder`` packs them so): the
     widest tile's columns of this build (128 with AVX-512); 0 where the kernel is not built."""
     decode_step_function()
     return _panel_width[0]

@@ -269,7 +269,7 @@ def quantize_int8(weight_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def pack_panels(weight_t: torch.Tensor, width: int) -> torch.Tensor:
-    """A transposed weight [n_in, n_out] as the fused step reads an int8 matrix (``matmul``): panels of ``width``
+    """A transposed weight [n_in, n_out] as the fused step reads a packed matrix (``matmul``): panels of ``width``
     columns one after another (the last may be narrower), each [n_in, its width] row-major, flat."""
     if width <= 0:
         raise ValueError("panel width must be positive (is the fused kernel built?)")
