@@ -3,6 +3,7 @@ and real servers started as subprocesses on free ports."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
@@ -10,9 +11,10 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -192,6 +194,53 @@ def engine_processes(server_pid: int) -> list[int]:
     servers = {pid for pid, (parent, _, cmd) in procs.items() if parent == server_pid and b"forkserver" in cmd}
     engines = [(started, pid) for pid, (parent, started, _) in procs.items() if parent in servers]
     return [pid for _, pid in sorted(engines)]
+
+
+class Pacer:
+    """A process that makes tokens, slowed down by signals: ``send(SIGSTOP)`` most of the time, ``send(SIGCONT)`` for
+    ``run_s`` in every ``stop_s``. A fast engine would otherwise write a whole stream into its socket before a client
+    on a loaded host has read its first events, and a test that must act in the middle of a stream (kill the server,
+    stop the engine) would act after its end. ``finish(sig)`` ends the pacing and leaves the process in ``sig``'s
+    state (SIGSTOP: it cannot move on before the test's next step); leaving the ``with`` block finishes with SIGCONT.
+    ``send`` raises ProcessLookupError once the process is gone, which ends the pacing."""
+
+    def __init__(self, send: Callable[[signal.Signals], None], run_s: float = 0.002, stop_s: float = 0.03) -> None:
+        self._send, self._run_s, self._stop_s = send, run_s, stop_s
+        self._done, self._lock = threading.Event(), threading.Lock()
+        self._thread = threading.Thread(target=self._pace, daemon=True)
+
+    def _signal(self, sig: signal.Signals) -> bool:
+        with self._lock:  # never a SIGCONT of the pacer after finish's SIGSTOP
+            if self._done.is_set():
+                return False
+            self._send(sig)
+            return True
+
+    def _pace(self) -> None:
+        while True:
+            for sig, pause in ((signal.SIGSTOP, self._stop_s), (signal.SIGCONT, self._run_s)):
+                try:
+                    if not self._signal(sig):
+                        return
+                except ProcessLookupError:
+                    return
+                self._done.wait(pause)
+
+    def __enter__(self) -> Pacer:
+        self._thread.start()
+        return self
+
+    def finish(self, sig: signal.Signals = signal.SIGCONT) -> None:
+        with self._lock:
+            if self._done.is_set():
+                return
+            self._done.set()
+            with contextlib.suppress(ProcessLookupError):
+                self._send(sig)
+        self._thread.join()
+
+    def __exit__(self, *exc: object) -> None:
+        self.finish(signal.SIGCONT)
 
 
 def seed_data_dir(dest: Path, tiny_zoo: Path, session_data_dir: Path) -> Path:

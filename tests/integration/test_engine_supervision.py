@@ -1,8 +1,8 @@
 """Supervision of the built-in engine children of a real ``tierline cloud serve`` (issue 20, item 4).
 
 The engine children are found under the server's pid in /proc and killed with a real SIGKILL. Each model's child
-is stopped (SIGSTOP) right after its stream's first event, so the stream is still in flight, deterministically,
-when one child is killed and the other resumed.
+is paced (``Pacer``) until its stream's first event has been read and stopped (SIGSTOP) then, so the stream is
+still in flight, deterministically, when one child is killed and the other resumed.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from cloud.settings import CloudSettings
 from controlplane.storage.tables import UsageRecord
 from shared.zoo.registry import ZooLayout
 from tests.conftest import (
+    Pacer,
     base_env,
     engine_processes,
     free_port,
@@ -98,19 +99,32 @@ def test_a_sigkilled_engine_child_is_restarted_and_serves_again(cloud: dict[str,
     children = engine_processes(int(cloud["pid"]))
     assert len(children) == 2, children
     pids = dict(zip((KILLED, SPARED), children, strict=True))
-    chat = {"messages": [{"role": "user", "content": "def main(argv):\n"}], "max_tokens": 200, "temperature": 1.0}
+    # ignore_eos: a sampled end of text cannot end a stream before the kill.
+    chat = {
+        "messages": [{"role": "user", "content": "def main(argv):\n"}],
+        "max_tokens": 200,
+        "temperature": 1.0,
+        "ignore_eos": True,
+    }
+
+    def to(model: str) -> Callable[[signal.Signals], None]:
+        return lambda sig: os.kill(pids[model], sig)
 
     with httpx.Client(base_url=url, headers=headers, timeout=60) as http:
+        # Both children paced until their stream's first event has been read, then stopped: a child left to run
+        # could make all 200 tokens before a loaded host's client reads the first.
         with (
+            Pacer(to(KILLED)) as killed_pace,
+            Pacer(to(SPARED)) as spared_pace,
             http.stream("POST", "/v1/chat/completions", json={**chat, "model": KILLED, "stream": True}) as killed,
             http.stream("POST", "/v1/chat/completions", json={**chat, "model": SPARED, "stream": True}) as spared,
         ):
             assert killed.status_code == spared.status_code == 200
             killed_lines, spared_lines = killed.iter_lines(), spared.iter_lines()
             first_killed = next(line for line in killed_lines if line.startswith("data: "))
-            os.kill(pids[KILLED], signal.SIGSTOP)  # in flight: it cannot finish before the kill
+            killed_pace.finish(signal.SIGSTOP)  # in flight: it cannot finish before the kill
             first_spared = next(line for line in spared_lines if line.startswith("data: "))
-            os.kill(pids[SPARED], signal.SIGSTOP)
+            spared_pace.finish(signal.SIGSTOP)
             assert '"finish_reason":null' in first_killed.replace(" ", "")
             assert '"finish_reason":null' in first_spared.replace(" ", "")
 

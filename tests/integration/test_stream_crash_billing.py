@@ -32,7 +32,7 @@ from controlplane.storage.database import create_db
 from controlplane.storage.tables import BudgetPeriod, BudgetReservation, Price, Tenant, UsageCheckpoint, UsageRecord
 from controlplane.tenancy.service import create_api_key, create_tenant
 from shared.zoo.registry import ZooLayout
-from tests.conftest import base_env, free_port, seed_data_dir, server_process
+from tests.conftest import Pacer, base_env, free_port, seed_data_dir, server_process
 from tests.forkserver import start_tierline
 
 pytestmark = pytest.mark.integration
@@ -160,13 +160,10 @@ def _tree(pid: int) -> list[int]:
     return found
 
 
-@contextmanager
-def _paced(proc: subprocess.Popen[bytes], group: bool, run_s: float = 0.002, stop_s: float = 0.03) -> Iterator[None]:
-    """The server making the tokens (``proc``: its process group where ``group``, else it and its descendants, the
-    engine process among them) stopped (SIGSTOP) most of the time, let run ``run_s`` in every ``stop_s``: a fast
-    engine would otherwise write the whole stream (the tiny LM's context is 256 tokens) into the socket before a
-    client on a loaded host has read the first 27, and the kill would land after the end."""
-    done = threading.Event()
+def _paced(proc: subprocess.Popen[bytes], group: bool) -> Pacer:
+    """The server making the tokens paced (``Pacer``): ``proc``'s process group where ``group``, else it and its
+    descendants, the engine process among them. The tiny LM's context is 256 tokens: unpaced, a fast engine writes the
+    whole stream before a client on a loaded host has read the first 27, and the kill lands after the end."""
     tree = [] if group else _tree(proc.pid)
 
     def send(sig: signal.Signals) -> None:
@@ -179,28 +176,11 @@ def _paced(proc: subprocess.Popen[bytes], group: bool, run_s: float = 0.002, sto
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
 
-    def pace() -> None:
-        while not done.is_set():
-            for sig, pause in ((signal.SIGSTOP, stop_s), (signal.SIGCONT, run_s)):
-                try:
-                    send(sig)
-                except ProcessLookupError:
-                    return
-                done.wait(pause)
-
-    pacer = threading.Thread(target=pace, daemon=True)
-    pacer.start()
-    try:
-        yield
-    finally:
-        done.set()
-        pacer.join()
-        if proc.poll() is None:
-            send(signal.SIGCONT)
+    return Pacer(send)
 
 
 def _stream_until_killed(
-    url: str, headers: dict[str, str], proc: subprocess.Popen[bytes], paced: contextlib.AbstractContextManager[None]
+    url: str, headers: dict[str, str], proc: subprocess.Popen[bytes], paced: Pacer
 ) -> tuple[str, int]:
     """A long stream, its tokens ``paced`` (see ``_paced``), whose server process group is SIGKILLed once the client
     received 3 checkpoint intervals and a bit: (the request's id, the tokens the client received)."""
