@@ -184,23 +184,28 @@ static inline void store_f32(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
 /* y[r, j .. j + VL C) += x[r, :] @ w[:, j .. j + VL C) for r < R (R and C constants where inlined): the R x C vector
    sums stay in registers over every input i, added in input order (y[r, j] + x[r, 0] w[0, j] + x[r, 1] w[1, j] + ...,
-   the same sum for any R), and each weight vector is loaded once for all R rows. The weights are read row by row
-   down the column tile, w_stride values apart (n_out, or a panel's width where the matrix is packed in panels):
+   the same sum for any R), and each weight vector is loaded once for all R rows. The tile's vector c is vector
+   v0 + c of its weights w: in sub-panel (v0 + c) / sv, sub_stride values apart, at (v0 + c) % sv vectors in; its
+   rows are w_stride values apart (n_out, a panel's width, or a sub-panel's: see ``matmul``). The weights are
    prefetched TILE_PREFETCH rows ahead for three rows or more. */
 #define TILE(NAME, W, LOAD, VALUES_PER_LINE)                                                                       \
     static inline __attribute__((always_inline)) void NAME(const int R, const int C, const float *restrict x,     \
-                                                           int64_t n_in, const W *restrict w, int64_t w_stride,    \
+                                                           int64_t n_in, const W *restrict w, int64_t v0,          \
+                                                           int64_t sv, int64_t sub_stride, int64_t w_stride,       \
                                                            int64_t n_out, float *restrict y) {                     \
         vf acc[8][8];                                                                                               \
+        const W *restrict wc[8];                                                                                    \
+        for (int c = 0; c < C; ++c) wc[c] = w + ((v0 + c) / sv) * sub_stride + ((v0 + c) % sv) * VL;              \
+        /* a prefetch a cache line of a row, and one a sub-panel */                                                 \
+        const int pf_step = VALUES_PER_LINE / VL < sv ? VALUES_PER_LINE / VL : (int)sv;                             \
         for (int r = 0; r < R; ++r)                                                                                 \
             for (int c = 0; c < C; ++c) acc[r][c] = load_f32(y + r * n_out + VL * c);                               \
         for (int64_t i = 0; i < n_in; ++i) {                                                                        \
-            const W *restrict wi = w + i * w_stride;                                                                \
+            const int64_t o = i * w_stride;                                                                         \
             if (R >= 3 && i + TILE_PREFETCH < n_in) /* (one or two rows: faster without) */                      \
-                for (int c = 0; c < VL * C; c += VALUES_PER_LINE)                                                   \
-                    __builtin_prefetch(wi + TILE_PREFETCH * w_stride + c, 0, 0);                                    \
+                for (int c = 0; c < C; c += pf_step) __builtin_prefetch(wc[c] + o + TILE_PREFETCH * w_stride, 0, 0); \
             vf v[8];                                                                                                \
-            for (int c = 0; c < C; ++c) v[c] = LOAD(wi + VL * c);                                                   \
+            for (int c = 0; c < C; ++c) v[c] = LOAD(wc[c] + o);                                                     \
             for (int r = 0; r < R; ++r) {                                                                           \
                 const float xr = x[r * n_in + i];                                                                   \
                 for (int c = 0; c < C; ++c) acc[r][c] = acc[r][c] + xr * v[c];                                     \
@@ -217,7 +222,8 @@ TILE(tile_i8, int8_t, load_i8, 64)
 #define TILES_OF(TILE_FN, R, WIDTH)                                                                                 \
     case R:                                                                                                         \
         for (; j + WIDTH * VL <= j1; j += WIDTH * VL)                                                               \
-            TILE_FN(R, WIDTH, xb, n_in, w + (j - jw), w_stride, n_out, yb + j);                                     \
+            TILE_FN(R, WIDTH, xb, n_in, split ? w : w + (j - jw), split ? (j - j0) / VL : 0, sv, sub_stride,         \
+                    w_stride, n_out, yb + j);                                                                       \
         break;
 #define TILES(TILE_FN, W, WEIGHTS)                                                                                  \
     for (int64_t b = 0; b < rows; b += 8) {                                                                         \
@@ -257,6 +263,19 @@ TILE(tile_i8, int8_t, load_i8, 64)
 /* One widest tile's columns: a chunk of the columns a thread takes, and the width of a packed matrix's panels. */
 #define PANEL (VL * COLS_1)
 int tl_panel_width(void) { return PANEL; }
+/* The columns of a packed panel's sub-panels (see ``matmul``): fp32 panels with AVX2 (4 vectors of 8) are in
+   sub-panels of two vectors, a cache line a row, which a tile of 2 vectors (4 to 6 rows) reads start to end where it
+   read every other line of the panel's rows. The demo cloud LM's matrices (2-core EPYC with AVX2, packed fp32, 2
+   threads, 300 alternating calls in one process): one row 0.617 -> 0.544 ms (p10), 5 rows 1.196 -> 1.034, 9 rows
+   2.214 -> 1.877. int8 panels (rows of 32 bytes) stay whole: sub-panels were 2 % slower there. Other widths are
+   unmeasured and stay whole. */
+#if VL == 8
+#define SUBW_F32 (2 * VL)
+#else
+#define SUBW_F32 PANEL
+#endif
+#define SUBW_I8 PANEL
+int tl_sub_panel_width(int int8) { return int8 ? SUBW_I8 : SUBW_F32; }
 
 /* y[b, :] = (bias or 0) + x[b, :] @ wt for b < rows; wt: [n_in, n_out] row-major (the engine's transposed weights),
    fp32, or int8 with per-column scales (``scale``: y = bias + (x @ wq) * scale, the weight-only int8 layout). Up to
@@ -267,9 +286,10 @@ int tl_panel_width(void) { return PANEL; }
    not one thread's work. A ``packed`` matrix (every int8 one, and fp32 ones where ``FusedDecoder`` keeps a packed
    copy) is laid out in panels of PANEL columns, one after another, each [n_in, its width] row-major: a chunk's
    weights are one run of memory, read start to end, where the rows of the [n_in, n_out] layout are n_out apart (a
-   stride the hardware prefetchers follow poorly across pages). The demo cloud LM's decode step (2-core EPYC, 150
-   tokens of context, 3 alternating processes of 400 calls): int8 p10 0.309-0.317 ms -> 0.283-0.290 packed, fp32
-   median 0.98-1.26 -> 0.67-0.76. */
+   stride the hardware prefetchers follow poorly across pages). A full panel may be in sub-panels instead
+   (``tl_sub_panel_width``): [n_in, subw] each, one after another; the last, narrower panel of a matrix stays whole.
+   The demo cloud LM's decode step (2-core EPYC with AVX-512, 150 tokens of context, 3 alternating processes of 400
+   calls): int8 p10 0.309-0.317 ms -> 0.283-0.290 packed, fp32 median 0.98-1.26 -> 0.67-0.76. */
 static void matmul(const float *restrict x, int64_t rows, int64_t n_in, const void *restrict weight,
                    const float *restrict scale, const float *restrict bias, int64_t n_out, float *restrict y,
                    int packed, int num_threads) {
@@ -280,7 +300,11 @@ static void matmul(const float *restrict x, int64_t rows, int64_t n_in, const vo
     for (int64_t c = 0; c < num_chunks; ++c) {
         const int64_t j0 = c * chunk, j1 = j0 + chunk < n_out ? j0 + chunk : n_out;
         /* where the weights of columns j0 .. j1 start, the column they start with and their row stride */
-        const int64_t jw = packed ? j0 : 0, w_stride = packed ? j1 - j0 : n_out;
+        const int64_t jw = packed ? j0 : 0, subw = wq ? SUBW_I8 : SUBW_F32;
+        /* a packed panel of PANEL columns is in sub-panels of subw columns, [n_in, subw] each, one after another */
+        const int split = packed && j1 - j0 == PANEL && subw < PANEL;
+        const int64_t w_stride = split ? subw : packed ? j1 - j0 : n_out;
+        const int64_t sv = split ? subw / VL : (int64_t)1 << 40, sub_stride = split ? n_in * subw : 0;
         for (int64_t b = 0; b < rows; ++b) {
             float *restrict yb = y + b * n_out;
             for (int64_t j = j0; j < j1; ++j) yb[j] = bias && !wq ? bias[j] : 0.f;
@@ -594,7 +618,7 @@ class PagedAttention(Protocol):
 _lock = threading.Lock()
 _loaded: dict[str, PagedAttention | None] = {}
 _loaded_decode: dict[str, ctypes._NamedFuncPointer | None] = {}
-_panel_width = [0]  # ``panel_width``
+_panel_width = [0, 0, 0]  # ``panel_width``: the panels', fp32 sub-panels', int8 sub-panels' columns
 
 
 def cache_dir() -> Path:
@@ -685,9 +709,10 @@ def decode_step_function() -> ctypes._NamedFuncPointer | None:
         _loaded_decode["decode_step"] = fn
         _loaded_decode["draft_greedy"] = greedy
         if lib is not None:
-            width = lib.tl_panel_width
+            width, sub = lib.tl_panel_width, lib.tl_sub_panel_width
             width.restype, width.argtypes = ctypes.c_int, []
-            _panel_width[0] = int(width())
+            sub.restype, sub.argtypes = ctypes.c_int, [ctypes.c_int]
+            _panel_width[:] = [int(width()), int(sub(0)), int(sub(1))]
         return fn
 
 
@@ -696,6 +721,13 @@ def panel_width() -> int:
     widest tile's columns of this build (128 with AVX-512); 0 where the kernel is not built."""
     decode_step_function()
     return _panel_width[0]
+
+
+def sub_panel_width(int8: bool) -> int:
+    """The width of the sub-panels a full panel of a packed fp32 (or ``int8``) matrix is in: the panel's width
+    where it is whole (every build but AVX2's fp32, 16 there); 0 where the kernel is not built."""
+    decode_step_function()
+    return _panel_width[2 if int8 else 1]
 
 
 def draft_greedy_function() -> ctypes._NamedFuncPointer | None:

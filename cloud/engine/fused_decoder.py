@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from cloud.engine.cpu_kernels import panel_width
+from cloud.engine.cpu_kernels import panel_width, sub_panel_width
 
 if TYPE_CHECKING:
     from cloud.engine.model import CausalLM, DecoderLayer
@@ -104,9 +104,9 @@ class FusedDecoder:
             assert weight is not None
             if int8_weights:
                 q, scales[i] = quantize_int8(weight)
-                tensors[i] = pack_panels(q, width)
+                tensors[i] = pack_panels(q, width, sub_panel_width(int8=True))
             elif self.packed:
-                tensors[i] = pack_panels(weight, width)
+                tensors[i] = pack_panels(weight, width, sub_panel_width(int8=False))
         self._tensors = tensors  # the pointers below stay valid while these live
         self._scales = scales
         self.weights = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() if t is not None else None for t in tensors])
@@ -268,12 +268,21 @@ def quantize_int8(weight_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def pack_panels(weight_t: torch.Tensor, width: int) -> torch.Tensor:
+def pack_panels(weight_t: torch.Tensor, width: int, sub_width: int | None = None) -> torch.Tensor:
     """A transposed weight [n_in, n_out] as the fused step reads a packed matrix (``matmul``): panels of ``width``
-    columns one after another (the last may be narrower), each [n_in, its width] row-major, flat."""
-    if width <= 0:
-        raise ValueError("panel width must be positive (is the fused kernel built?)")
-    return torch.cat([weight_t[:, j : j + width].reshape(-1) for j in range(0, weight_t.shape[1], width)])
+    columns one after another (the last may be narrower), each [n_in, its width] row-major, flat; a full panel in
+    sub-panels of ``sub_width`` columns (default: whole), each [n_in, sub_width] row-major, one after another."""
+    sub_width = width if sub_width is None else sub_width
+    if width <= 0 or sub_width <= 0 or width % sub_width:
+        raise ValueError(f"panel width {width} must be positive, a multiple of {sub_width} (is the kernel built?)")
+    n_out = weight_t.shape[1]
+    parts = []
+    for j in range(0, n_out, width):
+        step = sub_width if j + width <= n_out else width  # the last, narrower panel stays whole
+        parts += [
+            weight_t[:, s : min(s + step, j + width, n_out)].reshape(-1) for s in range(j, min(j + width, n_out), step)
+        ]
+    return torch.cat(parts)
 
 
 def dequantize_in_place(model: torch.nn.Module) -> None:

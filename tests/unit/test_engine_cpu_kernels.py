@@ -109,3 +109,27 @@ def test_code_is_never_loaded_from_a_cache_folder_others_can_write(
     with caplog.at_level(logging.WARNING, logger="cloud.engine.cpu_kernels"):
         assert paged_attention_kernel() is None
     assert "not private" in caplog.text and not list(shared.iterdir())
+
+
+def test_a_packed_matrix_is_in_panels_and_a_full_panel_in_sub_panels() -> None:
+    from cloud.engine.fused_decoder import pack_panels
+
+    w = torch.arange(3 * 70, dtype=torch.float32).reshape(3, 70)  # [n_in, n_out]: value = i * 70 + j
+    # Panels of 32 columns in sub-panels of 16, each [3, 16] row-major; the last panel (columns 64..69) whole.
+    packed = pack_panels(w, 32, 16)
+    expected = [w[:, s : s + 16].reshape(-1) for s in (0, 16, 32, 48)] + [w[:, 64:].reshape(-1)]
+    assert torch.equal(packed, torch.cat(expected))
+    assert packed[48:52].tolist() == [16.0, 17.0, 18.0, 19.0]  # panel 0's second sub-panel, after 3 rows of 16
+    # Whole panels by default.
+    assert torch.equal(pack_panels(w, 32), torch.cat([w[:, j : j + 32].reshape(-1) for j in (0, 32, 64)]))
+    with pytest.raises(ValueError, match="multiple"):
+        pack_panels(w, 32, 12)
+
+
+def test_the_kernel_names_its_panels_and_sub_panels() -> None:
+    if decode_step_function() is None:
+        pytest.skip("the fused decode step is not built here (no C compiler)")
+    width = cpu_kernels.panel_width()
+    for int8 in (False, True):
+        sub = cpu_kernels.sub_panel_width(int8)
+        assert width > 0 and 0 < sub <= width and width % sub == 0, (width, sub)
