@@ -122,7 +122,7 @@ DECODE_SOURCE = r"""
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -181,6 +181,43 @@ static inline vf load_i8(const int8_t *p) {
     return v;
 }
 static inline void store_f32(float *p, vf v) { memcpy(p, &v, sizeof v); }
+/* a + b c in every lane with one rounding (FMA) where the host has it, in every tile alike: contraction left to the
+   compiler (-ffp-contract=fast) was not applied alike to every tile's specialization (GCC left the one-row,
+   one-vector tile of AVX2 builds unfused, and a row's logits then depended on the rows verified with it). */
+static inline vf fma_vf(vf a, float b, vf c) {
+#if VL == 16 && defined(__AVX512F__)
+    __m512 r, x;
+    memcpy(&r, &a, sizeof r);
+    memcpy(&x, &c, sizeof x);
+    r = _mm512_fmadd_ps(_mm512_set1_ps(b), x, r);
+    memcpy(&a, &r, sizeof a);
+    return a;
+#elif VL == 8 && defined(__FMA__)
+    __m256 r, x;
+    memcpy(&r, &a, sizeof r);
+    memcpy(&x, &c, sizeof x);
+    r = _mm256_fmadd_ps(_mm256_set1_ps(b), x, r);
+    memcpy(&a, &r, sizeof a);
+    return a;
+#elif defined(__FP_FAST_FMAF)
+    float r[VL], x[VL];
+    memcpy(r, &a, sizeof r);
+    memcpy(x, &c, sizeof x);
+    for (int t = 0; t < VL; ++t) r[t] = __builtin_fmaf(b, x[t], r[t]);
+    memcpy(&a, r, sizeof a);
+    return a;
+#else
+    return a + b * c;
+#endif
+}
+/* the scalar columns' a + b c: an FMA where the vector tiles use one */
+static inline float fma_f(float a, float b, float c) {
+#if defined(__FP_FAST_FMAF)
+    return __builtin_fmaf(b, c, a);
+#else
+    return a + b * c;
+#endif
+}
 
 /* y[r, j .. j + VL C) += x[r, :] @ w[:, j .. j + VL C) for r < R (R and C constants where inlined): the R x C vector
    sums stay in registers over every input i, added in input order (y[r, j] + x[r, 0] w[0, j] + x[r, 1] w[1, j] + ...,
@@ -208,7 +245,7 @@ static inline void store_f32(float *p, vf v) { memcpy(p, &v, sizeof v); }
             for (int c = 0; c < C; ++c) v[c] = LOAD(wc[c] + o);                                                     \
             for (int r = 0; r < R; ++r) {                                                                           \
                 const float xr = x[r * n_in + i];                                                                   \
-                for (int c = 0; c < C; ++c) acc[r][c] = acc[r][c] + xr * v[c];                                     \
+                for (int c = 0; c < C; ++c) acc[r][c] = fma_vf(acc[r][c], xr, v[c]);                                \
             }                                                                                                       \
         }                                                                                                           \
         for (int r = 0; r < R; ++r)                                                                                 \
@@ -255,7 +292,8 @@ TILE(tile_i8, int8_t, load_i8, 64)
         for (; j < j1; ++j)                                                                                         \
             for (int r = 0; r < R; ++r) {                                                                           \
                 float acc = yb[r * n_out + j];                                                                      \
-                for (int64_t i = 0; i < n_in; ++i) acc = acc + xb[r * n_in + i] * (float)w[i * w_stride + j - jw];  \
+                for (int64_t i = 0; i < n_in; ++i)                                                                  \
+                    acc = fma_f(acc, xb[r * n_in + i], (float)w[i * w_stride + j - jw]);                            \
                 yb[r * n_out + j] = acc;                                                                            \
             }                                                                                                       \
     }

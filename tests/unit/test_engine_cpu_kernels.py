@@ -133,3 +133,25 @@ def test_the_kernel_names_its_panels_and_sub_panels() -> None:
     for int8 in (False, True):
         sub = cpu_kernels.sub_panel_width(int8)
         assert width > 0 and 0 < sub <= width and width % sub == 0, (width, sub)
+
+
+@pytest.mark.parametrize("march", ["x86-64", "sandybridge", "haswell", "skylake-avx512"])
+def test_the_kernels_build_for_every_x86_vector_width(march: str, tmp_path: Path) -> None:
+    """A host compiles for itself (-march=native): SSE2 only, AVX without AVX2 or FMA, AVX2 with FMA, AVX-512 take
+    different branches of the same source; each must build (an AVX-only host once failed on an intrinsic it lacked,
+    and served every step through torch)."""
+    import platform
+    import shutil
+    import subprocess
+
+    compiler = shutil.which("gcc")
+    if compiler is None or platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("needs gcc on an x86-64 host")
+    flags = [f"-march={march}" if f == "-march=native" else f for f in cpu_kernels.FLAGS]
+    for name, source in (("attention", cpu_kernels.SOURCE), ("decode_step", cpu_kernels.DECODE_SOURCE)):
+        src = tmp_path / f"{name}.c"
+        src.write_text(source)
+        built = subprocess.run(
+            [compiler, *flags, "-o", str(tmp_path / f"{name}.so"), str(src), "-lm"], capture_output=True, text=True
+        )
+        assert built.returncode == 0, f"{name} for {march}: {built.stderr[-2000:]}"
