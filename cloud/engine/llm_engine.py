@@ -432,6 +432,8 @@ class LLMEngine:
     def _plan_lookahead(self, method: str, seqs: list[Sequence], num_decoding: int, measured: bool) -> int:
         """Proposal slots for ``seqs`` (n-gram proposals looked up now); the k the controller chose."""
         assert self.spec is not None
+        if self.spec.holds_plain(method, len(seqs), num_decoding, measured):
+            return 0  # (the sequences' lookahead is 0 already)
         rooms = [min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1 for seq in seqs]
         catch_up = sum(DraftProposer.lag(seq) for seq in seqs) if method == "draft" else 0
         k = self.spec.choose_k(method, len(seqs), num_decoding, measured, catch_up, sum(rooms) + len(seqs))

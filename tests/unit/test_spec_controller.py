@@ -311,3 +311,21 @@ def test_the_estimates_are_each_ks_measured_or_extrapolated_cost() -> None:
         assert [v for row in estimates for v in row] == pytest.approx([v for row in expected for v in row], rel=1e-12)
         checked += 1
     assert checked > 200
+
+
+def test_a_plain_decision_stands_for_the_next_steps_of_its_shape_only() -> None:
+    """``holds_plain`` (the engine asks it before computing what ``choose_k`` needs of every sequence): after a
+    decision for plain, the next ``HOLD_PLAIN - 1`` steps of the same shape are plain without a decision; a step of
+    another shape, or one after those, is decided again; choose_k agrees with it."""
+    c = SpecController(max_k=4)
+    for _ in range(40):  # plain measured cheap, k = 2 dear: the controller decides for plain
+        c.record_step(None, 0, 8, 0.008)
+        c.record_step("draft", 2, 8, 0.040)
+    assert not c.holds_plain("draft", 8)  # nothing decided yet
+    assert c.choose_k("draft", 8) == 0
+    held = [c.holds_plain("draft", 8) for _ in range(SpecController.HOLD_PLAIN + 1)]
+    assert held == [True] * (SpecController.HOLD_PLAIN - 1) + [False, False]
+    assert c.choose_k("draft", 8) == 0
+    assert not c.holds_plain("draft", 8, measured=False)  # another shape (a prompt in the step): decided afresh
+    assert not c.holds_plain("draft", 8)  # (that dropped the held decision)
+    assert not SpecController(max_k=4, adaptive=False).holds_plain("draft", 8)
