@@ -196,6 +196,32 @@ def engine_processes(server_pid: int) -> list[int]:
     return [pid for _, pid in sorted(engines)]
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (``/proc/<pid>/task/<tid>/children``): a server and the engines it forked."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        for children in Path(f"/proc/{p}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                todo += [int(c) for c in children.read_text().split()]
+    return found
+
+
+def signal_tree(proc: subprocess.Popen[bytes]) -> Callable[[signal.Signals], None]:
+    """A ``Pacer``'s ``send`` for ``proc`` and the descendants it has now; ProcessLookupError once ``proc`` ended."""
+    tree = process_tree(proc.pid)
+
+    def send(sig: signal.Signals) -> None:
+        if proc.poll() is not None:
+            raise ProcessLookupError
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    return send
+
+
 class Pacer:
     """A process that makes tokens, slowed down by signals: ``send(SIGSTOP)`` most of the time, ``send(SIGCONT)`` for
     ``run_s`` in every ``stop_s``. A fast engine would otherwise write a whole stream into its socket before a client

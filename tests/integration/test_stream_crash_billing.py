@@ -5,7 +5,6 @@ with its exact counts and no checkpoint. SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -32,7 +31,7 @@ from controlplane.storage.database import create_db
 from controlplane.storage.tables import BudgetPeriod, BudgetReservation, Price, Tenant, UsageCheckpoint, UsageRecord
 from controlplane.tenancy.service import create_api_key, create_tenant
 from shared.zoo.registry import ZooLayout
-from tests.conftest import Pacer, base_env, free_port, seed_data_dir, server_process
+from tests.conftest import Pacer, base_env, free_port, seed_data_dir, server_process, signal_tree
 from tests.forkserver import start_tierline
 
 pytestmark = pytest.mark.integration
@@ -148,35 +147,13 @@ BODY = {
 }
 
 
-def _tree(pid: int) -> list[int]:
-    """``pid`` and its descendants (``/proc/<pid>/task/<tid>/children``)."""
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        found.append(p)
-        for children in Path(f"/proc/{p}/task").glob("*/children"):
-            with contextlib.suppress(OSError):
-                todo += [int(c) for c in children.read_text().split()]
-    return found
-
-
 def _paced(proc: subprocess.Popen[bytes], group: bool) -> Pacer:
     """The server making the tokens paced (``Pacer``): ``proc``'s process group where ``group``, else it and its
     descendants, the engine process among them. The tiny LM's context is 256 tokens: unpaced, a fast engine writes the
     whole stream before a client on a loaded host has read the first 27, and the kill lands after the end."""
-    tree = [] if group else _tree(proc.pid)
-
-    def send(sig: signal.Signals) -> None:
-        if group:
-            os.killpg(proc.pid, sig)
-            return
-        if proc.poll() is not None:
-            raise ProcessLookupError
-        for pid in tree:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-
-    return Pacer(send)
+    if not group:
+        return Pacer(signal_tree(proc))
+    return Pacer(lambda sig: os.killpg(proc.pid, sig))
 
 
 def _stream_until_killed(

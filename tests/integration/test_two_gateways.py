@@ -42,7 +42,7 @@ from controlplane.storage.migrate import upgrade
 from controlplane.storage.tables import ApiKey, BudgetPeriod, Job, UsageRecord
 from controlplane.tenancy.service import create_api_key, create_tenant, hash_api_key
 from shared.artifacts import read_manifest
-from tests.conftest import PG_URL, _postgres_schema, base_env, free_port, server_process
+from tests.conftest import PG_URL, Pacer, _postgres_schema, base_env, free_port, server_process, signal_tree
 from tests.forkserver import run_tierline
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres]
@@ -69,6 +69,7 @@ class Pair:
     db_url: str
     artifacts: Path
     zoo: Path
+    upstream: subprocess.Popen[bytes]  # the model server both gateways relay to
 
     def key(self, tenant: str, *, budget: Decimal | None = None, rpm: int | None = None) -> str:
         """A new tenant and API key (a request-per-minute limit on the key when given)."""
@@ -133,7 +134,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_data_
         # The price book is read at start-up (and every 30 s): priced before the gateways start.
         price = ["billing", "prices", "set", "--model", MODEL, "--prompt", "1000", "--completion", "2000"]
         run_tierline(*price, env=envs[0], check=True)
-        stack.enter_context(
+        upstream = stack.enter_context(
             server_process(
                 ["engine", "serve", "--model", str(model_dir), "--name", "lm-cloud"],
                 envs[0],
@@ -150,7 +151,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory, tiny_zoo: Path, session_data_
         db = create_db(db_url)
         stack.callback(db.dispose)
         urls = [f"http://127.0.0.1:{p}" for p in ports]
-        yield Pair(urls, procs, envs, db, db_url, artifacts, tiny_zoo)
+        yield Pair(urls, procs, envs, db, db_url, artifacts, tiny_zoo, upstream)
 
 
 def _clear_limits(pair: Pair, key: str) -> None:
@@ -283,19 +284,24 @@ def test_a_job_leased_by_a_killed_gateway_is_run_by_the_other(pair: Pair) -> Non
         "ignore_eos": True,
         "async": True,
     }
-    submitted = httpx.post(f"{pair.urls[0]}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"})
-    assert submitted.status_code == 202, submitted.text
-    job_id = submitted.json()["id"]
-    deadline = time.monotonic() + 30
-    runner: int | None = None
-    while runner is None:  # whichever gateway took the job has a request in flight to the model server
-        assert time.monotonic() < deadline, "no gateway started the job"
-        for i, url in enumerate(pair.urls):
-            if _outstanding(url) > 0:
-                runner = i
-        time.sleep(0.02)
-    pair.procs[runner].send_signal(signal.SIGKILL)
-    pair.procs[runner].wait()
+    # The model server paced (``Pacer``) until the job's gateway is killed: unpaced, the tiny LM can make the 200
+    # tokens between two looks at the gateways' metrics, and the job would end before it is cut off.
+    with Pacer(signal_tree(pair.upstream)):
+        submitted = httpx.post(
+            f"{pair.urls[0]}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+        )
+        assert submitted.status_code == 202, submitted.text
+        job_id = submitted.json()["id"]
+        deadline = time.monotonic() + 30
+        runner: int | None = None
+        while runner is None:  # whichever gateway took the job has a request in flight to the model server
+            assert time.monotonic() < deadline, "no gateway started the job"
+            for i, url in enumerate(pair.urls):
+                if _outstanding(url) > 0:
+                    runner = i
+            time.sleep(0.02)
+        pair.procs[runner].send_signal(signal.SIGKILL)
+        pair.procs[runner].wait()
     with Session(pair.db) as s:
         job = s.get(Job, job_id)
         assert job is not None and job.status == "running" and job.attempts == 1  # cut off mid-run
