@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+from contextlib import ExitStack
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -161,3 +163,39 @@ def test_a_dropped_postgres_connection_is_replaced(monkeypatch: pytest.MonkeyPat
         unpinged.dispose()
     finally:
         admin.dispose()
+
+
+@pytest.mark.postgres
+def test_a_process_keeps_connections_only_for_the_databases_it_keeps_handles_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A process that asked for more databases than it keeps handles for (a test run, a tool going over several
+    databases) closes the connections of the handles it drops: PostgreSQL sees only the kept handles' ones, not
+    connections left open until the garbage collector finds them (which then warned in whatever code ran)."""
+    from controlplane.storage import session
+    from tests.conftest import PG_URL, _postgres_schema
+
+    if not PG_URL:
+        pytest.skip("PostgreSQL not configured: set TIERLINE_TEST_DATABASE_URL")
+    app = f"tl_handles_{uuid.uuid4().hex[:8]}"
+    admin = create_db(PG_URL)
+
+    def open_connections() -> int:
+        with admin.connect() as conn:
+            query = text("SELECT count(*) FROM pg_stat_activity WHERE application_name = :app")
+            return int(conn.execute(query, {"app": app}).scalar_one())
+
+    with ExitStack() as stack:
+        urls = [f"{stack.enter_context(_postgres_schema())}&application_name={app}" for _ in range(6)]
+        try:
+            for url in urls:
+                monkeypatch.setenv("TIERLINE_DATABASE_URL", url)
+                with session.get_db().connect() as conn:
+                    assert conn.execute(text("SELECT 1")).scalar_one() == 1
+            assert open_connections() == session.MAX_HANDLES < len(urls)
+        finally:
+            for key, db in list(session._handles.items()):
+                if key[0] in urls:
+                    db.dispose()
+                    del session._handles[key]
+            admin.dispose()
