@@ -129,6 +129,12 @@ DECODE_SOURCE = r"""
 #ifndef TILE_PREFETCH
 #define TILE_PREFETCH 16
 #endif
+/* How the tiles prefetch the weights (``__builtin_prefetch``'s locality): 0, non-temporal, was best on AMD EPYCs;
+   on Intel Xeons (the build passes 3 there: ``_host_defines``) it made tiles of three rows or more 3-4x slower
+   (2-core Xeon with AVX-512 and AMX, demo LM, 5 rows: 3.65 ms against 1.11 into every cache level). */
+#ifndef TILE_PREFETCH_LOCALITY
+#define TILE_PREFETCH_LOCALITY 0
+#endif
 
 /* VL floats (int8 weights widened to floats): GCC's vector extension at the host's register width, and the column
    vectors of a tile for R rows, COLS_R (R x COLS_R sums and COLS_R weights in registers: 32 registers with AVX-512
@@ -240,7 +246,8 @@ static inline float fma_f(float a, float b, float c) {
         for (int64_t i = 0; i < n_in; ++i) {                                                                        \
             const int64_t o = i * w_stride;                                                                         \
             if (R >= 3 && i + TILE_PREFETCH < n_in) /* (one or two rows: faster without) */                      \
-                for (int c = 0; c < C; c += pf_step) __builtin_prefetch(wc[c] + o + TILE_PREFETCH * w_stride, 0, 0); \
+                for (int c = 0; c < C; c += pf_step)                                                                \
+                    __builtin_prefetch(wc[c] + o + TILE_PREFETCH * w_stride, 0, TILE_PREFETCH_LOCALITY);            \
             vf v[8];                                                                                                \
             for (int c = 0; c < C; ++c) v[c] = LOAD(wc[c] + o);                                                     \
             for (int r = 0; r < R; ++r) {                                                                           \
@@ -301,18 +308,22 @@ TILE(tile_i8, int8_t, load_i8, 64)
 /* One widest tile's columns: a chunk of the columns a thread takes, and the width of a packed matrix's panels. */
 #define PANEL (VL * COLS_1)
 int tl_panel_width(void) { return PANEL; }
-/* The columns of a packed panel's sub-panels (see ``matmul``): fp32 panels with AVX2 (4 vectors of 8) are in
-   sub-panels of two vectors, a cache line a row, which a tile of 2 vectors (4 to 6 rows) reads start to end where it
-   read every other line of the panel's rows. The demo cloud LM's matrices (2-core EPYC with AVX2, packed fp32, 2
-   threads, 300 alternating calls in one process): one row 0.617 -> 0.544 ms (p10), 5 rows 1.196 -> 1.034, 9 rows
-   2.214 -> 1.877. int8 panels (rows of 32 bytes) stay whole: sub-panels were 2 % slower there. Other widths are
-   unmeasured and stay whole. */
-#if VL == 8
-#define SUBW_F32 (2 * VL)
+/* The columns of a packed panel's sub-panels (see ``matmul``): where a panel's rows are wider than a cache line, a full
+   panel is in sub-panels of one line a row (16 fp32 columns, 64 int8 ones), which every tile reads start to end, where
+   a tile narrower than the panel read some of each row's lines (AVX2 fp32 panels: 4 lines a row, 2-vector tiles for 4
+   to 6 rows; AVX-512: 8 lines fp32, 2 int8). The demo cloud LM's matrices, 2 threads, alternating runs: 2-core EPYC
+   with AVX2 (fp32; p10 of 300 calls) one row 0.617 -> 0.544 ms, 5 rows 1.196 -> 1.034, 9 rows 2.214 -> 1.877; 2-core
+   Xeon with AVX-512 (a forward in the engine, p10 of 3x200 calls) fp32 one row 0.85 -> 0.82, 5 rows 1.19 -> 1.12, 7
+   rows 1.42 -> 1.29, 9 rows 1.70 -> 1.56; int8 one row 0.485 -> 0.450, 5 rows 0.94 -> 0.86. 128-bit builds
+   (SSE, NEON) are unmeasured and keep whole panels. */
+#define LINE_BYTES 64
+#if VL >= 8
+#define SUBW_F32 (LINE_BYTES / 4)
+#define SUBW_I8 (PANEL > LINE_BYTES ? LINE_BYTES : PANEL)
 #else
 #define SUBW_F32 PANEL
-#endif
 #define SUBW_I8 PANEL
+#endif
 int tl_sub_panel_width(int int8) { return int8 ? SUBW_I8 : SUBW_F32; }
 
 /* y[b, :] = (bias or 0) + x[b, :] @ wt for b < rows; wt: [n_in, n_out] row-major (the engine's transposed weights),
@@ -674,9 +685,26 @@ def _cpu_flags() -> str:
     return ""
 
 
+def _cpu_vendor() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _host_defines() -> tuple[str, ...]:
+    """Choices of the kernels' source that -march=native does not make: on Intel x86, tiles prefetch their weights
+    into every cache level (``TILE_PREFETCH_LOCALITY``), not non-temporally as elsewhere."""
+    return ("-DTILE_PREFETCH_LOCALITY=3",) if _cpu_vendor() == "GenuineIntel" else ()
+
+
 def _build(compiler: str, name: str, source: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([source, compiler, version, " ".join(FLAGS), _cpu_flags()]).encode()).hexdigest()
+    flags = (*FLAGS, *_host_defines())
+    key = hashlib.sha256("\0".join([source, compiler, version, " ".join(flags), _cpu_flags()]).encode()).hexdigest()
     target = cache_dir() / f"{name}-{key[:16]}.so"
     target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     info = target.parent.stat()
@@ -689,7 +717,7 @@ def _build(compiler: str, name: str, source: str) -> Path:
         src, lib = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.so"
         src.write_text(source)
         subprocess.run(
-            [compiler, *FLAGS, "-o", str(lib), str(src), "-lm"], capture_output=True, text=True, check=True, timeout=120
+            [compiler, *flags, "-o", str(lib), str(src), "-lm"], capture_output=True, text=True, check=True, timeout=120
         )
         lib.replace(target)  # atomic: a concurrent build of the same key writes the same bytes
     return target
@@ -762,8 +790,9 @@ def panel_width() -> int:
 
 
 def sub_panel_width(int8: bool) -> int:
-    """The width of the sub-panels a full panel of a packed fp32 (or ``int8``) matrix is in: the panel's width
-    where it is whole (every build but AVX2's fp32, 16 there); 0 where the kernel is not built."""
+    """The width of the sub-panels a full panel of a packed fp32 (or ``int8``) matrix is in: a cache line a row
+    (16 fp32 columns, 64 int8 ones) on AVX2 and AVX-512 builds, the panel's width where it is whole (128-bit
+    builds, AVX2's int8 panels of 32 bytes a row); 0 where the kernel is not built."""
     decode_step_function()
     return _panel_width[2 if int8 else 1]
 

@@ -133,6 +133,17 @@ def test_the_kernel_names_its_panels_and_sub_panels() -> None:
     for int8 in (False, True):
         sub = cpu_kernels.sub_panel_width(int8)
         assert width > 0 and 0 < sub <= width and width % sub == 0, (width, sub)
+    # A full panel is in sub-panels of one cache line a row where its rows are wider, on AVX2 and AVX-512 builds.
+    if " avx" in cpu_kernels._cpu_flags():
+        assert (cpu_kernels.sub_panel_width(False), cpu_kernels.sub_panel_width(True)) == (16, min(width, 64))
+
+
+def test_intel_hosts_build_the_tiles_to_prefetch_into_every_cache_level(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Non-temporal prefetches of the weights made verification tiles 3-4x slower on a Xeon (docs/engine.md)."""
+    monkeypatch.setattr(cpu_kernels, "_cpu_vendor", lambda: "GenuineIntel")
+    assert cpu_kernels._host_defines() == ("-DTILE_PREFETCH_LOCALITY=3",)
+    monkeypatch.setattr(cpu_kernels, "_cpu_vendor", lambda: "AuthenticAMD")
+    assert cpu_kernels._host_defines() == ()
 
 
 @pytest.mark.parametrize("march", ["x86-64", "sandybridge", "haswell", "skylake-avx512"])
@@ -148,6 +159,7 @@ def test_the_kernels_build_for_every_x86_vector_width(march: str, tmp_path: Path
     if compiler is None or platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("needs gcc on an x86-64 host")
     flags = [f"-march={march}" if f == "-march=native" else f for f in cpu_kernels.FLAGS]
+    flags += ["-DTILE_PREFETCH_LOCALITY=3"] if march in ("haswell", "skylake-avx512") else []  # (Intel's choice)
     for name, source in (("attention", cpu_kernels.SOURCE), ("decode_step", cpu_kernels.DECODE_SOURCE)):
         src = tmp_path / f"{name}.c"
         src.write_text(source)
