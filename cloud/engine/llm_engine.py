@@ -439,16 +439,19 @@ class LLMEngine:
         k = self.spec.choose_k(method, len(seqs), num_decoding, measured, catch_up, sum(rooms) + len(seqs))
         if k:
             self.stats.spec_steps[method] = self.stats.spec_steps.get(method, 0) + 1
-        num_lookups = num_found = 0
+        num_lookups = num_found = proposed = asked = 0
         for seq, room in zip(seqs, rooms, strict=True):
             look = max(0, min(k, room))
             if method == "ngram" and look:
                 seq.spec_token_ids = ngram_proposal(seq.token_ids, look)
-                look = len(seq.spec_token_ids)
                 num_lookups += 1
-                num_found += look > 0
+                if seq.spec_token_ids:
+                    num_found += 1
+                    proposed += len(seq.spec_token_ids)
+                    asked += look
+                look = len(seq.spec_token_ids)
             seq.num_lookahead = look
-        self.spec.record_lookups(method, num_lookups, num_found)
+        self.spec.record_lookups(method, num_lookups, num_found, proposed, asked)
         return k
 
     def _record_step(self, batch: SchedulerOutput, seconds: float) -> None:

@@ -5,9 +5,10 @@ measured to pay."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,7 +33,7 @@ def ngram_proposal(token_ids: list[int], k: int, max_n: int = 4, min_n: int = 1)
     return []
 
 
-def expected_tokens(alpha: float, k: int) -> float:
+def expected_tokens(alpha: float, k: float) -> float:
     """Tokens produced per verification with k proposals each accepted with probability alpha."""
     if alpha >= 1.0:
         return k + 1.0
@@ -46,13 +47,14 @@ def concurrency_bucket(num_seqs: int) -> int:
 
 @dataclass(slots=True)
 class _Cost:
-    """Seconds per sequence of a step of one shape: an exponentially weighted mean of the steps measured, with the
-    spread of those measurements."""
+    """Seconds per sequence of a step of one shape: the lower median of its first measurements, then an exponentially
+    weighted mean of the steps measured, with the spread of those measurements."""
 
     seconds: float
     updated: int  # the controller's step count when last measured
     variance: float = 0.0  # exponentially weighted, of the measurements around the mean
     count: int = 1
+    first: list[float] = field(default_factory=list)  # the first ``SpecController.FIRST_SAMPLES`` measurements
 
     def relative_error(self, weight: float, prior: float) -> float:
         """The standard error of the mean relative to it (``prior`` while only one measurement is in)."""
@@ -68,17 +70,19 @@ class SpecController:
 
     Costs are measured, not modelled: the engine times every step in which all scheduled sequences decode
     (``record_step``) and files its seconds per sequence under the step's shape — plain, or one method with k
-    proposals a sequence — and its concurrency bucket (``concurrency_bucket``), as an exponentially weighted mean.
-    Those are the steps it actually runs: the fused one-token step when plain, the draft's steps and the
-    verification when speculating. Where a k is not measured yet in a bucket its cost is extrapolated linearly
-    in k from the bucket's plain cost and its nearest measured k (before any, ``prior_cost_per_token``: what a
-    proposal added in the nearest smaller bucket, at least ``PRIOR_COST_PER_TOKEN`` of a plain step), so a promising
-    k gets tried; a bucket's first steps are plain, to measure the reference.
+    proposals a sequence — and its concurrency bucket (``concurrency_bucket``), as an exponentially weighted mean
+    after the lower median of its first ``FIRST_SAMPLES``, each measurement at most ``OUTLIER`` times the mean.
+    Those are the steps it actually runs: the fused one-token step when plain (a decode burst's seconds a token),
+    the draft's steps and the verification when speculating. Where a k is not measured ``FIRST_SAMPLES`` times yet
+    in a bucket its cost is extrapolated linearly in k from the bucket's plain cost and its nearest k that is (its own
+    measurements where lower; before any such k, ``prior_cost_per_token``: what a proposal added in the nearest
+    smaller bucket, at least ``PRIOR_COST_PER_TOKEN`` of a plain step), so a promising k gets tried; a bucket's first
+    ``FIRST_SAMPLES`` steps are plain, to measure the reference.
     Now and then a decision explores instead — while plain wins, the best speculative k; while speculation wins,
-    plain and the runner-up k in turn — so that the estimates not being refreshed follow the host's load and the
-    contexts' growth. Exploring is paid from a budget of ``EXPLORE_SHARE`` of the time (per method and bucket):
-    an exploration spends what the estimates say it loses, so a choice far worse than the best is re-checked
-    rarely and one nearly as good often (at most one decision in ``MIN_EXPLORE_GAP``).
+    the runner-up k, and plain one decision in ``PLAIN_EVERY`` — so that the estimates not being refreshed follow
+    the host's load and the contexts' growth. Exploring is paid from a budget of ``EXPLORE_SHARE`` of the time (per
+    method and bucket): an exploration spends what the estimates say it loses, so a choice far worse than the best
+    is re-checked rarely and one nearly as good often (at most one decision in ``MIN_EXPLORE_GAP``).
 
     A draft that has not read its sequences' tokens (their prompts, or tokens decoded while speculation was off) reads
     them first, in a forward of its own: a catch-up, priced apart from the steps (``record_catch_up``: seconds a token,
@@ -104,6 +108,16 @@ class SpecController:
     STALE_WEIGHT = 0.5  # ... in the mean of one not measured for FRESH_STEPS steps
     FRESH_STEPS = 16
     PRIOR_COST_PER_TOKEN = 0.25
+    # A measurement counts for at most this many times its shape's mean (past the first ones): a step that waited for a
+    # core another process held, or for the garbage collector, raises the mean by a step's share of half of it, not
+    # of the 3-4x it took (on an idle 2-core Xeon, 1 in ~40 speculative steps of the demo LM took 5-8 ms against
+    # ~2; one such step made a k look dear for good, since a k that looks dear is rarely measured again, and the
+    # controller turned speculation off at batch 1 where it was 1.4x). A lasting change still shows in a few steps.
+    OUTLIER = 1.5
+    # A shape's cost starts as the lower median of its first measurements, and a bucket speculates only once its plain
+    # cost has that many: the first plain step of 4 sequences on the demo LM (2-core Xeon) was measured at 2.6x the
+    # decode bursts after it, and as the reference it had the controller speculate at 0.80x plain.
+    FIRST_SAMPLES = 3
     CAUTION = 1.0  # standard errors added to a speculative step's measured cost
     PRIOR_ERROR = 0.3  # relative error of a cost measured once
     CATCH_UP_WEIGHT = 0.25  # of a new catch-up in the decayed sums behind a catch-up's cost
@@ -119,8 +133,12 @@ class SpecController:
         # Decayed (successes, trials), starting from a weak prior.
         self._evidence = {"draft": [3.5, 5.0], "ngram": [2.5, 5.0]}
         self._hits = {"draft": [1.0, 1.0], "ngram": [1.0, 1.0]}  # decayed (lookups that proposed, lookups)
+        # decayed (tokens proposed, tokens asked for) over the lookups that proposed: an n-gram match near the end of
+        # its context proposes fewer tokens than k
+        self._fill = {"draft": [1.0, 1.0], "ngram": [1.0, 1.0]}
         self._costs: dict[tuple[str, int, int], _Cost] = {}  # (method or "plain", bucket, k) -> seconds a sequence
-        # (method, bucket) -> [exploration budget in seconds, decisions since the last, explorations so far]
+        # (method, bucket) -> [exploration budget in seconds, decisions since the last, explorations so far,
+        # decisions since the last plain one]
         self._explore: dict[tuple[str, int], list[float]] = {}
         # (method, bucket) -> (the shape decided, decisions it still stands for, a step's seconds, the budget's cap)
         self._held: dict[tuple[str, int], tuple[tuple[int, int, bool], int, float, float]] = {}
@@ -143,14 +161,26 @@ class SpecController:
         ev[0] = self.DECAY * ev[0] + accepted
         ev[1] = self.DECAY * ev[1] + accepted + (1 if accepted < proposed else 0)
 
-    def record_lookups(self, method: str, num_lookups: int, num_proposed: int) -> None:
-        """``num_lookups`` sequences looked for proposals; ``num_proposed`` of them found some."""
+    def record_lookups(
+        self, method: str, num_lookups: int, num_proposed: int, tokens_proposed: int = 0, tokens_asked: int = 0
+    ) -> None:
+        """``num_lookups`` sequences looked for proposals; ``num_proposed`` of them found some: ``tokens_proposed``
+        of the ``tokens_asked`` for (their k each)."""
         if num_lookups <= 0:
             return
         hits = self._hits[method]
         decay = self.DECAY**num_lookups
         hits[0] = decay * hits[0] + num_proposed
         hits[1] = decay * hits[1] + num_lookups
+        if tokens_asked > 0:
+            fill, decay = self._fill[method], self.DECAY**num_proposed
+            fill[0] = decay * fill[0] + tokens_proposed
+            fill[1] = decay * fill[1] + tokens_asked
+
+    def proposal_fill(self, method: str) -> float:
+        """The share of the k tokens asked for that a lookup that finds some proposes (1 for a draft model)."""
+        proposed, asked = self._fill[method]
+        return proposed / asked
 
     def record_step(self, method: str | None, k: int, num_seqs: int, seconds: float) -> None:
         """A step of ``num_seqs`` decoding sequences took ``seconds``: plain (``method`` None or k 0), or with
@@ -163,10 +193,17 @@ class SpecController:
         self._clock += 1
         cost = self._costs.get(key)
         if cost is None:
-            self._costs[key] = _Cost(per_seq, self._clock)
+            self._costs[key] = _Cost(per_seq, self._clock, first=[per_seq])
+            return
+        if cost.count < self.FIRST_SAMPLES:
+            cost.first.append(per_seq)
+            cost.seconds, cost.variance = statistics.median_low(cost.first), statistics.pvariance(cost.first)
+            cost.updated = self._clock
+            cost.count += 1
             return
         # An estimate refreshed only now and then (an explored shape) is old: the new measurement weighs more.
         weight = self.COST_WEIGHT if self._clock - cost.updated <= self.FRESH_STEPS else self.STALE_WEIGHT
+        per_seq = min(per_seq, cost.seconds * self.OUTLIER)
         deviation = per_seq - cost.seconds
         cost.seconds += weight * deviation
         cost.variance = (1.0 - weight) * (cost.variance + weight * deviation * deviation)
@@ -195,22 +232,37 @@ class SpecController:
         return c.seconds if c is not None else None
 
     def estimated_cost(self, method: str, num_seqs: int, k: int, plain: float) -> float:
-        """The measured cost of k, or one extrapolated linearly in k from ``plain`` through the nearest measured k;
-        for k > 0 raised by ``CAUTION`` standard errors (its own and plain's): speculation is chosen on evidence, so a
-        measurement that noise made look cheap (or plain's look dear) does not switch it on by itself."""
+        """The measured cost of k, or one extrapolated linearly in k from ``plain`` through the nearest k measured
+        ``FIRST_SAMPLES`` times (before any, the prior); for a measured k raised by ``CAUTION`` standard errors (its
+        own and plain's): speculation is chosen on evidence, so a measurement that noise made look cheap (or plain's
+        look dear) does not switch it on by itself. A k measured fewer times than ``FIRST_SAMPLES`` costs the lower
+        of its measurements and the extrapolation: it is tried again before one slow step (a stall, a first call)
+        prices it, or the k beyond it, out for good."""
         if k == 0:
             return plain
         bucket = concurrency_bucket(num_seqs)
         plain_error = self._costs[("plain", bucket, 0)].relative_error(self.COST_WEIGHT, self.PRIOR_ERROR)
         measured = self._costs.get((method, bucket, k))
+        own = None
         if measured is not None:
             error = measured.relative_error(self.COST_WEIGHT, self.PRIOR_ERROR)
-            return measured.seconds * (1.0 + self.CAUTION * (error**2 + plain_error**2) ** 0.5)
-        nearest = [j for j in range(1, self.max_k + 1) if (method, bucket, j) in self._costs]
-        if not nearest:
-            return plain * (1.0 + self.prior_cost_per_token(method, bucket) * k)
-        j = min(nearest, key=lambda j: (abs(j - k), j))
-        return plain + max(0.0, self.estimated_cost(method, num_seqs, j, plain) - plain) * k / j
+            own = measured.seconds * (1.0 + self.CAUTION * (error**2 + plain_error**2) ** 0.5)
+            if measured.count >= self.FIRST_SAMPLES:
+                return own
+        settled = [j for j in self._settled(method, bucket) if j != k]
+        if settled:
+            j = min(settled, key=lambda j: (abs(j - k), j))
+            guess = plain + max(0.0, self.estimated_cost(method, num_seqs, j, plain) - plain) * k / j
+            return guess if own is None else min(own, guess)
+        return own if own is not None else plain * (1.0 + self.prior_cost_per_token(method, bucket) * k)
+
+    def _settled(self, method: str, bucket: int) -> list[int]:
+        """The k measured ``FIRST_SAMPLES`` times or more in ``bucket``."""
+        return [
+            j
+            for j in range(1, self.max_k + 1)
+            if (cost := self._costs.get((method, bucket, j))) is not None and cost.count >= self.FIRST_SAMPLES
+        ]
 
     def prior_cost_per_token(self, method: str, bucket: int) -> float:
         """What a proposal is assumed to add to a step of ``bucket`` sequences, in plain steps, before any k is
@@ -239,15 +291,17 @@ class SpecController:
         """Expected tokens a sequence gets from a step with k proposals planned."""
         if k == 0:
             return 1.0
-        hit = self.hit_rate(method)
-        return hit * expected_tokens(min(self.acceptance(method), 0.99), k) + (1.0 - hit)
+        hit, fill = self.hit_rate(method), self.proposal_fill(method)
+        return hit * expected_tokens(min(self.acceptance(method), 0.99), max(1.0, k * fill)) + (1.0 - hit)
 
     def estimates(self, method: str, num_seqs: int, num_decoding: int) -> list[tuple[float, float]] | None:
         """Expected (tokens, seconds) of the step for k = 0 .. max_k, with ``num_seqs`` of the ``num_decoding``
-        decoding sequences speculating with ``method``; None before the bucket's plain step is measured."""
-        plain = self.cost(method, num_decoding, 0)
-        if plain is None:
+        decoding sequences speculating with ``method``; None before the bucket's plain step is measured
+        ``FIRST_SAMPLES`` times."""
+        reference = self._costs.get(("plain", concurrency_bucket(num_decoding), 0))
+        if reference is None or reference.count < self.FIRST_SAMPLES:
             return None
+        plain = reference.seconds
         # ``estimated_cost`` and ``tokens_per_seq`` for every k in one pass (the engine asks every step: on the demo
         # LM at 2 concurrent, k by k made ``choose_k`` 37 us of a ~1.8 ms step; one pass, 15 us).
         bucket = concurrency_bucket(num_decoding)
@@ -258,19 +312,26 @@ class SpecController:
             if cost is not None:
                 error = cost.relative_error(self.COST_WEIGHT, self.PRIOR_ERROR)
                 measured[j] = cost.seconds * (1.0 + self.CAUTION * (error**2 + plain_error**2) ** 0.5)
-        prior = self.prior_cost_per_token(method, bucket) if not measured else 0.0
-        hit, alpha = self.hit_rate(method), min(self.acceptance(method), 0.99)
+        settled = self._settled(method, bucket)
+        prior = self.prior_cost_per_token(method, bucket) if not settled else 0.0
+        hit, alpha, fill = self.hit_rate(method), min(self.acceptance(method), 0.99), self.proposal_fill(method)
         others = num_decoding - num_seqs
         rows = [(float(num_decoding), num_decoding * plain)]
         for k in range(1, self.max_k + 1):
-            if k in measured:
+            if k in settled:
                 seconds = measured[k]
-            elif measured:
-                j = min(measured, key=lambda j: (abs(j - k), j))
-                seconds = plain + max(0.0, measured[j] - plain) * k / j
             else:
-                seconds = plain * (1.0 + prior * k)
-            tokens = hit * expected_tokens(alpha, k) + (1.0 - hit)
+                bases = [j for j in settled if j != k]
+                if bases:
+                    j = min(bases, key=lambda j: (abs(j - k), j))
+                    seconds = plain + max(0.0, measured[j] - plain) * k / j
+                    if k in measured:
+                        seconds = min(seconds, measured[k])
+                elif k in measured:
+                    seconds = measured[k]
+                else:
+                    seconds = plain * (1.0 + prior * k)
+            tokens = hit * expected_tokens(alpha, max(1.0, k * fill)) + (1.0 - hit)
             rows.append((others + num_seqs * tokens, num_decoding * seconds))
         return rows
 
@@ -289,7 +350,7 @@ class SpecController:
             return False
         # Plain, as decided a step or a few ago: the exploration budget grows as that decision would have it.
         self._held[(method, bucket)] = (shape, held[1] - 1, held[2], held[3])
-        state = self._explore.setdefault((method, bucket), [0.0, 0.0, 0.0])
+        state = self._explore.setdefault((method, bucket), [0.0, 0.0, 0.0, 0.0])
         state[0] = min(state[0] + self.EXPLORE_SHARE * held[2], held[3])
         state[1] += 1
         return True
@@ -334,15 +395,19 @@ class SpecController:
         # Exploring: while plain wins, the best speculative k; while speculation wins, plain (the reference) and
         # the runner-up k in turn. Each decision adds EXPLORE_SHARE of a step's time to a budget; an exploration
         # spends what it is expected to lose (its time beyond what its tokens would take at the best rate).
-        state = self._explore.setdefault((method, bucket), [0.0, 0.0, 0.0])
-        budget, since, turns = state
-        if best and since + 1 >= self.PLAIN_EVERY:
+        state = self._explore.setdefault((method, bucket), [0.0, 0.0, 0.0, 0.0])
+        budget, since, turns, since_plain = state
+        if best and since_plain + 1 >= self.PLAIN_EVERY:
             # Plain, the reference, is re-measured at a fixed rate while speculation wins: it can cost speculation
-            # some of its gain, never speed against plain decoding; a stale reference could.
+            # some of its gain, never speed against plain decoding; a stale reference could. (Counted apart from the
+            # explorations: counted with them, an exploration every MIN_EXPLORE_GAP decisions kept plain from ever
+            # coming, and at 4 concurrent a first plain step slower than the decode bursts after it stood as the
+            # reference for good: speculation ran at 0.82x plain, "expected" to win.)
             budget = min(budget + self.EXPLORE_SHARE * estimates[best][1], self.MAX_SAVED_STEPS * estimates[best][1])
-            state[:] = [budget, 0.0, turns]
+            state[:] = [budget, since, turns, 0.0]
             return 0
         since += 1
+        since_plain += 1
         others = [k for k in range(1, self.max_k + 1) if k != best]
         candidate = max(others, key=lambda k: rates[k], default=best)
         loss = max(0.0, estimates[candidate][1] * (1.0 - rates[candidate] / rates[best]))
@@ -353,9 +418,9 @@ class SpecController:
         cap = max(self.MAX_SAVED_STEPS * estimates[best][1], loss)
         budget = min(budget + self.EXPLORE_SHARE * estimates[best][1], cap)
         if candidate != best and since >= self.MIN_EXPLORE_GAP and budget >= loss:
-            state[:] = [budget - loss, 0.0, turns + 1]
+            state[:] = [budget - loss, 0.0, turns + 1, since_plain]
             return candidate
-        state[:] = [budget, since, turns]
+        state[:] = [budget, since, turns, since_plain]
         if not best and self.HOLD_PLAIN > 1:
             self._held[(method, bucket)] = (shape, self.HOLD_PLAIN - 1, estimates[0][1], cap)
         return best
