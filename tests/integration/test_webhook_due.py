@@ -61,11 +61,12 @@ def test_a_claim_left_by_a_dead_dispatcher_is_retried_when_it_lapses(
     async def main() -> None:
         dispatcher = WebhookDispatcher(store, settings)
         await dispatcher.start()
-        while not times and time.monotonic() - claimed_at < 5:
+        while not times and time.monotonic() - claimed_at < 20:
             await asyncio.sleep(0.02)
         await dispatcher.close()
 
     asyncio.run(main())
     engine.dispose()
     assert len(times) == 1, times
-    assert 0.55 <= times[0] - claimed_at < 2.0, times[0] - claimed_at  # when the claim lapsed, not after 60 s
+    # When the claim lapsed, not at the next poll 60 s on (a loaded host has taken 2.1 s to get the POST out).
+    assert 0.55 <= times[0] - claimed_at < 15.0, times[0] - claimed_at
