@@ -249,7 +249,7 @@ class SpecController:
             own = measured.seconds * (1.0 + self.CAUTION * (error**2 + plain_error**2) ** 0.5)
             if measured.count >= self.FIRST_SAMPLES:
                 return own
-        settled = [j for j in self._settled(method, bucket) if j != k]
+        settled = self._settled(method, bucket)  # (k is not among them: it returned above)
         if settled:
             j = min(settled, key=lambda j: (abs(j - k), j))
             guess = plain + max(0.0, self.estimated_cost(method, num_seqs, j, plain) - plain) * k / j
@@ -320,17 +320,15 @@ class SpecController:
         for k in range(1, self.max_k + 1):
             if k in settled:
                 seconds = measured[k]
+            elif settled:
+                j = min(settled, key=lambda j: (abs(j - k), j))
+                seconds = plain + max(0.0, measured[j] - plain) * k / j
+                if k in measured:
+                    seconds = min(seconds, measured[k])
+            elif k in measured:
+                seconds = measured[k]
             else:
-                bases = [j for j in settled if j != k]
-                if bases:
-                    j = min(bases, key=lambda j: (abs(j - k), j))
-                    seconds = plain + max(0.0, measured[j] - plain) * k / j
-                    if k in measured:
-                        seconds = min(seconds, measured[k])
-                elif k in measured:
-                    seconds = measured[k]
-                else:
-                    seconds = plain * (1.0 + prior * k)
+                seconds = plain * (1.0 + prior * k)
             tokens = hit * expected_tokens(alpha, max(1.0, k * fill)) + (1.0 - hit)
             rows.append((others + num_seqs * tokens, num_decoding * seconds))
         return rows
