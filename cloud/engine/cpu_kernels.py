@@ -675,24 +675,23 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TIERLINE_KERNEL_CACHE") or Path(base) / "tierline" / "kernels")
 
 
-def _cpu_flags() -> str:
+def _cpuinfo_line(*prefixes: str) -> str:
+    """The first line of /proc/cpuinfo that starts with one of ``prefixes`` ("" where none, or unreadable)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
+            if line.startswith(prefixes):
                 return line
     except OSError:
         pass
     return ""
 
 
+def _cpu_flags() -> str:
+    return _cpuinfo_line("flags", "Features")
+
+
 def _cpu_vendor() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return ""
+    return _cpuinfo_line("vendor_id").partition(":")[2].strip()
 
 
 def _host_defines() -> tuple[str, ...]:
