@@ -279,9 +279,7 @@ def pack_panels(weight_t: torch.Tensor, width: int, sub_width: int | None = None
     parts = []
     for j in range(0, n_out, width):
         step = sub_width if j + width <= n_out else width  # the last, narrower panel stays whole
-        parts += [
-            weight_t[:, s : min(s + step, j + width, n_out)].reshape(-1) for s in range(j, min(j + width, n_out), step)
-        ]
+        parts += [weight_t[:, s : min(s + step, n_out)].reshape(-1) for s in range(j, min(j + width, n_out), step)]
     return torch.cat(parts)
 
 
