@@ -146,6 +146,11 @@ class LLMEngine:
         self.spec = self._spec_controller()
         self._step_plan: dict[str, int] = {}  # the k each speculating method was given this step
         self._burst = 0  # tokens a sequence this step decodes in one fused call (0: not a burst step)
+        # The controller's record of the last step, filed at the next step's start with what the caller did between
+        # the two (``_file_step``); and the requests added so far (an admission between them is not the step's cost).
+        self._step_record: tuple[str | None, int, int, float, float, int, int] | None = None
+        self._num_added = 0
+        self._prompt_step = False  # the last step timed had prompt tokens (``_record_step``)
         self._token_seconds: float | None = None  # a decode step's wall seconds a token a sequence, averaged
         self._no_logits = torch.empty(0)
         self._requests: dict[str, _Request] = {}
@@ -234,6 +239,7 @@ class LLMEngine:
 
     def add(self, request: AddRequest) -> None:
         """``add_request`` with the request as it crosses the engine's boundary."""
+        self._num_added += 1
         self.add_core_request(request)
         if self.output_processor is not None:
             self.output_processor.add_request(request)
@@ -241,6 +247,7 @@ class LLMEngine:
     def add_core_request(self, request: AddRequest) -> None:
         """Queue a request in the core (its outputs are token ids); raises as ``add_request``."""
         request_id, prompt_ids, params = request.request_id, request.prompt_token_ids, request.params
+        self._num_added += 1
         if request_id in self._requests:
             raise ValidationError(f"request id {request_id!r} is already in flight", param="request_id")
         self.encode_prompt(prompt_ids)  # ids from another process are checked against the vocabulary too
@@ -325,6 +332,7 @@ class LLMEngine:
     def step_core(self) -> EngineCoreOutputs:
         """One step of model work: schedule → run → postprocess. Token ids out, no text."""
         started, wall = self.step_clock(), time.perf_counter()
+        self._file_step(started)
         batch = self._schedule()
         outputs: list[EngineCoreOutput] = []
         token_time = time.monotonic()
@@ -427,6 +435,10 @@ class LLMEngine:
             return
         per_token = seconds / (self._burst or 1)
         previous = self._token_seconds
+        if previous is not None:
+            # (a step that waited for a core, or for the collector, counts for at most 1.5x the mean: at 3-4x it
+            # shortened the bursts after it, which then cost more a token)
+            per_token = min(per_token, 1.5 * previous)
         self._token_seconds = per_token if previous is None else previous + 0.25 * (per_token - previous)
 
     def _plan_lookahead(self, method: str, seqs: list[Sequence], num_decoding: int, measured: bool) -> int:
@@ -455,21 +467,48 @@ class LLMEngine:
         return k
 
     def _record_step(self, batch: SchedulerOutput, seconds: float) -> None:
-        """Tell the controller what a step of decoding sequences only cost (plain, or one method speculating);
-        steps with prompt tokens, preemptions or two methods speculating are not of a shape it compares."""
+        """Keep what a step of decoding sequences only cost (plain, or one method speculating) for the controller;
+        steps with prompt tokens, preemptions or two methods speculating are not of a shape it compares. Filed at the
+        next step's start (``_file_step``)."""
+        self._step_record = None
         if self.spec is None or not self.spec.adaptive:
             return
-        if self._burst:  # plain decoding as it runs now: its seconds a token, the unit of a plain step's cost
-            self.spec.record_step(None, 0, len(batch.scheduled), seconds / self._burst)
+        after_prompt, self._prompt_step = self._prompt_step, False
+        if any(item.num_new_tokens != 1 + item.num_lookahead for item in batch.scheduled) and not self._burst:
+            self._prompt_step = True
             return
-        if any(item.num_new_tokens != 1 + item.num_lookahead for item in batch.scheduled):
+        if after_prompt:
+            # The first decode step after prompt tokens went through the model costs 1.5-3x the ones after it (on the
+            # demo LM at 8 concurrent, 9-15 ms against ~5: a prefill's activations evicted the weights from the
+            # caches); every batch has one, plain or not, and as plain's reference it had n-gram speculation run at
+            # 0.88x plain at 8 concurrent, "expected" to win.
+            return
+        n = len(batch.scheduled)
+        if self._burst:  # plain decoding as it runs now: its seconds a token, the unit of a plain step's cost
+            self._step_record = (None, 0, n, seconds, self.step_clock(), self._num_added, self._burst)
             return
         speculating = [(m, k) for m, k in self._step_plan.items() if k > 0]
         if len(speculating) > 1:
             return
         method, k = speculating[0] if speculating else (None, 0)
         catch_up = self.drafter.catch_up_seconds if self.drafter is not None and method == "draft" else 0.0
-        self.spec.record_step(method, k, len(batch.scheduled), seconds - catch_up)  # the catch-up: priced apart
+        # (the catch-up: priced apart)
+        self._step_record = (method, k, n, seconds - catch_up, self.step_clock(), self._num_added, 1)
+
+    def _file_step(self, now: float) -> None:
+        """File the last step's record with the controller, its cost counting what its caller did before this step
+        (``now``, on ``step_clock``): a step's outputs are detokenised, streamed or sent to another process, once a
+        step, whatever its tokens. A plain decode burst pays that once for its tokens, a speculative step once for
+        its ~2-3: left out, it made speculation look cheaper than it is (on the demo LM at 4 concurrent n-gram
+        sequences ~0.17 ms a step beside the ~1-2 ms timed). Where requests were added in between, their admission is
+        not the step's: the step's own seconds count alone."""
+        record, self._step_record = self._step_record, None
+        if record is None or self.spec is None:
+            return
+        method, k, n, seconds, ended, added, burst = record
+        if added == self._num_added:
+            seconds += max(0.0, now - ended)
+        self.spec.record_step(method, k, n, seconds / burst)
 
     def _run(self, batch: SchedulerOutput) -> tuple[list[_Work], torch.Tensor]:
         """Draft proposals, one forward over every scheduled sequence, then sampling or verification (or a decode

@@ -40,9 +40,24 @@ def expected_tokens(alpha: float, k: float) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+def position_tokens(alphas: list[float], k: float) -> float:
+    """Tokens per verification with k proposals (a fraction: that share of the next one), the i-th accepted with
+    probability ``alphas[i]`` where the ones before it were (``SpecController.position_acceptance``)."""
+    total = survive = 1.0
+    whole = min(int(k), len(alphas))
+    for alpha in alphas[:whole]:
+        survive *= alpha
+        total += survive
+    if whole < len(alphas) and k > whole:
+        total += (k - whole) * survive * alphas[whole]
+    return total
+
+
 def concurrency_bucket(num_seqs: int) -> int:
-    """Steps are costed per bucket of decoding sequences: 1, 2, 3, 4, then up to the next power of two."""
-    return num_seqs if num_seqs <= 4 else 1 << (num_seqs - 1).bit_length()
+    """Steps are costed per bucket of decoding sequences: 1 to 8 each, then up to the next power of two (a sequence's
+    share of a step of 5 costs ~1.4x its share of one of 8 on the demo LM: filed together, the batch's tail priced
+    the full batch's steps)."""
+    return num_seqs if num_seqs <= 8 else 1 << (num_seqs - 1).bit_length()
 
 
 @dataclass(slots=True)
@@ -92,18 +107,42 @@ class SpecController:
     loses thus never pays a whole batch's catch-up for one step of it, and a small batch where it wins still switches
     on at once.
 
-    Tokens per step come from the per-token acceptance alpha, estimated from verification rounds: each accepted
-    proposal is a success and each round that stopped at a rejection is one failure (later proposals of that round
-    were never tested), with exponential forgetting; n-gram lookups that find nothing (``record_lookups``) count as
-    plain steps for the sequences concerned.
+    Tokens per step come from acceptance estimated from verification rounds, position by position
+    (``position_acceptance``: the i-th proposal's, given the ones before it were accepted), beside a pooled rate
+    alpha: each accepted proposal is a success and each round that stopped at a rejection is one failure (later
+    proposals of that round were never tested), with exponential forgetting; n-gram lookups that find nothing
+    (``record_lookups``) count as plain steps for the sequences concerned. A method's first ``MIN_ROUNDS`` rounds
+    speculate where an optimistic acceptance would win (``_optimistic_k``): a few unlucky rounds do not switch it off
+    for good.
+
+    The engine times a step from its start to the next step's (``LLMEngine._file_step``): what its caller does with
+    the step's outputs (detokenising, streaming, sending them to another process) is paid once a step, so it is part
+    of the step's cost.
     """
 
-    EXPLORE_SHARE = 0.01  # of the time: what exploring may cost, at most, by the estimates
+    EXPLORE_SHARE = 0.008  # of the time: what exploring may cost, at most, by the estimates
     MIN_EXPLORE_GAP = 8  # decisions between two explorations, at least
     PLAIN_EVERY = 16  # while speculating, one decision in this many is plain
+    # ... and one in PLAIN_EVERY_EARLY while plain has fewer than PLAIN_SETTLED measurements in the bucket: a
+    # reference set by its first steps (on the demo LM at 4 concurrent they cost 1.5-2x the ones after) was left
+    # standing for rounds, and n-gram speculation ran at 0.46-0.89x plain there "expecting" to win.
+    PLAIN_EVERY_EARLY = 4
+    PLAIN_SETTLED = 6
     MAX_SAVED_STEPS = 4.0
-    MIN_GAIN = 1.02
+    # Speculation is chosen where the estimates expect it to give this many times plain's tokens a second. A step's
+    # cost varies 10-30 % between identical steps on a 2-core host, and near break-even the estimates' errors decide:
+    # at 1.02 n-gram speculation at 4-16 concurrent switched on and off on noise and ran at 0.93-0.97x plain in some
+    # runs (and 0.88-0.96x at 8 at 1.05). Where it wins it wins by more (1.2-1.5x at batch 1).
+    MIN_GAIN = 1.1
+    # Before a method has this many verification rounds of acceptance evidence it speculates where it would win with
+    # its acceptance ``LEARNING_ERRORS`` standard errors higher (``_optimistic_k``): that acceptance is its prior's
+    # and a few rounds', and a method judged to lose is rarely tried again (a draft's exploration pays its catch-up).
+    # From a start whose first 6 rounds accepted 0.69 the draft stopped at batch 1 for good, where its acceptance
+    # was 0.93 and it ran at 1.2-1.3x plain.
+    MIN_ROUNDS = 16
+    LEARNING_ERRORS = 2.0  # standard errors of the acceptance above its estimate, in the learning rounds
     DECAY = 0.98  # acceptance evidence
+    POSITION_PRIOR = 2.0  # trials at the pooled acceptance in each position's estimate
     COST_WEIGHT = 0.25  # weight of a new measurement in a cost's mean
     STALE_WEIGHT = 0.5  # ... in the mean of one not measured for FRESH_STEPS steps
     FRESH_STEPS = 16
@@ -132,6 +171,10 @@ class SpecController:
         self.adaptive = adaptive
         # Decayed (successes, trials), starting from a weak prior.
         self._evidence = {"draft": [3.5, 5.0], "ngram": [2.5, 5.0]}
+        # per method, per position i: decayed (accepted, tested) of a round's i-th proposal, tested where the ones
+        # before it were accepted (``position_acceptance``)
+        self._positions = {m: [[0.0, 0.0] for _ in range(max(1, max_k))] for m in METHODS}
+        self._rounds = dict.fromkeys(METHODS, 0)  # verification rounds recorded (``MIN_ROUNDS``)
         self._hits = {"draft": [1.0, 1.0], "ngram": [1.0, 1.0]}  # decayed (lookups that proposed, lookups)
         # decayed (tokens proposed, tokens asked for) over the lookups that proposed: an n-gram match near the end of
         # its context proposes fewer tokens than k
@@ -157,9 +200,28 @@ class SpecController:
     def record(self, method: str, proposed: int, accepted: int) -> None:
         if proposed <= 0:
             return
+        self._rounds[method] += 1
         ev = self._evidence[method]
         ev[0] = self.DECAY * ev[0] + accepted
         ev[1] = self.DECAY * ev[1] + accepted + (1 if accepted < proposed else 0)
+        positions = self._positions[method]
+        for i in range(min(accepted + 1, proposed, len(positions))):
+            position = positions[i]
+            position[0] = self.DECAY * position[0] + (1.0 if i < accepted else 0.0)
+            position[1] = self.DECAY * position[1] + 1.0
+
+    def position_acceptance(self, method: str) -> list[float]:
+        """The probability that a round's i-th proposal is accepted given that the ones before it were, for i = 1 ..
+        max_k: each position's own evidence beside ``POSITION_PRIOR`` trials at the pooled ``acceptance``. Acceptance
+        is not one coin per token: an n-gram copy, once its first token is right, tends to stay right, and a draft's
+        first guess is its surest. One pooled rate (a geometric model) over-counted the tokens a step gives: on the
+        demo LM at 4-8 concurrent n-gram sequences it expected 2.10-2.89 tokens a sequence-step where the steps gave
+        1.75-2.65, and speculation ran at 0.89-0.96x plain expecting to win."""
+        pooled = self.acceptance(method)
+        return [
+            min((accepted + self.POSITION_PRIOR * pooled) / (tested + self.POSITION_PRIOR), 0.99)
+            for accepted, tested in self._positions[method]
+        ]
 
     def record_lookups(
         self, method: str, num_lookups: int, num_proposed: int, tokens_proposed: int = 0, tokens_asked: int = 0
@@ -188,6 +250,7 @@ class SpecController:
         if num_seqs <= 0 or seconds <= 0:
             return
         bucket = concurrency_bucket(num_seqs)
+
         key = ("plain", bucket, 0) if method is None or k == 0 else (method, bucket, k)
         per_seq = seconds / num_seqs
         self._clock += 1
@@ -232,8 +295,8 @@ class SpecController:
         return c.seconds if c is not None else None
 
     def estimated_cost(self, method: str, num_seqs: int, k: int, plain: float) -> float:
-        """The measured cost of k, or one extrapolated linearly in k from ``plain`` through the nearest k measured
-        ``FIRST_SAMPLES`` times (before any, the prior); for a measured k raised by ``CAUTION`` standard errors (its
+        """The measured cost of k, or one extrapolated from the ks measured ``FIRST_SAMPLES`` times (``_extrapolated``;
+        before any, the prior); for a measured k raised by ``CAUTION`` standard errors (its
         own and plain's): speculation is chosen on evidence, so a measurement that noise made look cheap (or plain's
         look dear) does not switch it on by itself. A k measured fewer times than ``FIRST_SAMPLES`` costs the lower
         of its measurements and the extrapolation: it is tried again before one slow step (a stall, a first call)
@@ -251,10 +314,29 @@ class SpecController:
                 return own
         settled = self._settled(method, bucket)  # (k is not among them: it returned above)
         if settled:
-            j = min(settled, key=lambda j: (abs(j - k), j))
-            guess = plain + max(0.0, self.estimated_cost(method, num_seqs, j, plain) - plain) * k / j
+            points = {j: self.estimated_cost(method, num_seqs, j, plain) for j in settled}
+            guess = self._extrapolated(k, points, plain)
             return guess if own is None else min(own, guess)
         return own if own is not None else plain * (1.0 + self.prior_cost_per_token(method, bucket) * k)
+
+    def _extrapolated(self, k: int, points: dict[int, float], plain: float) -> float:
+        """The cost of k from the settled ks' (``points``) and plain's (k = 0): between two, on the line joining
+        them; past the largest, along the line through the two largest (not falling), or with one settled k, at
+        ``PRIOR_COST_PER_TOKEN`` of a plain step a further proposal, or half what one added on average, if more. A
+        speculative step has a fixed part (the verification's and the bookkeeping's: on the demo LM at batch 1 a k = 1
+        step cost ~1.7 ms against a plain 0.9, k = 6 ~3); a line from plain through one small k charged that part
+        to every proposal and priced the long k that win at batch 1 twice over (k = 6 at 6 ms)."""
+        below = max((j for j in points if j < k), default=0)
+        above = min((j for j in points if j > k), default=None)
+        low = points[below] if below else plain
+        if above is not None:
+            return low + (points[above] - low) * (k - below) / (above - below)
+        largest = sorted(points)[-2:]
+        if len(largest) == 2:
+            slope = max(0.0, (points[largest[1]] - points[largest[0]]) / (largest[1] - largest[0]))
+        else:
+            slope = max(self.PRIOR_COST_PER_TOKEN * plain, 0.5 * max(0.0, low - plain) / below)
+        return low + slope * (k - below)
 
     def _settled(self, method: str, bucket: int) -> list[int]:
         """The k measured ``FIRST_SAMPLES`` times or more in ``bucket``."""
@@ -292,7 +374,7 @@ class SpecController:
         if k == 0:
             return 1.0
         hit, fill = self.hit_rate(method), self.proposal_fill(method)
-        return hit * expected_tokens(min(self.acceptance(method), 0.99), max(1.0, k * fill)) + (1.0 - hit)
+        return hit * position_tokens(self.position_acceptance(method), max(1.0, k * fill)) + (1.0 - hit)
 
     def estimates(self, method: str, num_seqs: int, num_decoding: int) -> list[tuple[float, float]] | None:
         """Expected (tokens, seconds) of the step for k = 0 .. max_k, with ``num_seqs`` of the ``num_decoding``
@@ -313,25 +395,41 @@ class SpecController:
                 error = cost.relative_error(self.COST_WEIGHT, self.PRIOR_ERROR)
                 measured[j] = cost.seconds * (1.0 + self.CAUTION * (error**2 + plain_error**2) ** 0.5)
         settled = self._settled(method, bucket)
+        points = {j: measured[j] for j in settled}
         prior = self.prior_cost_per_token(method, bucket) if not settled else 0.0
-        hit, alpha, fill = self.hit_rate(method), min(self.acceptance(method), 0.99), self.proposal_fill(method)
+        hit, alphas, fill = self.hit_rate(method), self.position_acceptance(method), self.proposal_fill(method)
         others = num_decoding - num_seqs
         rows = [(float(num_decoding), num_decoding * plain)]
         for k in range(1, self.max_k + 1):
             if k in settled:
                 seconds = measured[k]
             elif settled:
-                j = min(settled, key=lambda j: (abs(j - k), j))
-                seconds = plain + max(0.0, measured[j] - plain) * k / j
+                seconds = self._extrapolated(k, points, plain)
                 if k in measured:
                     seconds = min(seconds, measured[k])
             elif k in measured:
                 seconds = measured[k]
             else:
                 seconds = plain * (1.0 + prior * k)
-            tokens = hit * expected_tokens(alpha, max(1.0, k * fill)) + (1.0 - hit)
+            tokens = hit * position_tokens(alphas, max(1.0, k * fill)) + (1.0 - hit)
             rows.append((others + num_seqs * tokens, num_decoding * seconds))
         return rows
+
+    def _optimistic_k(
+        self, method: str, estimates: list[tuple[float, float]], known: list[int], num_seqs: int, num_decoding: int
+    ) -> int:
+        """The k that would give ``MIN_GAIN`` times plain's rate, or most over it, were the acceptance
+        ``LEARNING_ERRORS`` standard errors (of its evidence's trials) above its estimate; 0 if none would."""
+        successes, trials = self._evidence[method]
+        alpha = successes / trials
+        upper = min(0.99, alpha + self.LEARNING_ERRORS * (alpha * (1.0 - alpha) / trials) ** 0.5)
+        hit, fill = self.hit_rate(method), self.proposal_fill(method)
+        best, best_rate = 0, self.MIN_GAIN * estimates[0][0] / estimates[0][1]
+        for k in known:
+            tokens = num_decoding - num_seqs + num_seqs * (hit * expected_tokens(upper, max(1.0, k * fill)) + 1.0 - hit)
+            if tokens / estimates[k][1] > best_rate:
+                best, best_rate = k, tokens / estimates[k][1]
+        return best
 
     def holds_plain(self, method: str, num_seqs: int, num_decoding: int | None = None, measured: bool = True) -> bool:
         """Whether a plain decision made a step or a few ago (``HOLD_PLAIN``) stands for this step, of the same shape:
@@ -385,8 +483,12 @@ class SpecController:
         best = max(known, key=lambda k: rates[k], default=0)
         if best and rates[best] < self.MIN_GAIN * rates[0]:
             best = 0
+        learning = False
+        if not best and measured and self._rounds[method] < self.MIN_ROUNDS:
+            best = self._optimistic_k(method, estimates, known, num_seqs, num_decoding)
+            learning = best > 0
         catch_up = self.catch_up_cost(catch_up_tokens)
-        if best and catch_up > horizon_tokens * (1.0 / rates[0] - 1.0 / rates[best]):
+        if best and catch_up > horizon_tokens * (1.0 / rates[0] - 1.0 / rates[best]) and not learning:
             best = 0  # the steps left would not save what the draft's catch-up costs
         if self.max_k < 1 or not measured:
             return best
@@ -395,7 +497,9 @@ class SpecController:
         # spends what it is expected to lose (its time beyond what its tokens would take at the best rate).
         state = self._explore.setdefault((method, bucket), [0.0, 0.0, 0.0, 0.0])
         budget, since, turns, since_plain = state
-        if best and since_plain + 1 >= self.PLAIN_EVERY:
+        plain_count = self._costs[("plain", bucket, 0)].count
+        plain_every = self.PLAIN_EVERY if plain_count >= self.PLAIN_SETTLED else self.PLAIN_EVERY_EARLY
+        if best and since_plain + 1 >= plain_every:
             # Plain, the reference, is re-measured at a fixed rate while speculation wins: it can cost speculation
             # some of its gain, never speed against plain decoding; a stale reference could. (Counted apart from the
             # explorations: counted with them, an exploration every MIN_EXPLORE_GAP decisions kept plain from ever

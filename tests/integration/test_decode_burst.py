@@ -7,6 +7,7 @@ prefix cache with the tokens they hold."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -159,3 +160,50 @@ def test_a_speculating_engine_bursts_where_its_controller_decodes_plainly(
         assert _tokens(_run(spec, batch)) == _tokens(_run(plain, batch))
     assert spec.stats.decode_bursts > 0
     assert spec.spec is not None and spec.spec.cost("ngram", 1, 0) is not None
+
+
+def _burn(seconds: float) -> None:
+    """This thread's CPU busy for ``seconds`` of its CPU time (what the engine's step clock counts on CPU)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_what_the_caller_does_between_steps_is_the_cost_of_the_step_before(
+    two_threads: None, prompts: list[list[int]]
+) -> None:
+    """A step's outputs are detokenised, streamed or sent on once a step, after the step: the controller files a step's
+    cost at the next step's start, with the caller's time in between (a burst pays it once for its tokens, a
+    speculative step once for its few). Time spent admitting a request in between is not the step's."""
+    engine = LLMEngine(
+        EngineConfig(DEMO_LM, kv_cache_bytes=32 << 20, num_threads=2, speculation="ngram", decode_burst_ms=1000.0)
+    )
+    assert engine.spec is not None
+    filed: list[tuple[str | None, int, int, float]] = []
+    record = engine.spec.record_step
+
+    def spy(method: str | None, k: int, num_seqs: int, seconds: float) -> None:
+        filed.append((method, k, num_seqs, seconds))
+        record(method, k, num_seqs, seconds)
+
+    engine.spec.record_step = spy  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    engine.add_request("a", prompts[0], params)
+    for _ in range(4):  # the prompt, then decode steps the controller is told about
+        engine.step()
+    burn, max_tokens = 0.1, engine.config.max_decode_burst
+    filed.clear()
+    engine.step()
+    quiet = filed[-1][3]
+    assert quiet < burn / max_tokens / 2  # a step of the demo LM: 1-3 ms a sequence (under half the bound)
+    engine.step()
+    _burn(burn)
+    filed.clear()
+    engine.step()
+    assert filed and filed[-1][3] >= burn / max_tokens  # the burn, shared by the step's tokens at most
+    engine.step()
+    _burn(burn)
+    engine.add_request("b", prompts[1], params)
+    filed.clear()
+    engine.step()
+    assert filed and filed[-1][3] < burn / max_tokens / 2  # an admission in between: the step's own time alone
