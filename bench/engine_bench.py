@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.metadata
 import itertools
 import json
+import math
 import os
 import random
 import resource
@@ -389,20 +390,29 @@ def _spec_workload(prompts: list[list[int]], concurrency: int, num_tokens: int) 
 _RUNS = itertools.count()
 
 
-def _run_batches(engine: LLMEngine, batches: list[list[tuple[list[int], int]]]) -> tuple[list[list[int]], float]:
-    """Each batch after the last (its requests at once); every output, and tokens a second over all. Each run has a
-    prefix-cache salt of its own: a run does not reuse prompts an earlier run of the engine left in its cache (what
-    it could keep would depend on its KV capacity, which a draft model shares, not on its decoding), while requests
-    of one run share their prefixes as they would anywhere."""
+def _run_batches(
+    engine: LLMEngine, batches: list[list[tuple[list[int], int]]], repeats: int = 1
+) -> tuple[list[list[int]], float]:
+    """Each batch after the last (its requests at once), ``repeats`` times; every output, and tokens a second over
+    all. Each run has a prefix-cache salt of its own: a run does not reuse prompts an earlier run of the engine left
+    in its cache (what it could keep would depend on its KV capacity, which a draft model shares, not on its
+    decoding), while requests of one run share their prefixes as they would anywhere."""
     outputs: list[list[int]] = []
     tokens = 0
-    salt = f"spec-run-{next(_RUNS)}"
     started = time.perf_counter()
-    for work in batches:
-        run = run_engine_workload(engine, work, cache_salt=salt)
-        outputs += run["outputs"]
-        tokens += run["tokens"]
+    for _ in range(repeats):
+        salt = f"spec-run-{next(_RUNS)}"
+        for work in batches:
+            run = run_engine_workload(engine, work, cache_salt=salt)
+            outputs += run["outputs"]
+            tokens += run["tokens"]
     return outputs, tokens / (time.perf_counter() - started)
+
+
+# A sweep cell's sample (one engine's run of it in a round) lasts at least about this long: a batch of 2-16 requests
+# of 96 tokens takes 0.1-0.5 s on a CPU, and a host's hiccup is a large share of that (two identical plain engines
+# differed by 0.58-1.22x a round at 8 concurrent); its batch is run again, as a fresh workload, until it does.
+MIN_SAMPLE_SECONDS = 1.0
 
 
 def spec_sweep(
@@ -415,20 +425,26 @@ def spec_sweep(
     """Tokens per second of each engine ("plain" first) at each concurrency: every engine once a round at each
     concurrency, in turn, the order reversed every other round (a host whose speed drifts within a round favours
     neither the first nor the last); medians over the rounds, the ratios against plain the median of the rounds' own
-    ratios (and their range), and whether every output equals plain's (greedy). Per speculating engine also what it
-    did in the last round, once its controller had learnt the earlier ones: its speculative steps against all its
-    steps, and the tokens its draft caught up on."""
+    ratios (and their range), and whether every output equals plain's (greedy). A cell's batch runs ``repeats``
+    times in an engine's sample (``MIN_SAMPLE_SECONDS``). Per speculating engine also what it did in the last round,
+    once its controller had learnt the earlier ones: its speculative steps against all its steps, and the tokens its
+    draft caught up on."""
     rates: dict[tuple[int, str], list[float]] = {}
     identical: dict[tuple[int, str], bool] = {}
     last: dict[tuple[int, str], dict[str, int]] = {}
+    repeats: dict[int, int] = {}
     for r in range(rounds):
         for c in concurrency:
             batches = _spec_workload(prompts, c, num_tokens)
+            if c not in repeats:  # (sized on a plain run before the first round's)
+                started = time.perf_counter()
+                _run_batches(engines["plain"], batches)
+                repeats[c] = max(1, math.ceil(MIN_SAMPLE_SECONDS / (time.perf_counter() - started)))
             outputs: dict[str, list[list[int]]] = {}
             for name in list(engines) if r % 2 == 0 else list(engines)[::-1]:
                 stats = engines[name].stats
                 before = (stats.num_steps, sum(stats.spec_steps.values()), stats.draft_catch_up_tokens)
-                outputs[name], rate = _run_batches(engines[name], batches)
+                outputs[name], rate = _run_batches(engines[name], batches, repeats[c])
                 rates.setdefault((c, name), []).append(rate)
                 after = (stats.num_steps, sum(stats.spec_steps.values()), stats.draft_catch_up_tokens)
                 steps, spec_steps, catch_up = (a - b for a, b in zip(after, before, strict=True))
@@ -445,6 +461,7 @@ def spec_sweep(
             if name in METHODS:
                 row[f"{name}_last_round"] = last[(c, name)]
         row["outputs_identical"] = all(identical[(c, name)] for name in list(engines)[1:])
+        row["repeats"] = repeats[c]
         sweep[c] = row
     return sweep
 
