@@ -239,7 +239,6 @@ class LLMEngine:
 
     def add(self, request: AddRequest) -> None:
         """``add_request`` with the request as it crosses the engine's boundary."""
-        self._num_added += 1
         self.add_core_request(request)
         if self.output_processor is not None:
             self.output_processor.add_request(request)
@@ -479,9 +478,9 @@ class LLMEngine:
             return
         if after_prompt:
             # The first decode step after prompt tokens went through the model costs 1.5-3x the ones after it (on the
-            # demo LM at 8 concurrent, 9-15 ms against ~5: a prefill's activations evicted the weights from the
-            # caches); every batch has one, plain or not, and as plain's reference it had n-gram speculation run at
-            # 0.88x plain at 8 concurrent, "expected" to win.
+            # demo LM at 8 concurrent, 9-15 ms against ~5, the prefill's torch forward just before it); every batch
+            # has one, plain or not, and as plain's reference it had n-gram speculation run at 0.88x plain at 8
+            # concurrent, "expected" to win.
             return
         n = len(batch.scheduled)
         if self._burst:  # plain decoding as it runs now: its seconds a token, the unit of a plain step's cost

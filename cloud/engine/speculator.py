@@ -250,7 +250,6 @@ class SpecController:
         if num_seqs <= 0 or seconds <= 0:
             return
         bucket = concurrency_bucket(num_seqs)
-
         key = ("plain", bucket, 0) if method is None or k == 0 else (method, bucket, k)
         per_seq = seconds / num_seqs
         self._clock += 1
@@ -296,8 +295,8 @@ class SpecController:
 
     def estimated_cost(self, method: str, num_seqs: int, k: int, plain: float) -> float:
         """The measured cost of k, or one extrapolated from the ks measured ``FIRST_SAMPLES`` times (``_extrapolated``;
-        before any, the prior); for a measured k raised by ``CAUTION`` standard errors (its
-        own and plain's): speculation is chosen on evidence, so a measurement that noise made look cheap (or plain's
+        before any, the prior); for a measured k raised by ``CAUTION`` standard errors (its own and plain's):
+        speculation is chosen on evidence, so a measurement that noise made look cheap (or plain's
         look dear) does not switch it on by itself. A k measured fewer times than ``FIRST_SAMPLES`` costs the lower
         of its measurements and the extrapolation: it is tried again before one slow step (a stall, a first call)
         prices it, or the k beyond it, out for good."""

@@ -191,7 +191,7 @@ def test_what_the_caller_does_between_steps_is_the_cost_of_the_step_before(
     engine.add_request("a", prompts[0], params)
     for _ in range(4):  # the prompt, then decode steps the controller is told about
         engine.step()
-    burn, max_tokens = 0.1, engine.config.max_decode_burst
+    burn, max_tokens = 0.4, engine.config.max_decode_burst
     filed.clear()
     engine.step()
     quiet = filed[-1][3]
