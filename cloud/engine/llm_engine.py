@@ -339,7 +339,8 @@ class LLMEngine:
             works, logits = self._run(batch)
             token_time = time.monotonic()
             outputs = self._postprocess(works, logits)
-            self._record_step(batch, self.step_clock() - started)
+            ended = self.step_clock()
+            self._record_step(batch, ended - started, ended)
             self._time_decode(works, time.perf_counter() - wall)
         self.stats.num_steps += 1
         return EngineCoreOutputs(outputs, token_time, time.monotonic())
@@ -465,15 +466,15 @@ class LLMEngine:
         self.spec.record_lookups(method, num_lookups, num_found, proposed, asked)
         return k
 
-    def _record_step(self, batch: SchedulerOutput, seconds: float) -> None:
+    def _record_step(self, batch: SchedulerOutput, seconds: float, ended: float) -> None:
         """Keep what a step of decoding sequences only cost (plain, or one method speculating) for the controller;
         steps with prompt tokens, preemptions or two methods speculating are not of a shape it compares. Filed at the
-        next step's start (``_file_step``)."""
+        next step's start (``_file_step``); ``ended``: the step's end on ``step_clock``."""
         self._step_record = None
         if self.spec is None or not self.spec.adaptive:
             return
         after_prompt, self._prompt_step = self._prompt_step, False
-        if any(item.num_new_tokens != 1 + item.num_lookahead for item in batch.scheduled) and not self._burst:
+        if not self._burst and any(item.num_new_tokens != 1 + item.num_lookahead for item in batch.scheduled):
             self._prompt_step = True
             return
         if after_prompt:
@@ -484,7 +485,7 @@ class LLMEngine:
             return
         n = len(batch.scheduled)
         if self._burst:  # plain decoding as it runs now: its seconds a token, the unit of a plain step's cost
-            self._step_record = (None, 0, n, seconds, self.step_clock(), self._num_added, self._burst)
+            self._step_record = (None, 0, n, seconds, ended, self._num_added, self._burst)
             return
         speculating = [(m, k) for m, k in self._step_plan.items() if k > 0]
         if len(speculating) > 1:
@@ -492,7 +493,7 @@ class LLMEngine:
         method, k = speculating[0] if speculating else (None, 0)
         catch_up = self.drafter.catch_up_seconds if self.drafter is not None and method == "draft" else 0.0
         # (the catch-up: priced apart)
-        self._step_record = (method, k, n, seconds - catch_up, self.step_clock(), self._num_added, 1)
+        self._step_record = (method, k, n, seconds - catch_up, ended, self._num_added, 1)
 
     def _file_step(self, now: float) -> None:
         """File the last step's record with the controller, its cost counting what its caller did before this step

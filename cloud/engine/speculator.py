@@ -89,8 +89,8 @@ class SpecController:
     after the lower median of its first ``FIRST_SAMPLES``, each measurement at most ``OUTLIER`` times the mean.
     Those are the steps it actually runs: the fused one-token step when plain (a decode burst's seconds a token),
     the draft's steps and the verification when speculating. Where a k is not measured ``FIRST_SAMPLES`` times yet
-    in a bucket its cost is extrapolated linearly in k from the bucket's plain cost and its nearest k that is (its own
-    measurements where lower; before any such k, ``prior_cost_per_token``: what a proposal added in the nearest
+    in a bucket its cost is extrapolated from plain's and the ks that are (``_extrapolated``; its own measurements
+    where lower; before any such k, ``prior_cost_per_token``: what a proposal added in the nearest
     smaller bucket, at least ``PRIOR_COST_PER_TOKEN`` of a plain step), so a promising k gets tried; a bucket's first
     ``FIRST_SAMPLES`` steps are plain, to measure the reference.
     Now and then a decision explores instead — while plain wins, the best speculative k; while speculation wins,
