@@ -12,7 +12,10 @@
    target's greedy continuations of training-text prompts: a proposer that costs no forward of its own.
 4. The bare forwards' costs (best of 40, wall clock): a plain step, a verification of k + 1 tokens, a draft step;
    ``forward_bound_speedup`` = tokens a round x plain / (verification + k draft steps), the most speculation with
-   that proposer can give over plain decoding with no engine overhead at all (Medusa's heads counted as free).
+   that proposer can give over plain decoding with no engine overhead at all (Medusa's heads counted as free);
+   ``oracle_forward_bound_speedup`` = (k + 1) x plain / verification, the same for a proposer that is always right
+   and free (``oracle_bound_speedup``: the best k's), and ``verified_row_ms``, what a verified row adds (the slope
+   of the verification's time over its rows), against a plain forward: the ceiling of speculation on this host.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -158,7 +162,16 @@ def probe(
             "verify_cost_ratio": round(verify_ms[k] / plain_ms, 2),
             "draft_round_forward_ms": round(cost, 3),
             "draft_forward_bound_speedup": round(tokens * plain_ms / cost, 2),
+            # every proposal right and proposing free: what no proposer can beat with k here
+            "oracle_forward_bound_speedup": round((k + 1) * plain_ms / verify_ms[k], 2),
         }
+    # A verified row's own cost: the least-squares slope of the verification's time over its rows (k + 1). Where it
+    # is near a plain forward's, a verification is bound by its arithmetic, not by reading the weights once, and
+    # speculation's ceiling is low whatever the proposer.
+    ks = list(range(1, max_k + 1))
+    mean_k, mean_ms = statistics.fmean(ks), statistics.fmean(verify_ms[k] for k in ks)
+    spread = sum((k - mean_k) ** 2 for k in ks)
+    row_ms = sum((k - mean_k) * (verify_ms[k] - mean_ms) for k in ks) / spread if spread else float("nan")
     result: dict[str, Any] = {
         "lm_dir": str(lm_dir),
         "threads": threads,
@@ -169,6 +182,10 @@ def probe(
         "plain_forward_ms": round(plain_ms, 3),
         "draft_forward_ms": round(draft_ms, 3),
         "draft_cost_ratio": round(draft_ms / plain_ms, 3),
+        "verified_row_ms": round(row_ms, 3),
+        "verified_row_cost_ratio": round(row_ms / plain_ms, 2),
+        "oracle_bound_speedup": max(row["oracle_forward_bound_speedup"] for row in rows.values()),
+        "draft_bound_speedup": max(row["draft_forward_bound_speedup"] for row in rows.values()),
         "per_k": rows,
     }
     if x_train is not None:

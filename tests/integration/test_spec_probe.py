@@ -25,6 +25,14 @@ def test_the_probe_walks_the_targets_own_greedy_continuations(tiny_zoo: Path) ->
     assert all(1.0 <= t <= k + 1 for k, t in zip((1, 2, 3), tokens, strict=True))
     assert result["plain_forward_ms"] > 0 and result["draft_cost_ratio"] > 0
     assert all(per_k[str(k)]["verify_ms"] > 0 for k in (1, 2, 3))
+    # No proposer beats one that is always right and costs nothing: the ceiling is above every draft's bound.
+    for k in (1, 2, 3):
+        row = per_k[str(k)]
+        assert row["oracle_forward_bound_speedup"] >= row["draft_forward_bound_speedup"]
+        oracle = (k + 1) * result["plain_forward_ms"] / row["verify_ms"]
+        assert row["oracle_forward_bound_speedup"] == pytest.approx(oracle, rel=0.05)
+    assert result["oracle_bound_speedup"] == max(per_k[str(k)]["oracle_forward_bound_speedup"] for k in (1, 2, 3))
+    assert result["verified_row_ms"] == pytest.approx((per_k["3"]["verify_ms"] - per_k["1"]["verify_ms"]) / 2, abs=2e-3)
     medusa = result["medusa"]
     assert medusa["heads"] == 2 and len(medusa["head_top1_accuracy"]) == 2
     assert all(0.0 <= a <= 1.0 for a in medusa["head_top1_accuracy"])
