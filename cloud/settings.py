@@ -53,6 +53,11 @@ class CloudSettings(BaseSettings):
         description="greedy decoding with nothing waiting decodes several tokens a sequence in one fused CPU call, "
         "as many as fit this many milliseconds (EngineConfig.decode_burst_ms); 0: one token a step",
     )
+    enforce_eager: bool = Field(
+        False,
+        description="on a CUDA device, run every step eagerly instead of replaying decode and verification steps "
+        "from captured CUDA graphs (EngineConfig.enforce_eager)",
+    )
     request_timeout_s: float = Field(300.0, gt=0, description="server-side deadline per request")
     idempotency_lease_s: float | None = Field(
         None,

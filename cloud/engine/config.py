@@ -40,6 +40,8 @@ class EngineConfig:
     at the measured time a token, up to ``max_decode_burst``: the step's Python (scheduling, sampling, appending,
     ~0.2-0.3 ms a step of the demo LM) is paid once a burst, as vLLM's multi-step scheduling does. A request that
     arrives meanwhile waits for the burst's end. 0 turns bursts off.
+    ``enforce_eager``: on CUDA, decode and verification steps replay captured CUDA graphs (``step_graphs``: one
+    launch a step instead of ~30 kernels a layer) unless this is set, as vLLM's ``enforce_eager``; no effect on CPU.
     """
 
     model_dir: Path
@@ -67,6 +69,7 @@ class EngineConfig:
     warm_up: bool = True
     decode_burst_ms: float = 6.0
     max_decode_burst: int = 8
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)

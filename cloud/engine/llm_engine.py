@@ -116,6 +116,8 @@ class LLMEngine:
                 self.max_model_len,
                 fused_decode=config.fused_decode,
                 int8_weights=weights == "int8",
+                cuda_graphs=not config.enforce_eager,
+                max_num_seqs=config.max_num_seqs,
             )
 
         self.runner = runner(config.model_dir, config.cpu_weights)

@@ -198,7 +198,9 @@ class CausalLM(nn.Module):
         local: Rotary = rotary_factors(*self.rotary_local(positions)) if self.rotary_local is not None else None
         x = self.embed_tokens(input_ids)
         if self.config.embedding_scale is not None:  # (rounded to the model dtype first, as transformers does)
-            x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype, device=x.device)
+            # (a 0-dim host tensor is a scalar to a device op: no copy to the device, which a CUDA graph's capture
+            # refuses)
+            x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
         if self.embed_positions is not None:
             x = x + self.embed_positions(positions)
         for layer, kv in zip(self.layers, kv_caches, strict=True):

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from cloud.engine import step_graphs
 from cloud.engine.attention import AttentionGroup, AttentionMetadata, build_group, split_by_context
 from cloud.engine.cpu_kernels import decode_step_function, draft_greedy_function, paged_attention_kernel
 from cloud.engine.fused_decoder import FusedDecoder, dequantize_in_place
@@ -116,6 +117,8 @@ class ModelRunner:
         max_model_len: int,
         fused_decode: bool = True,
         int8_weights: bool = False,
+        cuda_graphs: bool = True,
+        max_num_seqs: int = 256,
     ) -> None:
         self.device = device
         self.dtype = dtype
@@ -124,9 +127,18 @@ class ModelRunner:
         self.model = load_model(model_dir, device, dtype, max_model_len)
         self.config: ModelConfig = self.model.config
         cfg = self.config
-        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # On CUDA, decode and verification steps replay captured graphs (``step_graphs``); their padding rows write
+        # to one block past the block manager's, which no sequence owns.
+        graphs = cuda_graphs and device.type == "cuda" and step_graphs.supports(self.model)
+        shape = (cfg.num_layers, 2, num_blocks + int(graphs), block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_cache = zeroed_cache(shape, dtype, device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
+        self.graphs: step_graphs.StepGraphs | None = None
+        if graphs:
+            max_blocks = -(-max_model_len // block_size)
+            self.graphs = step_graphs.StepGraphs(
+                self.model, self.kv_caches, block_size, num_blocks, max_blocks, max_num_seqs, capture=True
+            )
         cost_tokens = GROUP_COST_TOKENS_CUDA if device.type == "cuda" else GROUP_COST_TOKENS_CPU
         self.group_cost_blocks = cost_tokens / block_size
         # On CPU in fp32 batched groups read the cache in place (no padding: one group per token count).
@@ -265,6 +277,12 @@ class ModelRunner:
                 # A step of prompts and decodes (continuous batching): the prompts through the torch model, the
                 # rest fused; logits back in feed order.
                 return self._execute_split(feeds, small)
+        if self.graphs is not None:  # (a step with prompt tokens in it runs eagerly, below)
+            replayed = self.graphs.run(feeds)
+            if replayed is not None:
+                self.forward_seconds += time.perf_counter() - started
+                self.num_forwards += 1
+                return replayed
         return self._execute_torch(feeds, started)
 
     def _execute_split(self, feeds: list[Feed], small: list[int]) -> torch.Tensor:

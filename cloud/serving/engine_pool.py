@@ -157,6 +157,7 @@ def engine_config(model_dir: Path, settings: CloudSettings, draft_dir: Path | No
         num_threads=threads,
         stream_interval=settings.stream_interval,
         decode_burst_ms=settings.decode_burst_ms,
+        enforce_eager=settings.enforce_eager,
         cpu_weights=settings.cpu_weights,
         draft_cpu_weights=settings.draft_cpu_weights,
     )
