@@ -182,15 +182,7 @@ def test_an_engine_on_cuda_decodes_and_speculates_from_graphs_with_the_eager_eng
         )
         engine = LLMEngine(config)
         assert (engine.runner.graphs is None) == eager
-        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-        for i, prompt in enumerate([[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15]]):
-            engine.add_request(f"r{i}", prompt, params)
-        done: dict[str, list[int]] = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out.outputs[0].token_ids
-        outputs[eager] = done
+        outputs[eager] = _decode(engine, [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15]], 24)
         if not eager:
             assert engine.runner.graphs is not None and engine.runner.graphs.num_replays > 0
     assert outputs[False] == outputs[True]
