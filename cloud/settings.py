@@ -51,7 +51,8 @@ class CloudSettings(BaseSettings):
         6.0,
         ge=0,
         description="greedy decoding with nothing waiting decodes several tokens a sequence in one fused CPU call, "
-        "as many as fit this many milliseconds (EngineConfig.decode_burst_ms); 0: one token a step",
+        "its tokens after the first as many as fit this many milliseconds (EngineConfig.decode_burst_ms); 0: one "
+        "token a step",
     )
     enforce_eager: bool = Field(
         False,

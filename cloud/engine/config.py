@@ -36,10 +36,11 @@ class EngineConfig:
     ``decode_burst_ms``: where every running sequence decodes greedily with nothing a token's logits are wanted for
     (no logprobs, penalties, grammar or stop strings; speculation off for it), no request waits and the fused step
     takes the batch, a step decodes several tokens a sequence in one C call (``tl_draft_greedy`` on the target: the
-    tokens step-by-step greedy decoding gives, each K/V written as a step's), as many as fit this many milliseconds
-    at the measured time a token, up to ``max_decode_burst``: the step's Python (scheduling, sampling, appending,
-    ~0.2-0.3 ms a step of the demo LM) is paid once a burst, as vLLM's multi-step scheduling does. A request that
-    arrives meanwhile waits for the burst's end. 0 turns bursts off.
+    tokens step-by-step greedy decoding gives, each K/V written as a step's): its tokens after the first as many as
+    fit this many milliseconds at the measured time a token, up to ``max_decode_burst`` in all: the step's Python
+    (scheduling, sampling, appending, ~0.2-0.3 ms a step of the demo LM) is paid once a burst, as vLLM's multi-step
+    scheduling does. A request that arrives meanwhile waits for the burst's end: at most this long beyond the step it
+    would have waited for anyway. 0 turns bursts off.
     ``enforce_eager``: on CUDA, decode and verification steps replay captured CUDA graphs (``step_graphs``: one
     launch a step instead of ~30 kernels a layer) unless this is set, as vLLM's ``enforce_eager``; no effect on CPU.
     """
