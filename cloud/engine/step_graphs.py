@@ -23,8 +23,9 @@ eagerly: what the tests check against transformers on CPU.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -32,7 +33,20 @@ from cloud.engine.attention import AttentionGroup, AttentionMetadata
 
 if TYPE_CHECKING:
     from cloud.engine.model import CausalLM
-    from cloud.engine.model_runner import Feed
+
+
+class Feed(Protocol):
+    """What a step feeds for one sequence (``model_runner.Feed``, which imports this module)."""
+
+    @property
+    def block_table(self) -> list[int]: ...
+    @property
+    def token_ids(self) -> list[int]: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def num_logits(self) -> int: ...
+
 
 SEQ_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MAX_GRAPHS = 64  # captured shapes held at once (each keeps its static tensors; the graphs share one memory pool)
@@ -83,7 +97,7 @@ class StepGraphs:
         self.num_replays = 0  # steps that ran from a captured graph
         self.num_captures = 0
 
-    def shape_of(self, feeds: list[Feed]) -> tuple[int, int, int] | None:
+    def shape_of(self, feeds: Sequence[Feed]) -> tuple[int, int, int] | None:
         """The padded (sequences, Q, blocks) a step of ``feeds`` runs as, or None where it is not of a graph's kind:
         not every feed the same Q, a Q over a block, more sequences or blocks than the largest bucket."""
         if not feeds:
@@ -100,7 +114,7 @@ class StepGraphs:
             padded = blocks if blocks <= self.max_blocks else 0
         return (seqs, q, padded) if padded else None
 
-    def run(self, feeds: list[Feed]) -> torch.Tensor | None:
+    def run(self, feeds: Sequence[Feed]) -> torch.Tensor | None:
         """Logits [sum of num_logits, vocab] in feed order, or None where the step is not of a graph's kind (the
         caller runs it eagerly)."""
         key = self.shape_of(feeds)
@@ -133,7 +147,7 @@ class StepGraphs:
         self._shapes[(num_seqs, q_len, num_blocks)] = shape
         return shape
 
-    def _fill(self, shape: _Shape, feeds: list[Feed]) -> None:
+    def _fill(self, shape: _Shape, feeds: Sequence[Feed]) -> None:
         """The step's inputs, padded, into the shape's static tensor (one copy): token ids, positions, cache slots,
         each row's context (its sequence's, for RoPE scaled by length) [rows each]; each sequence's context length
         [num_seqs]; the block tables [num_seqs, num_blocks]."""
