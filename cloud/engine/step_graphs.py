@@ -88,7 +88,8 @@ class StepGraphs:
         self.block_size = block_size
         self.pad_block = pad_block
         self.max_blocks = max_blocks  # blocks of the longest sequence the engine serves
-        self.max_seqs = max_seqs
+        # the largest bucket captured: the engine's max_num_seqs, rounded up to a bucket
+        self.max_bucket = next((b for b in SEQ_BUCKETS if b >= max_seqs), SEQ_BUCKETS[-1])
         self.capture = capture
         self.device = kv_caches[0][0].device
         self.needs_seq_lens = model.needs_seq_lens
@@ -106,7 +107,7 @@ class StepGraphs:
         if not 1 <= q <= self.block_size or any(len(f.token_ids) != q or f.num_logits > q for f in feeds):
             return None
         seqs = next((b for b in SEQ_BUCKETS if b >= len(feeds)), None)
-        if seqs is None or seqs > max(self.max_seqs, 1):
+        if seqs is None or seqs > self.max_bucket:
             return None
         blocks = max(-(-(f.start + q) // self.block_size) for f in feeds)
         padded = 1 << (blocks - 1).bit_length()

@@ -84,6 +84,8 @@ def test_steps_not_of_a_graphs_kind_run_eagerly_and_rows_come_back_as_asked(tmp_
     assert graphs.shape_of([Feed([0], [1, 2], 0, 2), Feed([1], [1], 0, 1)]) is None  # Q 2 beside Q 1
     assert graphs.shape_of([Feed([0], [1], 0, 2)]) is None  # more logits than tokens
     assert graphs.shape_of([Feed([0], [1], 0, 1)] * 65) is None  # past the engine's sequences
+    fifty = step_graphs.StepGraphs(runner.model, runner.kv_caches, BLOCK, PAD, 16, 50, capture=False)
+    assert fifty.shape_of([Feed([0], [1], 0, 1)] * 50) == (64, 1, 1)  # (a max_num_seqs of 50: up to its bucket)
     assert graphs.shape_of([Feed(list(range(16)), [1], 120, 1)]) == (1, 1, 16)
     prompts = [[7, 8, 9, 10, 11], [3, 4, 5]]
     for r in (runner, eager):
