@@ -60,6 +60,11 @@ class AttentionMetadata:
     kernel: PagedAttention | None = None  # batched groups read the cache in place (``cpu_kernels``)
 
 
+def cache_slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """The flat cache slots of a sequence's positions ``start .. end`` through its block table."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
 def build_group(
     start: int,
     q_len: int,

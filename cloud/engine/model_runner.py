@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from cloud.engine import step_graphs
-from cloud.engine.attention import AttentionGroup, AttentionMetadata, build_group, split_by_context
+from cloud.engine.attention import AttentionGroup, AttentionMetadata, build_group, cache_slots, split_by_context
 from cloud.engine.cpu_kernels import decode_step_function, draft_greedy_function, paged_attention_kernel
 from cloud.engine.fused_decoder import FusedDecoder, dequantize_in_place
 from cloud.engine.host_load import HostLoad
@@ -176,10 +176,6 @@ class ModelRunner:
     @staticmethod
     def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         return config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size()) * block_size
-
-    def _slots(self, feed: Feed) -> list[int]:
-        bs, table = self.block_size, feed.block_table
-        return [table[p // bs] * bs + p % bs for p in range(feed.start, feed.start + len(feed.token_ids))]
 
     def step_macs(self, feeds: list[Feed]) -> int:
         """Multiply-adds of a forward over ``feeds`` (projections, LM head for every token, attention)."""
@@ -347,7 +343,7 @@ class ModelRunner:
                 ids.extend(f.token_ids)
                 positions.extend(range(f.start, f.start + q_len))
                 seq_lens.extend([f.start + q_len] * q_len)
-                slots.extend(self._slots(f))
+                slots.extend(cache_slots(f.block_table, f.start, f.start + q_len, self.block_size))
         meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=self.device), groups, kernel)
         hidden = self.model(
             torch.tensor(ids, dtype=torch.long, device=self.device),

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from cloud.engine.attention import AttentionGroup, AttentionMetadata
+from cloud.engine.attention import AttentionGroup, AttentionMetadata, cache_slots
 
 if TYPE_CHECKING:
     from cloud.engine.model import CausalLM
@@ -164,7 +164,7 @@ class StepGraphs:
             ids += f.token_ids
             positions += range(f.start, end)
             table = f.block_table
-            slots += [table[p // bs] * bs + p % bs for p in range(f.start, end)]
+            slots += cache_slots(table, f.start, end, bs)
             row_ctx += [end] * q
             ctx.append(end)
             used = -(-end // bs)
@@ -173,7 +173,7 @@ class StepGraphs:
         for _ in range(shape.num_seqs - len(feeds)):  # dummy sequences: Q tokens at 0 .. Q - 1 in the pad block
             ids += [0] * q
             positions += range(q)
-            slots += [pad * bs + p for p in range(q)]
+            slots += cache_slots([pad], 0, q, bs)
             row_ctx += [q] * q
             ctx.append(q)
             tables += [pad] * nb
