@@ -101,7 +101,7 @@ def test_a_job_that_falls_due_later_is_taken_then_not_at_the_next_poll(tmp_path:
 
     after = asyncio.run(main())
     engine.dispose()
-    assert 0.45 <= after < 1.5, after  # when due; a poll would have come after 60 s
+    assert 0.45 <= after < 4.0, after  # when due (a loaded host adds its latency); a poll would come after 60 s
     assert store.claims <= 4 + 3, store.claims  # each worker's first look, then about one when due
 
 
