@@ -162,36 +162,48 @@ def _beside_health(url: str, send: Any) -> tuple[httpx.Response, list[float]]:
     return response, latencies
 
 
+def _health_keeps_answering(url: str, send: Any, check: Any) -> None:
+    """``send()`` twice at most beside /healthz polls, ``check``-ing each response: passes when one attempt sees no
+    health check of 0.1 s or more. Blocking the loop stalls every attempt; a shared host can stall one check by
+    itself (0.55 s and 2.07 s seen once each in full runs, beside requests whose work takes ~0.2 s), so a second
+    attempt is made before failing."""
+    worst: list[list[float]] = []
+    for _ in range(2):
+        response, latencies = _beside_health(url, send)
+        check(response)
+        assert len(latencies) >= 5
+        if max(latencies) < 0.1:
+            return
+        worst.append(sorted(latencies)[-3:])
+    raise AssertionError(f"health checks stalled in both attempts: {worst}")
+
+
 def test_a_prompt_above_the_byte_limit_is_refused_and_health_keeps_answering(cloud: dict[str, Any]) -> None:
     big = _prompt(3_500_000)
     body = {"model": MODEL, "messages": [{"role": "user", "content": big}], "max_tokens": 4}
     url = f"{cloud['url']}/v1/chat/completions"
-    response, latencies = _beside_health(
-        cloud["url"], lambda: httpx.post(url, json=body, headers=_auth(cloud["key"]), timeout=120)
+
+    def refused(response: httpx.Response) -> None:
+        assert response.status_code == 413, response.text
+        error = response.json()["error"]
+        assert error["code"] == "prompt_too_large" and "TIERLINE_CLOUD_MAX_PROMPT_BYTES" in error["message"]
+
+    _health_keeps_answering(
+        cloud["url"], lambda: httpx.post(url, json=body, headers=_auth(cloud["key"]), timeout=120), refused
     )
-    assert response.status_code == 413, response.text
-    error = response.json()["error"]
-    assert error["code"] == "prompt_too_large" and "TIERLINE_CLOUD_MAX_PROMPT_BYTES" in error["message"]
-    assert len(latencies) >= 5 and max(latencies) < 0.1, sorted(latencies)[-5:]
 
 
 def test_a_large_prompt_is_tokenised_off_the_event_loop(cloud: dict[str, Any]) -> None:
     big = _prompt(1_000_000)  # under the default limit (a quarter of the 4 MiB body): tokenised, real work
     body = {"model": MODEL, "prompt": big, "max_tokens": 4}
     url = f"{cloud['url']}/v1/completions"
-    # Tokenised on the loop, every attempt holds a health check for the whole tokenisation (~0.2 s here); a shared
-    # host can stall one check for longer by itself (0.55 s seen once in a full run), so a second attempt is made
-    # before failing: a blocking loop fails both.
-    worst: list[list[float]] = []
-    for _ in range(2):
-        response, latencies = _beside_health(
-            cloud["url"], lambda: httpx.post(url, json=body, headers=_auth(cloud["key"]), timeout=120)
-        )
+
+    def too_long(response: httpx.Response) -> None:
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["code"] == "context_length_exceeded" and "maximum context length" in error["message"]
-        assert len(latencies) >= 5
-        if max(latencies) < 0.1:
-            break
-        worst.append(sorted(latencies)[-3:])
-    assert len(worst) < 2, worst
+
+    # Tokenised on the loop, every attempt would hold a health check for the whole tokenisation (~0.2 s here).
+    _health_keeps_answering(
+        cloud["url"], lambda: httpx.post(url, json=body, headers=_auth(cloud["key"]), timeout=120), too_long
+    )
