@@ -410,12 +410,12 @@ def _make_gguf(ctx: _Context) -> _Made:
     from shared.zoo.verify import GgufRunner, check_export
 
     out = ctx.work / "gguf"
+    converter = find_converter(ctx.job.gguf_converter)
+    if ctx.job.gguf_converter is not None and converter is None:  # the operator's setting first: it is theirs to fix
+        raise ValidationError(f"TIERLINE_REGISTRY_GGUF_CONVERTER={ctx.job.gguf_converter} has no convert_hf_to_gguf.py")
     missing = gguf_missing_reason()
     if missing is not None:
         raise ValidationError(f"cannot check GGUF files against the source: {missing}")
-    converter = find_converter(ctx.job.gguf_converter)
-    if ctx.job.gguf_converter is not None and converter is None:
-        raise ValidationError(f"TIERLINE_REGISTRY_GGUF_CONVERTER={ctx.job.gguf_converter} has no convert_hf_to_gguf.py")
     ctx.say(f"exporting GGUF (Q8_0, f32) with {'llama.cpp' if converter else 'the Llama writer'}")
     written = {kind: export_gguf(ctx.ckpt, out / name, kind, converter) for kind, name in GGUF_FILES.items()}
     _side_files(ctx.ckpt, out, None)
