@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -162,15 +163,17 @@ def _beside_health(url: str, send: Any) -> tuple[httpx.Response, list[float]]:
     return response, latencies
 
 
-def _health_keeps_answering(url: str, send: Any, check: Any) -> None:
-    """``send()`` twice at most beside /healthz polls, ``check``-ing each response: passes when one attempt sees no
-    health check of 0.1 s or more. Blocking the loop stalls every attempt; a shared host can stall one check by
-    itself (0.55 s and 2.07 s seen once each in full runs, beside requests whose work takes ~0.2 s), so a second
-    attempt is made before failing."""
+def _refused_beside_health(url: str, send: Any, status: int, code: str, says: str) -> None:
+    """``send()`` twice at most beside /healthz polls, each answered ``status`` with error ``code`` whose message has
+    ``says``: passes when one attempt sees no health check of 0.1 s or more. Blocking the loop stalls every attempt;
+    a shared host can stall one check by itself (0.55 s and 2.07 s seen once each in full runs, beside requests whose
+    work takes ~0.2 s), so a second attempt is made before failing."""
     worst: list[list[float]] = []
     for _ in range(2):
         response, latencies = _beside_health(url, send)
-        check(response)
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert error["code"] == code and says in error["message"]
         assert len(latencies) >= 5
         if max(latencies) < 0.1:
             return
@@ -181,29 +184,15 @@ def _health_keeps_answering(url: str, send: Any, check: Any) -> None:
 def test_a_prompt_above_the_byte_limit_is_refused_and_health_keeps_answering(cloud: dict[str, Any]) -> None:
     big = _prompt(3_500_000)
     body = {"model": MODEL, "messages": [{"role": "user", "content": big}], "max_tokens": 4}
-    url = f"{cloud['url']}/v1/chat/completions"
-
-    def refused(response: httpx.Response) -> None:
-        assert response.status_code == 413, response.text
-        error = response.json()["error"]
-        assert error["code"] == "prompt_too_large" and "TIERLINE_CLOUD_MAX_PROMPT_BYTES" in error["message"]
-
-    _health_keeps_answering(
-        cloud["url"], lambda: httpx.post(url, json=body, headers=_auth(cloud["key"]), timeout=120), refused
+    send = partial(
+        httpx.post, f"{cloud['url']}/v1/chat/completions", json=body, headers=_auth(cloud["key"]), timeout=120
     )
+    _refused_beside_health(cloud["url"], send, 413, "prompt_too_large", "TIERLINE_CLOUD_MAX_PROMPT_BYTES")
 
 
 def test_a_large_prompt_is_tokenised_off_the_event_loop(cloud: dict[str, Any]) -> None:
     big = _prompt(1_000_000)  # under the default limit (a quarter of the 4 MiB body): tokenised, real work
     body = {"model": MODEL, "prompt": big, "max_tokens": 4}
-    url = f"{cloud['url']}/v1/completions"
-
-    def too_long(response: httpx.Response) -> None:
-        assert response.status_code == 400, response.text
-        error = response.json()["error"]
-        assert error["code"] == "context_length_exceeded" and "maximum context length" in error["message"]
-
     # Tokenised on the loop, every attempt would hold a health check for the whole tokenisation (~0.2 s here).
-    _health_keeps_answering(
-        cloud["url"], lambda: httpx.post(url, json=body, headers=_auth(cloud["key"]), timeout=120), too_long
-    )
+    send = partial(httpx.post, f"{cloud['url']}/v1/completions", json=body, headers=_auth(cloud["key"]), timeout=120)
+    _refused_beside_health(cloud["url"], send, 400, "context_length_exceeded", "maximum context length")
